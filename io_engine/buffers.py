@@ -1,0 +1,162 @@
+"""Page-aligned host buffers under a hard byte budget.
+
+DeepSpeed users hit host OOM from unbounded pinned pools; here every byte of staging memory
+is accounted for, and a request that would cross the budget waits for a release (or raises),
+it never allocates past it.
+
+Buffer lifecycle: FREE (cached, counted in `allocated`) -> IN_USE (handed out) -> FREE on
+release. Cached free buffers of the wrong size are evicted when room is needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from .base import ALIGN, BudgetExceededError, align_up
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` whose address is ALIGN-aligned.
+
+    torch CPU allocations are only 64-byte aligned, so over-allocate by one page and slice;
+    the slice keeps the base storage alive. `pin=True` page-locks it through CUDA.
+    """
+    base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-base.data_ptr()) % ALIGN
+    return base[skip:skip + nbytes]
+
+
+class AlignedBuffer:
+    """A buffer handed out by a BufferPool; call `release()` (or use as a context manager) when done."""
+
+    __slots__ = ("tensor", "_full", "_pool", "_released")
+
+    def __init__(self, full: torch.Tensor, nbytes: int, pool: BufferPool) -> None:
+        self.tensor = full[:nbytes]
+        self._full = full
+        self._pool = pool
+        self._released = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("buffer released twice")
+        self._released = True
+        self._pool._release(self)
+
+    def __enter__(self) -> AlignedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class BufferPool:
+    """Aligned host buffers with a hard budget on the bytes allocated at any time.
+
+    Args:
+        budget_bytes: upper bound on bytes allocated by this pool (cached + in use).
+        alloc: returns an aligned uint8 tensor of the given size (the backend's allocator,
+            so buffers are directly usable for its transfers: mlocked for libaio, CUDA-pinned
+            with a GPU).
+        free: returns a tensor from `alloc` to the system.
+    """
+
+    def __init__(self, budget_bytes: int, alloc: Callable[[int], torch.Tensor] | None = None,
+                 free: Callable[[torch.Tensor], None] | None = None) -> None:
+        if budget_bytes < ALIGN:
+            raise ValueError(f"buffer budget must be at least {ALIGN} bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._alloc = alloc or aligned_empty
+        self._free = free or (lambda t: None)
+        self._cond = threading.Condition()
+        self._cache: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.allocated = 0
+        self.in_use = 0
+        self.peak_allocated = 0
+        self.waits = 0
+
+    def acquire(self, nbytes: int, block: bool = True, timeout: float | None = None) -> AlignedBuffer:
+        """A buffer of at least `nbytes` (exposed as exactly `nbytes`, capacity rounded to ALIGN).
+
+        Blocks while the budget is exhausted by buffers in use, unless `block=False` (raises
+        BudgetExceededError at once) or `timeout` elapses (raises as well). A request larger
+        than the whole budget raises immediately, since no release could ever satisfy it.
+        """
+        if nbytes <= 0:
+            raise ValueError(f"buffer size must be positive, got {nbytes}")
+        cap = align_up(nbytes)
+        if cap > self.budget_bytes:
+            raise BudgetExceededError(
+                f"a {cap}-byte buffer exceeds the pool budget of {self.budget_bytes} bytes; "
+                "raise the budget or use smaller requests")
+        with self._cond:
+            waited = False
+            while True:
+                cached = self._cache.get(cap)
+                if cached:
+                    tensor = cached.pop()
+                    break
+                if self._make_room(cap):
+                    self.allocated += cap
+                    self.peak_allocated = max(self.peak_allocated, self.allocated)
+                    try:
+                        tensor = self._alloc(cap)
+                    except BaseException:
+                        self.allocated -= cap
+                        raise
+                    break
+                if not block:
+                    raise BudgetExceededError(
+                        f"buffer pool budget of {self.budget_bytes} bytes exhausted "
+                        f"({self.in_use} in use, {cap} requested)")
+                if not waited:
+                    self.waits += 1
+                    waited = True
+                if not self._cond.wait(timeout):
+                    raise BudgetExceededError(
+                        f"timed out after {timeout} s waiting for {cap} bytes of the "
+                        f"{self.budget_bytes}-byte buffer budget ({self.in_use} in use)")
+            self.in_use += cap
+        return AlignedBuffer(tensor, nbytes, self)
+
+    def _make_room(self, cap: int) -> bool:
+        """Evict cached free buffers until `cap` more bytes fit in the budget (lock held)."""
+        if self.allocated + cap <= self.budget_bytes:
+            return True
+        for size in list(self._cache):
+            bufs = self._cache[size]
+            while bufs and self.allocated + cap > self.budget_bytes:
+                self._free(bufs.pop())
+                self.allocated -= size
+            if not bufs:
+                del self._cache[size]
+        return self.allocated + cap <= self.budget_bytes
+
+    def _release(self, buf: AlignedBuffer) -> None:
+        cap = buf._full.numel()
+        with self._cond:
+            self.in_use -= cap
+            self._cache[cap].append(buf._full)
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Free every cached buffer (buffers in use stay valid)."""
+        with self._cond:
+            for size, bufs in self._cache.items():
+                for t in bufs:
+                    self._free(t)
+                    self.allocated -= size
+            self._cache.clear()
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"budget_bytes": self.budget_bytes, "allocated": self.allocated,
+                    "in_use": self.in_use, "peak_allocated": self.peak_allocated, "waits": self.waits}

@@ -1,0 +1,160 @@
+"""Portable backend: a thread pool per device issuing os.preadv/os.pwritev on O_DIRECT descriptors.
+
+The reference backend that `aio` is tested against. Python threads release the GIL in the
+syscalls, so a pool per device keeps `queue_depth` requests in flight on each SSD; on this kind
+of machine it matches libaio (DESIGN.md §4.1).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, memview
+from .buffers import aligned_empty
+from .throttle import Throttle
+
+log = logging.getLogger(__name__)
+
+# Linux caps an iovec at 1024 entries (IOV_MAX); stay well under it.
+_IOV_MAX = 512
+
+
+def open_direct(path: str) -> tuple[int, bool]:
+    """Open `path` read-write with O_DIRECT, or buffered (with a warning) where the filesystem refuses it."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise IOEngineError(f"cannot open slab file: {e.strerror}", path) from e
+    log.warning("filesystem of %s refuses O_DIRECT; using buffered I/O (page cache) for it, "
+                "so bandwidth numbers include caching", path)
+    return os.open(path, os.O_RDWR), False
+
+
+class ThreadsBackend:
+    """Thread pool per device; requests are cut into `block_bytes` pieces so one large request
+    keeps every worker of its device busy."""
+
+    name = "threads"
+
+    def __init__(self, paths: list[str], file_size: int, queue_depth: int = 8, block_bytes: int = 1 << 20,
+                 throttle_gbps: float | None = None, pin: bool = False) -> None:
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        if block_bytes < ALIGN or block_bytes % ALIGN:
+            raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+        self.paths = list(paths)
+        self.file_size = file_size
+        self.block_bytes = block_bytes
+        self.pin = pin
+        self._fds: list[int] = []
+        self.direct: list[bool] = []
+        try:
+            for p in self.paths:
+                fd, direct = open_direct(p)
+                self._fds.append(fd)
+                self.direct.append(direct)
+        except BaseException:
+            for fd in self._fds:
+                os.close(fd)
+            raise
+        self._pools = [ThreadPoolExecutor(queue_depth, thread_name_prefix=f"io_engine-dev{i}")
+                       for i in range(len(paths))]
+        self._throttles = [Throttle(throttle_gbps) if throttle_gbps else None for _ in paths]
+        self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
+
+    def is_direct(self, buffer: torch.Tensor) -> bool:
+        return buffer.data_ptr() % ALIGN == 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return aligned_empty(nbytes, pin=self.pin)
+
+    def free(self, buffer: torch.Tensor) -> None:
+        pass  # storage is reclaimed when the last reference goes
+
+    def submit(self, op: DeviceOp) -> list[Future]:
+        path = self.paths[op.device]
+        check_op(op, path, self.file_size)
+        futures = []
+        for offset, pieces in _split(op, self.block_bytes):
+            futures.append(self._pools[op.device].submit(self._transfer, op.device, op.write, offset, pieces))
+        return futures
+
+    def _transfer(self, device: int, write: bool, offset: int, pieces: list[torch.Tensor]) -> int:
+        fd, path = self._fds[device], self.paths[device]
+        views = [memview(p) for p in pieces]
+        total = sum(len(v) for v in views)
+        lane = self.stats[device]["write" if write else "read"]
+        lane.start()
+        done = 0
+        try:
+            while done < total:
+                try:
+                    n = os.pwritev(fd, views, offset + done) if write else os.preadv(fd, views, offset + done)
+                except OSError as e:
+                    raise IOEngineError(f"{'write' if write else 'read'} failed: {e.strerror}",
+                                        path, offset + done, total - done) from e
+                if n <= 0:
+                    raise IOEngineError("unexpected end of file", path, offset + done, total - done)
+                done += n
+                views = _advance(views, n)
+            throttle = self._throttles[device]
+            if throttle is not None:
+                Throttle.wait_until(throttle.reserve(total))
+        finally:
+            lane.finish(done)
+        return done
+
+    def sync(self) -> None:
+        for fd, path in zip(self._fds, self.paths):
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise IOEngineError(f"fsync failed: {e.strerror}", path) from e
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def _split(op: DeviceOp, block_bytes: int) -> list[tuple[int, list[torch.Tensor]]]:
+    """Cut an iovec op into (offset, buffers) pieces of at most block_bytes, on buffer slices."""
+    pieces: list[tuple[int, list[torch.Tensor]]] = []
+    cur: list[torch.Tensor] = []
+    cur_len = 0
+    start = op.offset
+    for buf in op.buffers:
+        pos = 0
+        n = buf.numel()
+        while pos < n:
+            take = min(n - pos, block_bytes - cur_len)
+            cur.append(buf[pos:pos + take])
+            cur_len += take
+            pos += take
+            if cur_len == block_bytes or len(cur) == _IOV_MAX:
+                pieces.append((start, cur))
+                start += cur_len
+                cur, cur_len = [], 0
+    if cur:
+        pieces.append((start, cur))
+    return pieces
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """Drop the first n bytes from an iovec after a short transfer."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
