@@ -1,0 +1,63 @@
+# Set-up and checks. `make test` and `make bench-io` create the venv on first use.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# DeepSpeed chooses its accelerator at import; on machines without an NVIDIA driver it must be told "cpu".
+ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
+export DS_ACCELERATOR ?= cpu
+endif
+
+.PHONY: help install sysdeps aio-op test test-all lint bench-io clean
+
+help:
+	@echo "make test      create .venv, install everything, run the test suite (fast set)"
+	@echo "make test-all  the full suite, slow end-to-end tests included"
+	@echo "make bench-io  NVMe I/O benchmark (io_engine vs fio, SSD scaling); writes benchmarks/results/"
+	@echo "make lint      ruff"
+
+# torch is installed first and pinned: an unpinned torch (or a package that pulls it in) would
+# fetch the multi-GB CUDA build. DeepSpeed is built without isolation so its build sees this torch.
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-build-isolation -e ".[dev,bench]"
+	@touch $@
+
+install: sysdeps $(VENV)/.installed
+
+# libaio-dev lets DeepSpeed build its async_io op (the `aio` backend). Without it everything
+# still works on the portable `threads` backend.
+sysdeps:
+	@if ! dpkg -s libaio-dev >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libaio-dev (for the aio backend)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; \
+	  else \
+	    echo "NOTE: libaio-dev is missing and this user cannot install it; the aio backend will be"; \
+	    echo "      unavailable (tests skip it). To enable it: sudo apt-get install libaio-dev"; \
+	  fi; \
+	fi
+
+# Build DeepSpeed's async_io op once (first time: minutes; cached under ~/.cache/torch_extensions).
+aio-op: install
+	@echo "preparing DeepSpeed async_io op (first build takes several minutes on 2 cores)..."
+	@$(PY) -m io_engine info
+
+test: aio-op
+	$(PY) -m pytest -q
+
+test-all: aio-op
+	$(PY) -m pytest -q -m ""
+
+lint: install
+	$(VENV)/bin/ruff check io_engine lohan tests benchmarks finetune.py
+
+bench-io: aio-op
+	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq fio >/dev/null; } || \
+	  echo "fio unavailable: io_bench falls back to dd"
+	$(PY) benchmarks/io_bench.py --out benchmarks/results/io_bench.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache runs benchmarks/scratch

@@ -1,0 +1,41 @@
+"""Shared fixtures: SSD directories under pytest's tmp_path, backend parametrization."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _aio_status() -> tuple[bool, str]:
+    from io_engine.aio import aio_available
+
+    return aio_available()
+
+
+BACKENDS = ["threads", "aio"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every I/O test runs on both backends; aio is skipped (with the reason) where its op cannot load."""
+    if request.param == "aio":
+        ok, reason = _aio_status()
+        if not ok:
+            pytest.skip(f"aio backend unavailable: {reason}")
+    return request.param
+
+
+@pytest.fixture
+def make_dirs(tmp_path):
+    """make_dirs(n) -> n fresh directories standing in for n SSDs."""
+
+    def make(n: int, prefix: str = "nvme") -> list[str]:
+        dirs = [str(tmp_path / f"{prefix}{i}") for i in range(n)]
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        return dirs
+
+    return make

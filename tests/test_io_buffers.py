@@ -1,0 +1,84 @@
+"""Aligned buffer pool: alignment, hard budget, blocking and reuse."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from io_engine import ALIGN, BudgetExceededError, BufferPool
+
+KiB = 1024
+
+
+def test_buffers_are_page_aligned_and_sized():
+    pool = BufferPool(1 << 20)
+    for n in (1, 4095, 4096, 10000):
+        with pool.acquire(n) as b:
+            assert b.tensor.data_ptr() % ALIGN == 0
+            assert b.nbytes == n
+
+
+def test_request_larger_than_budget_raises_at_once():
+    pool = BufferPool(64 * KiB)
+    with pytest.raises(BudgetExceededError, match="exceeds the pool budget"):
+        pool.acquire(65 * KiB)
+
+
+def test_nonblocking_and_timeout_raise_when_exhausted():
+    pool = BufferPool(64 * KiB)
+    held = pool.acquire(48 * KiB)
+    with pytest.raises(BudgetExceededError, match="exhausted"):
+        pool.acquire(32 * KiB, block=False)
+    with pytest.raises(BudgetExceededError, match="timed out"):
+        pool.acquire(32 * KiB, timeout=0.05)
+    held.release()
+    pool.acquire(32 * KiB, block=False).release()
+
+
+def test_blocks_until_release_and_never_exceeds_budget():
+    pool = BufferPool(256 * KiB)
+    peak = []
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            for j in range(20):
+                with pool.acquire((i + j) % 5 * 16 * KiB + 4 * KiB):
+                    peak.append(pool.allocated)
+                    time.sleep(0.001)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert max(peak) <= 256 * KiB and pool.peak_allocated <= 256 * KiB
+    assert pool.in_use == 0
+
+
+def test_released_buffers_are_reused():
+    allocs = []
+
+    def alloc(n):
+        from io_engine import aligned_empty
+
+        allocs.append(n)
+        return aligned_empty(n)
+
+    pool = BufferPool(1 << 20, alloc=alloc)
+    for _ in range(10):
+        pool.acquire(8 * KiB).release()
+    assert allocs == [8 * KiB]
+
+
+def test_double_release_is_an_error():
+    pool = BufferPool(1 << 20)
+    b = pool.acquire(10)
+    b.release()
+    with pytest.raises(RuntimeError, match="twice"):
+        b.release()
