@@ -1,0 +1,501 @@
+"""What the user sees each step: one fixed-width line, a JSONL record, a progress bar, a final summary.
+
+Units are in the names and never mixed: bandwidth in GB/s (10^9 bytes, as SSD vendors and ``fio``
+report it), memory in GiB (2^30 bytes, as ``free -g`` and ``nvidia-smi`` report it), compute in
+TFLOPS (10^12 FLOP/s), time in seconds. Rates of one step are averages over its wall time, so the SSD
+figures are what the run achieved, not the device's peak.
+
+Typical use by the engine::
+
+    progress = progress_bar(total_steps)
+    with progress, MetricsWriter(run_dir / "metrics.jsonl") as writer:
+        for step in range(1, total_steps + 1):
+            ...
+            m = StepMetrics.from_counters(step=step, loss=loss, lr=lr, tokens=n, step_s=dt, flops=f, ...)
+            writer.write(m)
+            report_step(progress, m, total_steps)
+    progress.console.print(format_summary(history))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+__all__ = [
+    "GB",
+    "GIB",
+    "MetricsWriter",
+    "RunSummary",
+    "StepMetrics",
+    "format_step_line",
+    "format_summary",
+    "load_metrics",
+    "memory_snapshot",
+    "overlap_percent",
+    "progress_bar",
+    "report_step",
+]
+
+GB = 10**9
+"""Bytes in a gigabyte (bandwidth: GB/s)."""
+GIB = 2**30
+"""Bytes in a gibibyte (memory: GiB)."""
+
+IDLE_LANES = ("wait",)
+"""Lane names that record waiting, not work; :func:`overlap_percent` leaves them out."""
+
+
+def _json_float(x: float) -> float | str:
+    # JSON has no NaN/Infinity; a diverged loss must stay visible, so write the names Python's
+    # float() reads back ("NaN", "Infinity", "-Infinity") instead of a silent null.
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return float(f"{x:.6g}")  # 6 significant digits: beyond timer and loss noise
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return _json_float(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item"):  # 0-d torch / numpy scalars
+        return _json_safe(value.item())
+    raise TypeError(
+        f"cannot write {type(value).__name__} {value!r} to the metrics file; use numbers or strings"
+    )
+
+
+def overlap_percent(
+    lanes_s: Mapping[str, float], step_s: float, idle_lanes: Sequence[str] = IDLE_LANES
+) -> float:
+    """How much of the step's work ran concurrently, from per-lane busy times.
+
+    With busy times ``t_i`` of the lanes (compute, SSD read, SSD write, CPU Adam, ...), a serial step
+    takes ``sum(t)`` and a perfectly overlapped one ``max(t)``. The overlap is where the wall time falls
+    between the two: ``100 * (sum(t) - step_s) / (sum(t) - max(t))``, clamped to ``[0, 100]``. 100 % means
+    the step took as long as its longest lane (everything else hidden behind it); 0 % means the lanes ran
+    one after another. This is our measure of the paper's goal (LoHan §IV: overlap SSD traffic, CPU
+    optimizer and GPU compute), not a number from the paper.
+
+    Args:
+        lanes_s: Busy seconds per lane for the step.
+        step_s: Wall-clock seconds of the step.
+        idle_lanes: Lanes that record waiting rather than work (excluded).
+
+    Returns:
+        The overlap in percent; 0.0 when fewer than two lanes did work (nothing to overlap).
+    """
+    busy = [t for name, t in lanes_s.items() if name not in idle_lanes and t > 0]
+    if len(busy) < 2:
+        return 0.0
+    total, longest = sum(busy), max(busy)
+    return 100.0 * min(1.0, max(0.0, (total - step_s) / (total - longest)))
+
+
+def memory_snapshot() -> tuple[int, int | None]:
+    """Current memory use of this process.
+
+    Returns:
+        ``(cpu_rss_bytes, gpu_peak_bytes)``: the resident set size, and the peak CUDA memory allocated by
+        PyTorch since the last ``torch.cuda.reset_peak_memory_stats()`` (None without CUDA).
+    """
+    import psutil  # imported here: only the engine needs it, tests of the formatting do not
+    import torch
+
+    rss = psutil.Process().memory_info().rss
+    gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return rss, gpu
+
+
+# -------------------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepMetrics:
+    """Measurements of one optimizer step. Build it with :meth:`from_counters` to get the units right."""
+
+    step: int
+    """Step number, counted from 1."""
+    loss: float
+    """Training loss of the step (mean over its micro-batches)."""
+    lr: float
+    """Learning rate used by the step."""
+    tokens: int
+    """Tokens processed by the step (``batch_size * seq_len``)."""
+    step_s: float
+    """Wall-clock seconds of the step."""
+    tokens_per_s: float
+    """Throughput, ``tokens / step_s``."""
+    tflops: float
+    """Achieved model TFLOPS (forward + backward FLOPs / step_s / 1e12)."""
+    ssd_read_gbps: float
+    """SSD bytes read during the step / step_s, in GB/s (10^9 B/s)."""
+    ssd_write_gbps: float
+    """SSD bytes written during the step / step_s, in GB/s (10^9 B/s)."""
+    overlap_pct: float
+    """Overlap of the lanes in percent, see :func:`overlap_percent`."""
+    cpu_mem_gib: float
+    """Resident CPU memory of the process, GiB (2^30 B)."""
+    gpu_mem_gib: float | None = None
+    """Peak GPU memory allocated, GiB; None when running on the CPU."""
+    lanes: dict[str, float] = field(default_factory=dict)
+    """Busy seconds per lane (``compute``, ``ssd_read``, ``ssd_write``, ``cpu_adam``, ``wait``, ...)."""
+
+    @classmethod
+    def from_counters(
+        cls,
+        *,
+        step: int,
+        loss: float,
+        lr: float,
+        tokens: int,
+        step_s: float,
+        flops: float = 0.0,
+        ssd_read_bytes: int = 0,
+        ssd_write_bytes: int = 0,
+        cpu_mem_bytes: int = 0,
+        gpu_mem_bytes: int | None = None,
+        lanes: Mapping[str, float] | None = None,
+        overlap_pct: float | None = None,
+    ) -> StepMetrics:
+        """Derive the rates of a step from raw counters (bytes, FLOPs, seconds).
+
+        Args:
+            step: Step number, counted from 1.
+            loss: Training loss.
+            lr: Learning rate.
+            tokens: Tokens processed.
+            step_s: Wall-clock seconds of the step; must be positive.
+            flops: Model FLOPs of the step (forward + backward).
+            ssd_read_bytes: Bytes read from the SSDs during the step.
+            ssd_write_bytes: Bytes written to the SSDs during the step.
+            cpu_mem_bytes: Resident CPU memory (see :func:`memory_snapshot`).
+            gpu_mem_bytes: Peak GPU memory, None on the CPU.
+            lanes: Busy seconds per lane.
+            overlap_pct: Overlap in percent; computed from ``lanes`` by :func:`overlap_percent` if None.
+
+        Returns:
+            The step's metrics.
+        """
+        if not step_s > 0:
+            raise ValueError(f"step_s={step_s!r} must be positive (measure it with time.perf_counter())")
+        lanes = dict(lanes or {})
+        return cls(
+            step=step,
+            loss=float(loss),
+            lr=float(lr),
+            tokens=tokens,
+            step_s=step_s,
+            tokens_per_s=tokens / step_s,
+            tflops=flops / step_s / 1e12,
+            ssd_read_gbps=ssd_read_bytes / step_s / GB,
+            ssd_write_gbps=ssd_write_bytes / step_s / GB,
+            overlap_pct=overlap_percent(lanes, step_s) if overlap_pct is None else overlap_pct,
+            cpu_mem_gib=cpu_mem_bytes / GIB,
+            gpu_mem_gib=None if gpu_mem_bytes is None else gpu_mem_bytes / GIB,
+            lanes=lanes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``."""
+        return _json_safe(dataclasses.asdict(self))
+
+
+def _fit(value: float, width: int, spec: str) -> str:
+    """``format(value, spec)`` right-aligned in ``width``; fewer decimals, then e-notation, if too wide."""
+    candidates = [spec]
+    if spec.endswith("f"):
+        decimals = int(spec.rstrip("f").split(".")[-1] or 0)
+        prefix = spec.rstrip("f").split(".")[0]
+        candidates += [f"{prefix}.{d}f" for d in range(decimals - 1, -1, -1)]
+    candidates += [f".{p}e" for p in (2, 1, 0)]
+    texts = [format(value, c) for c in candidates]
+    return next((t for t in texts if len(t) <= width), min(texts, key=len)).rjust(width)
+
+
+def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
+    """The one log line of a step, fixed width so consecutive lines align column by column.
+
+    Example::
+
+        step   12/200 | loss  3.4521 | lr 2.00e-04 |     1,234 tok/s |   0.012 TFLOPS | SSD r  1.23 w  0.98 GB/s | overlap  87% | RAM   3.2 GiB |   1.230 s
+
+    Every number is padded to a fixed width (values that would not fit switch to fewer decimals or
+    e-notation), so the width depends only on ``total_steps`` and on whether a GPU field is present.
+
+    Args:
+        m: The step's metrics.
+        total_steps: Planned number of steps, shown as ``step/total``; None for open-ended runs.
+
+    Returns:
+        The line, without a trailing newline.
+    """
+    if total_steps is None:
+        head = f"step {m.step:>8}"
+    else:
+        head = f"step {m.step:>{max(4, len(str(total_steps)))}}/{total_steps}"
+    parts = [
+        head,
+        f"loss {_fit(m.loss, 7, '.4f')}",
+        f"lr {_fit(m.lr, 8, '.2e')}",
+        f"{_fit(m.tokens_per_s, 9, ',.0f')} tok/s",
+        f"{_fit(m.tflops, 7, '.3f')} TFLOPS",
+        f"SSD r {_fit(m.ssd_read_gbps, 5, '.2f')} w {_fit(m.ssd_write_gbps, 5, '.2f')} GB/s",
+        f"overlap {_fit(m.overlap_pct, 3, '.0f')}%",
+        f"RAM {_fit(m.cpu_mem_gib, 5, '.1f')} GiB",
+    ]
+    if m.gpu_mem_gib is not None:
+        parts.append(f"GPU {_fit(m.gpu_mem_gib, 5, '.1f')} GiB")
+    parts.append(f"{_fit(m.step_s, 7, '.3f')} s")
+    return " | ".join(parts)
+
+
+# ------------------------------------------------------------------------------------- JSONL file
+
+
+class MetricsWriter:
+    """Append-only JSONL metrics file: one JSON object per line, flushed as it is written.
+
+    Appending (not truncating) keeps the records of an interrupted run when it is resumed into the same
+    directory. Use as a context manager, or call :meth:`close`.
+
+    Args:
+        path: File to append to; missing parent directories are created.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: StepMetrics | Mapping[str, Any]) -> None:
+        """Append one record (a step's metrics, or any mapping such as a run header) and flush it.
+
+        Args:
+            record: A :class:`StepMetrics` (written via :meth:`StepMetrics.to_dict`) or a mapping of
+                JSON-compatible values (floats are rounded and NaN/inf spelled out the same way).
+        """
+        if self._file is None:
+            raise ValueError(f"MetricsWriter({str(self.path)!r}) is closed")
+        data = record.to_dict() if isinstance(record, StepMetrics) else _json_safe(record)
+        self._file.write(json.dumps(data, allow_nan=False) + "\n")
+        self._file.flush()  # a crash or kill -9 loses at most the line being written
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def load_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read back a JSONL metrics file (for reports and tests); blank lines are skipped."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """End-of-run figures. Rates are time-weighted means (total work / total time) over the measured
+    steps, i.e. all steps but the first ``warmup_steps`` (allocator, kernel and page-cache warm-up)."""
+
+    steps: int
+    """Number of steps in the run."""
+    measured_steps: int
+    """Steps the rates are averaged over (``steps - warmup_steps``, or all steps if that leaves none)."""
+    first_loss: float
+    """Loss of the first step."""
+    last_loss: float
+    """Loss of the last step."""
+    min_loss: float
+    """Lowest loss (NaN steps ignored; NaN if every step was NaN)."""
+    min_loss_step: int
+    """Step number of :attr:`min_loss`."""
+    total_s: float
+    """Sum of the step times, seconds (all steps, warm-up included)."""
+    total_tokens: int
+    """Tokens processed by all steps."""
+    tokens_per_s: float
+    """Mean throughput over the measured steps."""
+    tflops: float
+    """Mean TFLOPS over the measured steps."""
+    ssd_read_gbps: float
+    """Mean SSD read bandwidth over the measured steps, GB/s."""
+    ssd_write_gbps: float
+    """Mean SSD write bandwidth over the measured steps, GB/s."""
+    overlap_pct: float
+    """Mean overlap over the measured steps, percent."""
+    peak_cpu_mem_gib: float
+    """Largest CPU memory of any step, GiB."""
+    peak_gpu_mem_gib: float | None
+    """Largest GPU memory of any step, GiB; None on the CPU."""
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[StepMetrics], warmup_steps: int = 1) -> RunSummary:
+        """Summarize a run.
+
+        Args:
+            steps: The metrics of every step, in order.
+            warmup_steps: Leading steps left out of the means (kept in losses and totals).
+
+        Raises:
+            ValueError: If ``steps`` is empty.
+        """
+        if not steps:
+            raise ValueError("cannot summarize a run with no steps")
+        measured = list(steps[warmup_steps:]) or list(steps)
+        time_s = sum(m.step_s for m in measured)
+
+        def time_weighted(name: str) -> float:
+            return sum(getattr(m, name) * m.step_s for m in measured) / time_s
+
+        finite = [m for m in steps if not math.isnan(m.loss)]
+        best = min(finite, key=lambda m: m.loss) if finite else steps[0]
+        gpu = [m.gpu_mem_gib for m in steps if m.gpu_mem_gib is not None]
+        return cls(
+            steps=len(steps),
+            measured_steps=len(measured),
+            first_loss=steps[0].loss,
+            last_loss=steps[-1].loss,
+            min_loss=best.loss if finite else math.nan,
+            min_loss_step=best.step,
+            total_s=sum(m.step_s for m in steps),
+            total_tokens=sum(m.tokens for m in steps),
+            tokens_per_s=sum(m.tokens for m in measured) / time_s,
+            tflops=time_weighted("tflops"),
+            ssd_read_gbps=time_weighted("ssd_read_gbps"),
+            ssd_write_gbps=time_weighted("ssd_write_gbps"),
+            overlap_pct=time_weighted("overlap_pct"),
+            peak_cpu_mem_gib=max(m.cpu_mem_gib for m in steps),
+            peak_gpu_mem_gib=max(gpu) if gpu else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe record (same rounding as :meth:`StepMetrics.to_dict`)."""
+        return _json_safe(dataclasses.asdict(self))
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    h, minutes = divmod(minutes, 60)
+    return f"{seconds:.1f} s ({h}:{minutes:02d}:{s:02d})"
+
+
+def format_summary(steps: Sequence[StepMetrics] | RunSummary, warmup_steps: int = 1) -> str:
+    """Multi-line end-of-run summary.
+
+    Args:
+        steps: The metrics of every step (or an already computed :class:`RunSummary`).
+        warmup_steps: Leading steps left out of the means.
+
+    Returns:
+        The summary text, without a trailing newline.
+    """
+    s = steps if isinstance(steps, RunSummary) else RunSummary.from_steps(steps, warmup_steps)
+    skipped = s.steps - s.measured_steps
+    window = f"mean over {s.measured_steps:,} steps" + (f", {skipped} warm-up excluded" if skipped else "")
+    memory = f"peak RAM {s.peak_cpu_mem_gib:.1f} GiB"
+    if s.peak_gpu_mem_gib is not None:
+        memory += f"   peak GPU {s.peak_gpu_mem_gib:.1f} GiB"
+    return "\n".join(
+        [
+            f"run summary: {s.steps:,} steps, {s.total_tokens:,} tokens in {_duration(s.total_s)}",
+            f"  loss        first {s.first_loss:.4f}   last {s.last_loss:.4f}   "
+            f"min {s.min_loss:.4f} (step {s.min_loss_step})",
+            f"  throughput  {s.tokens_per_s:,.0f} tok/s   {s.tflops:.3f} TFLOPS   ({window})",
+            f"  SSD         read {s.ssd_read_gbps:.2f} GB/s   write {s.ssd_write_gbps:.2f} GB/s   "
+            f"overlap {s.overlap_pct:.0f}%",
+            f"  memory      {memory}",
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------ progress bar
+
+
+def progress_bar(total_steps: int | None, console: Console | None = None, completed: int = 0) -> Progress:
+    """A rich progress bar for the training loop, with one task (the steps) already added.
+
+    Columns: bar, percentage, ``M/N`` steps, elapsed, ETA, last loss. Use it as a context manager and
+    report steps with :func:`report_step`, which prints the step line *above* the bar. When stdout is
+    not a terminal (CI, ``| tee``), rich does not redraw the bar: the step lines are printed as plain
+    lines and the bar appears once, in its final state, when the context exits.
+
+    Args:
+        total_steps: Planned steps; None gives an open-ended bar without percentage or ETA.
+        console: Where to draw; a new ``rich.console.Console()`` (stdout) if None.
+        completed: Steps already done (when resuming), so the bar and the ETA start there.
+
+    Returns:
+        The configured, not yet started, ``Progress``.
+    """
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[loss]}"),
+        console=console or Console(),
+    )
+    progress.add_task("train", total=total_steps, completed=completed, loss="loss -")
+    return progress
+
+
+def report_step(
+    progress: Progress, m: StepMetrics, total_steps: int | None = None, task_id: TaskID | None = None
+) -> str:
+    """Print the step line above the bar and move the bar to step ``m.step`` with its loss.
+
+    Args:
+        progress: From :func:`progress_bar`.
+        m: The step's metrics.
+        total_steps: For the ``step/total`` field of the line.
+        task_id: Task to update; the first task of ``progress`` if None.
+
+    Returns:
+        The printed line (for logs).
+    """
+    line = format_step_line(m, total_steps)
+    progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+    task = progress.tasks[0].id if task_id is None else task_id
+    progress.update(task, completed=m.step, loss=f"loss {m.loss:.4f}")
+    return line
