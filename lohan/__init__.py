@@ -1,1 +1,23 @@
-"""LoHan: fine-tune LLMs far larger than GPU and main memory, with model states on NVMe SSDs."""
+"""lohan: fine-tune LLMs far larger than GPU and main memory, with model states on NVMe SSDs.
+
+    import lohan
+    engine = lohan.init("tiny", {"nvme": ["/mnt/nvme0", "/mnt/nvme1"], "cpu_mem": "8GiB"})
+    for batch in batches:
+        loss = engine.step(batch)
+
+`lohan.config` imports no torch; the engine is imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def init(*args: Any, **kwargs: Any):
+    """Build a training Engine; see `lohan.engine.init`."""
+    from .engine import init as _init
+
+    return _init(*args, **kwargs)
+
+
+__all__ = ["init"]

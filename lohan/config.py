@@ -212,3 +212,146 @@ def get_model_config(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid presets are: {', '.join(PRESETS)}")
     return ModelConfig(name=name, **PRESETS[name]).with_overrides(**overrides)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a size such as ``8GiB``, ``512 MiB``, ``2e9`` or ``1073741824`` into bytes.
+
+    GiB/MiB are powers of two, GB/MB powers of ten (STYLE: GiB != GB).
+    """
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(num):]
+        if unit in _BYTE_UNITS and num:
+            try:
+                return int(float(num) * _BYTE_UNITS[unit])
+            except ValueError:
+                pass
+    raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: where states live, memory budgets, offloading mode, optimizer.
+
+    Sizes accept strings such as ``"8GiB"`` and are stored as bytes.
+    """
+
+    nvme: tuple[str, ...] = ("./runs/nvme",)
+    """One directory per SSD; the store is striped over all of them."""
+
+    cpu_mem: int | str = "8GiB"
+    """Main-memory budget for every buffer the engine owns (parameter prefetch, optimizer working
+    set, gradients). Must hold at least three times the largest block's optimizer record."""
+
+    mode: str = "optimized"
+    """Active gradient offloading mode: ``serial`` (optimizer after backward, ZeRO-Infinity style),
+    ``naive`` (per block READ -> ADAM -> WRITE during backward) or ``optimized`` (READ of block i-1
+    issued before WRITE of block i, paper Fig. 3b)."""
+
+    compute_dtype: str = "bf16"
+    """``bf16``: bf16 parameters on the device under autocast, fp32 master weights and Adam states.
+    ``fp32``: everything fp32 (bit-exact with a plain PyTorch fp32 loop)."""
+
+    micro_batches: int = 1
+    """Gradient accumulation: each batch is split into this many micro-batches."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+
+    warmup_steps: int = 0
+    """Linear warmup from lr/warmup_steps to lr over this many steps."""
+
+    total_steps: int | None = None
+    """Length of the cosine decay (including warmup); None keeps the lr constant after warmup."""
+
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at total_steps."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay, applied to every parameter."""
+
+    seed: int = 0
+    """Seed of the model's initialization."""
+
+    prefetch_depth: int = 2
+    """Blocks whose parameters are read ahead of the one computing (forward and backward)."""
+
+    max_inflight_blocks: int = 3
+    """Blocks the optimizer pipeline holds at once (each needs its P32, m, v, P16 record in memory)."""
+
+    slots: int = 2
+    """2: a step's states go to the alternate slot and become current with an atomic commit record
+    (crash-consistent, 2x SSD space). 1: in place (needs periodic checkpoints to survive a crash)."""
+
+    backend: str = "auto"
+    """io_engine backend: ``auto``, ``aio`` or ``threads``."""
+
+    chunk_bytes: int | str = "1MiB"
+    """Stripe unit over the SSD directories."""
+
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+
+    name: str = "lohan"
+    """Store name: file stem of the slab files and records in the NVMe directories."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        nvme = (self.nvme,) if isinstance(self.nvme, str) else tuple(self.nvme)
+        object.__setattr__(self, "nvme", nvme)
+        if not nvme:
+            problems.append("nvme: give at least one directory")
+        for name in ("cpu_mem", "chunk_bytes"):
+            try:
+                object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+            except ValueError as e:
+                problems.append(f"{name}: {e}")
+        choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": ("bf16", "fp32"),
+                   "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        for name in ("micro_batches", "prefetch_depth", "max_inflight_blocks"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        if self.slots not in (1, 2):
+            problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
+            problems.append(f"total_steps={self.total_steps!r} must be a positive integer or None")
+        if not (isinstance(self.lr, int | float) and self.lr > 0):
+            problems.append(f"lr={self.lr!r} must be a positive number")
+        b = tuple(self.betas)
+        object.__setattr__(self, "betas", b)
+        if len(b) != 2 or not all(isinstance(x, int | float) and 0 <= x < 1 for x in b):
+            problems.append(f"betas={self.betas!r} must be two numbers in [0, 1)")
+        if not (isinstance(self.eps, int | float) and self.eps > 0):
+            problems.append(f"eps={self.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
+        if not (isinstance(self.weight_decay, int | float) and self.weight_decay >= 0):
+            problems.append(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if not (isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1):
+            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if problems:
+            raise ValueError("invalid engine config:\n  - " + "\n  - ".join(problems))
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """A copy with some fields replaced (re-validated)."""
+        return dataclasses.replace(self, **overrides)

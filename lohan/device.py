@@ -1,0 +1,57 @@
+"""Device abstraction: CUDA when available, else the CPU stands in for the GPU.
+
+On CPU the "device" is main memory: host buffers are used in place (no copy), streams and
+events are no-op twins, and nothing is pinned (pin_memory() raises without CUDA). With CUDA the
+same code paths copy on a side stream from page-locked buffers and order it with events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Device:
+    """The compute device plus the copy machinery the engine needs."""
+
+    def __init__(self, kind: str = "auto") -> None:
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was asked for but CUDA is not available; use device='cpu' or 'auto'")
+        self.type = kind
+        self.torch = torch.device(kind)
+        self.is_cuda = kind == "cuda"
+        self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """The device copy of a host tensor; on CPU the tensor itself (zero copy)."""
+        if not self.is_cuda:
+            return host
+        with torch.cuda.stream(self.copy_stream):
+            out = host.to(self.torch, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(self.copy_stream)
+        return out
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy a device tensor into a host buffer and wait for it."""
+        if dst.data_ptr() == src.data_ptr():
+            return
+        dst.copy_(src)
+
+    def autocast(self, dtype: torch.dtype | None):
+        """Autocast context for the compute dtype (none for fp32)."""
+        if dtype is None or dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.type, dtype=dtype)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def memory_allocated(self) -> int | None:
+        return torch.cuda.memory_allocated() if self.is_cuda else None
+
+    def __repr__(self) -> str:
+        return f"Device({self.type})"

@@ -1,0 +1,347 @@
+"""Engine.step(batch): one synchronous training step with states on NVMe.
+
+Per step (DESIGN.md §4.2-4.3):
+1. Forward, block by block, under no_grad: each block's P16 is streamed in ahead of use, and
+   only the block inputs are kept (everything inside a block is recomputed in backward).
+2. Backward, block by block in reverse: recompute the block with grad, take the gradients of
+   its parameters and input with `torch.autograd.grad`, accumulate over micro-batches into a host
+   fp32 buffer, and hand the buffer to the optimizer pipeline, which updates that block on the CPU
+   while the device goes on with the blocks before it (active gradient offloading).
+3. Wait for the pipeline, fsync, commit: the next step reads the new slot.
+
+Micro-batches are interleaved per block (all micro-batches of block i, then block i+1), so a
+block's parameters are streamed once per step whatever the accumulation factor, and its gradient
+is complete as soon as its backward finishes. The result equals a plain PyTorch loop that runs the
+micro-batches one after the other (the accumulation order per parameter is the same).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import psutil
+import torch
+from torch import Tensor
+
+from io_engine.base import align_up
+
+from .config import EngineConfig, ModelConfig, get_model_config
+from .device import Device
+from .models.adapter import BlockProgram, GPTBlocks
+from .models.gpt import GPT, block_generator, build_model, init_block_
+from .offload import GradOffloader
+from .optim import AdamWHyper, lr_at
+from .params import ParamStreamer
+from .store import DTYPES, StateStore, StoreLayout, block_views, plan_layout
+
+log = logging.getLogger(__name__)
+
+
+class MemoryPlanError(ValueError):
+    """The main-memory budget cannot hold the engine's minimum working set."""
+
+
+def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int) -> dict[str, int]:
+    """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget."""
+    max_p16 = max(b.p16_bytes for b in layout.blocks)
+    max_rec = max(b.record_bytes for b in layout.blocks)
+    grads = [align_up(4 * b.numel) for b in layout.blocks]
+    need = {
+        # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks
+        "params": (2 * cfg.prefetch_depth + 1 + keep_blocks) * max_p16,
+        # serial holds every block's gradient until backward ends; otherwise one filling, one queued
+        "grads": (sum(grads) if cfg.mode == "serial" else 2 * max(grads)) + cfg.micro_batches * tied_bytes,
+        "optimizer": cfg.max_inflight_blocks * max_rec,
+    }
+    total = sum(need.values())
+    if total > cfg.cpu_mem:
+        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
+        raise MemoryPlanError(
+            f"cpu_mem={cfg.cpu_mem / 2**30:.2f} GiB is too small for this model: the engine needs "
+            f"{total / 2**30:.2f} GiB ({parts}). Raise cpu_mem to at least {total / 2**30:.2f} GiB"
+            + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
+            + ", or lower prefetch_depth / max_inflight_blocks")
+    return need
+
+
+class Engine:
+    """Trains a block program whose states live in a StateStore on NVMe. Build with `lohan.init`."""
+
+    def __init__(self, program: BlockProgram, cfg: EngineConfig, model_meta: dict,
+                 init_block: Callable[[int], list[Tensor]],
+                 flops_per_token: Callable[[int], float] | None = None,
+                 resume: bool = False, overwrite: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.program = program
+        self.device = Device(cfg.device)
+        self.compute_dtype = DTYPES[cfg.compute_dtype]
+        self.flops_per_token = flops_per_token
+        n = len(program.modules)
+        self._owners = sorted({owner for i in range(n) for owner, _ in program.external_params(i)})
+        layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots)
+        tied = sum(align_up(4 * layout.blocks[o].params[p].numel)
+                   for i in range(n) for o, p in program.external_params(i))
+        self.memory_plan = plan_host_memory(layout, cfg, len(self._owners), tied)
+        dirs = list(cfg.nvme)
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        existing = StateStore.read_model_meta(dirs, cfg.name)
+        if resume and existing is not None:
+            if existing != model_meta:
+                raise ValueError(f"the store in {dirs[0]} holds another model ({existing}); cannot resume it "
+                                 f"with {model_meta}")
+            self.store = StateStore.open(dirs, cfg.backend, cfg.chunk_bytes, cfg.name)
+            if self.store.layout != layout:
+                self.store.close()
+                raise ValueError(f"the store in {dirs[0]} was laid out for other settings (slots or "
+                                 "compute_dtype differ); resume with the settings it was created with")
+        else:
+            if existing is not None or _has_store_files(dirs, cfg.name):
+                if not overwrite:
+                    raise FileExistsError(
+                        f"a store named {cfg.name!r} already exists in {dirs[0]}; pass resume=True to continue "
+                        "it, overwrite=True to start over (its contents are lost), or use another name/directory")
+                _remove_store(dirs, cfg.name)
+            self.store = StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20,
+                                           backend=cfg.backend, chunk_bytes=cfg.chunk_bytes, name=cfg.name,
+                                           progress=progress)
+        volume = self.store.volume
+        self.params_pool = volume.buffer_pool(self.memory_plan["params"])
+        self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
+        self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"])
+        self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode)
+        self.last_metrics: dict[str, Any] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ step
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps completed and committed."""
+        return self.store.step
+
+    def step(self, batch: tuple[Tensor, Tensor]) -> float:
+        """One optimizer step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss."""
+        idx, targets = batch
+        m_count = self.cfg.micro_batches
+        if idx.shape != targets.shape or idx.dim() != 2:
+            raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
+                             f"and {tuple(targets.shape)}")
+        if idx.shape[0] % m_count:
+            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
+        t_start = time.perf_counter()
+        io0 = self.store.volume.stats()
+        wait0 = self.streamer.wait_s
+        self.offloader.reset_stats()
+        idx = idx.to(self.device.torch)
+        targets = targets.to(self.device.torch)
+        ids_mb, tgt_mb = idx.chunk(m_count), targets.chunk(m_count)
+
+        n = len(self.program.modules)
+        last = n - 1
+        step = self.store.step
+        hyper = AdamWHyper.from_config(self.cfg, lr_at(self.cfg, step))
+        read_slot, write_slot = self.store.slot, self.store.next_slot()
+        visits = list(range(last)) + list(range(last, -1, -1))  # forward 0..n-2 (head runs in backward), back
+        self.store.begin_step()
+        self.offloader.begin_step(step + 1, hyper, list(range(last, -1, -1)), read_slot, write_slot)
+        compute_s = 0.0
+        try:
+            acts: list[list[Tensor | None]] = [[None] * m_count for _ in range(n)]
+            acts[0] = list(ids_mb)
+            # ---- forward: keep block inputs only
+            for p in range(last):
+                i = visits[p]
+                self._visit(visits, p, read_slot)
+                t0 = time.perf_counter()
+                with torch.no_grad(), self.device.autocast(self.compute_dtype):
+                    for m in range(m_count):
+                        acts[i + 1][m] = self.program.run(i, acts[i][m], None)
+                compute_s += time.perf_counter() - t0
+                self._leave(visits, p)
+            # ---- backward: recompute each block, gradients to the optimizer pipeline
+            grad_out: list[Tensor | None] = [None] * m_count
+            borrowed: dict[tuple[int, int, int], Tensor] = {}
+            loss = 0.0
+            for p in range(last, len(visits)):
+                i = visits[p]
+                params = self._visit(visits, p, read_slot)
+                layout = self.store.layout.blocks[i]
+                gbuf = self.grads_pool.acquire(4 * layout.numel)
+                acc = block_views(gbuf.tensor[:4 * layout.numel].view(torch.float32), layout)
+                ext = self.program.external_params(i)
+                ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
+                t0 = time.perf_counter()
+                for m in range(m_count):
+                    x = acts[i][m]
+                    if i > 0:
+                        x = x.detach().requires_grad_()
+                    with torch.enable_grad(), self.device.autocast(self.compute_dtype):
+                        out = self.program.run(i, x, tgt_mb[m] if i == last else None)
+                        if i == last:
+                            out = out / m_count
+                    inputs = ([x] if i > 0 else []) + list(params) + ext_params
+                    grads = torch.autograd.grad(out, inputs, grad_outputs=None if i == last else grad_out[m],
+                                                allow_unused=True)
+                    if i == last:
+                        loss += float(out.detach())
+                    off = 1 if i > 0 else 0
+                    for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
+                        other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
+                        if g is None:                             # as autograd sums a leaf's inputs
+                            g = torch.zeros_like(view)
+                        if other is not None:
+                            g = g + other
+                        if m == 0:
+                            view.copy_(g)
+                        else:
+                            view.add_(g)
+                    for (o, k), g in zip(ext, grads[off + len(params):]):
+                        if g is not None:
+                            borrowed[(o, k, m)] = g.detach()
+                    grad_out[m] = grads[0] if i > 0 else None
+                    acts[i][m] = None
+                compute_s += time.perf_counter() - t0
+                self.offloader.submit(i, gbuf)
+                self._leave(visits, p)
+            self.offloader.backward_done()
+            t_tail = time.perf_counter()
+            self.offloader.finish()
+            tail_s = time.perf_counter() - t_tail
+        except BaseException:
+            self.streamer.release_all()
+            if self.offloader._thread is not None:
+                self.offloader.backward_done()
+                try:
+                    self.offloader.finish()
+                except RuntimeError:
+                    pass
+            raise
+        self.streamer.release_all()
+        self.store.commit(step + 1, write_slot)
+        self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, compute_s, tail_s,
+                             io0, wait0, hyper.lr, idx.shape[1])
+        return loss
+
+    def _visit(self, visits: list[int], p: int, slot: int) -> list[torch.nn.Parameter]:
+        """Acquire the block at visit position p and prefetch the next `prefetch_depth` visits."""
+        params = self.streamer.acquire(visits[p], slot)
+        for nxt in visits[p + 1:p + 1 + self.cfg.prefetch_depth]:
+            self.streamer.prefetch(nxt, slot)
+        return params
+
+    def _leave(self, visits: list[int], p: int) -> None:
+        """Release the block just used unless it is borrowed from or needed again within the prefetch window."""
+        i = visits[p]
+        if i in self._owners and p < len(visits) - 1:
+            return
+        if i in visits[p + 1:p + 1 + self.cfg.prefetch_depth]:
+            return
+        self.streamer.release(i)
+
+    def _record_metrics(self, step: int, loss: float, tokens: int, step_s: float, compute_s: float, tail_s: float,
+                        io0: dict, wait0: float, lr: float, seq_len: int) -> None:
+        io1 = self.store.volume.stats()
+
+        def lane(direction: str) -> tuple[float, int]:
+            busy = max(d1[direction]["busy_s"] - d0[direction]["busy_s"] for d0, d1 in zip(io0["devices"], io1["devices"]))
+            return busy, io1[f"{direction}_bytes"] - io0[f"{direction}_bytes"]
+
+        (read_s, read_b), (write_s, write_b) = lane("read"), lane("write")
+        ago = self.offloader
+        lanes = {"compute": compute_s, "ssd_read": read_s, "ssd_write": write_s, "cpu_adam": ago.adam_s,
+                 "param_wait": self.streamer.wait_s - wait0, "optimizer_tail": tail_s}
+        bottleneck = max(lanes["compute"], lanes["ssd_read"], lanes["ssd_write"], lanes["cpu_adam"])
+        # Model FLOPs (forward + backward = 3x forward); the recomputation is extra work, not counted.
+        flops = 3 * self.flops_per_token(seq_len) * tokens if self.flops_per_token else None
+        self.last_metrics = {
+            "step": step, "loss": loss, "lr": lr, "tokens": tokens, "step_s": step_s,
+            "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12 if flops else None,
+            "ssd_read_gbps": read_b / step_s / 1e9, "ssd_write_gbps": write_b / step_s / 1e9,
+            "ssd_read_bytes": read_b, "ssd_write_bytes": write_b,
+            "overlap_efficiency": bottleneck / step_s, "lanes": lanes,
+            "cpu_mem_gib": psutil.Process().memory_info().rss / 2**30,
+            "gpu_mem_gib": (self.device.memory_allocated() or 0) / 2**30 if self.device.is_cuda else None,
+            "max_resident_blocks": self.streamer.max_resident,
+        }
+
+    # -------------------------------------------------------------- access
+    def state_dict_fp32(self) -> dict[str, Tensor]:
+        """The current fp32 master weights as `{block_name.param_name: tensor}` (reads every block)."""
+        out = {}
+        for b in self.store.layout.blocks:
+            for spec, t in zip(b.params, self.store.read_params(b.index)):
+                out[f"{b.name}.{spec.name}"] = t
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.streamer.release_all()
+        for pool in (self.params_pool, self.grads_pool, self.records_pool):
+            pool.clear()
+        self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _has_store_files(dirs: list[str], name: str) -> bool:
+    return any(os.path.exists(os.path.join(d, f"{name}{suffix}")) for d in dirs
+               for suffix in (".slab", ".volume.json", ".store.json", ".commit.json"))
+
+
+def _remove_store(dirs: list[str], name: str) -> None:
+    for d in dirs:
+        for suffix in (".slab", ".volume.json", ".store.json", ".commit.json", ".commit.json.tmp"):
+            path = os.path.join(d, f"{name}{suffix}")
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = None, *, resume: bool = False,
+         overwrite: bool = False, progress: Callable[[int, int], None] | None = None, **overrides: Any) -> Engine:
+    """Build an Engine for a preset name, a ModelConfig, or a GPT (meta or initialized).
+
+    The model's states are laid out on the NVMe directories of `config` and initialized block by
+    block (an initialized GPT's own weights are used; a preset or config is initialized from
+    `config.seed`). Nothing else changes in the training loop: `loss = engine.step(batch)`.
+    """
+    cfg = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
+    if overrides:
+        cfg = cfg.with_overrides(**overrides)
+    if isinstance(model, str):
+        model = get_model_config(model)
+    if isinstance(model, ModelConfig):
+        model = build_model(model, device="meta")
+    if not isinstance(model, GPT):
+        raise TypeError(f"lohan.init takes a preset name, a ModelConfig or a lohan GPT, not {type(model).__name__}")
+    mcfg = model.cfg
+    program = GPTBlocks(model)
+    materialized = any(not p.is_meta for p in model.parameters())
+
+    def init_block(i: int) -> list[Tensor]:
+        block = program.modules[i]
+        if materialized:
+            return [p.detach().float() for p in block.parameters()]
+        tmp = copy.deepcopy(block).to_empty(device="cpu")
+        init_block_(tmp, mcfg, block_generator(cfg.seed, i))
+        return [p.detach() for p in tmp.parameters()]
+
+    meta = {"kind": "gpt", "config": asdict(mcfg), "seed": None if materialized else cfg.seed}
+    engine = Engine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token, resume=resume,
+                    overwrite=overwrite, progress=progress)
+    if materialized:  # the weights now live in the store; free the caller's copy
+        model.to_empty(device="meta")
+    return engine
