@@ -8,9 +8,10 @@ ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help install sysdeps aio-op test test-all lint bench-io clean
+.PHONY: help install sysdeps aio-op run test test-all lint bench-io bench-ago clean
 
 help:
+	@echo "make run       create .venv, install everything, run the default fine-tune (configs/tiny.yaml)"
 	@echo "make test      create .venv, install everything, run the test suite (fast set)"
 	@echo "make test-all  the full suite, slow end-to-end tests included"
 	@echo "make bench-io  NVMe I/O benchmark (io_engine vs fio, SSD scaling); writes benchmarks/results/"
@@ -45,6 +46,9 @@ aio-op: install
 	@echo "preparing DeepSpeed async_io op (first build takes several minutes on 2 cores)..."
 	@$(PY) -m io_engine info
 
+run: aio-op
+	$(PY) finetune.py
+
 test: aio-op
 	$(PY) -m pytest -q
 
@@ -58,6 +62,9 @@ bench-io: aio-op
 	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq fio >/dev/null; } || \
 	  echo "fio unavailable: io_bench falls back to dd"
 	$(PY) benchmarks/io_bench.py --out benchmarks/results/io_bench.json
+
+bench-ago: aio-op
+	$(PY) benchmarks/ago_bench.py --out benchmarks/results/ago_bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs benchmarks/scratch

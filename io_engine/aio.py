@@ -65,6 +65,9 @@ def load_aio_op() -> ModuleType:
                                      "missing (install libaio-dev)")
             log.info("loading DeepSpeed async_io op (the first build takes several minutes)")
             _op = builder.load(verbose=False)
+            # The op warns about SSD write endurance on its first write, through DeepSpeed's logger, in the
+            # middle of a run's output; the README says it once instead.
+            logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         except AioUnavailable as e:
             _op_error = str(e)
             raise

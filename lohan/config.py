@@ -355,3 +355,58 @@ class EngineConfig:
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """A copy with some fields replaced (re-validated)."""
         return dataclasses.replace(self, **overrides)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A fine-tuning run: which model, which data, how long, and the engine settings.
+
+    Loaded from YAML (``configs/*.yaml``) and command-line overrides by :mod:`lohan.cli`.
+    """
+
+    model: str = "tiny"
+    """A preset name (see :data:`PRESETS`)."""
+
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    """Fields of the preset to replace, e.g. ``{vocab_size: 256, seq_len: 256}``."""
+
+    data: str = "data/corpus.txt"
+    """A local UTF-8 text file (byte-level tokens), or ``synthetic`` for random tokens."""
+
+    steps: int = 200
+    """Optimizer steps to run."""
+
+    batch_size: int = 8
+    """Sequences per optimizer step (split into ``engine.micro_batches``)."""
+
+    seq_len: int | None = None
+    """Tokens per sequence; defaults to the model's ``seq_len``."""
+
+    metrics: str | None = None
+    """JSONL file receiving one record per step (default: ``<first nvme dir>/../metrics.jsonl``)."""
+
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    """Engine settings (NVMe directories, memory budget, offloading mode, optimizer)."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if not isinstance(self.model, str) or self.model not in PRESETS:
+            problems.append(f"model={self.model!r}: choose a preset ({', '.join(PRESETS)})")
+        if not isinstance(self.model_overrides, dict):
+            problems.append("model_overrides must be a mapping of ModelConfig fields")
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        if self.seq_len is not None and (not _is_int(self.seq_len) or self.seq_len < 1):
+            problems.append(f"seq_len={self.seq_len!r} must be a positive integer")
+        if isinstance(self.engine, dict):
+            try:
+                object.__setattr__(self, "engine", EngineConfig(**self.engine))
+            except (TypeError, ValueError) as e:
+                problems.append(f"engine: {e}")
+        if problems:
+            raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))
+
+    def model_config(self) -> ModelConfig:
+        return get_model_config(self.model, **self.model_overrides)

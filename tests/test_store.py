@@ -1,0 +1,133 @@
+"""State store: commit semantics under a crash mid-step, bounded memory, refusing to clobber data."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+import lohan
+import lohan.offload
+from lohan.config import EngineConfig, get_model_config
+from lohan.engine import MemoryPlanError
+from lohan.store import StateStore
+
+
+def small_model(**kw):
+    base = dict(vocab_size=256, n_layer=3, d_model=64, n_head=4, seq_len=32)
+    base.update(kw)
+    return get_model_config("tiny", **base)
+
+
+def ecfg(dirs, **kw):
+    base = dict(nvme=tuple(dirs), cpu_mem="256MiB", compute_dtype="fp32", backend="threads", lr=1e-2)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def batch(seed=0):
+    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(seed))
+    return x[:, :-1], x[:, 1:]
+
+
+def test_crash_mid_step_leaves_last_commit_intact(make_dirs, monkeypatch):
+    dirs = make_dirs(2)
+    with lohan.init(small_model(), ecfg(dirs)) as engine:
+        engine.step(batch(0))
+        engine.step(batch(1))
+        before = engine.state_dict_fp32()
+        real = lohan.offload.adamw_block_
+        calls = []
+
+        def failing(*args, **kwargs):  # the process "dies" after two blocks were updated and written
+            calls.append(1)
+            if len(calls) == 3:
+                raise OSError("simulated power loss")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(lohan.offload, "adamw_block_", failing)
+        with pytest.raises(RuntimeError, match="optimizer pipeline failed"):
+            engine.step(batch(2))
+    store = StateStore.open(dirs, backend="threads")
+    try:
+        assert store.step == 2
+        for b in store.layout.blocks:
+            for spec, t in zip(b.params, store.read_params(b.index)):
+                assert torch.equal(t, before[f"{b.name}.{spec.name}"]), f"{b.name}.{spec.name} changed"
+    finally:
+        store.close()
+    monkeypatch.undo()
+    # and training continues from there exactly as if the failed step never happened
+    with lohan.init(small_model(), ecfg(dirs), resume=True) as engine:
+        assert engine.step_count == 2
+        engine.step(batch(2))
+        assert engine.step_count == 3
+
+
+def test_in_place_store_detects_interrupted_step(make_dirs, monkeypatch):
+    dirs = make_dirs(1)
+    with lohan.init(small_model(), ecfg(dirs, slots=1)) as engine:
+        engine.step(batch(0))
+        monkeypatch.setattr(lohan.offload, "adamw_block_", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+        with pytest.raises(RuntimeError):
+            engine.step(batch(1))
+    with pytest.raises(RuntimeError, match="in place.*checkpoint"):
+        StateStore.open(dirs, backend="threads")
+
+
+def test_block_by_block_init_stays_within_memory(make_dirs):
+    """~40M parameters = ~640 MB of states: initialization must not hold them all in memory."""
+    mcfg = small_model(n_layer=12, d_model=512, n_head=8)
+    states = 16 * mcfg.param_count()
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    peak = [rss0]
+
+    def progress(done, total):
+        peak.append(proc.memory_info().rss)
+
+    with lohan.init(mcfg, ecfg(make_dirs(1), cpu_mem="1GiB", slots=1), progress=progress) as engine:
+        assert engine.store.layout.param_count == mcfg.param_count()
+    assert max(peak) - rss0 < states / 3, f"init grew RSS by {(max(peak) - rss0) / 2**20:.0f} MiB"
+
+
+def test_resident_blocks_are_bounded_and_reported(make_dirs):
+    with lohan.init(small_model(n_layer=6), ecfg(make_dirs(1), prefetch_depth=1)) as engine:
+        engine.step(batch())
+        # current + 1 prefetched + 1 kept over the forward/backward turn + the tied embedding
+        assert 2 <= engine.last_metrics["max_resident_blocks"] <= 2 * 1 + 1 + 1
+        assert engine.streamer.resident == []
+
+
+def test_memory_budget_too_small_is_refused_before_writing(make_dirs):
+    dirs = make_dirs(1)
+    with pytest.raises(MemoryPlanError, match="Raise cpu_mem to at least"):
+        lohan.init(small_model(), ecfg(dirs, cpu_mem="64KiB"))
+    assert os.listdir(dirs[0]) == []
+
+
+def test_existing_store_is_not_overwritten_silently(make_dirs):
+    dirs = make_dirs(1)
+    with lohan.init(small_model(), ecfg(dirs)) as engine:
+        engine.step(batch())
+    with pytest.raises(FileExistsError, match="resume=True.*overwrite=True"):
+        lohan.init(small_model(), ecfg(dirs))
+    with pytest.raises(ValueError, match="another model"):
+        lohan.init(small_model(d_model=128), ecfg(dirs), resume=True)
+    with lohan.init(small_model(), ecfg(dirs), resume=True) as engine:
+        assert engine.step_count == 1
+    with lohan.init(small_model(), ecfg(dirs), overwrite=True) as engine:
+        assert engine.step_count == 0
+
+
+def test_bad_batches_are_rejected(make_dirs):
+    with lohan.init(small_model(), ecfg(make_dirs(1), micro_batches=2)) as engine:
+        idx, tgt = batch()
+        with pytest.raises(ValueError, match="equal shape"):
+            engine.step((idx, tgt[:, :-1]))
+        with pytest.raises(ValueError, match="divisible by micro_batches=2"):
+            engine.step((idx[:1], tgt[:1]))
+        engine.step((idx, tgt))  # still usable afterwards
+        assert engine.step_count == 1
