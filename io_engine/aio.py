@@ -11,6 +11,9 @@ deepspeed/ops/csrc/aio):
   the handle mutex while it blocks, so a second thread submitting meanwhile would block with
   the GIL held.  -> each handle is owned by exactly one dispatcher thread; other threads only
   enqueue. Reads and writes of every device have their own handle and thread, so they overlap.
+- Each handle's worker thread runs its ops one after the other, so one handle keeps at most
+  `op_bytes / block_size` iocbs in flight.  -> every (device, direction) lane has several handles,
+  each with its dispatcher, pulling from one shared queue, so several ops are in flight at once.
 - Unpinned buffers go through a bounce buffer that the op allocates and mlocks per request,
   outside any budget, and an mlock failure trips another assert.  -> only buffers the op
   recognizes as page-locked are submitted; they come from `alloc()`, which checks
@@ -97,7 +100,7 @@ class _Lane(threading.Thread):
     """Owns one aio handle: takes queued ops, submits them as a batch, waits, completes futures."""
 
     def __init__(self, handle: object, path: str, write: bool, stats: LaneStats,
-                 throttle: Throttle | None, max_batch: int) -> None:
+                 throttle: Throttle | None, max_batch: int, work: queue.SimpleQueue) -> None:
         super().__init__(name=f"io_engine-aio-{'w' if write else 'r'}-{os.path.basename(path)}", daemon=True)
         self.handle = handle
         self.path = path
@@ -105,7 +108,7 @@ class _Lane(threading.Thread):
         self.stats = stats
         self.throttle = throttle
         self.max_batch = max_batch
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.queue = work  # shared by the lane's handles: an idle handle takes what a busy one cannot
 
     def run(self) -> None:
         submit = self.handle.async_pwrite if self.write else self.handle.async_pread
@@ -162,9 +165,6 @@ class _Lane(threading.Thread):
                 self.stats.finish(buf.numel())
                 fut.set_result(buf.numel())
 
-    def stop(self) -> None:
-        self.queue.put(None)
-        self.join()
 
 
 class AioBackend:
@@ -173,7 +173,7 @@ class AioBackend:
     name = "aio"
 
     def __init__(self, paths: list[str], file_size: int, queue_depth: int = 32, block_bytes: int = 1 << 20,
-                 throttle_gbps: float | None = None, pin: bool = False) -> None:
+                 throttle_gbps: float | None = None, pin: bool = False, handles_per_lane: int = 4) -> None:
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         if block_bytes < ALIGN or block_bytes % ALIGN:
@@ -196,16 +196,18 @@ class AioBackend:
         self._example = torch.empty(0, dtype=torch.uint8)
         self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
         self._throttles = [Throttle(throttle_gbps) if throttle_gbps else None for _ in paths]
-        # aio_handle(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism)
+        if handles_per_lane < 1:
+            raise ValueError(f"handles_per_lane must be >= 1, got {handles_per_lane}")
+        # _queues[device][write] feeds `handles_per_lane` dispatchers, each owning one
+        # aio_handle(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism).
+        self._queues = [[queue.SimpleQueue(), queue.SimpleQueue()] for _ in paths]
         self._lanes = [
-            [_Lane(op.aio_handle(block_bytes, queue_depth, False, True, 1), p, write,
-                   self.stats[i]["write" if write else "read"], self._throttles[i], max_batch=64)
-             for write in (False, True)]
-            for i, p in enumerate(paths)]
-        self._alloc_handle = self._lanes[0][0].handle if self._lanes else op.aio_handle()
-        for pair in self._lanes:
-            for lane in pair:
-                lane.start()
+            _Lane(op.aio_handle(block_bytes, queue_depth, False, True, 1), p, bool(write),
+                  self.stats[i]["write" if write else "read"], self._throttles[i], 64, self._queues[i][write])
+            for i, p in enumerate(paths) for write in (0, 1) for _ in range(handles_per_lane)]
+        self._alloc_handle = self._lanes[0].handle if self._lanes else op.aio_handle()
+        for lane in self._lanes:
+            lane.start()
 
     def is_direct(self, buffer: torch.Tensor) -> bool:
         if buffer.data_ptr() % ALIGN:
@@ -238,7 +240,7 @@ class AioBackend:
     def submit(self, op: DeviceOp) -> list[Future]:
         path = self.paths[op.device]
         check_op(op, path, self.file_size)
-        lane = self._lanes[op.device][1 if op.write else 0]
+        work = self._queues[op.device][1 if op.write else 0]
         futures = []
         offset = op.offset
         for buf in op.buffers:
@@ -247,7 +249,7 @@ class AioBackend:
                                     "an unlocked buffer would make the op mlock an unbudgeted bounce buffer",
                                     path, offset, buf.numel())
             fut: Future = Future()
-            lane.queue.put((buf, offset, fut))
+            work.put((buf, offset, fut))
             futures.append(fut)
             offset += buf.numel()
         return futures
@@ -263,7 +265,8 @@ class AioBackend:
                 os.close(fd)
 
     def close(self) -> None:
-        for pair in self._lanes:
-            for lane in pair:
-                lane.stop()
+        for lane in self._lanes:
+            lane.queue.put(None)
+        for lane in self._lanes:
+            lane.join()
         self._lanes = []
