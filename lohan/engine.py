@@ -119,6 +119,7 @@ class Engine:
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode)
         self.last_metrics: dict[str, Any] = {}
+        self._broken: str | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ step
@@ -129,6 +130,8 @@ class Engine:
 
     def step(self, batch: tuple[Tensor, Tensor]) -> float:
         """One optimizer step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss."""
+        if self._broken:
+            raise RuntimeError(self._broken)
         idx, targets = batch
         m_count = self.cfg.micro_batches
         if idx.shape != targets.shape or idx.dim() != 2:
@@ -216,13 +219,13 @@ class Engine:
             self.offloader.finish()
             tail_s = time.perf_counter() - t_tail
         except BaseException:
+            self.offloader.abort()
             self.streamer.release_all()
-            if self.offloader._thread is not None:
-                self.offloader.backward_done()
-                try:
-                    self.offloader.finish()
-                except RuntimeError:
-                    pass
+            if self.store.layout.slots == 1 and self.offloader.blocks_written:
+                self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
+                                "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
+            else:  # nothing current was touched: the last commit stands
+                self.store.commit(step, read_slot)
             raise
         self.streamer.release_all()
         self.store.commit(step + 1, write_slot)

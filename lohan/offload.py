@@ -30,6 +30,8 @@ from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from .optim import AdamWHyper, adamw_block_
 from .store import RecordView, StateStore
 
+_ABORT = -1  # queue marker: the compute side failed, stop the step
+
 
 class GradOffloader:
     """The optimizer side of one training step, fed block by block from the backward pass."""
@@ -49,6 +51,7 @@ class GradOffloader:
         self.read_wait_s = 0.0
         self.grad_wait_s = 0.0
         self.busy_s = 0.0
+        self.blocks_written = 0
 
     def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int) -> None:
         """Start the pipeline for optimizer step `step` (1-based); blocks arrive in `order`."""
@@ -73,11 +76,26 @@ class GradOffloader:
     def finish(self) -> None:
         """Wait until every block is updated and written (not yet committed)."""
         self._backward_done.set()
-        assert self._thread is not None, "finish() without begin_step()"
+        if self._thread is None:
+            raise RuntimeError("finish() without begin_step()")
         self._thread.join()
         self._thread = None
         if self._error is not None:
             raise RuntimeError("the optimizer pipeline failed") from self._error
+
+    def abort(self) -> None:
+        """Stop the step's pipeline after a failure on the compute side; no commit follows.
+
+        The worker waits for the I/O it has in flight before giving its buffers back. Blocks it
+        already wrote went to the next slot (or, in place, are covered by the dirty commit record).
+        """
+        if self._thread is None:
+            return
+        self._queue.put((_ABORT, None))
+        self._backward_done.set()
+        self._thread.join()
+        self._thread = None
+        self._error = None
 
     # ----------------------------------------------------------------- worker
     def _run_guarded(self, *args) -> None:
@@ -85,61 +103,98 @@ class GradOffloader:
             self._run(*args)
         except BaseException as e:  # surfaced to the compute thread by submit()/finish()
             self._error = e
+            while True:  # give back the gradient buffers the compute thread keeps handing over
+                try:
+                    _, grad = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if grad is not None:
+                    grad.release()
 
     def _run(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int) -> None:
-        layout = self.store.layout
-        volume = self.store.volume
-        reads: dict[int, tuple[AlignedBuffer, Handle]] = {}
-        writes: deque[tuple[Handle, AlignedBuffer]] = deque()
-
-        def issue_read(i: int) -> None:
-            b = layout.blocks[i]
-            # The pool's buffers are held by this thread alone (reads pending, writes in flight), so
-            # when it is full, retire the oldest write instead of blocking on buffers only we release.
-            while True:
+        self._read_slot, self._write_slot = read_slot, write_slot
+        self._reads: dict[int, tuple[AlignedBuffer, Handle]] = {}
+        self._writes: deque[tuple[Handle, AlignedBuffer]] = deque()
+        t_start = time.perf_counter()
+        try:
+            self._pipeline(step, hyper, order)
+        finally:  # also after an abort or a failure: no buffer goes back while I/O still uses it
+            pending = [(h, b) for b, h in self._reads.values()] + list(self._writes)
+            self._reads.clear()
+            self._writes.clear()
+            for handle, buf in pending:
                 try:
-                    buf = self.pool.acquire(b.record_bytes, block=not writes)
-                    break
-                except BudgetExceededError:
-                    handle, old = writes.popleft()
                     handle.wait()
-                    old.release()
-            reads[i] = (buf, volume.read_into(buf.tensor[:3 * b.state_bytes], layout.record_offset(i, read_slot)))
+                finally:
+                    buf.release()
+            self.busy_s += time.perf_counter() - t_start
 
-        def reap(block_until_empty: bool) -> None:
-            while writes and (block_until_empty or writes[0][0].done()):
-                handle, buf = writes.popleft()
-                handle.wait()
-                buf.release()
-
+    def _pipeline(self, step: int, hyper: AdamWHyper, order: list[int]) -> None:
+        layout = self.store.layout
         if self.mode == "serial":
             self._backward_done.wait()
-        t_start = time.perf_counter()
         prefetch = self.mode in ("optimized", "serial")
         if prefetch:
-            issue_read(order[0])
+            self._issue_read(order[0])
         for k, i in enumerate(order):
             t0 = time.perf_counter()
             got, grad = self._queue.get()
             self.grad_wait_s += time.perf_counter() - t0
-            if got != i:
-                raise RuntimeError(f"gradients of block {got} arrived where block {i} was expected")
-            if not prefetch:
-                issue_read(i)
-            buf, handle = reads.pop(i)
-            t0 = time.perf_counter()
+            if got is _ABORT:
+                return
+            try:
+                if got != i:
+                    raise RuntimeError(f"gradients of block {got} arrived where block {i} was expected")
+                if not prefetch:
+                    self._issue_read(i)
+                buf, handle = self._reads.pop(i)
+                t0 = time.perf_counter()
+                try:
+                    handle.wait()
+                except BaseException:
+                    buf.release()
+                    raise
+                self.read_wait_s += time.perf_counter() - t0
+                if prefetch and k + 1 < len(order):
+                    self._issue_read(order[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
+                b = layout.blocks[i]
+                t0 = time.perf_counter()
+                try:
+                    adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype),
+                                 grad.tensor[:4 * b.numel].view(torch.float32), b, step, hyper)
+                except BaseException:
+                    buf.release()
+                    raise
+                self.adam_s += time.perf_counter() - t0
+            finally:
+                grad.release()
+            self._writes.append((self.store.volume.write(buf.tensor, layout.record_offset(i, self._write_slot)), buf))
+            self.blocks_written += 1
+            self._reap(wait=self.mode == "naive")
+        self._reap(wait=True)
+
+    def _issue_read(self, i: int) -> None:
+        """READ(i): P32, m, v of block i into a record buffer."""
+        b = self.store.layout.blocks[i]
+        # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
+        # is full, retire the oldest write instead of blocking on buffers only this thread releases.
+        while True:
+            try:
+                buf = self.pool.acquire(b.record_bytes, block=not self._writes)
+                break
+            except BudgetExceededError:
+                self._retire_oldest_write()
+        offset = self.store.layout.record_offset(i, self._read_slot)
+        self._reads[i] = (buf, self.store.volume.read_into(buf.tensor[:3 * b.state_bytes], offset))
+
+    def _retire_oldest_write(self) -> None:
+        handle, buf = self._writes.popleft()
+        try:
             handle.wait()
-            self.read_wait_s += time.perf_counter() - t0
-            if prefetch and k + 1 < len(order):
-                issue_read(order[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
-            b = layout.blocks[i]
-            t0 = time.perf_counter()
-            adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype),
-                         grad.tensor[:4 * b.numel].view(torch.float32), b, step, hyper)
-            self.adam_s += time.perf_counter() - t0
-            grad.release()
-            handle = volume.write(buf.tensor, layout.record_offset(i, write_slot))
-            writes.append((handle, buf))
-            reap(block_until_empty=self.mode == "naive")
-        reap(block_until_empty=True)
-        self.busy_s += time.perf_counter() - t_start
+        finally:
+            buf.release()
+
+    def _reap(self, wait: bool) -> None:
+        """Give back the buffers of completed writes (all of them, waiting, when `wait`)."""
+        while self._writes and (wait or self._writes[0][0].done()):
+            self._retire_oldest_write()

@@ -66,13 +66,34 @@ def test_crash_mid_step_leaves_last_commit_intact(make_dirs, monkeypatch):
         assert engine.step_count == 3
 
 
+def fail_on_call(monkeypatch, n: int) -> None:
+    """Make the n-th AdamW block update (1-based) raise, as a crash in the optimizer would."""
+    real = lohan.offload.adamw_block_
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise OSError("simulated failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lohan.offload, "adamw_block_", failing)
+
+
 def test_in_place_store_detects_interrupted_step(make_dirs, monkeypatch):
     dirs = make_dirs(1)
     with lohan.init(small_model(), ecfg(dirs, slots=1)) as engine:
         engine.step(batch(0))
-        monkeypatch.setattr(lohan.offload, "adamw_block_", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+        fail_on_call(monkeypatch, 1)  # before any block was rewritten: the states are intact
         with pytest.raises(RuntimeError):
             engine.step(batch(1))
+        monkeypatch.undo()
+        engine.step(batch(1))
+        fail_on_call(monkeypatch, 2)  # after the head was rewritten in place: mixed states
+        with pytest.raises(RuntimeError, match="optimizer pipeline failed"):
+            engine.step(batch(2))
+        with pytest.raises(RuntimeError, match="mixed"):
+            engine.step(batch(2))
     with pytest.raises(RuntimeError, match="in place.*checkpoint"):
         StateStore.open(dirs, backend="threads")
 
@@ -131,3 +152,18 @@ def test_bad_batches_are_rejected(make_dirs):
             engine.step((idx[:1], tgt[:1]))
         engine.step((idx, tgt))  # still usable afterwards
         assert engine.step_count == 1
+
+
+def test_error_inside_the_step_does_not_hang_and_leaves_the_commit(make_dirs):
+    """A failure in forward (token id past the vocabulary) must surface, not deadlock the optimizer worker."""
+    dirs = make_dirs(1)
+    for mode in ("optimized", "naive", "serial"):
+        with lohan.init(small_model(), ecfg(dirs, mode=mode), overwrite=True) as engine:
+            engine.step(batch())
+            idx, tgt = batch()
+            idx[0, 0] = 10_000
+            with pytest.raises(IndexError):
+                engine.step((idx, tgt))
+            assert engine.step_count == 1
+            engine.step(batch(1))  # the engine is still usable
+            assert engine.step_count == 2
