@@ -167,3 +167,17 @@ def test_error_inside_the_step_does_not_hang_and_leaves_the_commit(make_dirs):
             assert engine.step_count == 1
             engine.step(batch(1))  # the engine is still usable
             assert engine.step_count == 2
+
+
+def test_init_from_an_initialized_model_uses_its_weights(make_dirs):
+    from lohan.models.gpt import build_model
+
+    model = build_model(small_model(), device="cpu", seed=77)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with lohan.init(model, ecfg(make_dirs(1))) as engine:
+        got = engine.state_dict_fp32()
+    assert all(p.is_meta for p in model.parameters()), "the caller's copy is released to the meta device"
+    for name, t in got.items():
+        block, _, rest = name.partition(".")
+        ref = expected[f"blocks.{block[5:]}.{rest}" if block.startswith("block") else name]
+        assert torch.equal(t, ref), name
