@@ -208,9 +208,11 @@ class Handle:
                     f.result(remaining)
                 except FutureTimeout:
                     raise TimeoutError(f"{self._describe} not done after {timeout} s") from None
-                except BaseException as e:  # keep waiting for the rest: their buffers are still in use
+                except Exception as e:  # keep waiting for the rest: their buffers are still in use
                     if self._error is None:
                         self._error = e
+                # KeyboardInterrupt/SystemExit raised in this thread while blocked propagate as they are;
+                # the backends hold their own references to the buffers of pieces still in flight.
             self._waited = True
             self._keepalive = ()
         if self._error is not None:

@@ -164,3 +164,17 @@ def test_buffered_fallback_when_o_direct_refused(make_dirs, monkeypatch, caplog)
         vol.read_into(out, 5).wait()
         assert torch.equal(out, data)
     assert "refuses O_DIRECT" in caplog.text
+
+
+def test_interrupt_while_waiting_is_not_turned_into_an_io_error():
+    """Ctrl-C during wait() must stay a KeyboardInterrupt (wait_all catches IOEngineError)."""
+    from concurrent.futures import Future
+
+    from io_engine import Handle
+
+    class Interrupted(Future):
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Handle([Interrupted()], describe="read").wait()
