@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata
 import json
 import math
 import os
@@ -62,6 +61,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_env import cpu_model, package_version  # sibling module (the script's own directory)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -380,27 +381,15 @@ def speedups(records: list[dict], summary: dict, base: str, target: str = "optim
 
 # ------------------------------------------------------------------------------------- report
 def environment(nvme: list[str]) -> dict:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
     import torch
 
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
     usage = shutil.disk_usage(nvme[0])
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "lohan", "io_engine", "benchmarks"],
                            capture_output=True, text=True)
     return {
         "hardware": {
-            "cpu_count": os.cpu_count(), "cpu_model": cpu_model,
+            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
             "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "disk_devices": sorted({d for d in (_block_device(p) for p in nvme) if d}),
             "disk_total_bytes": usage.total, "disk_free_bytes": usage.free,
@@ -408,8 +397,8 @@ def environment(nvme: list[str]) -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         },
         "versions": {
-            "python": platform.python_version(), "torch": version("torch"), "deepspeed": version("deepspeed"),
-            "psutil": version("psutil"), "torch_num_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": package_version("torch"), "deepspeed": package_version("deepspeed"),
+            "psutil": package_version("psutil"), "torch_num_threads": torch.get_num_threads(),
             "torch_num_interop_threads": torch.get_num_interop_threads(),
             "git_commit": commit.stdout.strip() or None,
             "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None,

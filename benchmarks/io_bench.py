@@ -37,7 +37,6 @@ import argparse
 import collections
 import datetime as dt
 import errno
-import importlib.metadata
 import json
 import math
 import os
@@ -54,6 +53,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench_env import cpu_model, package_version  # sibling module (the script's own directory)
 
 if TYPE_CHECKING:
     import torch
@@ -600,18 +601,6 @@ def analyze(rows: list[dict], chosen: dict[str, EngineConfig]) -> dict:
 
 # ----------------------------------------------------------------------------------------- report
 def environment(base: Path, tool_version: str) -> dict:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
     mounts = []
     try:
         with open("/proc/mounts") as f:
@@ -627,7 +616,7 @@ def environment(base: Path, tool_version: str) -> dict:
                            capture_output=True, text=True)
     return {
         "hardware": {
-            "cpu_count": os.cpu_count(), "cpu_model": cpu_model,
+            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
             "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "disk_total_bytes": usage.total, "disk_free_bytes": usage.free,
             "device": mount[0] if mount else None, "filesystem": mount[2] if mount else None,
@@ -635,7 +624,7 @@ def environment(base: Path, tool_version: str) -> dict:
             "kernel": platform.release(), "platform": platform.platform(), "machine": platform.machine(),
         },
         "versions": {
-            "python": platform.python_version(), "torch": version("torch"), "deepspeed": version("deepspeed"),
+            "python": platform.python_version(), "torch": package_version("torch"), "deepspeed": package_version("deepspeed"),
             "reference_tool": tool_version,
             "git_commit": commit.stdout.strip() or None,
             "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None,
