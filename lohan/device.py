@@ -34,12 +34,6 @@ class Device:
         torch.cuda.current_stream().wait_stream(self.copy_stream)
         return out
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy a device tensor into a host buffer and wait for it."""
-        if dst.data_ptr() == src.data_ptr():
-            return
-        dst.copy_(src)
-
     def autocast(self, dtype: torch.dtype | None):
         """Autocast context for the compute dtype (none for fp32)."""
         if dtype is None or dtype == torch.float32:

@@ -85,9 +85,6 @@ class ParamStreamer:
         if buf is not None:
             buf.release()
 
-    def is_resident(self, i: int) -> bool:
-        return i in self._resident
-
     @property
     def resident(self) -> list[int]:
         return sorted(self._resident)

@@ -299,13 +299,6 @@ class StateStore:
         p32 = buf[:4 * b.numel].view(torch.float32)
         return [v.to(dtype).clone() for v in block_views(p32, b)]
 
-    def read_record(self, block: int) -> RecordView:
-        """Synchronously read a whole record of the current slot into fresh memory (tests, export)."""
-        b = self.layout.blocks[block]
-        buf = torch.empty(b.record_bytes, dtype=torch.uint8)
-        self.volume.read_into(buf, self.layout.record_offset(block, self.slot)).wait()
-        return RecordView(buf, b, self.p16_dtype)
-
     def close(self) -> None:
         self.volume.close()
 
