@@ -44,7 +44,8 @@ sysdeps:
 # Build DeepSpeed's async_io op once (first time: minutes; cached under ~/.cache/torch_extensions).
 aio-op: install
 	@echo "preparing DeepSpeed async_io op (first build takes several minutes on 2 cores)..."
-	@$(PY) -m io_engine info
+	@timeout 1800 $(PY) -m io_engine info || { echo "io_engine info failed or took over 30 min (exit $$?);" \
+	  "see the messages above. The threads backend does not need this op."; exit 1; }
 
 run: aio-op
 	$(PY) finetune.py

@@ -23,6 +23,8 @@ deepspeed/ops/csrc/aio):
 from __future__ import annotations
 
 import errno
+import fcntl
+import glob
 import logging
 import os
 import queue
@@ -67,7 +69,8 @@ def load_aio_op() -> ModuleType:
                 raise AioUnavailable("DeepSpeed's async_io op is not compatible here: libaio headers are "
                                      "missing (install libaio-dev)")
             log.info("loading DeepSpeed async_io op (the first build takes several minutes)")
-            _op = builder.load(verbose=False)
+            with _extension_build_guard():
+                _op = builder.load(verbose=False)
             # The op warns about SSD write endurance on its first write, through DeepSpeed's logger, in the
             # middle of a run's output; the README says it once instead.
             logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -78,6 +81,59 @@ def load_aio_op() -> ModuleType:
             _op_error = f"DeepSpeed's async_io op failed to load: {type(e).__name__}: {e}"
             raise AioUnavailable(_op_error) from e
         return _op
+
+
+def _extensions_root() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
+def _lock_is_held(path: str) -> bool:
+    """Whether a live process has `path` open (torch's FileBaton keeps the lock file open while it builds)."""
+    target = os.path.realpath(path)
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue  # the process ended, or is not ours to look at
+        for fd in fds:
+            try:
+                if os.readlink(os.path.join(fd_dir, fd)) == target:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+class _extension_build_guard:
+    """Serializes extension builds among our processes and clears build locks nobody holds.
+
+    torch's JIT build marks a build directory with a `lock` file and waits, without limit, for it to go.
+    A build that was killed (Ctrl-C, a session or CI job ended) leaves that file behind, and every later
+    load then hangs forever. Holding an flock (released by the kernel when a process dies) while we check
+    and load makes the check race-free among our processes; a lock file that no live process has open is
+    stale and removed.
+    """
+
+    def __enter__(self) -> None:
+        root = _extensions_root()
+        os.makedirs(root, exist_ok=True)
+        self._fd = os.open(os.path.join(root, ".io_engine-build.flock"), os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if not os.path.isdir("/proc/self/fd"):
+            return  # cannot tell a live builder from a dead one here; leave the locks alone
+        for lock in glob.glob(os.path.join(root, "*", "*", "lock")) + glob.glob(os.path.join(root, "*", "lock")):
+            if not _lock_is_held(lock):
+                log.warning("removing stale extension build lock %s (left by a build that was killed)", lock)
+                try:
+                    os.remove(lock)
+                except FileNotFoundError:
+                    pass
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
 
 
 def aio_available() -> tuple[bool, str]:
