@@ -1,0 +1,675 @@
+"""Cost model, Algorithm 1 and capacity planner of traffic-aware activation swapping (DESIGN §4.4-4.5).
+
+Pure policy: no torch and no I/O (except the ``Profile.save``/``load`` JSON helpers), so plans can be
+made, printed and tested on any machine. The engine executes a :class:`Plan`; this module never runs one.
+
+Notation, per training step (bytes unless noted; the profile is for the whole step batch):
+
+- ``P`` = ``param_count``; ``p16 = p16_itemsize * P`` (the "2P" of DESIGN: compute-precision params,
+  and as many gradient bytes); ``states = (12 + p16_itemsize) * P`` (the "14P": P32, m, v and P16).
+- ``S``: the ops swapped in every block. The block inputs are always swapped (nothing inside a block
+  can be recomputed without them); everything not in ``S`` is recomputed in backward.
+- ``A_G2M(S) = (n_blocks - 1) * (input_bytes + sum(op.bytes for op in S))``: the last block's
+  activations stay on the device because backward starts with it, so only n_blocks - 1 blocks move.
+- ``FLOP_r(S) = n_blocks * sum(op.flops for op not in S)``: every block, the last included, recomputes.
+- ``alpha = max(0, A_G2M - mem_avail)``: what main memory cannot hold goes on to SSD.
+
+Lanes run fully overlapped, so each phase takes as long as its slowest lane. The device link is
+duplex (``g2m`` and ``m2g`` are separate lanes); an SSD is simplex (its reads and writes add)::
+
+    T_f = max(gpu: flop_f/thp_g,  g2m: A_G2M/bw_g,  m2g: p16/bw_g,  ssd: p16/bw_s2m + alpha/bw_m2s)
+    T_b = max(gpu: (2 flop_f + FLOP_r)/thp_g,  g2m: p16/bw_g,  m2g: (p16 + A_G2M)/bw_g,
+              ssd: (states + alpha)/bw_s2m + states/bw_m2s)
+    T_iter = T_f + T_b
+
+Why Algorithm 1 may stop at the first op that does not help: taking ops by decreasing offload benefit
+``OB = flops/bytes`` makes ``FLOP_r`` a convex decreasing piecewise-linear function of ``A_G2M``; every
+transfer lane is linear or (through ``alpha``) convex increasing in it, and sums and maxima of convex
+functions are convex. So ``T_iter`` along the walk falls, then rises: the first rise is the minimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import PRESETS, ModelConfig, parse_bytes
+
+__all__ = [
+    "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec",
+    "POLICIES", "HARDWARE_PRESETS", "OS_RESERVE", "estimate", "walk_order", "walk", "algorithm1",
+    "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools",
+    "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
+]
+
+POLICIES = ("plan", "interblock", "swap-all", "recompute-all")
+LANES = ("gpu", "g2m", "m2g", "ssd")
+OS_RESERVE = 0.10
+"""Fraction of main memory left to the OS, page cache and the Python process itself."""
+
+_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+GiB = 2**30
+
+
+def _itemsize(compute_dtype: str) -> int:
+    if compute_dtype not in _ITEMSIZE:
+        raise ValueError(f"compute_dtype={compute_dtype!r}: choose one of {', '.join(_ITEMSIZE)}")
+    return _ITEMSIZE[compute_dtype]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ------------------------------------------------------------------------------------------ profile
+
+@dataclass(frozen=True)
+class Hardware:
+    """Measured or described machine. Bandwidths in bytes/s, one direction, aggregate over SSDs."""
+
+    name: str
+    thp_g: float  # FLOP/s of the compute device (the CPU on a CPU-only box)
+    bw_g: float  # device <-> main memory, per direction (the link is duplex)
+    bw_s2m: float  # SSD -> main memory
+    bw_m2s: float  # main memory -> SSD
+    mem_avail: int  # main memory left for swapped activations
+    gpu_mem: int = 0  # the capacity fields: 0 = unknown, not checked
+    ram: int = 0
+    ssd_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        # A zero rate would turn every estimate into a ZeroDivisionError far from its cause.
+        bad = [f"{f}={getattr(self, f)!r}" for f in ("thp_g", "bw_g", "bw_s2m", "bw_m2s")
+               if not getattr(self, f) > 0]
+        if bad:
+            raise ValueError(f"hardware {self.name!r}: rates must be positive ({', '.join(bad)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Hardware:
+        return Hardware(**d)
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One op of a transformer block: forward FLOPs and output bytes, for one block and the whole batch."""
+
+    name: str
+    flops: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the cost model needs about one (model, batch, seq, machine); see the module docstring."""
+
+    model: str
+    batch: int
+    seq: int
+    n_blocks: int  # identical transformer blocks
+    ops: tuple[OpProfile, ...]  # of one block, in forward order
+    input_bytes: int  # one block's input for the whole batch (A_interBlock per block)
+    param_count: int  # P, whole model
+    p16_itemsize: int  # bytes per compute-precision param/grad element: 2 (bf16) or 4 (fp32)
+    flop_f: float  # forward FLOPs of the whole model per step, embeddings and head included
+    hardware: Hardware
+    source: str  # "measured" | "analytic"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        names = [op.name for op in self.ops]
+        problems = []
+        if len(set(names)) != len(names):
+            problems.append(f"op names must be unique (swap sets are named): {names}")
+        if self.n_blocks < 1:
+            problems.append(f"n_blocks={self.n_blocks} must be >= 1")
+        if any(op.flops < 0 or op.bytes < 0 for op in self.ops) or self.input_bytes < 0:
+            problems.append("op flops/bytes and input_bytes must be >= 0")
+        if problems:
+            raise ValueError(f"invalid profile {self.model!r}: " + "; ".join(problems))
+
+    @property
+    def p16(self) -> int:
+        return self.p16_itemsize * self.param_count
+
+    @property
+    def states(self) -> int:
+        return (12 + self.p16_itemsize) * self.param_count
+
+    def key(self) -> str:
+        # The itemsize is part of the key: a bf16 and an fp32 profile of one run differ in every byte count.
+        raw = f"{self.model}-b{self.batch}-s{self.seq}-w{self.p16_itemsize}-{self.hardware.name}"
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Profile:
+        return Profile(**{**d, "ops": tuple(OpProfile(**op) for op in d["ops"]),
+                          "hardware": Hardware.from_dict(d["hardware"])})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        return Profile.from_dict(json.loads(Path(path).read_text()))
+
+
+# -------------------------------------------------------------------------------------- cost model
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step time of one swap set, with every lane's time so the bottleneck can be read off."""
+
+    swap: tuple[str, ...]
+    a_g2m: int
+    flop_r: float
+    alpha_bytes: int
+    t_f: float
+    t_b: float
+    t_iter: float
+    lanes_f: dict[str, float]
+    lanes_b: dict[str, float]
+    bottleneck_f: str
+    bottleneck_b: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Estimate:
+        return Estimate(**{**d, "swap": tuple(d["swap"])})
+
+
+def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float) -> Estimate:
+    hw = profile.hardware
+    p16, states = profile.p16, profile.states
+    alpha = max(0, a_g2m - hw.mem_avail)
+    lanes_f = {"gpu": profile.flop_f / hw.thp_g, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
+               "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
+    lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g, "g2m": p16 / hw.bw_g,
+               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (states + alpha) / hw.bw_s2m + states / hw.bw_m2s}
+    t_f, t_b = max(lanes_f.values()), max(lanes_b.values())
+    return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
+                    max(LANES, key=lanes_f.__getitem__), max(LANES, key=lanes_b.__getitem__))
+
+
+def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
+    """Cost of swapping the block inputs plus the ops named in ``swap`` in every block."""
+    by_name = {op.name: op for op in profile.ops}
+    unknown = [s for s in swap if s not in by_name]
+    if unknown:
+        raise ValueError(f"unknown op(s) {unknown}; valid ops are: {', '.join(by_name)}")
+    chosen = tuple(dict.fromkeys(swap))
+    a_g2m = (profile.n_blocks - 1) * (profile.input_bytes + sum(by_name[s].bytes for s in chosen))
+    flop_r = profile.n_blocks * sum(op.flops for op in profile.ops if op.name not in chosen)
+    return _evaluate(profile, chosen, a_g2m, flop_r)
+
+
+def walk_order(profile: Profile) -> list[OpProfile]:
+    """Ops by decreasing offload benefit ``flops/bytes``; ties keep forward order.
+
+    Ops with no output bytes come first: swapping them moves nothing, so it can only save recomputation.
+    """
+    def key(item: tuple[int, OpProfile]) -> tuple[int, float, int]:
+        i, op = item
+        return (0, 0.0, i) if op.bytes == 0 else (1, -op.flops / op.bytes, i)
+    return [op for _, op in sorted(enumerate(profile.ops), key=key)]
+
+
+def walk(profile: Profile) -> list[Estimate]:
+    """Point 0 swaps the block inputs only; point k adds the first k ops of :func:`walk_order`."""
+    names = [op.name for op in walk_order(profile)]
+    return [estimate(profile, names[:k]) for k in range(len(names) + 1)]
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class Plan:
+    """What to swap in every block, where each block's activation record lives, and the predicted cost.
+
+    ``block_tiers[i]`` is where block i's record (its input plus its swapped op outputs) stays between
+    forward and backward: ``keep`` (device), ``cpu`` or ``ssd``. ``points`` is the whole walk.
+    """
+
+    policy: str
+    swap: tuple[str, ...]
+    block_tiers: tuple[str, ...]
+    estimate: Estimate
+    points: tuple[Estimate, ...]
+    chosen: int
+    case: int
+    block_bytes: int
+    cpu_bytes: int
+    ssd_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Plan:
+        return Plan(**{**d, "swap": tuple(d["swap"]), "block_tiers": tuple(d["block_tiers"]),
+                       "estimate": Estimate.from_dict(d["estimate"]),
+                       "points": tuple(Estimate.from_dict(p) for p in d["points"])})
+
+    def tier_summary(self) -> str:
+        """Runs of equal tiers, e.g. ``blocks 0-3: ssd, 4-10: cpu, 11: keep``."""
+        runs, start = [], 0
+        for tier, group in itertools.groupby(self.block_tiers):
+            end = start + len(list(group)) - 1
+            runs.append(f"{start}{'' if end == start else f'-{end}'}: {tier}")
+            start = end + 1
+        return "blocks " + ", ".join(runs)
+
+    def format_table(self) -> str:
+        rows = self.points or (self.estimate,)
+        head = (f"{'':2}{'#':>2}  {'swap (cumulative)':<18}{'A_G2M':>11}{'to SSD':>11}{'FLOP_r':>12}"
+                f"{'T_f':>10}{'T_b':>10}{'T_iter':>10}  bottleneck f/b")
+        lines = [f"policy {self.policy}: " + ("Algorithm 1 walk" if self.points else "forced"), head]
+        prev: tuple[str, ...] = ()
+        for i, e in enumerate(rows):
+            if not self.points:
+                label = self.policy
+            elif not e.swap:
+                label = "inputs only"
+            else:  # a walk: show what this point adds to the previous one
+                label = "+" + ",".join(n for n in e.swap if n not in prev)
+            prev = e.swap
+            mark = "*" if (i == self.chosen or not self.points) else " "
+            lines.append(f"{mark:<2}{i:>2}  {label:<18}{_gb(e.a_g2m):>11}{_gb(e.alpha_bytes):>11}"
+                         f"{e.flop_r / 1e12:>9.2f} TF{e.t_f:>9.4g}s{e.t_b:>9.4g}s{e.t_iter:>9.4g}s"
+                         f"  {e.bottleneck_f}/{e.bottleneck_b}")
+        swapped = ", ".join(("inputs", *self.swap)) if self.policy != "recompute-all" else "nothing"
+        lines.append(f"swapped in every block: {swapped}; {_gb(self.block_bytes)} per block record")
+        lines.append(f"{self.tier_summary()} (cpu {_gb(self.cpu_bytes)}, ssd {_gb(self.ssd_bytes)})")
+        lines.append(_CASES.get(self.case, "") or f"forced policy {self.policy!r} (not chosen by Algorithm 1)")
+        return "\n".join(lines)
+
+
+_CASES = {
+    1: "case 1 (PCIe/SSD-bound): any op swapped beyond the block inputs would lengthen the step, "
+       "so only the block inputs are swapped and the rest is recomputed",
+    2: "case 2 (compute-bound): every op that costs FLOPs to recompute is swapped",
+    3: "case 3 (interior optimum): swapping stops where the transfer lanes would cost more than "
+       "the recomputation they save",
+}
+
+
+def place_tiers(n_blocks: int, block_bytes: int, mem_avail: int, policy: str) -> tuple[str, ...]:
+    """Where each block's record lives: last block ``keep``; earliest blocks ``ssd``, the rest ``cpu``.
+
+    The earliest blocks are read back last in backward, so their slower SSD reads get the most time
+    to prefetch. Placement is by whole blocks, so the SSD share may exceed the cost model's alpha by
+    less than one block record.
+    """
+    if policy == "recompute-all":
+        return ("keep",) * n_blocks
+    movable = n_blocks - 1
+    fit = movable if block_bytes <= 0 else max(0, mem_avail) // block_bytes
+    k_ssd = max(0, movable - fit)
+    return ("ssd",) * k_ssd + ("cpu",) * (movable - k_ssd) + ("keep",)
+
+
+def _plan(profile: Profile, policy: str, est: Estimate, points: Sequence[Estimate] = (),
+          chosen: int = -1, case: int = 0) -> Plan:
+    sizes = {op.name: op.bytes for op in profile.ops}
+    block_bytes = profile.input_bytes + sum(sizes[s] for s in est.swap)
+    tiers = place_tiers(profile.n_blocks, block_bytes, profile.hardware.mem_avail, policy)
+    return Plan(policy, est.swap, tiers, est, tuple(points), chosen, case, block_bytes,
+                tiers.count("cpu") * block_bytes, tiers.count("ssd") * block_bytes)
+
+
+def algorithm1(profile: Profile) -> Plan:
+    """DESIGN's Algorithm 1: walk ops by decreasing OB from interblock; stop at the first non-improvement.
+
+    Case 1: no op with bytes and FLOPs is taken (PCIe/SSD-bound). Case 2: every such op is taken
+    (compute-bound; zero-FLOP ops such as LayerNorm recompute for free, so they never help). Case 3: between.
+    """
+    order = walk_order(profile)
+    points = walk(profile)
+    # Zero-byte ops lead the order and never raise T_iter; taking them keeps a zero-FLOP one from
+    # stopping the walk at a flat step before it reaches the ops that matter.
+    k = sum(op.bytes == 0 for op in order)
+    while k < len(order) and points[k + 1].t_iter < points[k].t_iter:
+        k += 1
+    taken = {op.name for op in order[:k]}
+    useful = [op.name for op in order if op.flops > 0 and op.bytes > 0]
+    if useful and all(n in taken for n in useful):
+        case = 2
+    elif not any(n in taken for n in useful):
+        case = 1
+    else:
+        case = 3
+    return _plan(profile, "plan", points[k], points, k, case)
+
+
+def forced_plan(profile: Profile, policy: str) -> Plan:
+    """Baseline policies: ``recompute-all`` (nothing leaves the device), ``interblock``
+    (ZeRO-Infinity: block inputs only) and ``swap-all`` (G10: every op)."""
+    if policy == "recompute-all":
+        est = _evaluate(profile, (), 0, profile.n_blocks * sum(op.flops for op in profile.ops))
+    elif policy == "interblock":
+        est = estimate(profile, ())
+    elif policy == "swap-all":
+        est = estimate(profile, [op.name for op in profile.ops])
+    else:
+        raise ValueError(f"unknown forced policy {policy!r}; choose one of {', '.join(POLICIES[1:])}")
+    return _plan(profile, policy, est)
+
+
+def ops_plan(profile: Profile, ops: Sequence[str]) -> Plan:
+    """Swap the block inputs and exactly ``ops`` in every block (ablations, sweeps): policy ``ops:a,b``."""
+    est = estimate(profile, ops)
+    return _plan(profile, "ops:" + ",".join(est.swap), est)
+
+
+def make_plan(profile: Profile, policy: str) -> Plan:
+    """``plan`` runs :func:`algorithm1`; the other :data:`POLICIES` are :func:`forced_plan`;
+    ``ops:NAME,NAME`` is :func:`ops_plan`."""
+    if policy.startswith("ops:"):
+        return ops_plan(profile, [n.strip() for n in policy[4:].split(",") if n.strip()])
+    if policy not in POLICIES:
+        raise ValueError(f"unknown activation policy {policy!r}; choose one of {', '.join(POLICIES)} "
+                         "or ops:NAME,NAME")
+    return algorithm1(profile) if policy == "plan" else forced_plan(profile, policy)
+
+
+# ------------------------------------------------------------------------------- analytic profile
+
+def analytic_profile(cfg: ModelConfig, batch: int, seq: int, hw: Hardware,
+                     compute_dtype: str = "bf16") -> Profile:
+    """Formula profile of the GPT block (pre-LN), counted the way ``FlopCounterMode`` counts.
+
+    A matmul is ``2·M·N·K``; SDPA is ``4·B·T²·d`` (no causal discount); LayerNorm and GELU are 0.
+    Bytes are op outputs; LayerNorm also returns fp32 mean and rstd, SDPA an fp32 logsumexp per head.
+    """
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
+    if seq > cfg.seq_len:
+        raise ValueError(f"seq={seq} exceeds the model's {cfg.seq_len} position embeddings")
+    s = _itemsize(compute_dtype)
+    n, d, h = batch * seq, cfg.d_model, cfg.mlp_hidden
+    ln = n * d * s + 2 * n * 4
+    ops = (
+        OpProfile("ln1", 0.0, ln),
+        OpProfile("qkv", 2.0 * n * d * 3 * d, 3 * n * d * s),
+        OpProfile("attn", 4.0 * batch * seq * seq * d, n * d * s + batch * cfg.n_head * seq * 4),
+        OpProfile("proj", 2.0 * n * d * d, n * d * s),
+        OpProfile("ln2", 0.0, ln),
+        OpProfile("fc", 2.0 * n * d * h, n * h * s),
+        OpProfile("act", 0.0, n * h * s),
+        OpProfile("fc_proj", 2.0 * n * h * d, n * d * s),
+    )
+    # flops_per_token is forward-only and counts exactly these matmuls plus the LM head.
+    return Profile(cfg.name, batch, seq, cfg.n_layer, ops, n * d * s, cfg.param_count(), s,
+                   float(cfg.flops_per_token(seq)) * n, hw, "analytic")
+
+
+# -------------------------------------------------------------------------------------- hardware
+
+@dataclass(frozen=True)
+class GpuSpec:
+    flops: float
+    """Dense bf16 tensor FLOP/s with fp32 accumulate (datasheet peak; measured profiles replace it)."""
+    mem: int
+    link_bw: float
+    """Usable host link bytes/s per direction."""
+    source: str
+
+
+@dataclass(frozen=True)
+class SsdSpec:
+    read_bw: float
+    write_bw: float
+    capacity: int
+    source: str
+
+
+HARDWARE_PRESETS: dict[str, GpuSpec | SsdSpec] = {
+    "rtx4090": GpuSpec(165.2e12, 24 * GiB, 25e9, "Ada whitepaper: 165.2 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16"),
+    "rtx4080": GpuSpec(97.5e12, 16 * GiB, 25e9, "Ada whitepaper: 97.5 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16"),
+    "rtx3090": GpuSpec(71e12, 24 * GiB, 25e9, "Ampere GA102 whitepaper: 71 TFLOPS FP16 FP32-acc dense; PCIe 4.0"),
+    "a100-80g": GpuSpec(312e12, 80 * GiB, 25e9, "A100 datasheet: 312 TFLOPS BF16 dense; PCIe 4.0 x16 host link"),
+    "h100": GpuSpec(989e12, 80 * GiB, 50e9, "H100 SXM datasheet: 989 TFLOPS BF16 dense; PCIe 5.0 x16"),
+    "h200": GpuSpec(989e12, 141 * 10**9, 50e9, "H200 datasheet: 989 TFLOPS BF16 dense, 141 GB; PCIe 5.0 x16"),
+    "p5510": SsdSpec(6.5e9, 3.4e9, 3_840 * 10**9, "Intel D7-P5510 3.84 TB: 6500 MB/s seq read, 3400 MB/s write"),
+}
+
+_SSD_RE = re.compile(r"^(\d+)\s*[x×*]\s*(\S+)$")
+_EXAMPLE = 'e.g. "rtx4090, 12xP5510, 256GB" (a GPU, SSD count x model, RAM size; any order)'
+
+
+def _known(kind: type) -> str:
+    return ", ".join(k for k, v in HARDWARE_PRESETS.items() if isinstance(v, kind))
+
+
+def parse_hardware(desc: str) -> Hardware:
+    """Describe a machine from its parts. SSD bandwidths and capacities add up (striped volume; no
+    host-side PCIe ceiling is modelled, so many SSDs are optimistic).
+
+    ``mem_avail`` is RAM minus :data:`OS_RESERVE`; the engine's own pools come off it later
+    (:func:`reserve_engine_pools`), since they depend on the model.
+    """
+    parts = [p.strip() for p in str(desc).split(",") if p.strip()]
+    gpus: list[tuple[str, GpuSpec]] = []
+    ssds: list[tuple[int, str, SsdSpec]] = []
+    rams: list[tuple[str, int]] = []
+    problems: list[str] = []
+    for part in parts:
+        key = part.lower().replace(" ", "")
+        m = _SSD_RE.match(key)
+        if m:
+            spec = HARDWARE_PRESETS.get(m.group(2))
+            if not isinstance(spec, SsdSpec):
+                problems.append(f"unknown SSD {m.group(2)!r} (known: {_known(SsdSpec)})")
+            elif int(m.group(1)) < 1:
+                problems.append(f"{part!r}: SSD count must be >= 1")
+            else:
+                ssds.append((int(m.group(1)), m.group(2), spec))
+            continue
+        spec = HARDWARE_PRESETS.get(key)
+        if isinstance(spec, GpuSpec):
+            gpus.append((key, spec))
+            continue
+        try:
+            rams.append((part.replace(" ", ""), parse_bytes(key)))
+        except ValueError:
+            problems.append(f"unknown component {part!r} (GPUs: {_known(GpuSpec)}; SSDs: {_known(SsdSpec)})")
+    if len(gpus) != 1:
+        problems.append(f"give exactly one GPU, got {len(gpus)} (known: {_known(GpuSpec)})")
+    if not ssds:
+        problems.append("give the SSDs as COUNTxMODEL, e.g. 12xP5510")
+    if len(rams) != 1 or rams[0][1] < 10**9:
+        problems.append("give the RAM size once, with a unit, e.g. 256GB or 128GiB")
+    if problems:
+        raise ValueError(f"cannot read hardware {desc!r}: " + "; ".join(problems) + f". Write {_EXAMPLE}")
+    (gpu_name, gpu), (ram_text, ram) = gpus[0], rams[0]
+    name = ",".join([gpu_name, *(f"{n}x{m.upper()}" for n, m, _ in ssds), ram_text])
+    return Hardware(name, gpu.flops, gpu.link_bw, sum(n * s.read_bw for n, _, s in ssds),
+                    sum(n * s.write_bw for n, _, s in ssds), int(ram * (1 - OS_RESERVE)),
+                    gpu.mem, ram, sum(n * s.capacity for n, _, s in ssds))
+
+
+# ------------------------------------------------------------------------------ capacity planner
+
+def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: int = 2,
+                 max_inflight: int = 3, micro_batches: int = 1, grad_buffers: int = 2) -> dict[str, int]:
+    """Main-memory pools of the engine, mirroring ``engine.plan_host_memory`` (without alignment).
+
+    params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block;
+    grads: ``grad_buffers`` fp32 block buffers (one filling, one queued) plus the tied weight's per
+    micro-batch copies; optimizer: ``max_inflight`` records of P32, m, v, P16 of the largest block.
+    """
+    s = _itemsize(compute_dtype)
+    big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
+    tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
+    return {"params": (2 * prefetch_depth + 1 + (1 if tied else 0)) * s * big,
+            "grads": grad_buffers * 4 * big + micro_batches * 4 * tied,
+            "optimizer": max_inflight * (12 + s) * big}
+
+
+def _ram_budget(hw: Hardware) -> int:
+    # A measured Hardware may not know the RAM size; its mem_avail is then the whole budget.
+    return int(hw.ram * (1 - OS_RESERVE)) if hw.ram else hw.mem_avail
+
+
+def reserve_engine_pools(hw: Hardware, cfg: ModelConfig, **pool_args: Any) -> Hardware:
+    """``hw`` with ``mem_avail`` = RAM budget minus :func:`engine_pools` (what is left for activations)."""
+    return dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - sum(engine_pools(cfg, **pool_args).values())))
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Whether a (model, batch, seq) fits a machine, what each tier needs, and why not if it does not."""
+
+    design: str
+    model: str
+    batch: int
+    seq: int
+    hardware: str
+    fits: bool
+    reasons: tuple[str, ...]
+    gpu_bytes: int
+    cpu_bytes: int
+    ssd_bytes: int
+    ssd_states_bytes: int
+    ssd_act_bytes: int
+    plan: Plan
+    gpu_parts: dict[str, int]
+    cpu_parts: dict[str, int]
+    limits: dict[str, int]
+
+    def format(self) -> str:
+        def row(tier: str, need: int, parts: Mapping[str, int]) -> str:
+            limit = self.limits[tier]
+            verdict = "not checked (size unknown)" if not limit else "ok" if need <= limit else "TOO BIG"
+            detail = ", ".join(f"{k} {_gb(v)}" for k, v in parts.items())
+            return f"  {tier:<4}{_gb(need):>12} of {_gb(limit):>11}  {verdict:<8} ({detail})"
+        lines = [f"{self.design}: {self.model}, batch {self.batch} x seq {self.seq} on {self.hardware}",
+                 row("gpu", self.gpu_bytes, self.gpu_parts), row("cpu", self.cpu_bytes, self.cpu_parts),
+                 row("ssd", self.ssd_bytes, {"states": self.ssd_states_bytes, "activations": self.ssd_act_bytes}),
+                 f"  activations: {self.plan.tier_summary()}",
+                 "  => fits" if self.fits else "  => does NOT fit:"]
+        lines += [f"     - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def _gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype: str, micro_batches: int,
+              prefetch_depth: int, swap: Sequence[str]) -> dict[str, int]:
+    """Device memory estimate (allocator fragmentation and CUDA context not included)."""
+    s = _itemsize(compute_dtype)
+    big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
+    mb = math.ceil(batch / micro_batches)
+    micro = analytic_profile(cfg, mb, seq, hw, compute_dtype)
+    full = analytic_profile(cfg, batch, seq, hw, compute_dtype)
+    sizes = {op.name: op.bytes for op in full.ops}
+    return {
+        # computing block + its gradients + k prefetched ahead + k kept over the forward/backward turn
+        "params": (2 * prefetch_depth + 2) * s * big,
+        # recomputing a block materializes every op of one micro-batch, and backward as many gradients
+        "block activations": 2 * (micro.input_bytes + sum(op.bytes for op in micro.ops)),
+        # micro-batches are interleaved per block, so the last block keeps the whole batch's record
+        "last block kept": full.input_bytes + sum(sizes[n] for n in swap),
+        "logits": 2 * mb * seq * cfg.vocab_size * 4,
+    }
+
+
+def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, plan: Plan,
+           gpu_parts: dict[str, int], cpu_parts: dict[str, int], ssd_states: int, ssd_act: int) -> Capacity:
+    limits = {"gpu": hw.gpu_mem, "cpu": _ram_budget(hw), "ssd": hw.ssd_bytes}
+    gpu, cpu, ssd = sum(gpu_parts.values()), sum(cpu_parts.values()), ssd_states + ssd_act
+    reasons = []
+    if limits["gpu"] and gpu > limits["gpu"]:
+        reasons.append(f"GPU memory: needs {_gb(gpu)} but the device has {_gb(limits['gpu'])}")
+    if limits["cpu"] and cpu > limits["cpu"]:
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in cpu_parts.items())
+        reasons.append(f"main memory: needs {_gb(cpu)} ({parts}) but {_gb(limits['cpu'])} is usable "
+                       f"({_gb(hw.ram)} RAM minus the {OS_RESERVE:.0%} OS reserve)")
+    if limits["ssd"] and ssd > limits["ssd"]:
+        reasons.append(f"SSD: needs {_gb(ssd)} (states in two slots {_gb(ssd_states)}, activations "
+                       f"{_gb(ssd_act)}) but the SSDs hold {_gb(limits['ssd'])}")
+    return Capacity(design, cfg.name, batch, seq, hw.name, not reasons, tuple(reasons), gpu, cpu, ssd,
+                    ssd_states, ssd_act, plan, gpu_parts, cpu_parts, limits)
+
+
+def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
+             micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3) -> Capacity:
+    """LoHan: states on SSD (two slots), activations in main memory and overflowing to SSD, gradients
+    consumed per block by active gradient offloading (only two block buffers in main memory)."""
+    pool_args = dict(compute_dtype=compute_dtype, prefetch_depth=prefetch_depth,
+                     max_inflight=max_inflight, micro_batches=micro_batches)
+    pools = engine_pools(cfg, **pool_args)
+    # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
+    plan = algorithm1(analytic_profile(cfg, batch, seq, reserve_engine_pools(hw, cfg, **pool_args), compute_dtype))
+    gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
+    states = 2 * (12 + _itemsize(compute_dtype)) * cfg.param_count()
+    return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
+                  {**pools, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
+
+
+def activations_in_ram_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int,
+                                compute_dtype: str = "bf16", micro_batches: int = 1, prefetch_depth: int = 2,
+                                max_inflight: int = 3, grad_bytes_per_param: int | None = None) -> Capacity:
+    """ZeRO-Infinity-style design: block-input checkpoints of every block held in main memory (no SSD tier
+    for activations) and, because its CPU optimizer runs as a separate stage after backward, the whole
+    model's gradients too (``grad_bytes_per_param * P``): by default the half-precision gradients (2P)
+    plus the fp32 copy that DeepSpeed's CPU Adam consumes (4P), i.e. 6 bytes per parameter in bf16.
+    That reproduces the paper's estimate of ~1.1 TB of main memory for 175B (§I) and its Fig. 2a
+    (175B does not fit in 768 GB); counting only the 2P would contradict both.
+    """
+    s = _itemsize(compute_dtype)
+    grads = (s + 4 if grad_bytes_per_param is None else grad_bytes_per_param) * cfg.param_count()
+    pools = engine_pools(cfg, compute_dtype, prefetch_depth, max_inflight, micro_batches, grad_buffers=0)
+    profile = analytic_profile(cfg, batch, seq, hw, compute_dtype)
+    # Activations never go to SSD in this design: plan as if main memory held them, then check it does.
+    everything = dataclasses.replace(hw, mem_avail=cfg.n_layer * profile.input_bytes)
+    plan = forced_plan(dataclasses.replace(profile, hardware=everything), "interblock")
+    gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, ())
+    return _judge("activations in main memory (ZeRO-Infinity style)", cfg, batch, seq, hw, plan, gpu,
+                  {**pools, "gradients": grads, "checkpoints": plan.cpu_bytes}, 2 * (12 + s) * cfg.param_count(), 0)
+
+
+def max_batch(cfg: ModelConfig, hw: Hardware, seq: int, compute_dtype: str = "bf16", micro_batches: int = 1,
+              prefetch_depth: int = 2, max_inflight: int = 3, limit: int = 1 << 16) -> int:
+    """Largest batch (a multiple of ``micro_batches``) that :func:`capacity` accepts; 0 if none."""
+    def fits(k: int) -> bool:
+        return capacity(cfg, hw, k * micro_batches, seq, compute_dtype, micro_batches,
+                        prefetch_depth, max_inflight).fits
+    if not fits(1):
+        return 0
+    lo = 1
+    while 2 * lo <= limit and fits(2 * lo):
+        lo *= 2
+    hi = min(2 * lo, limit + 1)  # first size known (or assumed) not to fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * micro_batches
+
+
+def max_model(hw: Hardware, seq: int, batch: int = 1, presets: Mapping[str, Mapping[str, Any]] | None = None,
+              compute_dtype: str = "bf16", prefetch_depth: int = 2, max_inflight: int = 3) -> str | None:
+    """Name of the largest preset (by parameter count) that fits at this batch and sequence length.
+
+    A preset with fewer position embeddings than ``seq`` is sized with ``seq`` of them.
+    """
+    table = PRESETS if presets is None else presets
+    cfgs = [ModelConfig(name=name, **dims) for name, dims in table.items()]
+    cfgs = [c.with_overrides(seq_len=max(c.seq_len, seq)) for c in cfgs]
+    for cfg in sorted(cfgs, key=ModelConfig.param_count, reverse=True):
+        if capacity(cfg, hw, batch, seq, compute_dtype, prefetch_depth=prefetch_depth,
+                    max_inflight=max_inflight).fits:
+            return cfg.name
+    return None

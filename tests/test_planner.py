@@ -1,0 +1,438 @@
+"""Tests for lohan.planner: cost model, Algorithm 1, tier placement, analytic profiles, capacity planner.
+
+Pure and fast: synthetic profiles built by hand, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from lohan.config import PRESETS, ModelConfig, get_model_config
+from lohan.planner import (
+    POLICIES,
+    Hardware,
+    OpProfile,
+    Plan,
+    Profile,
+    activations_in_ram_capacity,
+    algorithm1,
+    analytic_profile,
+    capacity,
+    engine_pools,
+    estimate,
+    forced_plan,
+    make_plan,
+    max_batch,
+    max_model,
+    parse_hardware,
+    place_tiers,
+    reserve_engine_pools,
+    walk,
+    walk_order,
+)
+
+PAPER_256 = "rtx4090,12xP5510,256GB"
+
+
+def make_profile(ops: list[tuple[str, float, int]], *, n_blocks: int = 4, input_bytes: int = 0,
+                 param_count: int = 0, flop_f: float = 0.0, thp_g: float = 1.0, bw_g: float = 1.0,
+                 bw_s2m: float = 1.0, bw_m2s: float = 1.0, mem_avail: int = 10**18) -> Profile:
+    hw = Hardware("synthetic", thp_g, bw_g, bw_s2m, bw_m2s, mem_avail)
+    return Profile("synthetic", 1, 1, n_blocks, tuple(OpProfile(*op) for op in ops), input_bytes,
+                   param_count, 2, flop_f, hw, "analytic")
+
+
+def interior_profile() -> Profile:
+    # n_blocks=2, no params: T = A/bw_g + max(FLOP_r, A/bw_g), A = swapped bytes, FLOP_r = 2 * unswapped flops.
+    # Walk a, b, c -> T = 30, 11, 6, 14: the minimum is after b.
+    return make_profile([("c", 1.0, 4), ("a", 10.0, 1), ("b", 4.0, 2)], n_blocks=2)
+
+
+def random_profile(rng: random.Random) -> Profile:
+    n_ops = rng.randint(1, 8)
+    ops = [(f"op{i}", rng.choice([0.0, rng.uniform(0, 1e12)]), rng.choice([0, rng.randint(1, 10**9)]))
+           for i in range(n_ops)]
+    return make_profile(ops, n_blocks=rng.randint(1, 50), input_bytes=rng.randint(0, 10**8),
+                        param_count=rng.randint(0, 10**9), flop_f=rng.uniform(0, 1e14),
+                        thp_g=rng.uniform(1e12, 1e15), bw_g=rng.uniform(1e9, 5e10), bw_s2m=rng.uniform(1e9, 1e11),
+                        bw_m2s=rng.uniform(1e9, 1e11), mem_avail=rng.randint(0, 10**11))
+
+
+# ------------------------------------------------------------------------------- cost model
+
+def test_estimate_matches_the_equations() -> None:
+    p = make_profile([("x", 100.0, 7), ("y", 50.0, 3)], n_blocks=5, input_bytes=2, param_count=10,
+                     flop_f=1000.0, thp_g=10.0, bw_g=2.0, bw_s2m=4.0, bw_m2s=8.0, mem_avail=20)
+    e = estimate(p, ["x"])
+    a = 4 * (2 + 7)
+    assert (e.a_g2m, e.flop_r, e.alpha_bytes) == (a, 5 * 50.0, a - 20)
+    p16, states = 2 * 10, 14 * 10
+    assert e.lanes_f == {"gpu": 100.0, "g2m": a / 2, "m2g": p16 / 2, "ssd": p16 / 4 + (a - 20) / 8}
+    assert e.lanes_b == {"gpu": (2000 + 250) / 10, "g2m": p16 / 2, "m2g": (p16 + a) / 2,
+                         "ssd": (states + a - 20) / 4 + states / 8}
+    assert e.t_f == 100.0 and e.bottleneck_f == "gpu"
+    assert e.t_b == 225.0 and e.bottleneck_b == "gpu"
+    assert e.t_iter == e.t_f + e.t_b
+
+
+def test_alpha_is_the_overflow_and_feeds_the_ssd_lanes() -> None:
+    ops = [("x", 1.0, 100)]
+    fits = make_profile(ops, n_blocks=3, input_bytes=10, mem_avail=220)
+    over = make_profile(ops, n_blocks=3, input_bytes=10, mem_avail=150)
+    e_fit, e_over = estimate(fits, ["x"]), estimate(over, ["x"])
+    assert e_fit.a_g2m == e_over.a_g2m == 220
+    assert e_fit.alpha_bytes == 0
+    assert e_over.alpha_bytes == 220 - 150
+    assert e_over.lanes_f["ssd"] - e_fit.lanes_f["ssd"] == pytest.approx(70 / 1.0)
+    assert e_over.lanes_b["ssd"] - e_fit.lanes_b["ssd"] == pytest.approx(70 / 1.0)
+
+
+def test_last_block_is_not_offloaded_but_recomputes() -> None:
+    p = make_profile([("x", 3.0, 5), ("y", 2.0, 1)], n_blocks=6, input_bytes=4)
+    e = estimate(p, ["y"])
+    assert e.a_g2m == 5 * (4 + 1)
+    assert e.flop_r == 6 * 3.0
+
+
+def test_unknown_op_name_lists_valid_ones() -> None:
+    p = interior_profile()
+    with pytest.raises(ValueError, match=r"nope.*valid ops are: c, a, b"):
+        estimate(p, ["a", "nope"])
+
+
+def test_walk_order_by_offload_benefit_zero_bytes_first_ties_in_forward_order() -> None:
+    p = make_profile([("low", 1.0, 10), ("tie1", 4.0, 2), ("free", 0.0, 0), ("tie2", 8.0, 4), ("high", 9.0, 1)])
+    assert [op.name for op in walk_order(p)] == ["free", "high", "tie1", "tie2", "low"]
+    points = walk(p)
+    assert [e.swap for e in points] == [(), ("free",), ("free", "high"), ("free", "high", "tie1"),
+                                        ("free", "high", "tie1", "tie2"),
+                                        ("free", "high", "tie1", "tie2", "low")]
+    assert all(a.a_g2m <= b.a_g2m for a, b in zip(points, points[1:]))
+
+
+# -------------------------------------------------------------------------------- Algorithm 1
+
+def test_case1_link_bound_swaps_only_block_inputs() -> None:
+    # Slow device link binds both phases; the GPU is so fast that recomputation is free.
+    p = make_profile([("a", 1e6, 100), ("b", 1e3, 100)], n_blocks=8, input_bytes=50, param_count=1000,
+                     flop_f=1e6, thp_g=1e12, bw_g=1.0, bw_s2m=1e9, bw_m2s=1e9)
+    plan = algorithm1(p)
+    assert plan.swap == () and plan.case == 1 and plan.chosen == 0
+    assert all(e.t_iter > plan.estimate.t_iter for e in plan.points[1:])
+
+
+def test_case2_compute_bound_swaps_every_op_that_costs_flops() -> None:
+    p = make_profile([("ln", 0.0, 10), ("mm", 1e9, 10), ("attn", 5e8, 20), ("free", 3.0, 0)], n_blocks=8,
+                     input_bytes=10, param_count=100, flop_f=1e9, thp_g=1.0, bw_g=1e9, bw_s2m=1e9, bw_m2s=1e9)
+    plan = algorithm1(p)
+    assert plan.case == 2
+    assert set(plan.swap) == {"free", "mm", "attn"}  # ln recomputes for free: swapping it only costs
+    assert plan.estimate.flop_r == 0.0
+
+
+def test_case2_takes_everything_when_every_op_helps() -> None:
+    p = make_profile([("x", 1e9, 10), ("y", 1e8, 10)], thp_g=1.0, bw_g=1e9)
+    plan = algorithm1(p)
+    assert plan.case == 2 and set(plan.swap) == {"x", "y"} and plan.chosen == len(plan.points) - 1
+
+
+def test_case3_interior_optimum_is_the_walk_argmin() -> None:
+    p = interior_profile()
+    plan = algorithm1(p)
+    t = [e.t_iter for e in plan.points]
+    assert t == [30.0, 11.0, 6.0, 14.0]
+    assert plan.case == 3 and plan.chosen == 2 and plan.swap == ("a", "b")
+    assert plan.estimate == plan.points[t.index(min(t))]
+
+
+def _assert_unimodal(t: list[float]) -> None:
+    tol = 1e-9 * max(t)
+    k = t.index(min(t))
+    assert all(b <= a + tol for a, b in zip(t[:k], t[1:k + 1])), t
+    assert all(b >= a - tol for a, b in zip(t[k:], t[k + 1:])), t
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_walk_is_convex_and_algorithm1_finds_its_minimum(seed: int) -> None:
+    p = random_profile(random.Random(seed))
+    t = [e.t_iter for e in walk(p)]
+    _assert_unimodal(t)
+    assert algorithm1(p).estimate.t_iter == pytest.approx(min(t), rel=1e-9)
+
+
+@pytest.mark.parametrize("model,batch,hw", [("13b", 32, "rtx4090,12xP5510,768GB"), ("175b", 1, PAPER_256),
+                                            ("6b", 64, "rtx4090,1xP5510,128GB"), ("1b", 8, "h100,2xP5510,64GB")])
+def test_analytic_walks_are_convex(model: str, batch: int, hw: str) -> None:
+    cfg = get_model_config(model)
+    p = analytic_profile(cfg, batch, 1024, reserve_engine_pools(parse_hardware(hw), cfg))
+    t = [e.t_iter for e in walk(p)]
+    _assert_unimodal(t)
+    assert algorithm1(p).estimate.t_iter == pytest.approx(min(t))
+
+
+# ------------------------------------------------------------------------------ policies, tiers
+
+def _profiles() -> list[Profile]:
+    cfg = get_model_config("13b")
+    return [interior_profile(), make_profile([("x", 5.0, 3)], n_blocks=5, input_bytes=7, mem_avail=20),
+            analytic_profile(cfg, 32, 1024, reserve_engine_pools(parse_hardware("rtx4090,2xP5510,256GB"), cfg))]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_block_inputs_always_swapped_and_last_block_kept(policy: str) -> None:
+    for p in _profiles():
+        plan = make_plan(p, policy)
+        assert len(plan.block_tiers) == p.n_blocks and plan.block_tiers[-1] == "keep"
+        if policy == "recompute-all":
+            assert set(plan.block_tiers) == {"keep"} and plan.estimate.a_g2m == 0
+        else:
+            assert plan.estimate.a_g2m >= (p.n_blocks - 1) * p.input_bytes
+            assert "keep" not in plan.block_tiers[:-1]
+
+
+def test_forced_policies() -> None:
+    p = make_profile([("x", 5.0, 3), ("y", 2.0, 4)], n_blocks=5, input_bytes=7, mem_avail=0)
+    assert forced_plan(p, "interblock").swap == ()
+    assert forced_plan(p, "interblock").estimate.a_g2m == 4 * 7
+    assert forced_plan(p, "swap-all").swap == ("x", "y")
+    assert forced_plan(p, "swap-all").estimate.flop_r == 0.0
+    none = forced_plan(p, "recompute-all").estimate
+    assert (none.a_g2m, none.alpha_bytes, none.flop_r) == (0, 0, 5 * 7.0)
+    assert make_plan(p, "plan") == algorithm1(p)
+    assert all(make_plan(p, pol).case == 0 and make_plan(p, pol).chosen == -1 for pol in POLICIES[1:])
+
+
+def test_unknown_policy_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match="plan, interblock, swap-all, recompute-all"):
+        make_plan(interior_profile(), "swap-some")
+    with pytest.raises(ValueError, match="interblock, swap-all, recompute-all"):
+        forced_plan(interior_profile(), "plan")
+
+
+def test_place_tiers_earliest_blocks_to_ssd() -> None:
+    assert place_tiers(12, 10, 35, "plan") == ("ssd",) * 8 + ("cpu",) * 3 + ("keep",)
+    assert place_tiers(4, 10, 10**9, "interblock") == ("cpu", "cpu", "cpu", "keep")
+    assert place_tiers(4, 10, 0, "swap-all") == ("ssd", "ssd", "ssd", "keep")
+    assert place_tiers(4, 0, 0, "plan") == ("cpu", "cpu", "cpu", "keep")
+    assert place_tiers(1, 10, 0, "plan") == ("keep",)
+    assert place_tiers(3, 10, 100, "recompute-all") == ("keep",) * 3
+
+
+@pytest.mark.parametrize("mem_avail", [0, 5, 33, 70, 10**6])
+def test_plan_tier_totals(mem_avail: int) -> None:
+    p = make_profile([("x", 5.0, 3)], n_blocks=9, input_bytes=7, mem_avail=mem_avail)
+    for policy in ("interblock", "swap-all", "plan"):
+        plan = make_plan(p, policy)
+        assert plan.cpu_bytes <= mem_avail
+        assert plan.cpu_bytes + plan.ssd_bytes == (p.n_blocks - 1) * plan.block_bytes
+        assert plan.ssd_bytes >= plan.estimate.alpha_bytes
+        tiers = plan.block_tiers[:-1]
+        assert list(tiers) == sorted(tiers, key=["ssd", "cpu"].index)  # SSD blocks come first
+
+
+# ---------------------------------------------------------------------------- serialization
+
+def test_profile_json_round_trip(tmp_path) -> None:
+    cfg = get_model_config("13b", n_layer=3)
+    p = analytic_profile(cfg, 4, 512, parse_hardware(PAPER_256))
+    path = tmp_path / f"{p.key()}.json"
+    p.save(path)
+    assert Profile.load(path) == p
+    assert p.key() == "13b-b4-s512-w2-rtx4090_12xP5510_256GB"
+    other = analytic_profile(cfg, 4, 512, parse_hardware(PAPER_256), "fp32")
+    assert other.key() != p.key()
+
+
+def test_plan_round_trip_and_table() -> None:
+    plan = algorithm1(interior_profile())
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    table = plan.format_table()
+    marked = [line for line in table.splitlines() if line.startswith("*")]
+    assert len(marked) == 1 and marked[0].split()[1] == str(plan.chosen)
+    assert "case 3" in table and "blocks 0: cpu, 1: keep" in table
+    forced = forced_plan(interior_profile(), "recompute-all").format_table()
+    assert "forced" in forced and "recompute-all" in forced and "swapped in every block: nothing" in forced
+
+
+def test_tier_summary_runs() -> None:
+    p = make_profile([("x", 5.0, 3)], n_blocks=12, input_bytes=7, mem_avail=70)
+    assert forced_plan(p, "swap-all").tier_summary() == "blocks 0-3: ssd, 4-10: cpu, 11: keep"
+
+
+def test_invalid_profiles_and_hardware() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        make_profile([("x", 1.0, 1), ("x", 2.0, 2)])
+    with pytest.raises(ValueError, match="bw_g"):
+        make_profile([("x", 1.0, 1)], bw_g=0.0)
+
+
+# ------------------------------------------------------------------------------ analytic profile
+
+def test_analytic_profile_formulas() -> None:
+    cfg = get_model_config("13b", n_layer=3)
+    b, t, d, h = 2, 128, cfg.d_model, cfg.mlp_hidden
+    n = b * t
+    p = analytic_profile(cfg, b, t, parse_hardware(PAPER_256))
+    ops = {op.name: op for op in p.ops}
+    assert [op.name for op in p.ops] == ["ln1", "qkv", "attn", "proj", "ln2", "fc", "act", "fc_proj"]
+    assert ops["qkv"].flops == 2 * n * d * 3 * d and ops["qkv"].bytes == 3 * n * d * 2
+    assert ops["attn"].flops == 4 * b * t * t * d and ops["attn"].bytes == n * d * 2 + b * cfg.n_head * t * 4
+    assert ops["ln1"].bytes == n * d * 2 + 2 * n * 4 and ops["ln1"].flops == 0
+    assert ops["act"].bytes == n * h * 2 and ops["fc"].flops == 2 * n * d * h
+    assert p.input_bytes == n * d * 2 and p.param_count == cfg.param_count()
+    # flop_f is the blocks' op FLOPs plus the LM head matmul.
+    blocks = cfg.n_layer * sum(op.flops for op in p.ops)
+    assert p.flop_f == pytest.approx(blocks + 2 * n * d * cfg.vocab_size)
+    p32 = analytic_profile(cfg, b, t, parse_hardware(PAPER_256), "fp32")
+    assert p32.p16_itemsize == 4 and p32.input_bytes == 2 * p.input_bytes
+
+
+def test_analytic_profile_rejects_bad_inputs() -> None:
+    cfg = get_model_config("tiny")
+    hw = parse_hardware(PAPER_256)
+    with pytest.raises(ValueError, match="position"):
+        analytic_profile(cfg, 1, 512, hw)
+    with pytest.raises(ValueError, match="bf16, fp16, fp32"):
+        analytic_profile(cfg, 1, 128, hw, "int8")
+
+
+# ------------------------------------------------------------------------------------ hardware
+
+def test_parse_hardware_paper_machine() -> None:
+    hw = parse_hardware(PAPER_256)
+    assert hw.name == PAPER_256
+    assert hw.thp_g == 165.2e12 and hw.gpu_mem == 24 * 2**30 and hw.bw_g == 25e9
+    assert hw.bw_s2m == 12 * 6.5e9 and hw.bw_m2s == pytest.approx(12 * 3.4e9)
+    assert hw.ssd_bytes == 12 * 3_840 * 10**9
+    assert hw.ram == 256 * 10**9 and hw.mem_avail == int(0.9 * 256 * 10**9)
+
+
+def test_parse_hardware_is_order_and_space_free() -> None:
+    a = parse_hardware("rtx4090, 1xP5510, 128GiB")
+    b = parse_hardware("128 GiB,1 x p5510 ,RTX4090")
+    assert (a.thp_g, a.bw_s2m, a.ram) == (b.thp_g, b.bw_s2m, b.ram) == (165.2e12, 6.5e9, 128 * 2**30)
+    assert parse_hardware("rtx4080,2xP5510,64GB").gpu_mem == 16 * 2**30
+
+
+@pytest.mark.parametrize("desc,match", [
+    ("rtx9999,1xP5510,128GB", r"unknown component 'rtx9999'.*rtx4090"),
+    ("rtx4090,1xFOO,128GB", r"unknown SSD 'foo'.*p5510"),
+    ("rtx4090,128GB", "COUNTxMODEL"),
+    ("rtx4090,1xP5510", "RAM size"),
+    ("rtx4090,1xP5510,128", "RAM size"),
+    ("rtx4090,rtx4080,1xP5510,128GB", "exactly one GPU"),
+    ("", "exactly one GPU"),
+])
+def test_parse_hardware_errors(desc: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_hardware(desc)
+
+
+# ----------------------------------------------------------------------------- capacity planner
+
+def test_175b_fits_256gb_with_lohan_but_not_with_activations_in_ram() -> None:
+    cfg, hw = get_model_config("175b"), parse_hardware(PAPER_256)
+    lohan = capacity(cfg, hw, 1, 1024)
+    assert lohan.fits, lohan.format()
+    assert lohan.cpu_bytes <= 0.9 * hw.ram and lohan.gpu_bytes <= hw.gpu_mem
+    assert lohan.ssd_states_bytes == 2 * 14 * cfg.param_count()
+    zero = activations_in_ram_capacity(cfg, hw, 1, 1024)
+    assert not zero.fits
+    assert any("main memory" in r for r in zero.reasons), zero.reasons
+    assert zero.cpu_parts["gradients"] == 6 * cfg.param_count()  # bf16 grads + DeepSpeed's fp32 copy
+    assert "does NOT fit" in zero.format() and "fits" in lohan.format()
+    # ... which reproduces the paper's ~1.1 TB estimate for 175B, and its Fig. 2a: not even 768 GB holds it.
+    assert 1.0e12 < zero.cpu_bytes < 1.2e12
+    assert not activations_in_ram_capacity(cfg, parse_hardware("rtx4090,12xP5510,768GB"), 1, 1024).fits
+    assert activations_in_ram_capacity(cfg, hw, 1, 1024, grad_bytes_per_param=2).cpu_parts["gradients"] == \
+        2 * cfg.param_count()
+
+
+def test_ops_policy_swaps_exactly_the_named_ops() -> None:
+    profile = analytic_profile(get_model_config("1b"), 8, 1024, parse_hardware(PAPER_256))
+    plan = make_plan(profile, "ops:fc, attn")
+    assert plan.swap == ("fc", "attn") and plan.policy == "ops:fc,attn"
+    assert plan.estimate == estimate(profile, ["fc", "attn"])
+    with pytest.raises(ValueError, match="valid ops"):
+        make_plan(profile, "ops:nope")
+
+
+def test_max_batch_is_the_fitting_boundary() -> None:
+    cfg, hw = get_model_config("175b"), parse_hardware(PAPER_256)
+    b = max_batch(cfg, hw, 1024)
+    assert b >= 1
+    assert capacity(cfg, hw, b, 1024).fits and not capacity(cfg, hw, b + 1, 1024).fits
+
+
+def test_max_batch_respects_micro_batches() -> None:
+    cfg, hw = get_model_config("6b"), parse_hardware(PAPER_256)
+    b = max_batch(cfg, hw, 1024, micro_batches=4)
+    assert b >= 4 and b % 4 == 0
+    assert not capacity(cfg, hw, b + 4, 1024, micro_batches=4).fits
+
+
+def test_max_model_on_the_paper_machine() -> None:
+    hw = parse_hardware(PAPER_256)
+    name = max_model(hw, 1024)
+    assert name is not None
+    size = ModelConfig(name=name, **PRESETS[name]).param_count()
+    assert size >= get_model_config("175b").param_count()
+    bigger = [n for n in PRESETS if get_model_config(n).param_count() > size]
+    assert all(not capacity(get_model_config(n), hw, 1, 1024).fits for n in bigger)
+
+
+def test_tiny_fits_and_absurd_does_not() -> None:
+    tiny = capacity(get_model_config("tiny"), parse_hardware("rtx4080,1xP5510,16GB"), 8, 256)
+    assert tiny.fits and tiny.reasons == ()
+    absurd = capacity(get_model_config("412b"), parse_hardware("rtx4080,1xP5510,16GB"), 1, 1024)
+    assert not absurd.fits
+    text = " ".join(absurd.reasons)
+    assert "GPU memory" in text and "main memory" in text and "SSD" in text
+    huge = {k: PRESETS[k] for k in ("276b", "412b")}
+    assert max_model(parse_hardware("rtx4080,1xP5510,16GB"), 1024, presets=huge) is None
+    assert max_model(parse_hardware("rtx4080,1xP5510,16GB"), 1024, presets={"tiny": PRESETS["tiny"]}) == "tiny"
+
+
+def test_max_batch_zero_when_nothing_fits() -> None:
+    assert max_batch(get_model_config("412b"), parse_hardware("rtx4080,1xP5510,16GB"), 1024) == 0
+
+
+def test_capacity_activations_overflow_to_ssd_when_ram_is_short() -> None:
+    cfg = get_model_config("13b")
+    roomy = capacity(cfg, parse_hardware("rtx4090,4xP5510,768GB"), 32, 1024, micro_batches=4)
+    tight = capacity(cfg, parse_hardware("rtx4090,4xP5510,32GB"), 32, 1024, micro_batches=4)
+    assert roomy.fits and tight.fits, tight.format()
+    assert roomy.ssd_act_bytes == 0 and roomy.plan.cpu_bytes > 0
+    assert tight.ssd_act_bytes > 0 and tight.plan.block_tiers[0] == "ssd"
+    assert tight.cpu_bytes <= 0.9 * 32e9 and math.isfinite(tight.plan.estimate.t_iter)
+
+
+def test_gpu_need_parts() -> None:
+    cfg, hw = get_model_config("175b"), parse_hardware(PAPER_256)
+    c = capacity(cfg, hw, 4, 1024, micro_batches=2, prefetch_depth=2)
+    micro = analytic_profile(cfg, 2, 1024, hw)
+    full = analytic_profile(cfg, 4, 1024, hw)
+    sizes = {op.name: op.bytes for op in full.ops}
+    assert c.gpu_parts == {
+        "params": 6 * 2 * cfg.block_param_count(),
+        "block activations": 2 * (micro.input_bytes + sum(op.bytes for op in micro.ops)),
+        "last block kept": full.input_bytes + sum(sizes[n] for n in c.plan.swap),
+        "logits": 2 * 2 * 1024 * cfg.vocab_size * 4,
+    }
+    assert c.gpu_bytes == sum(c.gpu_parts.values())
+    # 276b's blocks are too wide for prefetch depth 2 on a 24 GiB card.
+    big = capacity(get_model_config("276b"), hw, 1, 1024)
+    assert any(r.startswith("GPU memory") for r in big.reasons)
+
+
+def test_engine_pools_come_off_the_ram_budget() -> None:
+    cfg, hw = get_model_config("13b"), parse_hardware(PAPER_256)
+    big, tied = cfg.block_param_count(), cfg.vocab_size * cfg.d_model
+    pools = engine_pools(cfg, "bf16", prefetch_depth=2, max_inflight=3, micro_batches=1)
+    assert pools == {"params": 6 * 2 * big, "grads": 2 * 4 * big + 4 * tied, "optimizer": 3 * 14 * big}
+    assert reserve_engine_pools(hw, cfg).mem_avail == int(0.9 * hw.ram) - sum(pools.values())
