@@ -311,12 +311,42 @@ class EngineConfig:
     name: str = "lohan"
     """Store name: file stem of the slab files and records in the NVMe directories."""
 
+    act_policy: str = "plan"
+    """Which activations leave the device between forward and backward (DESIGN.md §4.4):
+    ``plan`` (the traffic-aware planner, Algorithm 1, on a profile measured at the first step),
+    ``interblock`` (block inputs only, the rest recomputed; ZeRO-Infinity style), ``swap-all``
+    (every op's outputs; G10 style) or ``recompute-all`` (block inputs stay on the device)."""
+
+    act_mem: int | str | None = None
+    """Main memory for swapped activations; what does not fit goes on to the SSDs. None: what
+    ``cpu_mem`` and the machine's free memory leave after the engine's own pools."""
+
+    profile_from: str | None = None
+    """A saved profile (JSON) to plan from instead of measuring one at the first step."""
+
+    emulate_ssd_gbps: float | None = None
+    """Pace every NVMe directory to this many GB/s (reads and writes share it), to emulate slower
+    or fewer SSDs on a fast disk in benchmarks and ablations. Results measured so are emulated."""
+
     def __post_init__(self) -> None:
         problems: list[str] = []
         nvme = (self.nvme,) if isinstance(self.nvme, str) else tuple(self.nvme)
         object.__setattr__(self, "nvme", nvme)
         if not nvme:
             problems.append("nvme: give at least one directory")
+        if self.act_mem is not None:
+            try:
+                object.__setattr__(self, "act_mem", parse_bytes(self.act_mem))
+            except ValueError as e:
+                problems.append(f"act_mem: {e}")
+        policies = ("plan", "interblock", "swap-all", "recompute-all")
+        if not isinstance(self.act_policy, str) or (self.act_policy not in policies
+                                                     and not self.act_policy.startswith("ops:")):
+            problems.append(f"act_policy={self.act_policy!r}: choose one of {', '.join(policies)}, or "
+                            "'ops:NAME,NAME' to swap exactly those ops of every block")
+        if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
+                                                      and self.emulate_ssd_gbps > 0):
+            problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
         for name in ("cpu_mem", "chunk_bytes"):
             try:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))

@@ -1,9 +1,11 @@
 """Engine.step(batch): one synchronous training step with states on NVMe.
 
 Per step (DESIGN.md §4.2-4.3):
-1. Forward, block by block, under no_grad: each block's P16 is streamed in ahead of use, and
-   only the block inputs are kept (everything inside a block is recomputed in backward).
-2. Backward, block by block in reverse: recompute the block with grad, take the gradients of
+1. Forward, block by block, under no_grad: each block's P16 is streamed in ahead of use. Of each
+   transformer block the activation plan keeps the input and the outputs of its swapped ops, on
+   the device, in main memory or on the SSDs (`swap.ActivationManager`, DESIGN.md §4.4).
+2. Backward, block by block in reverse: recompute the block with grad (swapped ops replay their
+   recorded outputs; the rest is recomputed), take the gradients of
    its parameters and input with `torch.autograd.grad`, accumulate over micro-batches into a host
    fp32 buffer, and hand the buffer to the optimizer pipeline, which updates that block on the CPU
    while the device goes on with the blocks before it (active gradient offloading).
@@ -39,6 +41,7 @@ from .offload import GradOffloader
 from .optim import AdamWHyper, lr_at
 from .params import ParamStreamer
 from .store import DTYPES, StateStore, StoreLayout, block_views, plan_layout
+from .swap import ActivationManager
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,8 @@ class Engine:
             if existing != model_meta:
                 raise ValueError(f"the store in {dirs[0]} holds another model ({existing}); cannot resume it "
                                  f"with {model_meta}")
-            self.store = StateStore.open(dirs, cfg.backend, cfg.chunk_bytes, cfg.name)
+            self.store = StateStore.open(dirs, cfg.backend, cfg.chunk_bytes, cfg.name,
+                                         emulate_ssd_gbps=cfg.emulate_ssd_gbps)
             if self.store.layout != layout:
                 self.store.close()
                 raise ValueError(f"the store in {dirs[0]} was laid out for other settings (slots or "
@@ -111,13 +115,19 @@ class Engine:
                 _remove_store(dirs, cfg.name)
             self.store = StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20,
                                            backend=cfg.backend, chunk_bytes=cfg.chunk_bytes, name=cfg.name,
-                                           progress=progress)
+                                           progress=progress, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
         volume = self.store.volume
         self.params_pool = volume.buffer_pool(self.memory_plan["params"])
         self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
         self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"])
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode)
+        self.activations = ActivationManager(
+            cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
+            engine_pool_bytes=sum(self.memory_plan.values()),
+            model_label=str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))),
+            param_count=sum(b.numel for b in layout.blocks), p16_itemsize=self.store.p16_dtype.itemsize,
+            flops_per_token=flops_per_token)
         self.last_metrics: dict[str, Any] = {}
         self._broken: str | None = None
         self._closed = False
@@ -164,9 +174,16 @@ class Engine:
                 i = visits[p]
                 self._visit(visits, p, read_slot)
                 t0 = time.perf_counter()
+                acts_mgr = self.activations
                 with torch.no_grad(), self.device.autocast(self.compute_dtype):
+                    if i == 1 and acts_mgr.needs_prepare(idx.shape[0], idx.shape[1]):
+                        acts_mgr.prepare(acts[1][0], idx.shape[0], idx.shape[1])
                     for m in range(m_count):
-                        acts[i + 1][m] = self.program.run(i, acts[i][m], None)
+                        if i in acts_mgr.inner:
+                            acts[i + 1][m] = acts_mgr.forward_block(i, m, acts[i][m])
+                            acts[i][m] = None
+                        else:
+                            acts[i + 1][m] = self.program.run(i, acts[i][m], None)
                 compute_s += time.perf_counter() - t0
                 self._leave(visits, p)
             # ---- backward: recompute each block, gradients to the optimizer pipeline
@@ -181,13 +198,18 @@ class Engine:
                 acc = block_views(gbuf.tensor[:4 * layout.numel].view(torch.float32), layout)
                 ext = self.program.external_params(i)
                 ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
+                self.activations.prefetch(i - 1)
+                inner = i in self.activations.inner
                 t0 = time.perf_counter()
                 for m in range(m_count):
-                    x = acts[i][m]
+                    if inner:
+                        x, run = self.activations.backward_block(i, m)
+                    else:
+                        x, run = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
                     if i > 0:
                         x = x.detach().requires_grad_()
                     with torch.enable_grad(), self.device.autocast(self.compute_dtype):
-                        out = self.program.run(i, x, tgt_mb[m] if i == last else None)
+                        out = run(x)
                         if i == last:
                             out = out / m_count
                     inputs = ([x] if i > 0 else []) + list(params) + ext_params
@@ -211,6 +233,9 @@ class Engine:
                             borrowed[(o, k, m)] = g.detach()
                     grad_out[m] = grads[0] if i > 0 else None
                     acts[i][m] = None
+                    if inner:
+                        del x, out, grads
+                        self.activations.release(i, m)
                 compute_s += time.perf_counter() - t0
                 self.offloader.submit(i, gbuf)
                 self._leave(visits, p)
@@ -221,6 +246,7 @@ class Engine:
         except BaseException:
             self.offloader.abort()
             self.streamer.release_all()
+            self.activations.end_step()
             if self.store.layout.slots == 1 and self.offloader.blocks_written:
                 self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
                                 "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
@@ -228,9 +254,12 @@ class Engine:
                 self.store.commit(step, read_slot)
             raise
         self.streamer.release_all()
+        act_stats = self.activations.stats()
+        self.activations.end_step()
         self.store.commit(step + 1, write_slot)
         self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, compute_s, tail_s,
                              io0, wait0, hyper.lr, idx.shape[1])
+        self.last_metrics["activations"] = act_stats
         return loss
 
     def _visit(self, visits: list[int], p: int, slot: int) -> list[torch.nn.Parameter]:
@@ -289,6 +318,7 @@ class Engine:
             return
         self._closed = True
         self.streamer.release_all()
+        self.activations.close()
         for pool in (self.params_pool, self.grads_pool, self.records_pool):
             pool.clear()
         self.store.close()

@@ -198,13 +198,15 @@ class StateStore:
     def create(cls, dirs: Sequence[str], layout: StoreLayout, model_meta: dict,
                init_block: Callable[[int], list[torch.Tensor]], staging_budget: int,
                backend: str = "auto", chunk_bytes: int = 1 << 20, name: str = "lohan",
-               progress: Callable[[int, int], None] | None = None) -> StateStore:
+               progress: Callable[[int, int], None] | None = None,
+               emulate_ssd_gbps: float | None = None) -> StateStore:
         """Create the volume and write every block's initial record into slot 0, one block at a time.
 
         `init_block(i)` returns block i's initialized parameters (in layout order, any float dtype);
         only one block is ever materialized, so models larger than main memory initialize.
         """
-        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name)
+        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name,
+                             emulate_ssd_gbps=emulate_ssd_gbps)
         try:
             store = cls(volume, layout, dirs[0], name, Commit(step=0, slot=0, dirty=True))
             biggest = max(b.record_bytes for b in layout.blocks)
@@ -235,7 +237,7 @@ class StateStore:
 
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", chunk_bytes: int = 1 << 20,
-             name: str = "lohan") -> StateStore:
+             name: str = "lohan", emulate_ssd_gbps: float | None = None) -> StateStore:
         """Open an existing store at its last commit."""
         meta_path = os.path.join(dirs[0], f"{name}.store.json")
         commit_path = os.path.join(dirs[0], f"{name}.commit.json")
@@ -251,7 +253,8 @@ class StateStore:
             raise RuntimeError(f"{commit_path}: the store was being updated in place when its process stopped "
                                "(slots=1), so its states are mixed; restore a checkpoint or start over")
         layout = StoreLayout.from_json(meta["layout"])
-        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name)
+        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name,
+                             emulate_ssd_gbps=emulate_ssd_gbps)
         if volume.volume_id != meta["volume_id"]:
             volume.close()
             raise ValueError(f"{meta_path} describes another volume than the slab files in {list(dirs)}")

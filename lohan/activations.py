@@ -1,0 +1,332 @@
+"""Activation runtime: carries out a Plan's per-op swap / recompute decisions (DESIGN.md §4.4).
+
+The engine runs each transformer block twice: forward under no_grad, and again with grad in
+backward. Between the two, a block needs its input plus whatever the plan swaps:
+
+- Forward: `SelectiveMode(record=...)` watches the aten ops of the block. Ops issued inside a
+  swapped sub-module (tracked by `OpTracker`'s module hooks) have their outputs recorded; the
+  block input and these outputs become one *record*, packed into one contiguous buffer and placed
+  on its tier: ``keep`` (left on the device), ``cpu`` (a budgeted host pool) or ``ssd`` (written
+  through io_engine and read back one block ahead in backward).
+- Backward: `SelectiveMode(replay=...)` re-runs the block with grad; a swapped op returns its
+  recorded output instead of computing, so only the other ops are recomputed. The dispatch mode
+  sits below autograd, so the op's backward node is recorded as usual and saves what it needs
+  (e.g. attention saves its recorded output and logsumexp).
+
+Why not torch's selective checkpoint (`create_selective_checkpoint_contexts`) plus
+`saved_tensors_hooks`: the checkpoint keeps the outputs of MUST_SAVE ops in a private cache as
+plain references, and its own saved-tensor hooks shadow any outer ones, so neither the bytes it
+keeps nor their tier can be controlled from outside. Recording and replaying at the same aten
+level does the same thing with the storage in our hands.
+
+Replayed values are the very values recomputation would give (same kernels, same inputs), so
+every plan yields bit-identical gradients; a replay that does not meet the op it recorded (a
+block whose op sequence is not deterministic) is an error, not a silent mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from io_engine import AlignedBuffer, BufferPool, Handle
+from io_engine.base import BudgetExceededError, align_up
+
+from .device import Device
+
+log = logging.getLogger(__name__)
+
+TENSOR_ALIGN = 64  # each tensor of a packed record starts on a cache line
+
+
+class ActivationReplayError(RuntimeError):
+    """The recompute did not issue the ops that were recorded in forward."""
+
+
+def block_ops(block: nn.Module) -> list[str]:
+    """The ops of a block a plan can swap: its direct sub-modules, in registration order."""
+    return [name for name, _ in block.named_children()]
+
+
+class OpTracker:
+    """Knows which named op (direct sub-module of a block) is running, through module hooks."""
+
+    def __init__(self, blocks: Iterable[nn.Module]) -> None:
+        self.current: str | None = None
+        self._handles = []
+        for block in blocks:
+            for name, child in block.named_children():
+                self._handles.append(child.register_forward_pre_hook(self._enter(name)))
+                self._handles.append(child.register_forward_hook(self._leave(name), always_call=True))
+
+    def _enter(self, name: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            self.current = name
+        return hook
+
+    def _leave(self, name: str):
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            self.current = None
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+_ALIASING: dict[Any, bool] = {}
+
+
+def _is_alias(func: Any) -> bool:
+    """Ops whose outputs are views of their inputs: free to redo, and recording them saves nothing."""
+    hit = _ALIASING.get(func)
+    if hit is None:
+        hit = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
+    return hit
+
+
+@dataclass
+class OpRecord:
+    op: str              # the sub-module the aten op ran in
+    func: str            # aten op name, checked on replay
+    spec: Any            # pytree spec of its outputs
+    leaves: list[Any]    # outputs, tensors recorded (and later packed) as they are
+
+
+class SelectiveMode(TorchDispatchMode):
+    """Records (forward) or replays (backward recompute) the outputs of ops in swapped sub-modules."""
+
+    def __init__(self, tracker: OpTracker, swap: frozenset[str], replay: list[OpRecord] | None = None) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.swap = swap
+        self.records: list[OpRecord] = []
+        self._replay = replay
+        self._next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = self.tracker.current
+        if op is None or op not in self.swap or _is_alias(func):
+            return func(*args, **kwargs)
+        if self._replay is None:
+            out = func(*args, **kwargs)
+            leaves, spec = tree_flatten(out)
+            self.records.append(OpRecord(op, str(func), spec, [x.detach() if isinstance(x, Tensor) else x
+                                                               for x in leaves]))
+            return out
+        rec = self._replay[self._next] if self._next < len(self._replay) else None
+        if rec is None or (rec.op, rec.func) != (op, str(func)):
+            want = f"{rec.func} in op {rec.op!r}" if rec else "nothing"
+            raise ActivationReplayError(
+                f"recompute issued {func} in op {op!r} where forward recorded {want} (record {self._next}); "
+                "the block's op sequence is not deterministic, so it cannot be swapped: use "
+                "activation policy 'interblock' for this model")
+        self._next += 1
+        return tree_unflatten([x.detach() if isinstance(x, Tensor) else x for x in rec.leaves], rec.spec)
+
+    def check_done(self) -> None:
+        if self._replay is not None and self._next != len(self._replay):
+            raise ActivationReplayError(f"recompute used {self._next} of {len(self._replay)} recorded op outputs")
+
+
+# ---------------------------------------------------------------------------------------------- packing
+@dataclass(frozen=True)
+class _Slot:
+    offset: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    span: int  # elements the strided view covers
+
+
+def _dense_span(t: Tensor) -> int | None:
+    """numel if the tensor covers its memory without gaps or overlap (any dim order), else None."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return None
+        expect *= sz
+    return t.numel()
+
+
+def _layout(tensors: list[Tensor]) -> tuple[list[_Slot], int]:
+    slots, off = [], 0
+    for t in tensors:
+        span = _dense_span(t)
+        size, stride = tuple(t.shape), tuple(t.stride())
+        if span is None:  # stored contiguous: the values matter, not the memory layout
+            span, stride = t.numel(), tuple(torch.empty(0).new_empty(size).stride()) if size else ()
+        slots.append(_Slot(off, t.dtype, size, stride, span))
+        off = align_up(off + span * t.element_size(), TENSOR_ALIGN)
+    return slots, off
+
+
+def record_nbytes(tensors: list[Tensor]) -> int:
+    """Bytes a record of these tensors occupies when packed."""
+    return _layout(tensors)[1]
+
+
+def _views(buf: Tensor, slots: list[_Slot]) -> list[Tensor]:
+    out = []
+    for s in slots:
+        nbytes = s.span * torch.empty(0, dtype=s.dtype).element_size()
+        region = buf[s.offset:s.offset + nbytes].view(s.dtype)
+        out.append(torch.as_strided(region, s.size, s.stride) if s.size else region.view(()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- store
+@dataclass
+class _Entry:
+    tier: str
+    records: list[OpRecord]
+    meta: list[tuple[int, int]]          # per tensor kept: (index into records' leaves flattened, -1 = input)
+    tensors: list[Tensor] | None = None  # keep tier, or unpacked views of a resident buffer
+    slots: list[_Slot] | None = None
+    nbytes: int = 0
+    buf: AlignedBuffer | None = None
+    offset: int = -1
+    handle: Handle | None = None
+
+
+class ActivationStore:
+    """Holds each (block, micro-batch) record on its tier between forward and backward.
+
+    `cpu` records live in `cpu_pool`, a hard-budgeted host pool. `ssd` records are packed into a
+    staging buffer and written to `volume` at the next free offset; the staging buffer goes back to
+    `staging_pool` when the write completes, and `prefetch` reads records back into it ahead of use.
+    """
+
+    def __init__(self, device: Device, cpu_pool: BufferPool | None = None, staging_pool: BufferPool | None = None,
+                 volume: Any = None) -> None:
+        self.device = device
+        self.cpu_pool = cpu_pool
+        self.staging_pool = staging_pool
+        self.volume = volume
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._writes: list[tuple[AlignedBuffer, Handle]] = []
+        self._ssd_next = 0
+        self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}
+        self.peak_cpu_bytes = 0
+        self._cpu_bytes = 0
+
+    # -- forward
+    def put(self, key: tuple[int, int], x: Tensor, records: list[OpRecord], tier: str) -> None:
+        """Store block input `x` and the recorded op outputs of one block and micro-batch on `tier`."""
+        tensors = [x.detach()] + [t for r in records for t in r.leaves if isinstance(t, Tensor)]
+        entry = _Entry(tier, records, [])
+        if tier == "keep":
+            entry.tensors = tensors
+            entry.nbytes = record_nbytes(tensors)
+        elif tier in ("cpu", "ssd"):
+            entry.slots, entry.nbytes = _layout(tensors)
+            if tier == "cpu":
+                if self.cpu_pool is None:
+                    raise RuntimeError("no CPU activation pool was set up for a 'cpu' record")
+                entry.buf = self.cpu_pool.acquire(max(entry.nbytes, 1), block=False)
+                self._cpu_bytes += entry.buf.tensor.numel()
+                self.peak_cpu_bytes = max(self.peak_cpu_bytes, self._cpu_bytes)
+            else:
+                entry.buf = self._staging(entry.nbytes)
+            for view, t in zip(_views(entry.buf.tensor, entry.slots), tensors):
+                view.copy_(t)
+            if tier == "ssd":
+                size = align_up(entry.nbytes)
+                if self.volume is None or self._ssd_next + size > self.volume.capacity_bytes:
+                    cap = 0 if self.volume is None else self.volume.capacity_bytes
+                    raise RuntimeError(f"activation volume full: {self._ssd_next + size} bytes needed, capacity "
+                                       f"{cap}; the plan under-estimated this step's SSD bytes")
+                entry.offset = self._ssd_next
+                self._ssd_next += size
+                self._writes.append((entry.buf, self.volume.write(entry.buf.tensor[:size], entry.offset)))
+                entry.buf = None
+        else:
+            raise ValueError(f"unknown activation tier {tier!r} (keep, cpu or ssd)")
+        for r in records:  # the record keeps metadata only; values live in the packed buffer
+            if tier != "keep":
+                r.leaves = [None if isinstance(t, Tensor) else t for t in r.leaves]
+        self.bytes[tier] += entry.nbytes
+        self._entries[key] = entry
+
+    def _staging(self, nbytes: int) -> AlignedBuffer:
+        """A staging buffer; frees the buffers of finished writes first, waits for the oldest if needed."""
+        self._reap(wait=False)
+        while True:
+            try:
+                return self.staging_pool.acquire(align_up(nbytes), block=False)
+            except BudgetExceededError:
+                if not self._writes:
+                    raise
+                self._reap(wait=True, first_only=True)
+
+    def _reap(self, wait: bool, first_only: bool = False) -> None:
+        keep = []
+        for n, (buf, h) in enumerate(self._writes):
+            if (wait and (not first_only or n == 0)) or h.done():
+                h.wait()
+                buf.release()
+            else:
+                keep.append((buf, h))
+        self._writes = keep
+
+    # -- backward
+    def prefetch(self, keys: Iterable[tuple[int, int]]) -> None:
+        """Start reading the SSD records among `keys` back into staging buffers."""
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.tier != "ssd" or e.buf is not None:
+                continue
+            size = align_up(e.nbytes)
+            e.buf = self._staging(size)
+            self._reap(wait=True)  # a read must not overtake the write of the same bytes
+            e.handle = self.volume.read_into(e.buf.tensor[:size], e.offset)
+
+    def take(self, key: tuple[int, int]) -> tuple[Tensor, list[OpRecord]]:
+        """The block input (on the device) and the records to replay; call `release(key)` after backward."""
+        e = self._entries[key]
+        if e.tier == "keep":
+            tensors = e.tensors
+        else:
+            if e.tier == "ssd":
+                if e.buf is None:
+                    self.prefetch([key])
+                e.handle.wait()
+            tensors = [self.device.to_device(v) for v in _views(e.buf.tensor, e.slots)]
+        it = iter(tensors[1:])
+        for r in e.records:
+            r.leaves = [next(it) if t is None else t for t in r.leaves] if e.tier != "keep" else r.leaves
+        return tensors[0], e.records
+
+    def release(self, key: tuple[int, int]) -> None:
+        e = self._entries.pop(key, None)
+        if e is None:
+            return
+        if e.tier == "cpu" and e.buf is not None:
+            self._cpu_bytes -= e.buf.tensor.numel()
+        if e.buf is not None:
+            e.buf.release()
+
+    def end_step(self) -> None:
+        """Drop every record (after a step or on failure) and wait for writes still in flight."""
+        for key in list(self._entries):
+            e = self._entries[key]
+            if e.handle is not None:
+                try:
+                    e.handle.wait()
+                except Exception:  # the step is being abandoned; its buffer is all that matters now
+                    pass
+            self.release(key)
+        self._reap(wait=True)
+        self._ssd_next = 0
+        self._cpu_bytes = 0
+        self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}

@@ -1,0 +1,202 @@
+"""ActivationManager: profile -> plan -> tiers, and the per-block record / replay calls of a step.
+
+The engine calls `prepare` once the first transformer block's input exists (that is when the
+shapes are known and the block's parameters are resident), `forward_block` for each transformer
+block and micro-batch, and `backward_inputs` / `done` around each block's recompute in backward.
+Program blocks are [embed, transformer blocks..., head]; the plan covers the transformer blocks,
+so plan block j is program block j + 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+from torch import Tensor
+
+from io_engine import BufferPool, aligned_empty, open_volume
+from io_engine.base import align_up
+
+from .activations import ActivationStore, OpTracker, SelectiveMode
+from .config import EngineConfig
+from .device import Device
+from .planner import POLICIES, OpProfile, Plan, Profile, make_plan
+from .profiler import _remove_volume, measure_hardware, profile_block
+
+log = logging.getLogger(__name__)
+
+
+class ActivationManager:
+    def __init__(self, cfg: EngineConfig, program: Any, device: Device, autocast: Callable[[], Any],
+                 engine_pool_bytes: int, model_label: str, param_count: int, p16_itemsize: int,
+                 flops_per_token: Callable[[int], float] | None) -> None:
+        self.cfg = cfg
+        self.program = program
+        self.device = device
+        self.autocast = autocast
+        self.engine_pool_bytes = engine_pool_bytes
+        self.model_label = model_label
+        self.param_count = param_count
+        self.p16_itemsize = p16_itemsize
+        self.flops_per_token = flops_per_token
+        n = len(program.modules)
+        self.inner = range(1, n - 1)
+        self.tracker = OpTracker(program.modules[i] for i in self.inner)
+        self.profile: Profile | None = None
+        self.plan: Plan | None = None
+        self.store: ActivationStore | None = None
+        self._shape: tuple[int, int] | None = None
+        self._volume = None
+        self._swap: frozenset[str] = frozenset()
+        self._hardware = None
+        self.policy = cfg.act_policy
+
+    def set_policy(self, policy: str) -> None:
+        """Use another activation policy from the next step on (re-planned on the profile measured then)."""
+        if not (policy in POLICIES or policy.startswith("ops:")):
+            raise ValueError(f"unknown activation policy {policy!r}; choose one of {', '.join(POLICIES)} "
+                             "or ops:NAME,NAME")
+        self.policy = policy
+        self._shape = None
+
+    @property
+    def act_name(self) -> str:
+        return f"{self.cfg.name}-act"
+
+    # ------------------------------------------------------------------ planning
+    def mem_avail(self) -> int:
+        """Main memory for the CPU tier: act_mem if set, else what cpu_mem and free memory leave."""
+        if self.cfg.act_mem is not None:
+            return int(self.cfg.act_mem)
+        free = psutil.virtual_memory().available
+        return max(0, min(int(self.cfg.cpu_mem), free) - self.engine_pool_bytes)
+
+    def needs_prepare(self, batch: int, seq: int) -> bool:
+        return len(self.inner) > 0 and self._shape != (batch, seq)
+
+    def prepare(self, x: Tensor, batch: int, seq: int) -> Plan:
+        """Profile block 1 on its real input x (one micro-batch), plan, and set up the tiers."""
+        m = self.cfg.micro_batches
+        first = self.inner[0]
+        ops, in_bytes, blk_flops, secs = profile_block(
+            lambda z: self.program.run(first, z, None), self.program.modules[first], x, self.tracker,
+            self.device, self.autocast)
+        mem = self.mem_avail()
+        if self.cfg.profile_from:
+            profile = Profile.load(self.cfg.profile_from)
+            if (profile.batch, profile.seq, profile.n_blocks) != (batch, seq, len(self.inner)):
+                raise ValueError(
+                    f"profile {self.cfg.profile_from} is for batch {profile.batch}, seq {profile.seq}, "
+                    f"{profile.n_blocks} blocks; this run has batch {batch}, seq {seq}, {len(self.inner)} blocks. "
+                    "Profile this run instead (leave profile_from unset)")
+            profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, mem_avail=mem))
+        else:
+            if self._hardware is None:
+                self._hardware = measure_hardware(self.device, list(self.cfg.nvme), self.cfg.backend,
+                                                  self.cfg.name, thp_g=blk_flops / secs, mem_avail=mem,
+                                                  emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
+            hw = dataclasses.replace(self._hardware, mem_avail=mem)
+            tokens = batch * seq
+            flop_f = (self.flops_per_token(seq) * tokens if self.flops_per_token
+                      else blk_flops * m * len(self.inner))
+            profile = Profile(model=self.model_label, batch=batch, seq=seq, n_blocks=len(self.inner),
+                              ops=tuple(OpProfile(o.name, o.flops * m, o.bytes * m) for o in ops),
+                              input_bytes=in_bytes * m, param_count=self.param_count,
+                              p16_itemsize=self.p16_itemsize, flop_f=float(flop_f), hardware=hw, source="measured")
+            with contextlib.suppress(OSError):
+                profile.save(os.path.join(self.cfg.nvme[0], f"{self.cfg.name}.profile.json"))
+        plan = make_plan(profile, self.policy)
+        self._setup(plan, record_bytes=plan.block_bytes // m)
+        self.profile, self.plan, self._shape = profile, plan, (batch, seq)
+        self._swap = frozenset(plan.swap)
+        log.info("activation plan (%s): swap %s; %s", plan.policy, ", ".join(plan.swap) or "block inputs only",
+                 " ".join(f"{t}={plan.block_tiers.count(t)}" for t in ("keep", "cpu", "ssd")))
+        return plan
+
+    def _setup(self, plan: Plan, record_bytes: int) -> None:
+        self.close_tiers()
+        m = self.cfg.micro_batches
+        cap = align_up(max(record_bytes, 1))
+        n_cpu, n_ssd = plan.block_tiers.count("cpu"), plan.block_tiers.count("ssd")
+        cpu_pool = None
+        if n_cpu:
+            pin = self.device.is_cuda
+            cpu_pool = BufferPool(n_cpu * m * cap, alloc=lambda n: aligned_empty(n, pin=pin))
+        staging = None
+        if n_ssd:
+            dirs = list(self.cfg.nvme)
+            _remove_volume(dirs, self.act_name)
+            self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.chunk_bytes, backend=self.cfg.backend,
+                                       name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
+            staging = self._volume.buffer_pool(2 * m * cap)
+        self.store = ActivationStore(self.device, cpu_pool, staging, self._volume)
+
+    # ------------------------------------------------------------------ step
+    def tier(self, i: int) -> str:
+        return self.plan.block_tiers[i - self.inner[0]]
+
+    def forward_block(self, i: int, m: int, x: Tensor) -> Tensor:
+        """Run transformer block i on x (no grad), store its record on its tier, return the output."""
+        mode = SelectiveMode(self.tracker, self._swap)
+        with mode:
+            out = self.program.run(i, x, None)
+        self.store.put((i, m), x, mode.records, self.tier(i))
+        return out
+
+    def prefetch(self, i: int) -> None:
+        if i in self.inner:
+            self.store.prefetch((i, m) for m in range(self.cfg.micro_batches))
+
+    def backward_block(self, i: int, m: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        """(block input, run) for the recompute of block i; `run(x)` replays the swapped ops.
+
+        Call `release(i, m)` once the block's gradients are computed: the input and the replayed
+        outputs are views of the record's buffer.
+        """
+        x, records = self.store.take((i, m))
+
+        def run(z: Tensor) -> Tensor:
+            mode = SelectiveMode(self.tracker, self._swap, replay=records)
+            with mode:
+                out = self.program.run(i, z, None)
+            mode.check_done()
+            return out
+
+        return x, run
+
+    def release(self, i: int, m: int) -> None:
+        self.store.release((i, m))
+
+    def end_step(self) -> None:
+        if self.store is not None:
+            self.store.end_step()
+
+    def stats(self) -> dict[str, Any]:
+        if self.plan is None:
+            return {}
+        return {"policy": self.plan.policy, "swap": list(self.plan.swap),
+                "tiers": {t: self.plan.block_tiers.count(t) for t in ("keep", "cpu", "ssd")},
+                "bytes": dict(self.store.bytes), "peak_cpu_bytes": self.store.peak_cpu_bytes,
+                "predicted_s": self.plan.estimate.t_iter}
+
+    def close_tiers(self) -> None:
+        if self.store is not None:
+            self.store.end_step()
+            for pool in (self.store.cpu_pool, self.store.staging_pool):
+                if pool is not None:
+                    pool.clear()
+            self.store = None
+        if self._volume is not None:
+            self._volume.close()
+            self._volume = None
+            _remove_volume(list(self.cfg.nvme), self.act_name)
+
+    def close(self) -> None:
+        self.close_tiers()
+        self.tracker.remove()
+

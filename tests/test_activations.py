@@ -1,0 +1,110 @@
+"""Every activation policy trains exactly like plain PyTorch, on every tier.
+
+The plan only decides where a block's activations wait between forward and backward (device,
+main memory, SSD) and which are recomputed; with fp32 compute the result must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lohan
+from lohan.activations import ActivationReplayError, OpTracker, SelectiveMode, record_nbytes
+from lohan.models.gpt import build_model
+from tests.test_engine_equivalence import (
+    assert_params_equal,
+    batches,
+    engine_config,
+    reference_run,
+    tiny_cfg,
+)
+
+POLICIES = ["recompute-all", "interblock", "swap-all", "plan"]
+
+
+def run_engine(mcfg, ecfg, data):
+    losses, metrics = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        for batch in data:
+            losses.append(engine.step(batch))
+            metrics.append(engine.last_metrics["activations"])
+        params = engine.state_dict_fp32()
+        plan = engine.activations.plan
+    return losses, params, metrics, plan
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_bit_exact_fp32(make_dirs, policy):
+    mcfg = tiny_cfg(n_layer=3)
+    ecfg = engine_config(make_dirs(2), act_policy=policy, micro_batches=2)
+    ref_losses, ref_params = reference_run(mcfg, ecfg, batches(5, 4, 32, 256))
+    losses, params, metrics, plan = run_engine(mcfg, ecfg, batches(5, 4, 32, 256))
+    assert losses == ref_losses
+    assert_params_equal(params, ref_params)
+    assert plan.policy == policy
+    assert plan.block_tiers[-1] == "keep"
+    if policy == "swap-all":
+        assert set(plan.swap) == {"ln1", "qkv", "attn", "proj", "ln2", "fc", "act", "fc_proj"}
+    if policy in ("interblock", "recompute-all"):
+        assert plan.swap == ()
+
+
+@pytest.mark.parametrize("policy", ["interblock", "swap-all"])
+def test_activations_beyond_memory_budget_go_through_ssd(make_dirs, policy, backend):
+    """act_mem holds less than one block's record: every block but the last is written to the
+    SSDs in forward and read back in backward, and training stays exact."""
+    mcfg = tiny_cfg(n_layer=4)
+    ecfg = engine_config(make_dirs(3), act_policy=policy, act_mem=4096, backend=backend)
+    ref_losses, ref_params = reference_run(mcfg, ecfg, batches(4, 4, 32, 256))
+    losses, params, metrics, plan = run_engine(mcfg, ecfg, batches(4, 4, 32, 256))
+    assert plan.block_tiers == ("ssd", "ssd", "ssd", "keep")
+    assert all(m["bytes"]["ssd"] > 0 and m["bytes"]["cpu"] == 0 for m in metrics)
+    assert losses == ref_losses
+    assert_params_equal(params, ref_params)
+
+
+def test_memory_budget_split_between_cpu_and_ssd(make_dirs):
+    """With room for two records in main memory, the earliest blocks go to SSD and the rest stay in RAM."""
+    mcfg = tiny_cfg(n_layer=5)
+    probe = engine_config(make_dirs(1, "probe"), act_policy="swap-all")
+    with lohan.init(mcfg, probe) as engine:
+        engine.step(next(batches(1, 4, 32, 256)))
+        block_bytes = engine.activations.plan.block_bytes
+    ecfg = engine_config(make_dirs(2), act_policy="swap-all", act_mem=2 * block_bytes + 100)
+    ref_losses, ref_params = reference_run(mcfg, ecfg, batches(3, 4, 32, 256))
+    losses, params, metrics, plan = run_engine(mcfg, ecfg, batches(3, 4, 32, 256))
+    assert plan.block_tiers == ("ssd", "ssd", "cpu", "cpu", "keep")
+    assert metrics[-1]["peak_cpu_bytes"] <= 2 * block_bytes + 2 * 4096
+    assert losses == ref_losses
+    assert_params_equal(params, ref_params)
+
+
+def test_bf16_swap_all_matches_recompute_all(make_dirs):
+    """Under bf16 autocast, replayed outputs equal the recomputed ones: the policies agree exactly."""
+    mcfg = tiny_cfg(n_layer=2)
+    runs = []
+    for policy in ("recompute-all", "swap-all"):
+        ecfg = engine_config(make_dirs(1), act_policy=policy, compute_dtype="bf16", name=f"bf16-{policy}")
+        losses, params, _, _ = run_engine(mcfg, ecfg, batches(3, 4, 32, 256))
+        runs.append((losses, params))
+    assert runs[0][0] == runs[1][0]
+    for k in runs[0][1]:
+        assert torch.equal(runs[0][1][k], runs[1][1][k]), k
+
+
+def test_replay_of_a_different_op_sequence_is_an_error():
+    mcfg = tiny_cfg(n_layer=1)
+    model = build_model(mcfg, device="cpu", seed=0)
+    block = model.blocks[0]
+    tracker = OpTracker([block])
+    x = torch.randn(2, 8, mcfg.d_model)
+    rec = SelectiveMode(tracker, frozenset({"fc"}))
+    with torch.no_grad(), rec:
+        block(x)
+    assert [r.op for r in rec.records] == ["fc"]
+    assert record_nbytes([r.leaves[0] for r in rec.records]) >= 2 * 8 * mcfg.mlp_hidden * 4
+    wrong = SelectiveMode(tracker, frozenset({"fc", "qkv"}), replay=rec.records)
+    with pytest.raises(ActivationReplayError, match="not deterministic"), wrong:
+        block(x)
+    tracker.remove()
