@@ -37,7 +37,7 @@ import torch
 
 from .base import ALIGN, BudgetExceededError, DeviceOp, IOEngineError, LaneStats, check_op
 from .buffers import aligned_empty
-from .throttle import Throttle
+from .throttle import Throttle, for_directory
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class AioBackend:
         self._lock = threading.Lock()
         self._example = torch.empty(0, dtype=torch.uint8)
         self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
-        self._throttles = [Throttle(throttle_gbps) if throttle_gbps else None for _ in paths]
+        self._throttles = [for_directory(p, throttle_gbps) if throttle_gbps else None for p in paths]
         if handles_per_lane < 1:
             raise ValueError(f"handles_per_lane must be >= 1, got {handles_per_lane}")
         # _queues[device][write] feeds `handles_per_lane` dispatchers, each owning one

@@ -16,7 +16,7 @@ import torch
 
 from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, memview
 from .buffers import aligned_empty
-from .throttle import Throttle
+from .throttle import Throttle, for_directory
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ThreadsBackend:
             raise
         self._pools = [ThreadPoolExecutor(queue_depth, thread_name_prefix=f"io_engine-dev{i}")
                        for i in range(len(paths))]
-        self._throttles = [Throttle(throttle_gbps) if throttle_gbps else None for _ in paths]
+        self._throttles = [for_directory(p, throttle_gbps) if throttle_gbps else None for p in paths]
         self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
 
     def is_direct(self, buffer: torch.Tensor) -> bool:

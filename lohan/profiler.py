@@ -40,9 +40,10 @@ def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> i
 _EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
 
 
-def _timed(fn: Callable[[], object], device: Device, repeats: int) -> float:
-    """Best-of-`repeats` wall time of fn (after one warm-up call)."""
-    fn()
+def _timed(fn: Callable[[], object], device: Device, repeats: int, warmup: int = 1) -> float:
+    """Best-of-`repeats` wall time of fn (after `warmup` discarded calls: first-touch allocations)."""
+    for _ in range(warmup):
+        fn()
     best = float("inf")
     for _ in range(repeats):
         if device.is_cuda:
@@ -56,7 +57,7 @@ def _timed(fn: Callable[[], object], device: Device, repeats: int) -> float:
 
 
 def profile_block(run: Callable[[Tensor], Tensor], block: torch.nn.Module, x: Tensor, tracker: OpTracker,
-                  device: Device, autocast: Callable[[], object], repeats: int = 3
+                  device: Device, autocast: Callable[[], object], repeats: int = 4
                   ) -> tuple[list[OpProfile], int, float, float]:
     """Per-op (FLOPs, output bytes) of one block on input x, its input bytes, total FLOPs, and the seconds
     one forward's worth of FLOPs takes: a third of a measured forward + backward, so `THP_G = FLOPs /
@@ -86,7 +87,7 @@ def profile_block(run: Callable[[Tensor], Tensor], block: torch.nn.Module, x: Te
             out = run(z)
         torch.autograd.grad(out, [z, *params], grad_outputs=torch.ones_like(out))  # leaves .grad untouched
 
-    seconds = _timed(fwd_bwd, device, repeats) / 3
+    seconds = _timed(fwd_bwd, device, repeats, warmup=2) / 3
     ops = [OpProfile(name, flops[name], nbytes[name]) for name in names]
     input_bytes = align_up(x.numel() * x.element_size(), TENSOR_ALIGN)
     return ops, input_bytes, sum(flops.values()), seconds

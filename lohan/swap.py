@@ -55,6 +55,7 @@ class ActivationManager:
         self._swap: frozenset[str] = frozenset()
         self._hardware = None
         self.policy = cfg.act_policy
+        self._io0: dict | None = None
 
     def set_policy(self, policy: str) -> None:
         """Use another activation policy from the next step on (re-planned on the profile measured then)."""
@@ -134,6 +135,7 @@ class ActivationManager:
             self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.chunk_bytes, backend=self.cfg.backend,
                                        name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
             staging = self._volume.buffer_pool(2 * m * cap)
+        self._io0 = self._io_snapshot()
         self.store = ActivationStore(self.device, cpu_pool, staging, self._volume)
 
     # ------------------------------------------------------------------ step
@@ -176,10 +178,24 @@ class ActivationManager:
         if self.store is not None:
             self.store.end_step()
 
+    def _io_snapshot(self) -> dict | None:
+        return self._volume.stats() if self._volume is not None else None
+
     def stats(self) -> dict[str, Any]:
+        """This step's plan, bytes per tier, and SSD time of the activation volume (busy seconds per direction)."""
         if self.plan is None:
             return {}
-        return {"policy": self.plan.policy, "swap": list(self.plan.swap),
+        io = {}
+        now = self._io_snapshot()
+        if now is not None:
+            before = self._io0 or {"devices": [{"read": {"busy_s": 0.0}, "write": {"busy_s": 0.0}}] * len(now["devices"]),
+                                   "read_bytes": 0, "write_bytes": 0}
+            for d in ("read", "write"):
+                io[f"ssd_{d}_s"] = max(b1[d]["busy_s"] - b0[d]["busy_s"]
+                                       for b0, b1 in zip(before["devices"], now["devices"]))
+                io[f"ssd_{d}_bytes"] = now[f"{d}_bytes"] - before[f"{d}_bytes"]
+        self._io0 = now
+        return {"policy": self.plan.policy, "swap": list(self.plan.swap), **io,
                 "tiers": {t: self.plan.block_tiers.count(t) for t in ("keep", "cpu", "ssd")},
                 "bytes": dict(self.store.bytes), "peak_cpu_bytes": self.store.peak_cpu_bytes,
                 "predicted_s": self.plan.estimate.t_iter}
