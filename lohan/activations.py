@@ -159,13 +159,21 @@ def _dense_span(t: Tensor) -> int | None:
     return t.numel()
 
 
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _layout(tensors: list[Tensor]) -> tuple[list[_Slot], int]:
     slots, off = [], 0
     for t in tensors:
         span = _dense_span(t)
         size, stride = tuple(t.shape), tuple(t.stride())
         if span is None:  # stored contiguous: the values matter, not the memory layout
-            span, stride = t.numel(), tuple(torch.empty(0).new_empty(size).stride()) if size else ()
+            span, stride = t.numel(), _contiguous_strides(size)
         slots.append(_Slot(off, t.dtype, size, stride, span))
         off = align_up(off + span * t.element_size(), TENSOR_ALIGN)
     return slots, off
@@ -190,7 +198,6 @@ def _views(buf: Tensor, slots: list[_Slot]) -> list[Tensor]:
 class _Entry:
     tier: str
     records: list[OpRecord]
-    meta: list[tuple[int, int]]          # per tensor kept: (index into records' leaves flattened, -1 = input)
     tensors: list[Tensor] | None = None  # keep tier, or unpacked views of a resident buffer
     slots: list[_Slot] | None = None
     nbytes: int = 0
@@ -224,7 +231,7 @@ class ActivationStore:
     def put(self, key: tuple[int, int], x: Tensor, records: list[OpRecord], tier: str) -> None:
         """Store block input `x` and the recorded op outputs of one block and micro-batch on `tier`."""
         tensors = [x.detach()] + [t for r in records for t in r.leaves if isinstance(t, Tensor)]
-        entry = _Entry(tier, records, [])
+        entry = _Entry(tier, records)
         if tier == "keep":
             entry.tensors = tensors
             entry.nbytes = record_nbytes(tensors)
@@ -302,19 +309,27 @@ class ActivationStore:
                     self.prefetch([key])
                 e.handle.wait()
             tensors = [self.device.to_device(v) for v in _views(e.buf.tensor, e.slots)]
+            if self.device.is_cuda:  # the device copies are independent of the host buffer once complete
+                self.device.copy_stream.synchronize()
+                self._free(e)
         it = iter(tensors[1:])
         for r in e.records:
             r.leaves = [next(it) if t is None else t for t in r.leaves] if e.tier != "keep" else r.leaves
         return tensors[0], e.records
 
     def release(self, key: tuple[int, int]) -> None:
+        """Drop a record after its block's backward (its buffer goes back to its pool)."""
         e = self._entries.pop(key, None)
-        if e is None:
+        if e is not None:
+            self._free(e)
+
+    def _free(self, e: _Entry) -> None:
+        if e.buf is None:
             return
-        if e.tier == "cpu" and e.buf is not None:
+        if e.tier == "cpu":
             self._cpu_bytes -= e.buf.tensor.numel()
-        if e.buf is not None:
-            e.buf.release()
+        e.buf.release()
+        e.buf = None
 
     def end_step(self) -> None:
         """Drop every record (after a step or on failure) and wait for writes still in flight."""

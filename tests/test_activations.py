@@ -108,3 +108,31 @@ def test_replay_of_a_different_op_sequence_is_an_error():
     with pytest.raises(ActivationReplayError, match="not deterministic"), wrong:
         block(x)
     tracker.remove()
+
+
+def test_records_keep_values_and_memory_layout_on_every_tier(make_dirs):
+    """Packed records come back with the same values, and dense tensors with the same strides (a view
+    op in the recompute must see the layout forward saw)."""
+    from io_engine import BufferPool, open_volume
+    from lohan.activations import ActivationStore, OpRecord
+    from lohan.device import Device
+
+    base = torch.randn(4, 6, 8)
+    outs = [base.transpose(0, 1), base[:, ::2], torch.tensor(3.5), torch.arange(5, dtype=torch.int64)]
+    dirs = make_dirs(2)
+    vol = open_volume(dirs, 1 << 20, backend="threads", name="acts")
+    store = ActivationStore(Device("cpu"), BufferPool(1 << 20), vol.buffer_pool(1 << 20), vol)
+    x = torch.randn(2, 3)
+    for tier in ("keep", "cpu", "ssd"):
+        rec = OpRecord("op", "aten.fake", None, [t.clone() if t.dim() == 0 else t for t in outs] + [7])
+        store.put((1, 0), x, [rec], tier)
+        store.prefetch([(1, 0)])
+        got_x, (got,) = store.take((1, 0))
+        assert torch.equal(got_x, x)
+        assert got.leaves[-1] == 7
+        for want, t in zip(outs, got.leaves):
+            assert torch.equal(t, want) and t.dtype == want.dtype
+        assert got.leaves[0].stride() == outs[0].stride()  # transposed but dense: layout kept
+        store.release((1, 0))
+    store.end_step()
+    vol.close()

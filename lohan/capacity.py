@@ -1,0 +1,61 @@
+"""`python -m lohan.capacity`: will a model fine-tune on a machine, and with what?
+
+For a preset and a hardware description ("rtx4090,12xP5510,256GB"): the bytes each tier needs
+(GPU, main memory, SSD) and whether they fit, the activation plan (Algorithm 1 on the analytic
+profile, with its predicted step time), the largest batch, the largest preset the machine trains,
+and the same check for a design that keeps activations in main memory (ZeRO-Infinity style).
+Nothing is run or allocated; it is arithmetic on DESIGN.md §4.4's cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import PRESETS, get_model_config
+from .planner import activations_in_ram_capacity, capacity, max_batch, max_model, parse_hardware
+
+
+def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, compute_dtype: str = "bf16",
+           micro_batches: int = 1, prefetch_depth: int = 2, compare: bool = True) -> str:
+    """The capacity report as text (what the command prints)."""
+    cfg = get_model_config(model)
+    seq = seq or cfg.seq_len
+    if seq > cfg.seq_len:
+        cfg = cfg.with_overrides(seq_len=seq)
+    hw = parse_hardware(hardware)
+    kw = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth)
+    ours = capacity(cfg, hw, batch, seq, **kw)
+    lines = [ours.format(), "", ours.plan.format_table(), ""]
+    best = max_batch(cfg, hw, seq, **kw)
+    lines.append(f"largest batch for {model} at seq {seq}: {best}" if best else
+                 f"{model} does not fit at any batch size at seq {seq}")
+    biggest = max_model(hw, seq, batch, compute_dtype=compute_dtype, prefetch_depth=prefetch_depth)
+    lines.append(f"largest preset this machine fine-tunes at batch {batch} x seq {seq}: {biggest or 'none'}")
+    if compare:
+        lines += ["", activations_in_ram_capacity(cfg, hw, batch, seq, **kw).format()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lohan.capacity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="175b", choices=sorted(PRESETS, key=lambda n: PRESETS[n].get("d_model", 0)))
+    p.add_argument("--hardware", default="rtx4090,12xP5510,256GB",
+                   help="GPU, SSD count x model and RAM, e.g. 'rtx4090,12xP5510,256GB'")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length (the paper uses 1024)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--prefetch-depth", type=int, default=2)
+    p.add_argument("--no-compare", action="store_true", help="skip the activations-in-RAM comparison")
+    args = p.parse_args(argv)
+    try:
+        print(report(args.model, args.hardware, args.seq, args.batch, args.compute_dtype, args.micro_batches,
+                     args.prefetch_depth, not args.no_compare))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
