@@ -22,13 +22,16 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml
 
 # flag -> (section, field); section None = RunConfig, "engine" = EngineConfig
 _FLAGS: dict[str, tuple[str | None, str]] = {
-    "model": (None, "model"), "data": (None, "data"), "steps": (None, "steps"),
+    "model": (None, "model"), "data": (None, "data"), "steps": (None, "steps"), "epochs": (None, "epochs"),
     "batch_size": (None, "batch_size"), "seq_len": (None, "seq_len"), "metrics": (None, "metrics"),
     "nvme": ("engine", "nvme"), "cpu_mem": ("engine", "cpu_mem"), "mode": ("engine", "mode"),
     "compute_dtype": ("engine", "compute_dtype"), "micro_batches": ("engine", "micro_batches"),
     "lr": ("engine", "lr"), "warmup_steps": ("engine", "warmup_steps"), "seed": ("engine", "seed"),
     "backend": ("engine", "backend"), "device": ("engine", "device"),
-    "prefetch_depth": ("engine", "prefetch_depth"),
+    "prefetch_depth": ("engine", "prefetch_depth"), "gpu_mem": ("engine", "gpu_mem"),
+    "weight_decay": ("engine", "weight_decay"), "total_steps": ("engine", "total_steps"),
+    "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
+    "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
 }
 
 
@@ -37,18 +40,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="finetune.py",
         description="Fine-tune an LLM with its model states on NVMe SSDs (LoHan). Defaults: configs/tiny.yaml.")
     p.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
-    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--data", help="local UTF-8 .txt file (byte-level tokens), or 'synthetic'")
-    p.add_argument("--steps", type=int, help="optimizer steps to run")
+    p.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face model directory")
+    p.add_argument("--layers", type=int, metavar="N",
+                   help="run a slice of the preset: its shape with N transformer layers")
+    p.add_argument("--data", help="local .txt or .jsonl ({text} or {prompt, response}) file, or 'synthetic'")
+    p.add_argument("--steps", type=int, help="optimizer steps to run (in total, when resuming)")
+    p.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
     p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
     p.add_argument("--micro-batches", type=int, help="gradient accumulation: micro-batches per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--nvme", nargs="+", metavar="DIR", help="one directory per SSD (striped)")
     p.add_argument("--cpu-mem", help="main-memory budget of the engine, e.g. 8GiB")
+    p.add_argument("--gpu-mem", help="device memory the plan must fit in, e.g. 24GiB (default: the device's)")
     p.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
     p.add_argument("--compute-dtype", choices=["bf16", "fp32"], help="device compute precision")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    p.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
+    p.add_argument("--min-lr-ratio", type=float, help="the cosine decays to lr x this")
+    p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
+    p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
+    p.add_argument("--eps", type=float, help="Adam epsilon")
+    p.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
+    p.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
+    p.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
     p.add_argument("--seed", type=int, help="initialization seed")
     p.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device")
@@ -58,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last committed state in the NVMe directories instead of starting over")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (placement, bytes per tier, predicted step time) and exit; writes nothing")
+    p.add_argument("--hardware", metavar="DESC",
+                   help="plan for another machine, e.g. 'rtx4090,12xP5510,256GB' (with --dry-run)")
+    p.add_argument("--export", metavar="DIR",
+                   help="after training, write the weights as a Hugging Face checkpoint to DIR")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -73,11 +94,16 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a run config is a mapping of fields, not {type(raw).__name__}")
     raw = dict(raw)
+    if getattr(args, "model", None) and raw.get("model") not in (None, args.model):
+        # the YAML's shape overrides belong to its own model, not to the one asked for on the command line
+        raw.pop("model_overrides", None)
     engine = dict(raw.pop("engine", {}) or {})
     for flag, (section, field) in _FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
-            (engine if section == "engine" else raw)[field] = value
+            (engine if section == "engine" else raw)[field] = tuple(value) if isinstance(value, list) else value
+    if getattr(args, "layers", None) is not None:
+        raw["model_overrides"] = {**(raw.get("model_overrides") or {}), "n_layer": args.layers}
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
@@ -125,13 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         run = load_run_config(args)
-        mcfg = run.model_config()
-    except ValueError as e:
+        if run.is_hf and run.model_overrides:
+            raise ValueError("--layers and model_overrides apply to presets; a Hugging Face model keeps its shape")
+        if not run.is_hf:
+            run.model_config()
+        if args.hardware and not args.dry_run:
+            raise ValueError("--hardware describes another machine: use it with --dry-run")
+    except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .train import train  # torch is imported only once the settings are known to be valid
 
-    return train(run, mcfg, resume=args.resume)
+    return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ architecture instead of inventing one: ``get_model_config("13b", n_layer=2, d_mo
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,6 +325,10 @@ class EngineConfig:
     profile_from: str | None = None
     """A saved profile (JSON) to plan from instead of measuring one at the first step."""
 
+    gpu_mem: int | str | None = None
+    """Device memory the run must fit in (the planner checks it before anything is written);
+    None: the device's own (main memory when the device is the CPU)."""
+
     emulate_ssd_gbps: float | None = None
     """Pace every NVMe directory to this many GB/s (reads and writes share it), to emulate slower
     or fewer SSDs on a fast disk in benchmarks and ablations. Results measured so are emulated."""
@@ -334,11 +339,12 @@ class EngineConfig:
         object.__setattr__(self, "nvme", nvme)
         if not nvme:
             problems.append("nvme: give at least one directory")
-        if self.act_mem is not None:
-            try:
-                object.__setattr__(self, "act_mem", parse_bytes(self.act_mem))
-            except ValueError as e:
-                problems.append(f"act_mem: {e}")
+        for name in ("act_mem", "gpu_mem"):
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+                except ValueError as e:
+                    problems.append(f"{name}: {e}")
         policies = ("plan", "interblock", "swap-all", "recompute-all")
         if not isinstance(self.act_policy, str) or (self.act_policy not in policies
                                                      and not self.act_policy.startswith("ops:")):
@@ -395,16 +401,22 @@ class RunConfig:
     """
 
     model: str = "tiny"
-    """A preset name (see :data:`PRESETS`)."""
+    """A preset name (see :data:`PRESETS`), or a local Hugging Face model directory (config.json +
+    safetensors; Llama, GPT-2, OPT and Qwen2 families)."""
 
     model_overrides: dict = dataclasses.field(default_factory=dict)
     """Fields of the preset to replace, e.g. ``{vocab_size: 256, seq_len: 256}``."""
 
     data: str = "data/corpus.txt"
-    """A local UTF-8 text file (byte-level tokens), or ``synthetic`` for random tokens."""
+    """A local ``.txt`` file, a ``.jsonl`` file (``{"text": ...}`` or ``{"prompt": ..., "response": ...}``
+    lines; the loss is on the response), or ``synthetic`` for random tokens. Presets use byte-level
+    tokens; a Hugging Face model uses its own tokenizer."""
 
     steps: int = 200
-    """Optimizer steps to run."""
+    """Optimizer steps to run (the total, counting steps of the run being resumed)."""
+
+    epochs: int | None = None
+    """If set, run this many passes over the data instead of ``steps``."""
 
     batch_size: int = 8
     """Sequences per optimizer step (split into ``engine.micro_batches``)."""
@@ -420,14 +432,19 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        if not isinstance(self.model, str) or self.model not in PRESETS:
-            problems.append(f"model={self.model!r}: choose a preset ({', '.join(PRESETS)})")
+        if not isinstance(self.model, str) or (self.model not in PRESETS and not is_model_dir(self.model)):
+            problems.append(f"model={self.model!r}: choose a preset ({', '.join(PRESETS)}) or a local Hugging Face "
+                            "model directory (with config.json)")
         if not isinstance(self.model_overrides, dict):
             problems.append("model_overrides must be a mapping of ModelConfig fields")
         for name in ("steps", "batch_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
+        if self.epochs is not None and (not _is_int(self.epochs) or self.epochs < 1):
+            problems.append(f"epochs={self.epochs!r} must be an integer >= 1")
+        if self.epochs is not None and self.data == "synthetic":
+            problems.append("epochs needs a dataset; synthetic data has no epochs (use steps)")
         if self.seq_len is not None and (not _is_int(self.seq_len) or self.seq_len < 1):
             problems.append(f"seq_len={self.seq_len!r} must be a positive integer")
         if isinstance(self.engine, dict):
@@ -438,5 +455,17 @@ class RunConfig:
         if problems:
             raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))
 
+    @property
+    def is_hf(self) -> bool:
+        return self.model not in PRESETS and is_model_dir(self.model)
+
     def model_config(self) -> ModelConfig:
+        """The preset's config (with overrides); a Hugging Face model's is read from its directory."""
+        if self.is_hf:
+            raise ValueError(f"{self.model} is a Hugging Face model directory, not a preset")
         return get_model_config(self.model, **self.model_overrides)
+
+
+def is_model_dir(path: str) -> bool:
+    """A directory holding a Hugging Face config.json (checked further when the model is loaded)."""
+    return os.path.isfile(os.path.join(path, "config.json"))

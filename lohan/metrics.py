@@ -327,6 +327,38 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -> Path | None:
+    """Plot loss and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``).
+
+    Returns the PNG path, or None when matplotlib is unavailable or there is nothing to plot.
+    """
+    records = [r for r in load_metrics(metrics_path) if isinstance(r.get("loss"), int | float)]
+    if not records:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    out = Path(png_path) if png_path else Path(metrics_path).with_suffix(".png")
+    steps = [r["step"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    ax1.plot(steps, [r["loss"] for r in records], lw=1)
+    ax1.set_ylabel("loss")
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records], lw=1, color="tab:green")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(Path(metrics_path).name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 # ----------------------------------------------------------------------------------------- summary
 
 

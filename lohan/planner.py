@@ -68,6 +68,10 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _secs(t: float) -> str:
+    return f"{t:.4g}s" if t < 1e4 else f"{t:,.0f}s"
+
+
 # ------------------------------------------------------------------------------------------ profile
 
 @dataclass(frozen=True)
@@ -289,7 +293,7 @@ class Plan:
             prev = e.swap
             mark = "*" if (i == self.chosen or not self.points) else " "
             lines.append(f"{mark:<2}{i:>2}  {label:<18}{_gb(e.a_g2m):>11}{_gb(e.alpha_bytes):>11}"
-                         f"{e.flop_r / 1e12:>9.2f} TF{e.t_f:>9.4g}s{e.t_b:>9.4g}s{e.t_iter:>9.4g}s"
+                         f"{e.flop_r / 1e12:>9.2f} TF{_secs(e.t_f):>10}{_secs(e.t_b):>10}{_secs(e.t_iter):>10}"
                          f"  {e.bottleneck_f}/{e.bottleneck_b}")
         swapped = ", ".join(("inputs", *self.swap)) if self.policy != "recompute-all" else "nothing"
         lines.append(f"swapped in every block: {swapped}; {_gb(self.block_bytes)} per block record")

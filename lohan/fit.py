@@ -1,0 +1,140 @@
+"""Before anything is written: does the run fit this machine (or a described one), and what would it cost?
+
+`detect_hardware` describes the machine the run is on: the compute device and its throughput (a short
+matmul measurement), main memory (psutil), free space of the NVMe directories. SSD bandwidth is not
+measured here, because measuring means writing: it is taken as `ASSUMED_SSD_GBPS` per directory and
+labelled as an assumption (the engine measures it for real at the first step). `fit_report` runs the
+capacity planner (DESIGN.md §4.4, `planner.capacity`) and adds the predicted step time, TFLOPS and time
+per epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from .config import ModelConfig
+from .planner import Capacity, Hardware, capacity, parse_hardware
+
+ASSUMED_SSD_GBPS = 2.0
+"""Per-directory read and write GB/s assumed for a dry run on this machine (not measured: no writes)."""
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _free_ssd_bytes(dirs: tuple[str, ...]) -> int:
+    """Free bytes over the directories, each filesystem counted once (dirs on one disk share its space)."""
+    seen: dict[int, int] = {}
+    for d in dirs:
+        p = _existing_parent(d)
+        seen.setdefault(os.stat(p).st_dev, shutil.disk_usage(p).free)
+    return sum(seen.values())
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+@dataclass(frozen=True)
+class Machine:
+    hardware: Hardware
+    notes: tuple[str, ...]
+    """What was assumed rather than measured."""
+
+
+def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: str = "bf16",
+                    gpu_mem: int | None = None) -> Machine:
+    """This machine as a `Hardware` record, without writing anything."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    dtype = torch.bfloat16 if compute_dtype == "bf16" and use_cuda else torch.float32
+    ram = psutil.virtual_memory().total
+    notes = [f"SSD bandwidth assumed {ASSUMED_SSD_GBPS} GB/s per directory (read and write; measured at the "
+             "first step of a real run)"]
+    if use_cuda:
+        name = torch.cuda.get_device_name().replace(" ", "_")
+        dev_mem = torch.cuda.get_device_properties(0).total_memory
+        bw_g = 25e9
+        notes.append("host link assumed 25 GB/s per direction (PCIe 4.0 x16)")
+    else:
+        name = f"cpu-{os.cpu_count()}c"
+        dev_mem = ram  # the CPU stands in for the GPU: its "device memory" is main memory
+        bw_g = 20e9
+        notes.append("device is the CPU: 'GPU' memory is main memory, host copies assumed 20 GB/s")
+    if gpu_mem:
+        dev_mem = int(gpu_mem)
+    n = len(nvme)
+    hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
+                  bw_g=bw_g, bw_s2m=n * ASSUMED_SSD_GBPS * 1e9, bw_m2s=n * ASSUMED_SSD_GBPS * 1e9,
+                  mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem), ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme))
+    return Machine(hw, tuple(notes))
+
+
+def described_hardware(desc: str) -> Machine:
+    """A machine from a description such as ``rtx4090,12xP5510,256GB`` (datasheet numbers)."""
+    return Machine(parse_hardware(desc), ("datasheet peak FLOP/s and SSD bandwidths (measured runs are slower)",))
+
+
+@dataclass(frozen=True)
+class FitReport:
+    capacity: Capacity
+    machine: Machine
+    step_s: float
+    tflops: float
+    tokens_per_s: float
+    epoch_s: float | None
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity.fits
+
+    def format(self) -> str:
+        c = self.capacity
+        lines = [c.format(), "", c.plan.format_table(), "",
+                 f"predicted step {self.step_s:.4g} s | {self.tokens_per_s:,.3g} tokens/s | "
+                 f"{self.tflops:.3g} TFLOPS (model FLOPs)"
+                 + (f" | epoch {_duration(self.epoch_s)}" if self.epoch_s else "")]
+        lines += [f"  note: {n}" for n in self.machine.notes]
+        return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return (f"{d}d " if d else "") + f"{h}:{m:02d}:{s:02d}"
+
+
+def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
+               micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None) -> FitReport:
+    cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth)
+    step_s = cap.plan.estimate.t_iter
+    tokens = batch * seq
+    flops = 3 * mcfg.flops_per_token(seq) * tokens
+    return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
+                     steps_per_epoch * step_s if steps_per_epoch else None)
