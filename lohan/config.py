@@ -296,6 +296,11 @@ class EngineConfig:
     max_inflight_blocks: int = 3
     """Blocks the optimizer pipeline holds at once (each needs its P32, m, v, P16 record in memory)."""
 
+    opt_chunk_bytes: int | str = "512MiB"
+    """Largest piece of a block's optimizer record (P32, m, v, P16) the CPU optimizer works on at once.
+    Blocks with bigger records (a 175B layer's is 25 GB) are updated in chunks, so the optimizer's
+    memory is ``max_inflight_blocks`` chunks, not whole records."""
+
     slots: int = 2
     """2: a step's states go to the alternate slot and become current with an atomic commit record
     (crash-consistent, 2x SSD space). 1: in place (needs periodic checkpoints to survive a crash)."""
@@ -353,7 +358,7 @@ class EngineConfig:
         if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
                                                       and self.emulate_ssd_gbps > 0):
             problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
-        for name in ("cpu_mem", "chunk_bytes"):
+        for name in ("cpu_mem", "chunk_bytes", "opt_chunk_bytes"):
             try:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))
             except ValueError as e:

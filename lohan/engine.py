@@ -37,7 +37,7 @@ from .config import EngineConfig, ModelConfig, get_model_config
 from .device import Device
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
-from .offload import GradOffloader
+from .offload import GradOffloader, chunk_record_bytes
 from .optim import AdamWHyper, lr_at
 from .params import ParamStreamer
 from .store import DTYPES, StateStore, StoreLayout, block_views, plan_layout
@@ -50,16 +50,26 @@ class MemoryPlanError(ValueError):
     """The main-memory budget cannot hold the engine's minimum working set."""
 
 
+def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
+    """Elements per optimizer chunk: `opt_chunk_bytes` of record, a multiple of 4096 (aligned I/O)."""
+    per_elem = 12 + layout.blocks[0].p16_itemsize
+    return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
+
+
 def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int) -> dict[str, int]:
     """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget."""
     max_p16 = max(b.p16_bytes for b in layout.blocks)
-    max_rec = max(b.record_bytes for b in layout.blocks)
+    chunk = optimizer_chunk_elems(layout, cfg)
+    max_rec = max(b.record_bytes if b.numel <= chunk else chunk_record_bytes(chunk, b.p16_itemsize)
+                  for b in layout.blocks)
     grads = [align_up(4 * b.numel) for b in layout.blocks]
     need = {
-        # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks
-        "params": (2 * cfg.prefetch_depth + 1 + keep_blocks) * max_p16,
+        # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks,
+        # but never more than every block at once (small models)
+        "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max_p16, sum(b.p16_bytes for b in layout.blocks)),
         # serial holds every block's gradient until backward ends; otherwise one filling, one queued
-        "grads": (sum(grads) if cfg.mode == "serial" else 2 * max(grads)) + cfg.micro_batches * tied_bytes,
+        "grads": (sum(grads) if cfg.mode == "serial" else min(2 * max(grads), sum(grads)))
+        + cfg.micro_batches * tied_bytes,
         "optimizer": cfg.max_inflight_blocks * max_rec,
     }
     total = sum(need.values())
@@ -121,7 +131,7 @@ class Engine:
         self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
         self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"])
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode)
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, optimizer_chunk_elems(layout, cfg))
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),

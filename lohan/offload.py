@@ -14,6 +14,10 @@ Modes:
 A worker thread runs the pipeline; the fused AdamW kernel and the I/O release the GIL. Memory is
 bounded by the record pool (`max_inflight_blocks` records): a READ waits for a buffer when the
 pipeline is full, which also bounds the writes in flight.
+
+A block whose record is larger than `chunk_elems` elements (a 175B layer's is 25 GB) goes through the
+pipeline in chunks: the same READ / ADAM / WRITE per chunk, on the P32, m, v and P16 sub-ranges of the
+record, so the optimizer's memory is bounded by chunks, not by the largest block.
 """
 
 from __future__ import annotations
@@ -26,22 +30,53 @@ from collections import deque
 import torch
 
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
+from io_engine.base import align_up
 
-from .optim import AdamWHyper, adamw_block_
+from .optim import AdamWHyper, adamw_block_, adamw_chunk_
 from .store import RecordView, StateStore
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
+
+Unit = tuple[int, int, int]  # (block, first element, end element) of one READ / ADAM / WRITE
+
+
+def chunk_record_bytes(n: int, p16_itemsize: int) -> int:
+    """Buffer bytes of a chunk of n elements: P32 | m | v | P16, each section 4 KiB-aligned."""
+    return 3 * align_up(4 * n) + align_up(p16_itemsize * n)
+
+
+class _Handles:
+    """Several volume requests waited on as one."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> None:
+        error = None
+        for h in self.handles:  # wait for all, even after a failure: their buffers are in use
+            try:
+                h.wait()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
 
 class GradOffloader:
     """The optimizer side of one training step, fed block by block from the backward pass."""
 
-    def __init__(self, store: StateStore, pool: BufferPool, mode: str) -> None:
+    def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
+        if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
+            raise ValueError(f"chunk_elems={chunk_elems} must be a positive multiple of 4096 (keeps I/O aligned)")
         self.store = store
         self.pool = pool
         self.mode = mode
+        self.chunk_elems = chunk_elems
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.reset_stats()
@@ -129,25 +164,42 @@ class GradOffloader:
                     buf.release()
             self.busy_s += time.perf_counter() - t_start
 
+    def units(self, i: int) -> list[Unit]:
+        """Block i's pipeline units: the whole record, or chunks of `chunk_elems` elements."""
+        n = self.store.layout.blocks[i].numel
+        c = self.chunk_elems
+        if c is None or n <= c:
+            return [(i, 0, n)]
+        return [(i, lo, min(lo + c, n)) for lo in range(0, n, c)]
+
     def _pipeline(self, step: int, hyper: AdamWHyper, order: list[int]) -> None:
         layout = self.store.layout
         if self.mode == "serial":
             self._backward_done.wait()
         prefetch = self.mode in ("optimized", "serial")
+        units = [u for i in order for u in self.units(i)]
         if prefetch:
-            self._issue_read(order[0])
-        for k, i in enumerate(order):
-            t0 = time.perf_counter()
-            got, grad = self._queue.get()
-            self.grad_wait_s += time.perf_counter() - t0
-            if got is _ABORT:
-                return
-            try:
-                if got != i:
-                    raise RuntimeError(f"gradients of block {got} arrived where block {i} was expected")
+            self._issue_read(units[0])
+        grad: AlignedBuffer | None = None
+        current = None
+        try:
+            for k, unit in enumerate(units):
+                i, lo, hi = unit
+                if i != current:  # the block's first unit: wait for its gradients
+                    if grad is not None:
+                        grad.release()
+                        grad = None
+                    t0 = time.perf_counter()
+                    got, grad = self._queue.get()
+                    self.grad_wait_s += time.perf_counter() - t0
+                    if got is _ABORT:
+                        return
+                    if got != i:
+                        raise RuntimeError(f"gradients of block {got} arrived where block {i} was expected")
+                    current = i
                 if not prefetch:
-                    self._issue_read(i)
-                buf, handle = self._reads.pop(i)
+                    self._issue_read(unit)
+                buf, handle = self._reads.pop(unit)
                 t0 = time.perf_counter()
                 try:
                     handle.wait()
@@ -155,37 +207,81 @@ class GradOffloader:
                     buf.release()
                     raise
                 self.read_wait_s += time.perf_counter() - t0
-                if prefetch and k + 1 < len(order):
-                    self._issue_read(order[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
+                if prefetch and k + 1 < len(units):
+                    self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
                 b = layout.blocks[i]
+                g = grad.tensor[:4 * b.numel].view(torch.float32)
                 t0 = time.perf_counter()
                 try:
-                    adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype),
-                                 grad.tensor[:4 * b.numel].view(torch.float32), b, step, hyper)
+                    if (lo, hi) == (0, b.numel):
+                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g, b, step, hyper)
+                    else:
+                        p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
+                        adamw_chunk_(p32, g[lo:hi], m, v, p16, step, hyper)
                 except BaseException:
                     buf.release()
                     raise
                 self.adam_s += time.perf_counter() - t0
-            finally:
+                self._writes.append((self._write(unit, buf), buf))
+                if lo == 0:
+                    self.blocks_written += 1
+                self._reap(wait=self.mode == "naive")
+        finally:
+            if grad is not None:
                 grad.release()
-            self._writes.append((self.store.volume.write(buf.tensor, layout.record_offset(i, self._write_slot)), buf))
-            self.blocks_written += 1
-            self._reap(wait=self.mode == "naive")
         self._reap(wait=True)
 
-    def _issue_read(self, i: int) -> None:
-        """READ(i): P32, m, v of block i into a record buffer."""
+    def _chunk_views(self, buf: AlignedBuffer, b, n: int) -> tuple[torch.Tensor, ...]:
+        """(P32, m, v, P16) views of a chunk buffer."""
+        sb = align_up(4 * n)
+        t = buf.tensor
+        p32, m, v = (t[k * sb:k * sb + 4 * n].view(torch.float32) for k in range(3))
+        p16 = t[3 * sb:3 * sb + b.p16_itemsize * n].view(self.store.p16_dtype)
+        return p32, m, v, p16
+
+    def _ranges(self, unit: Unit, slot: int, with_p16: bool) -> list[tuple[int, int, int]]:
+        """(buffer offset, volume offset, bytes) of a chunk's sections in its buffer and in the record."""
+        i, lo, hi = unit
         b = self.store.layout.blocks[i]
+        n, sb = hi - lo, align_up(4 * (hi - lo))
+        rec = self.store.layout.record_offset(i, slot)
+        out = [(k * sb, rec + k * b.state_bytes + 4 * lo, 4 * n) for k in range(3)]
+        if with_p16:
+            out.append((3 * sb, rec + b.p16_start + b.p16_itemsize * lo, b.p16_itemsize * n))
+        return out
+
+    def _whole(self, unit: Unit) -> bool:
+        i, lo, hi = unit
+        return (lo, hi) == (0, self.store.layout.blocks[i].numel)
+
+    def _write(self, unit: Unit, buf: AlignedBuffer) -> Handle | _Handles:
+        """WRITE: the updated P32, m, v, P16 to the next slot (one request for a whole record)."""
+        if self._whole(unit):
+            return self.store.volume.write(buf.tensor, self.store.layout.record_offset(unit[0], self._write_slot))
+        vol = self.store.volume
+        return _Handles([vol.write(buf.tensor[o:o + n], off)
+                         for o, off, n in self._ranges(unit, self._write_slot, with_p16=True)])
+
+    def _issue_read(self, unit: Unit) -> None:
+        """READ: P32, m, v of a block (or chunk) into a record buffer."""
+        i, lo, hi = unit
+        b = self.store.layout.blocks[i]
+        nbytes = b.record_bytes if self._whole(unit) else chunk_record_bytes(hi - lo, b.p16_itemsize)
         # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
         # is full, retire the oldest write instead of blocking on buffers only this thread releases.
         while True:
             try:
-                buf = self.pool.acquire(b.record_bytes, block=not self._writes)
+                buf = self.pool.acquire(nbytes, block=not self._writes)
                 break
             except BudgetExceededError:
                 self._retire_oldest_write()
-        offset = self.store.layout.record_offset(i, self._read_slot)
-        self._reads[i] = (buf, self.store.volume.read_into(buf.tensor[:3 * b.state_bytes], offset))
+        vol = self.store.volume
+        if self._whole(unit):
+            handle = vol.read_into(buf.tensor[:3 * b.state_bytes], self.store.layout.record_offset(i, self._read_slot))
+        else:
+            handle = _Handles([vol.read_into(buf.tensor[o:o + n], off)
+                               for o, off, n in self._ranges(unit, self._read_slot, with_p16=False)])
+        self._reads[unit] = (buf, handle)
 
     def _retire_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()

@@ -67,3 +67,13 @@ def adamw_block_(rec: RecordView, grad: torch.Tensor, block: BlockLayout, step: 
           foreach=False, fused=True, amsgrad=False, maximize=False, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
           weight_decay=hp.weight_decay, eps=hp.eps)
     rec.p16.copy_(rec.p32)
+
+
+def adamw_chunk_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p16: torch.Tensor,
+                 step: int, hp: AdamWHyper) -> None:
+    """AdamW on a flat slice of a block (parameter boundaries do not matter: the update is elementwise
+    and every parameter shares the step and hyperparameters), then P16 = P32."""
+    adamw([p32], [grad], [m], [v], [], [torch.tensor(float(step - 1))], foreach=False, fused=True,
+          amsgrad=False, maximize=False, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+          weight_decay=hp.weight_decay, eps=hp.eps)
+    p16.copy_(p32)

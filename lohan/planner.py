@@ -508,20 +508,28 @@ def parse_hardware(desc: str) -> Hardware:
 
 # ------------------------------------------------------------------------------ capacity planner
 
+OPT_CHUNK_BYTES = 512 * 2**20
+"""The engine's default ``opt_chunk_bytes``: bigger optimizer records are updated in chunks."""
+
+
 def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: int = 2,
-                 max_inflight: int = 3, micro_batches: int = 1, grad_buffers: int = 2) -> dict[str, int]:
+                 max_inflight: int = 3, micro_batches: int = 1, grad_buffers: int = 2,
+                 opt_chunk_bytes: int = OPT_CHUNK_BYTES) -> dict[str, int]:
     """Main-memory pools of the engine, mirroring ``engine.plan_host_memory`` (without alignment).
 
-    params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block;
-    grads: ``grad_buffers`` fp32 block buffers (one filling, one queued) plus the tied weight's per
-    micro-batch copies; optimizer: ``max_inflight`` records of P32, m, v, P16 of the largest block.
+    params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block,
+    at most every block; grads: ``grad_buffers`` fp32 block buffers (one filling, one queued) plus the
+    tied weight's per micro-batch copies; optimizer: ``max_inflight`` records of P32, m, v, P16 of the
+    largest block, or of a chunk of ``opt_chunk_bytes`` when records are bigger.
     """
     s = _itemsize(compute_dtype)
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
+    total = cfg.param_count()
     tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
-    return {"params": (2 * prefetch_depth + 1 + (1 if tied else 0)) * s * big,
-            "grads": grad_buffers * 4 * big + micro_batches * 4 * tied,
-            "optimizer": max_inflight * (12 + s) * big}
+    return {"params": min((2 * prefetch_depth + 1 + (1 if tied else 0)) * big, total) * s,
+            "grads": (grad_buffers * 4 * big if grad_buffers < 2 else min(grad_buffers * big, total) * 4)
+            + micro_batches * 4 * tied,
+            "optimizer": max_inflight * min((12 + s) * big, opt_chunk_bytes)}
 
 
 def _ram_budget(hw: Hardware) -> int:
