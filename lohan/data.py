@@ -1,21 +1,28 @@
-"""Data pipeline: text file -> byte tokens -> packed windows -> seeded, resumable batches.
+"""Data pipeline: local file -> tokens (+ loss mask) -> packed windows -> seeded, resumable batches.
 
-Deliberately small: LoHan's subject is where model states live, not tokenization, so the default
-pipeline is a byte-level tokenizer over a local ``.txt`` file (``data/corpus.txt`` ships with the
-repository) with fixed-length packing, like nanoGPT's ``shakespeare_char``. Everything here is
-deterministic given a seed, and :class:`BatchIterator` can save and restore its position so a resumed
-run sees exactly the batches an uninterrupted run would have seen.
+Deliberately small: LoHan's subject is where model states live, not tokenization. The default pipeline
+is a byte-level tokenizer over a local ``.txt`` file (``data/corpus.txt`` ships with the repository)
+with fixed-length packing, like nanoGPT's ``shakespeare_char``. A Hugging Face tokenizer can be used
+instead through :class:`HFTokenizer`, and a ``.jsonl`` file of ``{"text": ...}`` or
+``{"prompt": ..., "response": ...}`` examples gives instruction tuning with the loss on the responses
+only (see :meth:`TokenDataset.from_jsonl`). Everything here is deterministic given a seed, and
+:class:`BatchIterator` can save and restore its position so a resumed run sees exactly the batches an
+uninterrupted run would have seen.
 
 Shapes: a *window* is ``seq_len + 1`` consecutive tokens; the model input is ``window[:-1]`` and the
 target is ``window[1:]`` (next-token prediction). Batches are ``(idx, targets)``, both ``int64`` of shape
-``[batch_size, seq_len]``, on the CPU; the engine moves them to the device.
+``[batch_size, seq_len]``, on the CPU; the engine moves them to the device. A target of
+:data:`IGNORE_INDEX` (``-100``) is not a prediction target: ``F.cross_entropy(..., ignore_index=-100)``
+skips it (prompt tokens of a prompt/response example).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import json
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,7 +31,12 @@ __all__ = [
     "BatchIterator",
     "ByteTokenizer",
     "DEFAULT_CORPUS",
+    "HFTokenizer",
+    "IGNORE_INDEX",
     "TokenDataset",
+    "Tokenizer",
+    "encode_examples",
+    "load_jsonl",
     "load_text",
     "pack_tokens",
     "split_micro_batches",
@@ -36,6 +48,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 """The corpus shipped with the repository (prose from Python's stdlib docstrings, PSF License)."""
+
+IGNORE_INDEX = -100
+"""Target value of a token that is not a prediction target (PyTorch's ``cross_entropy`` default)."""
 
 
 def _is_int(value: object) -> bool:
@@ -56,14 +71,45 @@ def _check_positive(**values: object) -> None:
 # ------------------------------------------------------------------------------------------ tokenizer
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer (:class:`ByteTokenizer` and :class:`HFTokenizer`).
+
+    ``encode`` must not add special tokens; the pipeline adds them itself: ``eos_id`` (if not None) is
+    appended to every document / example, and an optional ``bos_id`` attribute (if present and not None)
+    is prepended to it. ``decode`` is optional (used for samples).
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct token ids; every id is in ``[0, vocab_size)``."""
+        ...
+
+    @property
+    def eos_id(self) -> int | None:
+        """End-of-text id appended to each document / example, or None for no separator."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens."""
+        ...
+
+
 class ByteTokenizer:
     """Byte-level tokenizer: token ids are the UTF-8 bytes of the text (vocabulary of 256).
 
-    No special tokens: the training stream is one packed document stream, and paragraphs in the
-    corpus are already separated by blank lines, so an end-of-text id would add nothing. Any model with
-    ``vocab_size >= 256`` can be trained on these ids; with a larger vocabulary (e.g. the presets'
+    No special tokens (``eos_id`` and ``bos_id`` are None): all 256 ids are bytes, so there is no spare
+    id for an end-of-text marker. For a ``.txt`` corpus this loses nothing (paragraphs are already
+    separated by blank lines); in a ``.jsonl`` file the examples are packed back to back, so end each
+    response with a newline (or any delimiter) if the model should learn where an answer stops. Any model
+    with ``vocab_size >= 256`` can be trained on these ids; with a larger vocabulary (e.g. the presets'
     50257) the unused embedding rows simply never receive a token.
     """
+
+    eos_id: int | None = None
+    """No end-of-text id (see the class docstring)."""
+    bos_id: int | None = None
+    """No beginning-of-text id."""
 
     @property
     def vocab_size(self) -> int:
@@ -108,6 +154,79 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face ``transformers`` tokenizer behind the :class:`Tokenizer` protocol.
+
+    ``encode`` never adds special tokens itself (``add_special_tokens=False``); the data pipeline adds
+    them per document / example: ``bos_id`` in front (if the tokenizer has a BOS token) and ``eos_id`` at
+    the end (if it has an EOS token). The exception is a tokenizer whose BOS *is* its EOS (GPT-2's single
+    ``<|endoftext|>``): then ``bos_id`` is None, so examples are separated by one ``<|endoftext|>``, not two.
+
+    Args:
+        tok: A loaded tokenizer object (e.g. ``AutoTokenizer.from_pretrained(path)`` or a
+            ``PreTrainedTokenizerFast``); see :meth:`from_pretrained` to load one by name or path.
+
+    Raises:
+        TypeError: If ``tok`` is not a tokenizer object (e.g. a path string).
+    """
+
+    def __init__(self, tok: Any) -> None:
+        if isinstance(tok, (str, Path)) or not callable(tok) or not hasattr(tok, "decode"):
+            raise TypeError(
+                f"HFTokenizer wraps a loaded transformers tokenizer object, got {type(tok).__name__} "
+                f"{tok!r:.80}; use HFTokenizer.from_pretrained(name_or_path) to load one"
+            )
+        self.tok = tok
+        """The wrapped ``transformers`` tokenizer."""
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, **kwargs: Any) -> HFTokenizer:
+        """Load a tokenizer with ``transformers.AutoTokenizer.from_pretrained`` and wrap it.
+
+        Args:
+            name_or_path: A local directory with the tokenizer files (or a Hub name, which needs network
+                access or a populated cache).
+            **kwargs: Passed to ``AutoTokenizer.from_pretrained`` (e.g. ``local_files_only=True``).
+        """
+        from transformers import AutoTokenizer  # lazy: transformers is slow to import
+
+        return cls(AutoTokenizer.from_pretrained(str(name_or_path), **kwargs))
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tok)``: the base vocabulary plus added tokens (the model's embedding must cover it)."""
+        return len(self.tok)
+
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's ``eos_token_id`` (None if it has no EOS token)."""
+        eos = self.tok.eos_token_id
+        return None if eos is None else int(eos)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The tokenizer's ``bos_token_id``, prepended to each document; None if absent or equal to EOS."""
+        bos = self.tok.bos_token_id
+        return None if bos is None or bos == self.tok.eos_token_id else int(bos)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens (and without the model-max-length warning)."""
+        return list(self.tok(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` of each text, in one call (fast tokenizers encode a batch in parallel)."""
+        if not texts:
+            return []
+        encoded = self.tok(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+        return [list(ids) for ids in encoded]
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Text of a sequence of ids (special tokens are kept, e.g. ``</s>``)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return str(self.tok.decode(list(ids), skip_special_tokens=False))
+
+
 # -------------------------------------------------------------------------------------------- text
 
 
@@ -147,6 +266,144 @@ def load_text(path: str | Path) -> str:
         ) from None
 
 
+def _show(value: object, limit: int) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _example_problem(obj: object) -> str | None:
+    """What is wrong with one example, or None if it is a valid text or prompt/response example."""
+    if not isinstance(obj, Mapping):
+        return f"expected a JSON object, got {type(obj).__name__} {_show(obj, 60)}"
+    has_text, has_prompt, has_response = "text" in obj, "prompt" in obj, "response" in obj
+    if has_text and (has_prompt or has_response):
+        return 'has both "text" and "prompt"/"response" keys; use one form per example'
+    if not (has_text or has_prompt or has_response):
+        return f'needs a "text" key or "prompt" and "response" keys; it has keys {sorted(map(str, obj))}'
+    if not has_text and not (has_prompt and has_response):
+        have, missing = ("prompt", "response") if has_prompt else ("response", "prompt")
+        return f'has a "{have}" key but no "{missing}" key'
+    for key in ("text",) if has_text else ("prompt", "response"):
+        if not isinstance(obj[key], str):
+            value = obj[key]
+            return f'the "{key}" value must be a string, got {type(value).__name__} {_show(value, 40)}'
+    return None
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, str]]:
+    """Read and check a local ``.jsonl`` file of training examples.
+
+    Each non-blank line is one JSON object, either ``{"text": "..."}`` (plain text: every token is a
+    target) or ``{"prompt": "...", "response": "..."}`` (only the response tokens are targets). The two
+    forms may be mixed; other keys (ids, metadata) are ignored; blank lines are skipped.
+
+    Args:
+        path: The ``.jsonl`` file (UTF-8; a leading byte-order mark is accepted).
+
+    Returns:
+        The examples in file order, each reduced to its ``text`` or ``prompt``/``response`` keys.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        IsADirectoryError: If ``path`` is a directory.
+        ValueError: On the first bad line (not UTF-8, invalid JSON, not an object, missing or conflicting
+            keys, a non-string value), naming the file, the 1-based line number and the problem.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"training data {str(p)!r} does not exist; pass an existing .jsonl file")
+    if p.is_dir():
+        raise IsADirectoryError(f"training data {str(p)!r} is a directory; pass one .jsonl file inside it")
+    examples: list[dict[str, str]] = []
+    for lineno, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        where = f"{str(p)!r} line {lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not valid UTF-8 (byte {e.start} of the line)") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{where}: invalid JSON ({e.msg} at column {e.colno}): {_show(line.strip(), 80)}"
+            ) from None
+        problem = _example_problem(obj)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        keys = ("text",) if "text" in obj else ("prompt", "response")
+        examples.append({k: obj[k] for k in keys})
+    return examples
+
+
+def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    if encode_batch is not None:
+        return [list(ids) for ids in encode_batch(texts)]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def encode_examples(
+    examples: Iterable[Mapping[str, str]], tokenizer: Tokenizer | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize examples into one token stream with a parallel loss mask.
+
+    Example layout (``bos``/``eos`` only where the tokenizer has them, see :class:`Tokenizer`)::
+
+        {"text": t}                   -> [bos] + encode(t) + [eos]                mask: all True
+        {"prompt": p, "response": r}  -> [bos] + encode(p) + encode(r) + [eos]    mask: False on bos and
+                                                                                  prompt, True on the rest
+
+    The prompt and the response are encoded separately, so the mask boundary is exact (no token straddles
+    it); put any separator (e.g. a trailing space or newline) in the prompt or the response. The EOS is a
+    target, so the model learns to stop after a response.
+
+    Args:
+        examples: Dicts as returned by :func:`load_jsonl` (extra keys are ignored).
+        tokenizer: Default :class:`ByteTokenizer`.
+
+    Returns:
+        ``(ids, mask)``: ``int64`` and ``bool`` tensors of the same length (the examples concatenated);
+        ``mask[j]`` is True if token ``j`` is a prediction target.
+
+    Raises:
+        ValueError: If an example is malformed (naming its 0-based index).
+    """
+    tokenizer = tokenizer or ByteTokenizer()
+    examples = list(examples)
+    for i, ex in enumerate(examples):
+        problem = _example_problem(ex)
+        if problem is not None:
+            raise ValueError(f"example {i}: {problem}")
+    bos, eos = getattr(tokenizer, "bos_id", None), tokenizer.eos_id
+    # One batched encode call per field: the prompt texts ("" for text examples) and the target texts.
+    prompts = _encode_all(tokenizer, [ex.get("prompt", "") for ex in examples])
+    targets = _encode_all(tokenizer, [ex["text"] if "text" in ex else ex["response"] for ex in examples])
+    ids, mask = array("q"), bytearray()
+    for ex, p_ids, t_ids in zip(examples, prompts, targets):
+        if "text" in ex:
+            head = [bos] if bos is not None else []
+            head_mask = 1  # plain text: every token (also the BOS after the previous EOS) is a target
+        else:
+            head = ([bos] if bos is not None else []) + p_ids
+            head_mask = 0
+        tail = t_ids + ([eos] if eos is not None else [])
+        ids.extend(head)
+        ids.extend(tail)
+        mask.extend(bytes([head_mask]) * len(head))
+        mask.extend(b"\x01" * len(tail))
+    if not ids:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool)
+    # frombuffer views the compact arrays (8 bytes and 1 byte per token); clone so the tensors own them.
+    return torch.frombuffer(ids, dtype=torch.long).clone(), torch.frombuffer(mask, dtype=torch.bool).clone()
+
+
 # ----------------------------------------------------------------------------------------- packing
 
 
@@ -183,30 +440,107 @@ def pack_tokens(ids: Sequence[int] | torch.Tensor, seq_len: int) -> torch.Tensor
 class TokenDataset:
     """A tokenized text packed into windows; ``dataset[i]`` is the ``(input, target)`` pair of window ``i``.
 
+    With a ``loss_mask``, the targets are :data:`IGNORE_INDEX` (``-100``) where the target token is
+    masked (``loss_mask[i, j + 1]`` is False for ``target[j]``). Packing may split an example across two
+    windows (and a window may hold the end of one example and the start of the next); the mask travels
+    with the tokens, so each token is a target or not wherever it lands.
+
     Args:
         windows: ``int64`` tensor ``[n_windows, seq_len + 1]``, as returned by :func:`pack_tokens`.
+        loss_mask: Optional ``bool`` tensor of the same shape, True where the token is a prediction
+            target; None means every token is one.
     """
 
-    def __init__(self, windows: torch.Tensor) -> None:
+    def __init__(self, windows: torch.Tensor, loss_mask: torch.Tensor | None = None) -> None:
         if windows.dim() != 2 or windows.shape[1] < 2 or windows.dtype != torch.long:
             raise ValueError(
                 f"windows must be an int64 tensor [n_windows, seq_len + 1] with seq_len >= 1, got "
                 f"{windows.dtype} {list(windows.shape)}; build it with pack_tokens(ids, seq_len)"
             )
+        if loss_mask is not None and (loss_mask.dtype != torch.bool or loss_mask.shape != windows.shape):
+            raise ValueError(
+                f"loss_mask must be a bool tensor shaped like windows {list(windows.shape)}, got "
+                f"{loss_mask.dtype} {list(loss_mask.shape)}"
+            )
         self.windows = windows
         """The packed windows, ``[n_windows, seq_len + 1]``."""
+        self.loss_mask = loss_mask
+        """``bool`` ``[n_windows, seq_len + 1]``, True where the token is a target; None: all are."""
 
     @classmethod
-    def from_text(cls, text: str, seq_len: int, tokenizer: ByteTokenizer | None = None) -> TokenDataset:
-        """Tokenize ``text`` (byte-level by default) and pack it into windows of ``seq_len + 1``."""
+    def from_text(cls, text: str, seq_len: int, tokenizer: Tokenizer | None = None) -> TokenDataset:
+        """Tokenize ``text`` (byte-level by default) as one document and pack it into windows.
+
+        The document is ``[bos] + encode(text) + [eos]`` (BOS/EOS only where the tokenizer has them, so
+        byte-level ids are exactly the UTF-8 bytes); every token is a target.
+        """
         tokenizer = tokenizer or ByteTokenizer()
-        return cls(pack_tokens(tokenizer.encode(text), seq_len))
+        ids, _ = encode_examples([{"text": text}], tokenizer)
+        return cls(pack_tokens(ids, seq_len))
+
+    @classmethod
+    def from_examples(
+        cls,
+        examples: Iterable[Mapping[str, str]],
+        seq_len: int,
+        tokenizer: Tokenizer | None = None,
+        source: str = "the dataset",
+    ) -> TokenDataset:
+        """Tokenize text and prompt/response examples with :func:`encode_examples` and pack them.
+
+        The examples are concatenated in order and packed like :func:`pack_tokens` (windows of
+        ``seq_len + 1`` with stride ``seq_len``; the ragged tail is dropped) with the loss mask alongside.
+        ``loss_mask`` is None when nothing is masked (only ``text`` examples).
+
+        Args:
+            examples: Dicts with a ``text`` or ``prompt`` and ``response`` keys.
+            seq_len: Model input length.
+            tokenizer: Default :class:`ByteTokenizer`.
+            source: Name of the data in error messages (the file name for :meth:`from_jsonl`).
+
+        Raises:
+            ValueError: If an example is malformed, the examples are too short for one window (the
+                message gives the token count and the tokens a window needs), or no token is a target.
+        """
+        _check_positive(seq_len=seq_len)
+        examples = list(examples)
+        ids, mask = encode_examples(examples, tokenizer)
+        n, need = ids.numel(), seq_len + 1
+        if n < need:
+            if examples:
+                what = f"{len(examples):,} example(s) tokenize to {n:,} tokens"
+            else:
+                what = "no examples (0 tokens; blank lines are skipped)"
+            hint = f"use --seq-len {n - 1} or less or add examples" if n >= 2 else "add examples"
+            raise ValueError(
+                f"{source}: {what}, but seq_len={seq_len:,} needs at least {need:,} tokens for one window "
+                f"(input plus the target shifted by one); {hint}"
+            )
+        windows = pack_tokens(ids, seq_len)
+        masks = mask.unfold(0, need, seq_len).clone()
+        if not masks[:, 1:].any():
+            raise ValueError(
+                f"{source}: no token of the {len(windows):,} windows is a prediction target (every response "
+                f"is empty and the tokenizer has no EOS), so there is no loss to train on"
+            )
+        return cls(windows, None if bool(masks.all()) else masks)
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, seq_len: int, tokenizer: Tokenizer | None = None) -> TokenDataset:
+        """:func:`load_jsonl` then :meth:`from_examples` (loss on ``text`` and ``response`` tokens only)."""
+        source = repr(str(Path(path).expanduser()))
+        return cls.from_examples(load_jsonl(path), seq_len, tokenizer, source=source)
 
     @classmethod
     def from_file(
-        cls, path: str | Path = DEFAULT_CORPUS, seq_len: int = 1024, tokenizer: ByteTokenizer | None = None
+        cls, path: str | Path = DEFAULT_CORPUS, seq_len: int = 1024, tokenizer: Tokenizer | None = None
     ) -> TokenDataset:
-        """:func:`load_text` then :meth:`from_text`; the default path is the shipped corpus."""
+        """Load a local file, dispatched on its extension; the default path is the shipped corpus.
+
+        ``.jsonl`` (any case): :meth:`from_jsonl`. Anything else: :func:`load_text` then :meth:`from_text`.
+        """
+        if Path(path).suffix.lower() == ".jsonl":
+            return cls.from_jsonl(path, seq_len, tokenizer)
         return cls.from_text(load_text(path), seq_len, tokenizer)
 
     @property
@@ -214,12 +548,21 @@ class TokenDataset:
         """Model input length (window length minus one)."""
         return self.windows.shape[1] - 1
 
+    @property
+    def n_targets(self) -> int:
+        """Number of target positions that count in the loss, over all windows."""
+        if self.loss_mask is None:
+            return self.windows.shape[0] * self.seq_len
+        return int(self.loss_mask[:, 1:].sum())
+
     def __len__(self) -> int:
         return self.windows.shape[0]
 
     def __getitem__(self, i: int) -> Batch:
         w = self.windows[i]
-        return w[:-1], w[1:]
+        if self.loss_mask is None:
+            return w[:-1], w[1:]
+        return w[:-1], w[1:].masked_fill(~self.loss_mask[i, 1:], IGNORE_INDEX)
 
 
 # ----------------------------------------------------------------------------------------- batches
@@ -237,20 +580,27 @@ class BatchIterator:
     an epoch are skipped so every batch has the same shape; with shuffling a different remainder is
     skipped each epoch). With ``shuffle=True`` the order of epoch ``e`` is a permutation drawn from a
     ``torch.Generator`` seeded from ``(seed, e)``: every epoch differs, and every run with the same seed
-    sees the same batches. Iteration is infinite unless ``epochs`` is given.
+    sees the same batches. Iteration is infinite unless ``epochs`` is given; ``N`` epochs are
+    ``N * batches_per_epoch`` batches (optimizer steps), and step ``k`` is batch
+    ``divmod(k, batches_per_epoch)`` as ``(epoch, position)``.
+
+    Over a :class:`TokenDataset` with a ``loss_mask``, masked targets are :data:`IGNORE_INDEX` (``-100``);
+    the order of windows, and so resuming, does not depend on the mask.
 
     ``epoch`` and ``position`` name the *next* batch to be yielded; :meth:`state_dict` saves them and
     :meth:`load_state_dict` restores them, so a fresh iterator resumes exactly where a saved one was.
 
     Args:
-        windows: ``[n_windows, seq_len + 1]`` tensor from :func:`pack_tokens`, or a :class:`TokenDataset`.
+        windows: ``[n_windows, seq_len + 1]`` tensor from :func:`pack_tokens`, or a :class:`TokenDataset`
+            (whose ``loss_mask`` is applied to the targets).
         batch_size: Windows per batch.
         seed: Seed of the shuffling.
         shuffle: Shuffle windows each epoch; if False, batches follow the text order.
         epochs: Stop after this many epochs; None iterates forever.
 
     Yields:
-        ``(idx, targets)``: ``int64`` tensors ``[batch_size, seq_len]``, ``targets`` shifted by one.
+        ``(idx, targets)``: ``int64`` tensors ``[batch_size, seq_len]``, ``targets`` shifted by one (and
+        ``-100`` where masked).
     """
 
     def __init__(
@@ -261,8 +611,9 @@ class BatchIterator:
         shuffle: bool = True,
         epochs: int | None = None,
     ) -> None:
+        loss_mask = None
         if isinstance(windows, TokenDataset):
-            windows = windows.windows
+            windows, loss_mask = windows.windows, windows.loss_mask
         _check_positive(batch_size=batch_size)
         if epochs is not None:
             _check_positive(epochs=epochs)
@@ -276,6 +627,8 @@ class BatchIterator:
                 f"longer text"
             )
         self.windows = windows
+        self.loss_mask = loss_mask
+        """``bool`` mask shaped like ``windows`` (True: a target), or None when nothing is masked."""
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
@@ -318,10 +671,14 @@ class BatchIterator:
         start = self.position * self.batch_size
         rows = self._epoch_order(self.epoch)[start : start + self.batch_size]
         w = self.windows.index_select(0, rows)
+        idx, targets = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if self.loss_mask is not None:
+            keep = self.loss_mask.index_select(0, rows)[:, 1:]
+            targets.masked_fill_(~keep, IGNORE_INDEX)
         self.position += 1
         if self.position == self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        return idx, targets
 
     def state_dict(self) -> dict[str, Any]:
         """Position and identity of the stream, JSON-serializable (for checkpoints)."""

@@ -1,18 +1,26 @@
-"""Data pipeline: tokenizer, packing, seeded and resumable batches, micro-batches, the shipped corpus."""
+"""Data pipeline: tokenizers, packing, jsonl examples and loss masks, seeded and resumable batches,
+micro-batches, the shipped corpus."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lohan.data import (
     DEFAULT_CORPUS,
+    IGNORE_INDEX,
     BatchIterator,
     ByteTokenizer,
+    HFTokenizer,
     TokenDataset,
+    Tokenizer,
+    encode_examples,
+    load_jsonl,
     load_text,
     pack_tokens,
     split_micro_batches,
@@ -221,3 +229,338 @@ def test_shipped_corpus_is_small_utf8_and_licensed():
     assert "corpus.txt" in (DATA_DIR / "README.md").read_text(encoding="utf-8")
     # Enough for a real run: the default seq_len packs into hundreds of windows.
     assert len(TokenDataset.from_file(corpus, seq_len=1024)) > 290
+
+
+# ------------------------------------------------------------------------------ HF tokenizer (offline)
+
+WORDS = ["[UNK]", "<s>", "</s>", "what", "is", "two", "plus", "four", "six", "the", "sky", "blue", "?", "hi"]
+VOCAB = {w: i for i, w in enumerate(WORDS)}
+BOS, EOS = VOCAB["<s>"], VOCAB["</s>"]
+
+
+def _hf_tok(bos_token: str | None = "<s>", eos_token: str | None = "</s>"):
+    """A tiny word-level fast tokenizer built in memory; its post-processor adds <s> ... </s>, so a wrapper
+    that forgets add_special_tokens=False is caught."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", BOS), ("</s>", EOS)]
+    )
+    kwargs = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", model_max_length=4, **kwargs)
+
+
+def _ids(text: str) -> list[int]:
+    return [VOCAB[w] for w in text.split()]
+
+
+def test_hf_tokenizer_wraps_without_special_tokens_and_satisfies_protocol():
+    raw = _hf_tok()
+    tok = HFTokenizer(raw)
+    assert raw.encode("what is two") == [BOS, *_ids("what is two"), EOS]  # the raw one adds them...
+    assert tok.encode("what is two plus four ?") == _ids("what is two plus four ?")  # ...the wrapper not
+    assert tok.encode_batch(["the sky", "", "six"]) == [_ids("the sky"), [], _ids("six")]
+    assert tok.encode_batch([]) == []
+    assert tok.vocab_size == len(raw) == len(WORDS)
+    assert (tok.eos_id, tok.bos_id) == (EOS, BOS)
+    assert tok.decode(torch.tensor([BOS, *_ids("hi")])) == "<s> hi"
+    assert isinstance(tok, Tokenizer) and isinstance(ByteTokenizer(), Tokenizer)
+    assert ByteTokenizer().eos_id is None and ByteTokenizer().bos_id is None
+
+
+def test_hf_tokenizer_without_bos_or_with_bos_equal_to_eos_prepends_nothing():
+    assert HFTokenizer(_hf_tok(bos_token=None)).bos_id is None
+    gpt2_like = HFTokenizer(_hf_tok(bos_token="</s>", eos_token="</s>"))  # one <|endoftext|> for both
+    assert (gpt2_like.bos_id, gpt2_like.eos_id) == (None, EOS)
+    ids, _ = encode_examples([{"text": "hi"}, {"text": "six"}], gpt2_like)
+    assert ids.tolist() == [VOCAB["hi"], EOS, VOCAB["six"], EOS]
+    no_eos = HFTokenizer(_hf_tok(eos_token=None))
+    assert no_eos.eos_id is None
+    ids, _ = encode_examples([{"text": "hi"}, {"text": "six"}], no_eos)
+    assert ids.tolist() == [BOS, VOCAB["hi"], BOS, VOCAB["six"]]
+
+
+def test_hf_tokenizer_rejects_paths_and_loads_a_saved_one(tmp_path):
+    with pytest.raises(TypeError, match="from_pretrained"):
+        HFTokenizer("gpt2")
+    _hf_tok().save_pretrained(tmp_path)
+    tok = HFTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert tok.encode("the sky is blue") == _ids("the sky is blue")
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (BOS, EOS, len(WORDS))
+
+
+# ----------------------------------------------------------------------------- jsonl and loss masks
+
+
+def _write_jsonl(path: Path, rows: list[object], blank_every: int = 0) -> Path:
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append(row if isinstance(row, str) else json.dumps(row))
+        if blank_every and i % blank_every == 0:
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _expected_pairs(stream: list[int], is_target: list[bool], seq_len: int) -> list[tuple[list[int], ...]]:
+    """(input, target) of every window, computed straight from the definition."""
+    n_windows = (len(stream) - 1) // seq_len
+    pairs = []
+    for i in range(n_windows):
+        lo = i * seq_len
+        inp = stream[lo : lo + seq_len]
+        tgt = [stream[j] if is_target[j] else IGNORE_INDEX for j in range(lo + 1, lo + seq_len + 1)]
+        pairs.append((inp, tgt))
+    return pairs
+
+
+def _assert_dataset(ds: TokenDataset, stream: list[int], is_target: list[bool]) -> None:
+    expected = _expected_pairs(stream, is_target, ds.seq_len)
+    assert len(ds) == len(expected) > 1
+    for i, (inp, tgt) in enumerate(expected):
+        x, y = ds[i]
+        assert x.tolist() == inp, f"window {i} input"
+        assert y.tolist() == tgt, f"window {i} target"
+
+
+QA = [
+    {"prompt": "Q: what is 2+2?\nA:", "response": " four\n"},
+    {"prompt": "Q: the sky?\nA:", "response": " blue, mostly\n", "id": 7},  # extra keys are ignored
+    {"prompt": "Say hi.\n", "response": "hi\n"},
+] * 3
+
+
+def test_jsonl_prompt_response_masks_exactly_the_prompt_bytes(tmp_path):
+    path = _write_jsonl(tmp_path / "qa.jsonl", QA, blank_every=2)
+    seq_len = 7  # windows cut through prompts and responses
+    ds = TokenDataset.from_file(path, seq_len=seq_len)
+    stream, is_target = [], []
+    for ex in QA:
+        p, r = ex["prompt"].encode(), ex["response"].encode()
+        stream += [*p, *r]  # ByteTokenizer: no BOS/EOS
+        is_target += [False] * len(p) + [True] * len(r)
+    _assert_dataset(ds, stream, is_target)
+    assert ds.loss_mask is not None and ds.loss_mask.dtype == torch.bool
+    # The targets that count are exactly the response bytes, in order (each token is a target once).
+    counted = torch.cat([ds[i][1] for i in range(len(ds))])
+    kept = bytes(counted[counted != IGNORE_INDEX].tolist())
+    responses = b"".join(ex["response"].encode() for ex in QA)
+    covered = len(ds) * seq_len + 1  # tokens of the stream inside the windows; the tail is dropped
+    assert kept == bytes(t for t, m in zip(stream[1:covered], is_target[1:covered]) if m)
+    assert responses.startswith(kept) and len(kept) > len(responses) - seq_len
+    assert ds.n_targets == len(kept)
+
+
+def test_jsonl_prompt_response_with_hf_tokenizer_adds_bos_and_eos(tmp_path):
+    rows = [
+        {"prompt": "what is two plus four ?", "response": "six"},
+        {"text": "the sky is blue"},
+        {"prompt": "hi", "response": "hi hi"},
+    ] * 4
+    path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    ds = TokenDataset.from_file(path, seq_len=5, tokenizer=HFTokenizer(_hf_tok()))
+    stream, is_target = [], []
+    for ex in rows:
+        if "text" in ex:
+            ids = [BOS, *_ids(ex["text"]), EOS]
+            stream += ids
+            is_target += [True] * len(ids)  # plain text: nothing masked
+        else:
+            head, tail = [BOS, *_ids(ex["prompt"])], [*_ids(ex["response"]), EOS]
+            stream += head + tail
+            is_target += [False] * len(head) + [True] * len(tail)  # EOS is a target: learn to stop
+    _assert_dataset(ds, stream, is_target)
+    targets = torch.stack([ds[i][1] for i in range(len(ds))])
+    # An EOS closes every example: count them among the windows' tokens.
+    assert int((ds.windows[:, 1:] == EOS).sum()) == sum(1 for t in stream[1 : len(ds) * 5 + 1] if t == EOS)
+    assert int((targets == IGNORE_INDEX).sum()) == sum(1 for m in is_target[1 : len(ds) * 5 + 1] if not m) > 0
+
+
+def test_jsonl_text_only_is_unmasked_and_concatenated(tmp_path):
+    texts = ["first line of text. ", "second, with a ünicode char. ", "third."] * 3
+    path = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in texts])
+    ds = TokenDataset.from_file(path, seq_len=16)
+    assert ds.loss_mask is None
+    assert not any((ds[i][1] == IGNORE_INDEX).any() for i in range(len(ds)))
+    stream = list("".join(texts).encode())  # ByteTokenizer: examples abut, no separator
+    _assert_dataset(ds, stream, [True] * len(stream))
+    # With an EOS, one EOS follows every example.
+    hf = HFTokenizer(_hf_tok())
+    ids, mask = encode_examples([{"text": "the sky"}, {"text": "is blue"}], hf)
+    assert ids.tolist() == [BOS, *_ids("the sky"), EOS, BOS, *_ids("is blue"), EOS]
+    assert mask.all()
+
+
+def test_from_file_dispatches_on_extension(tmp_path):
+    rows = [{"prompt": "p" * 5, "response": "r" * 5}] * 4
+    as_jsonl = _write_jsonl(tmp_path / "d.JSONL", rows)
+    as_txt = _write_jsonl(tmp_path / "d.txt", rows)
+    masked = TokenDataset.from_file(as_jsonl, seq_len=4)
+    plain = TokenDataset.from_file(as_txt, seq_len=4)
+    assert masked.loss_mask is not None and plain.loss_mask is None
+    assert bytes(plain.windows[0].tolist()) == b'{"pro'  # a .txt is text, even when it holds JSON
+    assert bytes(masked.windows[0].tolist()) == b"ppppp"
+
+
+def test_from_text_with_hf_tokenizer_is_one_document():
+    ds = TokenDataset.from_text("the sky is blue", seq_len=5, tokenizer=HFTokenizer(_hf_tok()))
+    assert ds.windows.tolist() == [[BOS, *_ids("the sky is blue"), EOS]] and ds.loss_mask is None
+
+
+def test_load_jsonl_accepts_bom_crlf_blank_lines_and_drops_extra_keys(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(
+        b'\xef\xbb\xbf{"text": "a", "meta": 1}\r\n\r\n   \n{"prompt": "b", "response": "c", "lang": "en"}\r\n'
+    )
+    assert load_jsonl(path) == [{"text": "a"}, {"prompt": "b", "response": "c"}]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "problem"),
+    [
+        ('{"text": "unterminated}', "invalid JSON"),
+        ('["text", "a list"]', "expected a JSON object, got list"),
+        ('"just a string"', "expected a JSON object, got str"),
+        ('{"prompt": "only a prompt"}', 'has a "prompt" key but no "response" key'),
+        ('{"response": "only a response"}', 'has a "response" key but no "prompt" key'),
+        ('{"input": "x", "output": "y"}', 'needs a "text" key or "prompt" and "response" keys; it has keys'),
+        ('{"text": "t", "prompt": "p", "response": "r"}', "has both"),
+        ('{"text": 42}', 'the "text" value must be a string, got int 42'),
+        ('{"prompt": "p", "response": null}', 'the "response" value must be a string, got NoneType null'),
+    ],
+)
+def test_bad_jsonl_line_names_file_line_and_problem(tmp_path, bad_line, problem):
+    path = tmp_path / "bad.jsonl"
+    # Line 4 is bad; the blank line 2 still counts.
+    path.write_text(f'{{"text": "ok"}}\n\n{{"prompt": "a", "response": "b"}}\n{bad_line}\n{{"text": "ok"}}\n')
+    with pytest.raises(ValueError) as e:
+        TokenDataset.from_file(path, seq_len=2)
+    msg = str(e.value)
+    assert "bad.jsonl" in msg and "line 4:" in msg and problem in msg, msg
+
+
+def test_jsonl_invalid_utf8_names_the_line_and_missing_file_errors(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="line 2: not valid UTF-8"):
+        load_jsonl(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TokenDataset.from_file(tmp_path / "missing.jsonl", seq_len=4)
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError):
+        load_jsonl(tmp_path / "dir.jsonl")
+
+
+def test_in_memory_examples_are_checked_by_index():
+    with pytest.raises(ValueError, match='example 1: has a "prompt" key but no "response" key'):
+        encode_examples([{"text": "a"}, {"prompt": "b"}])
+    with pytest.raises(ValueError, match="example 0: expected a JSON object, got tuple"):
+        encode_examples([("text", "a")])  # type: ignore[list-item]
+
+
+def test_empty_and_too_short_jsonl_errors_give_token_counts(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n\n")
+    with pytest.raises(ValueError) as e:
+        TokenDataset.from_file(empty, seq_len=8)
+    msg = str(e.value)
+    assert "empty.jsonl" in msg and "no examples (0 tokens" in msg and "needs at least 9 tokens" in msg, msg
+
+    short = _write_jsonl(tmp_path / "short.jsonl", [{"prompt": "abc", "response": "de"}, {"text": "fghijkl"}])
+    with pytest.raises(ValueError) as e:
+        TokenDataset.from_file(short, seq_len=64)
+    msg = str(e.value)
+    assert "2 example(s) tokenize to 12 tokens" in msg and "seq_len=64 needs at least 65 tokens" in msg, msg
+    assert "--seq-len 11" in msg
+    assert len(TokenDataset.from_file(short, seq_len=11)) == 1  # exactly one window is enough
+
+
+def test_jsonl_with_no_target_token_is_rejected(tmp_path):
+    path = _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "only prompts here", "response": ""}] * 3)
+    with pytest.raises(ValueError, match="no token of the .* windows is a prediction target"):
+        TokenDataset.from_file(path, seq_len=8)
+
+
+def test_token_dataset_validates_loss_mask():
+    w = _windows(n_tokens=41, seq_len=4)
+    with pytest.raises(ValueError, match="loss_mask must be a bool tensor shaped like windows"):
+        TokenDataset(w, torch.ones(w.shape[0], 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="loss_mask must be a bool tensor"):
+        TokenDataset(w, torch.ones_like(w))
+    mask = torch.ones_like(w, dtype=torch.bool)
+    mask[0, 2] = False
+    ds = TokenDataset(w, mask)
+    assert ds[0][1].tolist() == [1, IGNORE_INDEX, 3, 4]  # target j is masked by mask[:, j + 1]
+    assert ds.n_targets == w.shape[0] * 4 - 1
+
+
+# ----------------------------------------------------------------------- batches over masked data
+
+
+def _masked_dataset(tmp_path: Path, seq_len: int = 6) -> TokenDataset:
+    rows = [{"prompt": f"question {i}? ", "response": f"answer {i}.\n"} for i in range(40)]
+    return TokenDataset.from_file(_write_jsonl(tmp_path / "qa.jsonl", rows), seq_len=seq_len)
+
+
+def test_batch_iterator_carries_the_mask(tmp_path):
+    ds = _masked_dataset(tmp_path)
+    it = BatchIterator(ds, batch_size=4, shuffle=False, epochs=1)
+    batches = list(it)
+    assert len(batches) == it.batches_per_epoch == len(ds) // 4
+    for b, (idx, tgt) in enumerate(batches):
+        rows = [ds[b * 4 + k] for k in range(4)]
+        assert torch.equal(idx, torch.stack([x for x, _ in rows]))
+        assert torch.equal(tgt, torch.stack([y for _, y in rows]))
+    all_targets = torch.cat([t for _, t in batches])
+    assert (all_targets == IGNORE_INDEX).any() and (all_targets != IGNORE_INDEX).any()
+    # Unmasked targets are still the inputs shifted by one.
+    idx, tgt = batches[0]
+    keep = tgt[:, :-1] != IGNORE_INDEX
+    assert torch.equal(tgt[:, :-1][keep], idx[:, 1:][keep])
+    # A plain windows tensor (no dataset) has no mask.
+    assert not (next(BatchIterator(ds.windows, batch_size=4))[1] == IGNORE_INDEX).any()
+
+
+def test_masked_batches_resume_exactly(tmp_path):
+    ds = _masked_dataset(tmp_path)
+    n = BatchIterator(ds, batch_size=4, seed=5).batches_per_epoch
+    k = n + 3  # past an epoch boundary
+    expected = _take(BatchIterator(ds, batch_size=4, seed=5), k + 8)[k:]
+    first = BatchIterator(ds, batch_size=4, seed=5)
+    _take(first, k)
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON checkpoint
+    resumed = BatchIterator(ds, batch_size=4, seed=5)
+    resumed.load_state_dict(state)
+    got = _take(resumed, 8)
+    assert any((t == IGNORE_INDEX).any() for _, t in got)
+    # Shuffled rows keep their own mask: each row's targets are those of the window it came from.
+    inputs = ds.windows[:, :-1]
+    for x, y in got:
+        for row_x, row_y in zip(x, y):
+            same_input = (inputs == row_x).all(dim=1).nonzero()[:, 0].tolist()
+            assert any(torch.equal(row_y, ds[i][1]) for i in same_input)
+    for (x, y), (ex, ey) in zip(got, expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    # Steps for N epochs: N * batches_per_epoch batches, then iteration stops.
+    assert len(list(BatchIterator(ds, batch_size=4, seed=5, epochs=2))) == 2 * n
+
+
+def test_masked_cross_entropy_equals_loss_over_response_tokens_only():
+    g = torch.Generator().manual_seed(0)
+    vocab, b, t = 11, 3, 9
+    logits = torch.randn(b, t, vocab, generator=g)
+    tokens = torch.randint(0, vocab, (b, t), generator=g)
+    is_response = torch.zeros(b, t, dtype=torch.bool)
+    is_response[0, 5:] = True
+    is_response[1, 2:7] = True
+    is_response[2, :] = True
+    targets = tokens.masked_fill(~is_response, IGNORE_INDEX)
+    loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    expected = -logp[is_response].mean()
+    torch.testing.assert_close(loss, expected)
+    assert not torch.allclose(loss, -logp.mean())  # the mask changes the loss
