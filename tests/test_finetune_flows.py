@@ -1,0 +1,122 @@
+"""finetune.py as users meet it: plans and refusals, export, interruption and resume, jsonl data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lohan.cli import main
+from tests.test_cli import args, losses
+
+
+def test_175b_is_refused_with_the_missing_resources_and_nothing_written(tmp_path, capsys):
+    nvme = tmp_path / "nvme"
+    assert main(["--model", "175b", "--nvme", str(nvme), "--data", "synthetic", "--batch-size", "1"]) == 2
+    out = capsys.readouterr().out
+    assert "175b does not fit this machine" in out and "Nothing was written" in out
+    assert "SSD: needs" in out and "the SSDs hold" in out  # 4.9 TB of states vs this disk
+    assert "policy plan" in out and "predicted step" in out  # the plan is shown, not a traceback
+    assert not nvme.exists()
+
+
+def test_dry_run_plans_175b_for_the_papers_box(tmp_path, capsys):
+    nvme = tmp_path / "nvme"
+    assert main(["--model", "175b", "--nvme", str(nvme), "--data", "synthetic", "--batch-size", "1",
+                 "--seq-len", "1024", "--dry-run", "--hardware", "rtx4090,12xP5510,256GB"]) == 0
+    out = capsys.readouterr().out
+    assert "=> fits" in out and "predicted step" in out and "TFLOPS" in out and "nothing was written" in out
+    assert "gpu" in out and "cpu" in out and "ssd" in out
+    assert not nvme.exists()
+    assert main(["--model", "175b", "--hardware", "rtx4090,12xP5510,256GB"]) == 2  # --hardware needs --dry-run
+    assert "use it with --dry-run" in capsys.readouterr().err
+
+
+def test_layers_slices_a_preset_shape(tmp_path, capsys):
+    assert main(["--model", "125m", "--layers", "1", "--nvme", str(tmp_path / "nvme"), "--data", "synthetic",
+                 "--batch-size", "1", "--seq-len", "32", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "125m, batch 1 x seq 32" in out
+
+
+def interrupt_at(monkeypatch, call: int) -> None:
+    """Ctrl-C in the middle of a step: during backward, when the optimizer pipeline gets its `call`-th block."""
+    from lohan import offload
+
+    original = offload.GradOffloader.submit
+    count = {"n": 0}
+
+    def submit(self, *a, **k):
+        count["n"] += 1
+        if count["n"] == call:
+            raise KeyboardInterrupt
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(offload.GradOffloader, "submit", submit)
+
+
+@pytest.mark.parametrize("data", ["corpus", "jsonl"])
+def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, data):
+    if data == "jsonl":
+        path = tmp_path / "sft.jsonl"
+        rows = [{"prompt": f"Q{i}: what is {i} + {i}? ", "response": f"A: {2 * i}."} for i in range(300)]
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        extra = ["--data", str(path)]
+    else:
+        extra = []
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(args(a, "--steps", "5", *extra)) == 0
+    interrupt_at(monkeypatch, 3 * 4 + 2)  # 4 blocks per step: step 4, mid-backward
+    assert main(args(b, "--steps", "5", *extra)) == 130
+    monkeypatch.undo()
+    assert len(losses(b / "m.jsonl")) == 3
+    state = json.loads((b / "nvme" / "lohan.run.json").read_text())
+    assert state["step"] == 3
+    assert main(args(b, "--steps", "5", "--resume", *extra)) == 0
+    assert losses(b / "m.jsonl") == losses(a / "m.jsonl")
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, capsys):
+    assert main(args(tmp_path, "--steps", "2")) == 0
+    assert main(args(tmp_path, "--steps", "3", "--resume", "--batch-size", "4")) == 2
+    assert "other settings" in capsys.readouterr().out
+
+
+def test_epochs_metrics_and_plot(tmp_path):
+    text = tmp_path / "small.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)  # 1800 bytes: 54 windows of 33
+    assert main(args(tmp_path, "--data", str(text), "--epochs", "2", "--batch-size", "9")) == 0
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * (1800 // 33 // 9)
+    assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_export_preset_loads_in_transformers_with_identical_logits(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from lohan.config import EngineConfig, get_model_config
+    from lohan.engine import init
+    from lohan.models.gpt import build_model
+    from tests.test_engine_equivalence import ref_name
+
+    out = tmp_path / "hf"
+    assert main(args(tmp_path, "--steps", "2", "--compute-dtype", "fp32", "--export", str(out))) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    mcfg = get_model_config("tiny", vocab_size=256, seq_len=256, n_layer=2)
+    cfg = EngineConfig(nvme=(str(tmp_path / "nvme"),), backend="threads", compute_dtype="fp32")
+    with init(mcfg, cfg, resume=True) as engine:
+        assert engine.step_count == 2
+        weights = {ref_name(k): v for k, v in engine.state_dict_fp32().items()}
+    ours = build_model(mcfg, device="cpu")
+    ours.load_state_dict(weights)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ours(ids), hf(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert main(args(tmp_path, "--steps", "3", "--resume", "--compute-dtype", "fp32", "--export", str(foreign))) == 2
+    assert "holds other files" in capsys.readouterr().out
+    assert (foreign / "notes.txt").read_text() == "keep me"
