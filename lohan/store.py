@@ -209,20 +209,27 @@ class StateStore:
                              emulate_ssd_gbps=emulate_ssd_gbps)
         try:
             store = cls(volume, layout, dirs[0], name, Commit(step=0, slot=0, dirty=True))
-            biggest = max(b.record_bytes for b in layout.blocks)
+            # Whole records up to the staging budget; bigger ones (a 175B layer's is 25 GB) section by
+            # section in pieces, so initialization needs the block's parameters plus one piece.
+            piece = max(ALIGN, staging_budget // 4 // ALIGN * ALIGN)
+            biggest = max((b.record_bytes for b in layout.blocks if b.record_bytes <= staging_budget), default=0)
             pool = volume.buffer_pool(max(staging_budget, biggest))
             for b in layout.blocks:
                 params = init_block(b.index)
                 if [tuple(p.shape) for p in params] != [s.shape for s in b.params]:
                     raise ValueError(f"init_block({b.index}) returned shapes that do not match the layout")
-                with pool.acquire(b.record_bytes) as buf:
-                    rec = RecordView(buf.tensor, b, store.p16_dtype)
-                    for view, p in zip(block_views(rec.p32, b), params):
-                        view.copy_(p)
-                    rec.m.zero_()
-                    rec.v.zero_()
-                    rec.p16.copy_(rec.p32)
-                    volume.write(buf.tensor, layout.record_offset(b.index, 0)).wait()
+                if b.record_bytes <= staging_budget:
+                    with pool.acquire(b.record_bytes) as buf:
+                        rec = RecordView(buf.tensor, b, store.p16_dtype)
+                        for view, p in zip(block_views(rec.p32, b), params):
+                            view.copy_(p)
+                        rec.m.zero_()
+                        rec.v.zero_()
+                        rec.p16.copy_(rec.p32)
+                        volume.write(buf.tensor, layout.record_offset(b.index, 0)).wait()
+                else:
+                    store._write_record_in_pieces(b, params, pool, piece)
+                del params
                 if progress:
                     progress(b.index + 1, len(layout.blocks))
             pool.clear()
@@ -234,6 +241,27 @@ class StateStore:
         except BaseException:
             volume.close()
             raise
+
+    def _write_record_in_pieces(self, b: BlockLayout, params: list[torch.Tensor], pool, piece: int) -> None:
+        """Slot 0 record of block b from its parameters: P32 and P16 copied, m and v zeroed, `piece` elements
+        (a multiple of 4096, so every write but a section's last is aligned) at a time."""
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params]) if len(params) > 1 else \
+            params[0].detach().reshape(-1).float()
+        base = self.layout.record_offset(b.index, 0)
+        elems = max(4096, piece // 4 // 4096 * 4096)
+        itemsize = b.p16_itemsize
+        for lo in range(0, b.numel, elems):
+            n = min(elems, b.numel - lo)
+            src = flat[lo:lo + n]
+            with pool.acquire(4 * n) as buf:
+                buf.tensor.view(torch.float32).copy_(src)
+                self.volume.write(buf.tensor, base + 4 * lo).wait()
+                buf.tensor.zero_()
+                for k in (1, 2):  # m, v
+                    self.volume.write(buf.tensor, base + k * b.state_bytes + 4 * lo).wait()
+            with pool.acquire(itemsize * n) as buf:
+                buf.tensor.view(self.p16_dtype).copy_(src)
+                self.volume.write(buf.tensor, base + b.p16_start + itemsize * lo).wait()
 
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", chunk_bytes: int = 1 << 20,

@@ -120,3 +120,40 @@ def test_export_preset_loads_in_transformers_with_identical_logits(tmp_path, cap
     assert main(args(tmp_path, "--steps", "3", "--resume", "--compute-dtype", "fp32", "--export", str(foreign))) == 2
     assert "holds other files" in capsys.readouterr().out
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_hf_directory_finetune_on_jsonl_then_export_and_reload(tmp_path, capsys):
+    """The user flow: a local Hugging Face directory, prompt/response data, --export, from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lohan.models import hf
+    from tests.test_hf import engine_hf_state, make_hf_dir, reference_model
+
+    model_dir = make_hf_dir(tmp_path / "llama", "llama")
+    data = tmp_path / "sft.jsonl"
+    words = [f"w{i}" for i in range(3, 40)]
+    data.write_text("\n".join(json.dumps({"prompt": " ".join(words[i % 30:i % 30 + 5]),
+                                          "response": " ".join(words[(i + 7) % 30:(i + 7) % 30 + 3])})
+                              for i in range(120)))
+    out = tmp_path / "export"
+    argv = ["--model", model_dir, "--data", str(data), "--nvme", str(tmp_path / "nvme"), "--metrics",
+            str(tmp_path / "m.jsonl"), "--batch-size", "4", "--seq-len", "16", "--steps", "4", "--lr", "1e-2",
+            "--compute-dtype", "fp32", "--backend", "threads", "--export", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "lohan llama" in text and "exported the step-4 weights" in text
+    assert len(losses(tmp_path / "m.jsonl")) == 4
+
+    from lohan.config import EngineConfig
+
+    cfg = EngineConfig(nvme=(str(tmp_path / "nvme"),), compute_dtype="fp32", backend="threads")
+    with hf.init_from_hf(model_dir, cfg, resume=True) as engine:
+        state = engine_hf_state(engine, engine.program)
+    trained = reference_model(model_dir)
+    trained.load_state_dict(state, strict=False)
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 150, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+        assert not torch.equal(loaded(input_ids=ids).logits, reference_model(model_dir)(input_ids=ids).logits)
+    assert AutoTokenizer.from_pretrained(out)("w3 w4")["input_ids"] == [3, 4]
