@@ -10,6 +10,7 @@ per epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -65,6 +66,11 @@ class Machine:
     hardware: Hardware
     notes: tuple[str, ...]
     """What was assumed rather than measured."""
+    device_is_host: bool = False
+    """The CPU computes: the device working set lives in main memory next to the engine's pools."""
+
+RUNTIME_BYTES = 2**30
+"""The process itself (Python, torch, allocator slack), counted in main memory on a CPU-only run."""
 
 
 def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: str = "bf16",
@@ -92,7 +98,7 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
                   bw_g=bw_g, bw_s2m=n * ASSUMED_SSD_GBPS * 1e9, bw_m2s=n * ASSUMED_SSD_GBPS * 1e9,
                   mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem), ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme))
-    return Machine(hw, tuple(notes))
+    return Machine(hw, tuple(notes), device_is_host=not use_cuda)
 
 
 def described_hardware(desc: str) -> Machine:
@@ -133,8 +139,31 @@ def _duration(seconds: float) -> str:
 def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None) -> FitReport:
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth)
+    if machine.device_is_host:
+        cap = _with_device_in_ram(cap, mcfg, machine.hardware, compute_dtype)
     step_s = cap.plan.estimate.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
                      steps_per_epoch * step_s if steps_per_epoch else None)
+
+
+def _with_device_in_ram(cap: Capacity, mcfg: ModelConfig, hw: Hardware, compute_dtype: str) -> Capacity:
+    """On a CPU-only run the device's working set is in main memory too: its parameters are the host
+    pool's buffers (no copy), but a block's activations and gradients, the logits and the process add up."""
+    s = 2 if compute_dtype == "bf16" else 4
+    big = max(mcfg.block_param_count(), mcfg.embed_param_count(), mcfg.head_param_count())
+    extra = {k: v for k, v in cap.gpu_parts.items() if k != "params"}
+    extra["block gradients"] = s * big
+    extra["runtime"] = RUNTIME_BYTES
+    cpu_parts = {**cap.cpu_parts, **{f"device {k}": v for k, v in extra.items()}}
+    need = sum(cpu_parts.values())
+    limit = cap.limits["cpu"]
+    reasons = [r for r in cap.reasons if not r.startswith(("main memory", "GPU memory"))]
+    if limit and need > limit:
+        parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in cpu_parts.items())
+        reasons.insert(0, f"main memory: needs {need / 1e9:.2f} GB ({parts}) but {limit / 1e9:.2f} GB is usable "
+                          f"({hw.ram / 1e9:.2f} GB RAM minus the OS reserve); the device is the CPU, so its "
+                          "working set shares main memory with the engine's pools")
+    return dataclasses.replace(cap, cpu_bytes=need, cpu_parts=cpu_parts, gpu_bytes=0, gpu_parts={},
+                               limits={**cap.limits, "gpu": 0}, reasons=tuple(reasons), fits=not reasons)

@@ -245,23 +245,25 @@ class StateStore:
     def _write_record_in_pieces(self, b: BlockLayout, params: list[torch.Tensor], pool, piece: int) -> None:
         """Slot 0 record of block b from its parameters: P32 and P16 copied, m and v zeroed, `piece` elements
         (a multiple of 4096, so every write but a section's last is aligned) at a time."""
-        flat = torch.cat([p.detach().reshape(-1).float() for p in params]) if len(params) > 1 else \
-            params[0].detach().reshape(-1).float()
+        flats = [p.detach().reshape(-1) for p in params]  # views: no second copy of a multi-GB block
         base = self.layout.record_offset(b.index, 0)
         elems = max(4096, piece // 4 // 4096 * 4096)
         itemsize = b.p16_itemsize
         for lo in range(0, b.numel, elems):
             n = min(elems, b.numel - lo)
-            src = flat[lo:lo + n]
             with pool.acquire(4 * n) as buf:
-                buf.tensor.view(torch.float32).copy_(src)
+                src = buf.tensor.view(torch.float32)
+                for spec, flat in zip(b.params, flats):  # the parameters overlapping [lo, lo + n)
+                    a, z = max(lo, spec.offset), min(lo + n, spec.offset + spec.numel)
+                    if a < z:
+                        src[a - lo:z - lo].copy_(flat[a - spec.offset:z - spec.offset])
                 self.volume.write(buf.tensor, base + 4 * lo).wait()
+                with pool.acquire(itemsize * n) as half:
+                    half.tensor.view(self.p16_dtype).copy_(src)
+                    self.volume.write(half.tensor, base + b.p16_start + itemsize * lo).wait()
                 buf.tensor.zero_()
                 for k in (1, 2):  # m, v
                     self.volume.write(buf.tensor, base + k * b.state_bytes + 4 * lo).wait()
-            with pool.acquire(itemsize * n) as buf:
-                buf.tensor.view(self.p16_dtype).copy_(src)
-                self.volume.write(buf.tensor, base + b.p16_start + itemsize * lo).wait()
 
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", chunk_bytes: int = 1 << 20,

@@ -157,3 +157,19 @@ def test_hf_directory_finetune_on_jsonl_then_export_and_reload(tmp_path, capsys)
         assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
         assert not torch.equal(loaded(input_ids=ids).logits, reference_model(model_dir)(input_ids=ids).logits)
     assert AutoTokenizer.from_pretrained(out)("w3 w4")["input_ids"] == [3, 4]
+
+
+def test_cpu_only_plan_counts_the_device_working_set_in_main_memory():
+    """With the CPU as the device, activations, gradients and the process share RAM with the pools."""
+    from lohan.config import get_model_config
+    from lohan.fit import Machine, fit_report
+    from lohan.planner import parse_hardware
+
+    hw = parse_hardware("rtx4090,1xP5510,24GB")
+    mcfg = get_model_config("175b").with_overrides(n_layer=1)
+    gpu = fit_report(mcfg, Machine(hw, ()), 1, 64)
+    host = fit_report(mcfg, Machine(hw, (), device_is_host=True), 1, 64)
+    assert host.capacity.cpu_bytes > gpu.capacity.cpu_bytes + 3e9  # + a 175b layer's bf16 gradients
+    assert "device block gradients" in host.capacity.cpu_parts and host.capacity.gpu_bytes == 0
+    assert gpu.fits and not host.fits
+    assert any("the device is the CPU" in r for r in host.capacity.reasons)
