@@ -108,11 +108,14 @@ def _fingerprint(run: RunConfig, seq_len: int) -> dict[str, Any]:
             "seed": run.engine.seed}
 
 
-def save_run_state(run: RunConfig, seq_len: int, step: int, batches: Iterator[Batch]) -> None:
-    """Atomically record what a resume needs beyond the store: data position and RNG states at `step`."""
+def save_run_state(run: RunConfig, seq_len: int, engine: Engine, batches: Iterator[Batch]) -> None:
+    """Atomically record what a resume needs beyond the store, for its committed version: the data
+    position and the RNG states."""
     buf = io.BytesIO()
     torch.save(torch.get_rng_state(), buf)
+    step = engine.step_count
     state = {"version": RUN_STATE_VERSION, "step": step, "run": _fingerprint(run, seq_len),
+             "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": batches.state_dict() if isinstance(batches, BatchIterator) else None,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
     path = run_state_path(run)
@@ -124,14 +127,18 @@ def save_run_state(run: RunConfig, seq_len: int, step: int, batches: Iterator[Ba
     os.replace(tmp, path)
 
 
-def load_run_state(run: RunConfig, seq_len: int, store_step: int) -> dict | None:
-    """The saved run state if it belongs to this run and to the committed store step (or one before)."""
+def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
+    """The saved run state if it belongs to this run, to this store and to its committed step (or the
+    one before: a Ctrl-C between a commit and the state's write)."""
     path = run_state_path(run)
     if not path.exists():
         return None
     state = json.loads(path.read_text())
     if state.get("version") != RUN_STATE_VERSION:
         return None
+    if state["store"]["volume_id"] != engine.store.volume.volume_id:
+        return None  # written for a store that has since been replaced
+    store_step = engine.step_count
     if state["run"] != _fingerprint(run, seq_len):
         diff = {k: (state["run"].get(k), v) for k, v in _fingerprint(run, seq_len).items() if state["run"].get(k) != v}
         raise ValueError(f"--resume with other settings than the run being resumed: {diff} (saved, now)")
@@ -240,7 +247,7 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     start = engine.step_count
     metrics_path = Path(run.metrics) if run.metrics else Path(e.nvme[0]).parent / "metrics.jsonl"
     try:
-        data_state = load_run_state(run, seq_len, start) if resume else None
+        data_state = load_run_state(run, seq_len, engine) if resume else None
         batches = make_batches(run, model, dataset, seq_len, start, data_state)
     except (OSError, ValueError) as err:
         engine.close()
@@ -257,7 +264,7 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
         with MetricsWriter(metrics_path) as writer, progress_bar(steps, console, completed=start) as bar:
             for _ in range(start, steps):
                 loss = engine.step(next(batches))
-                save_run_state(run, seq_len, engine.step_count, batches)
+                save_run_state(run, seq_len, engine, batches)
                 m = engine.last_metrics
                 sm = StepMetrics.from_counters(
                     step=m["step"], loss=loss, lr=m["lr"], tokens=m["tokens"], step_s=m["step_s"],
