@@ -41,7 +41,7 @@ sysdeps:
 	  fi; \
 	fi
 
-# Build DeepSpeed's async_io op once (first time: minutes; cached under ~/.cache/torch_extensions).
+# Build DeepSpeed's async_io op once (first time: minutes; cached in .venv/torch_extensions).
 aio-op: install
 	@echo "preparing DeepSpeed async_io op (first build takes several minutes on 2 cores)..."
 	@timeout 1800 $(PY) -m io_engine info || { echo "io_engine info failed or took over 30 min (exit $$?);" \

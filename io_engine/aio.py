@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import resource
+import sys
 import threading
 from concurrent.futures import Future
 from types import ModuleType
@@ -61,6 +62,10 @@ def load_aio_op() -> ModuleType:
         if not torch.cuda.is_available():
             # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if sys.prefix != sys.base_prefix:
+            # One build cache per virtual environment: the op compiles against that venv's torch and
+            # DeepSpeed headers, so checkouts sharing ~/.cache would rebuild it back and forth.
+            os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
