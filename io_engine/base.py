@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -222,3 +223,16 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"Handle({self._describe}, done={self.done()})"
+
+
+def wait_all_handles(handles: Iterable[Handle]) -> None:
+    """Wait for every handle, even after one failed (their buffers stay in use until they finish); then
+    raise the first failure."""
+    first: Exception | None = None
+    for h in handles:
+        try:
+            h.wait()
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        raise first

@@ -36,6 +36,7 @@ from .base import (
     align_up,
     byte_view,
     is_aligned,
+    wait_all_handles,
 )
 from .buffers import BufferPool
 
@@ -307,14 +308,7 @@ class Volume:
         """Wait for every request issued so far; raises the first failure after all have finished."""
         with self._pending_lock:
             pending, self._pending = self._pending, set()
-        first: BaseException | None = None
-        for h in pending:
-            try:
-                h.wait()
-            except IOEngineError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        wait_all_handles(pending)
 
     def sync(self) -> None:
         """Wait for all requests, then make the written bytes durable (fsync)."""

@@ -30,7 +30,7 @@ from collections import deque
 import torch
 
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
-from io_engine.base import align_up
+from io_engine.base import align_up, wait_all_handles
 
 from .optim import AdamWHyper, adamw_block_, adamw_chunk_
 from .store import RecordView, StateStore
@@ -55,14 +55,7 @@ class _Handles:
         return all(h.done() for h in self.handles)
 
     def wait(self) -> None:
-        error = None
-        for h in self.handles:  # wait for all, even after a failure: their buffers are in use
-            try:
-                h.wait()
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+        wait_all_handles(self.handles)
 
 
 class GradOffloader:
