@@ -264,3 +264,18 @@ def test_init_block_rejects_unknown_parameters() -> None:
     block.scale = torch.nn.Parameter(torch.empty(3))  # a parameter init_block_ has no rule for
     with pytest.raises(ValueError, match="scale"):
         init_block_(block, cfg, block_generator(0, 1))
+
+
+def test_loss_of_a_window_without_targets_is_zero_not_nan():
+    """A micro-batch of prompt tokens only (every target -100) must not make the step NaN."""
+    import torch
+
+    from lohan.models.gpt import lm_loss
+
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    loss = lm_loss(logits, torch.full((2, 5), -100))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    some = torch.full((2, 5), -100)
+    some[0, 1] = 3
+    assert torch.isfinite(lm_loss(logits, some))

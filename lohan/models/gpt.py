@@ -219,6 +219,10 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     Computed in fp32 even for bf16/fp16 logits: a low-precision log-softmax over 50k classes loses
     most of the loss's significant digits.
     """
+    if not bool((targets != -100).any()):
+        # A window made only of prompt tokens (loss on responses): the mean over no targets is NaN, which
+        # would poison every weight through the optimizer. Such a micro-batch contributes nothing.
+        return logits.float().sum() * 0.0
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
