@@ -56,13 +56,21 @@ def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
     return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
 
 
+def grad_dtype(cfg: EngineConfig) -> torch.dtype:
+    """dtype of the host gradient buffers. With one micro-batch nothing is accumulated, and the bf16
+    gradients of bf16 parameters are kept as they are (half the memory of fp32; the optimizer upcasts
+    them exactly, chunk by chunk). Accumulation over micro-batches, and fp32 compute, use fp32."""
+    return torch.bfloat16 if cfg.compute_dtype == "bf16" and cfg.micro_batches == 1 else torch.float32
+
+
 def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int) -> dict[str, int]:
     """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget."""
     max_p16 = max(b.p16_bytes for b in layout.blocks)
     chunk = optimizer_chunk_elems(layout, cfg)
     max_rec = max(b.record_bytes if b.numel <= chunk else chunk_record_bytes(chunk, b.p16_itemsize)
                   for b in layout.blocks)
-    grads = [align_up(4 * b.numel) for b in layout.blocks]
+    gsize = grad_dtype(cfg).itemsize
+    grads = [align_up(gsize * b.numel) for b in layout.blocks]
     need = {
         # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks,
         # but never more than every block at once (small models)
@@ -99,7 +107,7 @@ class Engine:
         n = len(program.modules)
         self._owners = sorted({owner for i in range(n) for owner, _ in program.external_params(i)})
         layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots)
-        tied = sum(align_up(4 * layout.blocks[o].params[p].numel)
+        tied = sum(align_up(grad_dtype(cfg).itemsize * layout.blocks[o].params[p].numel)
                    for i in range(n) for o, p in program.external_params(i))
         self.memory_plan = plan_host_memory(layout, cfg, len(self._owners), tied)
         dirs = list(cfg.nvme)
@@ -131,7 +139,9 @@ class Engine:
         self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
         self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"])
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, optimizer_chunk_elems(layout, cfg))
+        self.grad_dtype = grad_dtype(cfg)
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, optimizer_chunk_elems(layout, cfg),
+                                       self.grad_dtype)
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),
@@ -204,8 +214,9 @@ class Engine:
                 i = visits[p]
                 params = self._visit(visits, p, read_slot)
                 layout = self.store.layout.blocks[i]
-                gbuf = self.grads_pool.acquire(4 * layout.numel)
-                acc = block_views(gbuf.tensor[:4 * layout.numel].view(torch.float32), layout)
+                gsize = self.grad_dtype.itemsize
+                gbuf = self.grads_pool.acquire(gsize * layout.numel)
+                acc = block_views(gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype), layout)
                 ext = self.program.external_params(i)
                 ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
                 self.activations.prefetch(i - 1)

@@ -61,7 +61,8 @@ class _Handles:
 class GradOffloader:
     """The optimizer side of one training step, fed block by block from the backward pass."""
 
-    def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None) -> None:
+    def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
@@ -70,6 +71,7 @@ class GradOffloader:
         self.pool = pool
         self.mode = mode
         self.chunk_elems = chunk_elems
+        self.grad_dtype = grad_dtype
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.reset_stats()
@@ -203,14 +205,14 @@ class GradOffloader:
                 if prefetch and k + 1 < len(units):
                     self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
                 b = layout.blocks[i]
-                g = grad.tensor[:4 * b.numel].view(torch.float32)
+                g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
                 t0 = time.perf_counter()
                 try:
                     if (lo, hi) == (0, b.numel):
-                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g, b, step, hyper)
+                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g.float(), b, step, hyper)
                     else:
                         p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
-                        adamw_chunk_(p32, g[lo:hi], m, v, p16, step, hyper)
+                        adamw_chunk_(p32, g[lo:hi].float(), m, v, p16, step, hyper)
                 except BaseException:
                     buf.release()
                     raise

@@ -523,12 +523,13 @@ def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: 
     largest block, or of a chunk of ``opt_chunk_bytes`` when records are bigger.
     """
     s = _itemsize(compute_dtype)
+    g = s if micro_batches == 1 else 4  # engine.grad_dtype: bf16 gradients are kept as they are unless accumulated
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
     total = cfg.param_count()
     tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
     return {"params": min((2 * prefetch_depth + 1 + (1 if tied else 0)) * big, total) * s,
-            "grads": (grad_buffers * 4 * big if grad_buffers < 2 else min(grad_buffers * big, total) * 4)
-            + micro_batches * 4 * tied,
+            "grads": (grad_buffers * g * big if grad_buffers < 2 else min(grad_buffers * big, total) * g)
+            + micro_batches * g * tied,
             "optimizer": max_inflight * min((12 + s) * big, opt_chunk_bytes)}
 
 

@@ -171,3 +171,22 @@ def test_bit_exact_with_blocks_updated_in_chunks(make_dirs, mode):
     losses, params = engine_run(mcfg, ecfg.with_overrides(name="chunked"), batches(4, 4, 32, 256))
     assert losses == ref_losses
     assert_params_equal(params, ref_params)
+
+
+def test_bf16_gradient_buffers_change_nothing(make_dirs, monkeypatch):
+    """With one micro-batch and bf16 compute the host gradient buffers are bf16 (half the memory); the
+    gradients are bf16 either way, so the training is bit-identical to fp32 buffers."""
+    import lohan.engine
+
+    mcfg = tiny_cfg()
+    runs = []
+    for name, dtype in (("bf16-grads", None), ("fp32-grads", torch.float32)):
+        if dtype is not None:
+            monkeypatch.setattr(lohan.engine, "grad_dtype", lambda cfg: torch.float32)
+        ecfg = engine_config(make_dirs(1, name), compute_dtype="bf16", name=name, opt_chunk_bytes=4096 * 14)
+        with lohan.init(mcfg, ecfg) as engine:
+            assert engine.grad_dtype == (dtype or torch.bfloat16)
+        runs.append(engine_run(mcfg, ecfg.with_overrides(name=name + "2"), batches(4, 4, 32, 256)))
+    assert runs[0][0] == runs[1][0]
+    for k in runs[0][1]:
+        assert torch.equal(runs[0][1][k], runs[1][1][k]), k
