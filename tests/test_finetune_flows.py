@@ -165,7 +165,7 @@ def test_cpu_only_plan_counts_the_device_working_set_in_main_memory():
     from lohan.fit import Machine, fit_report
     from lohan.planner import parse_hardware
 
-    hw = parse_hardware("rtx4090,1xP5510,24GB")
+    hw = parse_hardware("rtx4090,1xP5510,18GB")
     mcfg = get_model_config("175b").with_overrides(n_layer=1)
     gpu = fit_report(mcfg, Machine(hw, ()), 1, 64)
     host = fit_report(mcfg, Machine(hw, (), device_is_host=True), 1, 64)
