@@ -137,8 +137,9 @@ def _duration(seconds: float) -> str:
 
 
 def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
-               micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None) -> FitReport:
-    cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth)
+               micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
+               slots: int = 2) -> FitReport:
+    cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, mcfg, machine.hardware, compute_dtype)
     step_s = cap.plan.estimate.t_iter

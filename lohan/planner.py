@@ -611,23 +611,24 @@ def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, pl
         reasons.append(f"main memory: needs {_gb(cpu)} ({parts}) but {_gb(limits['cpu'])} is usable "
                        f"({_gb(hw.ram)} RAM minus the {OS_RESERVE:.0%} OS reserve)")
     if limits["ssd"] and ssd > limits["ssd"]:
-        reasons.append(f"SSD: needs {_gb(ssd)} (states in two slots {_gb(ssd_states)}, activations "
+        reasons.append(f"SSD: needs {_gb(ssd)} (states {_gb(ssd_states)}, activations "
                        f"{_gb(ssd_act)}) but the SSDs hold {_gb(limits['ssd'])}")
     return Capacity(design, cfg.name, batch, seq, hw.name, not reasons, tuple(reasons), gpu, cpu, ssd,
                     ssd_states, ssd_act, plan, gpu_parts, cpu_parts, limits)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
-             micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3) -> Capacity:
-    """LoHan: states on SSD (two slots), activations in main memory and overflowing to SSD, gradients
-    consumed per block by active gradient offloading (only two block buffers in main memory)."""
+             micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2) -> Capacity:
+    """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
+    and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
+    buffers in main memory)."""
     pool_args = dict(compute_dtype=compute_dtype, prefetch_depth=prefetch_depth,
                      max_inflight=max_inflight, micro_batches=micro_batches)
     pools = engine_pools(cfg, **pool_args)
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     plan = algorithm1(analytic_profile(cfg, batch, seq, reserve_engine_pools(hw, cfg, **pool_args), compute_dtype))
     gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
-    states = 2 * (12 + _itemsize(compute_dtype)) * cfg.param_count()
+    states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
     return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
                   {**pools, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
 

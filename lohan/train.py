@@ -210,7 +210,7 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem))
         report = fit_report(mcfg, machine, run.batch_size, seq_len, e.compute_dtype, e.micro_batches,
-                            e.prefetch_depth, per_epoch)
+                            e.prefetch_depth, per_epoch, slots=e.slots)
     except ValueError as err:
         return fail(str(err))
     if dry_run:

@@ -443,3 +443,9 @@ def test_engine_pools_come_off_the_ram_budget() -> None:
     assert engine_pools(small)["optimizer"] == 3 * 14 * max(small.block_param_count(), small.embed_param_count())
     assert engine_pools(small)["params"] <= 2 * small.param_count()  # never more than the whole model
     assert reserve_engine_pools(hw, cfg).mem_avail == int(0.9 * hw.ram) - sum(pools.values())
+
+
+def test_ssd_need_counts_the_store_slots() -> None:
+    cfg, hw = get_model_config("13b"), parse_hardware(PAPER_256)
+    two, one = capacity(cfg, hw, 1, 1024), capacity(cfg, hw, 1, 1024, slots=1)
+    assert two.ssd_states_bytes == 2 * one.ssd_states_bytes == 2 * 14 * cfg.param_count()
