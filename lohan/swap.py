@@ -95,7 +95,13 @@ class ActivationManager:
                     f"profile {self.cfg.profile_from} is for batch {profile.batch}, seq {profile.seq}, "
                     f"{profile.n_blocks} blocks; this run has batch {batch}, seq {seq}, {len(self.inner)} blocks. "
                     "Profile this run instead (leave profile_from unset)")
-            profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, mem_avail=mem))
+            if [o.name for o in profile.ops] != [o.name for o in ops]:
+                raise ValueError(f"profile {self.cfg.profile_from} describes ops {[o.name for o in profile.ops]}; "
+                                 f"this model's blocks have {[o.name for o in ops]}")
+            # Its costs and hardware are kept; the bytes the tiers must hold are the ones just measured.
+            profile = dataclasses.replace(
+                profile, ops=tuple(dataclasses.replace(p, bytes=o.bytes * m) for p, o in zip(profile.ops, ops)),
+                input_bytes=in_bytes * m, hardware=dataclasses.replace(profile.hardware, mem_avail=mem))
         else:
             if self._hardware is None:
                 self._hardware = measure_hardware(self.device, list(self.cfg.nvme), self.cfg.backend,

@@ -136,3 +136,22 @@ def test_records_keep_values_and_memory_layout_on_every_tier(make_dirs):
         store.release((1, 0))
     store.end_step()
     vol.close()
+
+
+def test_profile_from_a_saved_profile_trains_exactly(make_dirs, tmp_path):
+    """A run planned from a saved profile (no measurement of the machine) is still exact; a profile
+    for another shape is refused."""
+    import shutil
+
+    mcfg = tiny_cfg(n_layer=3)
+    first = engine_config(make_dirs(1, "first"), act_policy="plan")
+    run_engine(mcfg, first, batches(1, 4, 32, 256))
+    saved = tmp_path / "profile.json"
+    shutil.copy(f"{first.nvme[0]}/lohan.profile.json", saved)
+    ecfg = engine_config(make_dirs(2), act_policy="plan", profile_from=str(saved), act_mem=4096)
+    ref_losses, ref_params = reference_run(mcfg, ecfg, batches(3, 4, 32, 256))
+    losses, params, _, plan = run_engine(mcfg, ecfg, batches(3, 4, 32, 256))
+    assert losses == ref_losses and plan.block_tiers[0] == "ssd"
+    assert_params_equal(params, ref_params)
+    with pytest.raises(ValueError, match="is for batch 4"), lohan.init(mcfg, ecfg.with_overrides(name="b8")) as e:
+        e.step(next(batches(1, 8, 32, 256)))
