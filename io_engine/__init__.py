@@ -2,7 +2,8 @@
 
 Standalone (never imports lohan). One protocol, two backends (`aio` through DeepSpeed's
 libaio op, `threads` through os.preadv/os.pwritev), a striped volume over N directories,
-and a hard-budgeted pool of aligned host buffers.
+and a hard-budgeted pool of aligned host buffers. Failures raise IOEngineError naming the operation,
+device, directory, file, offset and errno; `faults.py` injects them on cue for tests (IO_ENGINE_FAULTS).
 
     vol = open_volume(["/mnt/nvme0", "/mnt/nvme1"], capacity_bytes=64 << 30)
     h = vol.write(tensor, offset=0); h.wait()
@@ -12,6 +13,7 @@ and a hard-budgeted pool of aligned host buffers.
 
 from .base import ALIGN, BudgetExceededError, Handle, IOEngineError, VolumeConfigError
 from .buffers import AlignedBuffer, BufferPool, aligned_empty
+from .faults import FaultPlan, FaultyBackend, inject_faults
 from .volume import Volume, open_volume
 
 __all__ = [
@@ -19,10 +21,13 @@ __all__ = [
     "AlignedBuffer",
     "BudgetExceededError",
     "BufferPool",
+    "FaultPlan",
+    "FaultyBackend",
     "Handle",
     "IOEngineError",
     "Volume",
     "VolumeConfigError",
     "aligned_empty",
+    "inject_faults",
     "open_volume",
 ]

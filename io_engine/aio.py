@@ -31,34 +31,61 @@ import queue
 import resource
 import sys
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-from .base import ALIGN, BudgetExceededError, DeviceOp, IOEngineError, LaneStats, check_op
+from .base import ALIGN, BudgetExceededError, DeviceOp, IOEngineError, LaneStats, check_op, device_error
 from .buffers import aligned_empty
 from .throttle import Throttle, for_directory
+
+if TYPE_CHECKING:
+    from .faults import Fault
 
 log = logging.getLogger(__name__)
 
 _op: ModuleType | None = None
 _op_error: str | None = None
+_not_built: str | None = None
 _op_lock = threading.Lock()
+
+# What a first build costs, said before it starts so a silent compile never looks like a hang (DESIGN.md §4.1).
+BUILD_NOTICE = ("building DeepSpeed's async_io op: this takes several minutes (about 8 on 2 cores) the first "
+                "time, then it is cached in {root}")
+HOW_TO_BUILD = "`make aio-op` or `python -m io_engine build-aio`"
 
 
 class AioUnavailable(RuntimeError):
     """The async_io op cannot be built or loaded here; the message says why."""
 
 
-def load_aio_op() -> ModuleType:
-    """Build (first time: minutes) or load DeepSpeed's async_io extension; cached per process."""
-    global _op, _op_error
+class AioNotBuilt(AioUnavailable):
+    """The op could be built but is not (or is being built by another process); loading it would compile."""
+
+
+class _WouldBuild(Exception):
+    """Raised in place of the ninja build when loading must not compile."""
+
+
+def load_aio_op(build: bool = True) -> ModuleType:
+    """Load DeepSpeed's async_io extension; cached per process.
+
+    build=True compiles it when it is not built (first time: minutes, announced by a WARNING first);
+    build=False loads it only when it is already built for this venv and would load without compiling,
+    and raises AioNotBuilt otherwise, at once.
+    """
+    global _op, _op_error, _not_built
     with _op_lock:
         if _op is not None:
             return _op
         if _op_error is not None:
             raise AioUnavailable(_op_error)
+        if not build and _not_built is not None:
+            raise AioNotBuilt(_not_built)
         if not torch.cuda.is_available():
             # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -73,12 +100,15 @@ def load_aio_op() -> ModuleType:
             if not builder.is_compatible(verbose=False):
                 raise AioUnavailable("DeepSpeed's async_io op is not compatible here: libaio headers are "
                                      "missing (install libaio-dev)")
-            log.info("loading DeepSpeed async_io op (the first build takes several minutes)")
-            with _extension_build_guard():
+            with _extension_build_guard(blocking=build), _ninja_gate(allow_build=build):
                 _op = builder.load(verbose=False)
             # The op warns about SSD write endurance on its first write, through DeepSpeed's logger, in the
             # middle of a run's output; the README says it once instead.
             logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+            _not_built = None
+        except AioNotBuilt as e:
+            _not_built = str(e)
+            raise
         except AioUnavailable as e:
             _op_error = str(e)
             raise
@@ -86,6 +116,117 @@ def load_aio_op() -> ModuleType:
             _op_error = f"DeepSpeed's async_io op failed to load: {type(e).__name__}: {e}"
             raise AioUnavailable(_op_error) from e
         return _op
+
+
+class _ninja_gate:
+    """Stands between torch's JIT loader and its ninja build, for the duration of one load.
+
+    torch.utils.cpp_extension.load() always runs ninja, which rebuilds only what is out of date (sources,
+    headers, flags, paths: a moved venv rebuilds), so `ninja -n` (dry run) in the build directory it has
+    just written is the exact test of "would this load compile?". With allow_build=False the gate raises
+    AioNotBuilt instead of building; with allow_build=True it announces the build (WARNING) before it
+    starts. The loader's lock file is released by torch's own `finally`, and the name's JIT version entry
+    is dropped so a later real build in this process is not skipped as "unchanged".
+    """
+
+    def __init__(self, allow_build: bool) -> None:
+        self.allow_build = allow_build
+
+    def __enter__(self) -> None:
+        import torch.utils.cpp_extension as cpp
+
+        self._cpp = cpp
+        self._real = getattr(cpp, "_run_ninja_build", None)
+        if self._real is None:  # another torch layout: cannot look before building
+            if not self.allow_build and not _built_libraries_exist():
+                raise AioNotBuilt(_not_built_message())
+            return
+        real = self._real
+        allow = self.allow_build
+        announced = []
+
+        def gated(build_directory: str, verbose: bool, error_prefix: str) -> None:
+            if _ninja_has_work(build_directory):
+                if not allow:
+                    versioner = getattr(cpp, "JIT_EXTENSION_VERSIONER", None)
+                    entries = getattr(versioner, "entries", None)
+                    if isinstance(entries, dict):
+                        entries.pop(os.path.basename(build_directory.rstrip(os.sep)), None)
+                    raise _WouldBuild(build_directory)
+                if not announced:  # once per load: pin_memory and async_io may both need building
+                    log.warning(BUILD_NOTICE.format(root=_extensions_root()))
+                    announced.append(True)
+                with _building_marker():
+                    real(build_directory, verbose, error_prefix)
+                return
+            real(build_directory, verbose, error_prefix)
+
+        cpp._run_ninja_build = gated
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        if self._real is not None:
+            self._cpp._run_ninja_build = self._real
+        if isinstance(exc, _WouldBuild):
+            raise AioNotBuilt(_not_built_message()) from None
+        return False
+
+
+class _building_marker:
+    """A file naming the pid that is compiling right now, so a process that must not wait (backend 'auto')
+    can tell a build of minutes from a load of seconds holding the same lock."""
+
+    def __enter__(self) -> None:
+        os.makedirs(_extensions_root(), exist_ok=True)
+        self.path = os.path.join(_extensions_root(), _BUILDING)
+        with open(self.path, "w") as f:
+            f.write(str(os.getpid()))
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+
+_BUILDING = ".io_engine-building"
+# How long backend 'auto' waits for another process's load (not build) of the op to release the lock.
+_LOAD_WAIT_S = 60.0
+
+
+def _build_in_progress(root: str) -> bool:
+    """Whether a live process has announced that it is compiling the op under `root`."""
+    try:
+        with open(os.path.join(root, _BUILDING)) as f:
+            pid = int(f.read().strip() or 0)
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False  # no marker, or its builder died (the kernel released its lock too)
+    return pid > 0
+
+
+def _ninja_has_work(build_directory: str) -> bool:
+    """Whether ninja would run any command in `build_directory` (a dry run: nothing is built or recorded)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ninja", "-n"], cwd=build_directory, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # cannot tell: treat as "would build"
+    return out.returncode != 0 or "no work to do" not in out.stdout
+
+
+# The build directories of the async_io op and of pin_memory, which DeepSpeed's CPU builder loads first.
+_OP_DIRS = ("async_io", "pin_memory")
+
+
+def _built_libraries_exist() -> bool:
+    root = _extensions_root()
+    return all(os.path.exists(os.path.join(root, n, f"{n}.so")) for n in _OP_DIRS)
+
+
+def _not_built_message() -> str:
+    return (f"DeepSpeed's async_io op is not built for this environment (in {_extensions_root()}); building it "
+            f"takes several minutes (about 8 on 2 cores): run {HOW_TO_BUILD}")
 
 
 def _extensions_root() -> str:
@@ -121,11 +262,29 @@ class _extension_build_guard:
     stale and removed.
     """
 
+    def __init__(self, blocking: bool = True) -> None:
+        self.blocking = blocking
+
     def __enter__(self) -> None:
         root = _extensions_root()
         os.makedirs(root, exist_ok=True)
         self._fd = os.open(os.path.join(root, ".io_engine-build.flock"), os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if self.blocking:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        else:
+            # Another of our processes holds the lock: a load takes seconds and is worth waiting for (the backend
+            # choice must not depend on who started first); a build takes minutes and is not.
+            deadline = time.monotonic() + _LOAD_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if _build_in_progress(root) or time.monotonic() > deadline:
+                        os.close(self._fd)
+                        raise AioNotBuilt(f"another process is building DeepSpeed's async_io op in {root} right "
+                                          "now; this process uses threads (the next one will find it built)") from None
+                    time.sleep(0.05)
         if not os.path.isdir("/proc/self/fd"):
             return  # cannot tell a live builder from a dead one here; leave the locks alone
         for lock in glob.glob(os.path.join(root, "*", "*", "lock")) + glob.glob(os.path.join(root, "*", "lock")):
@@ -135,16 +294,21 @@ class _extension_build_guard:
                     os.remove(lock)
                 except FileNotFoundError:
                     pass
+            elif not self.blocking and os.path.basename(os.path.dirname(lock)) in _OP_DIRS:
+                # A live build outside our lock (another tool): torch would wait for it, for minutes.
+                self.__exit__(None, None, None)
+                raise AioNotBuilt(f"a live process is building a torch extension in {os.path.dirname(lock)} "
+                                  "right now; this process uses threads")
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
 
 
-def aio_available() -> tuple[bool, str]:
-    """(True, "") when the op loads, else (False, reason)."""
+def aio_available(build: bool = True) -> tuple[bool, str]:
+    """(True, "") when the op loads (building it first if `build`), else (False, reason)."""
     try:
-        load_aio_op()
+        load_aio_op(build=build)
         return True, ""
     except AioUnavailable as e:
         return False, str(e)
@@ -160,10 +324,11 @@ def _can_mlock_unlimited() -> bool:
 class _Lane(threading.Thread):
     """Owns one aio handle: takes queued ops, submits them as a batch, waits, completes futures."""
 
-    def __init__(self, handle: object, path: str, write: bool, stats: LaneStats,
+    def __init__(self, handle: object, device: int, path: str, write: bool, stats: LaneStats,
                  throttle: Throttle | None, max_batch: int, work: queue.SimpleQueue) -> None:
         super().__init__(name=f"io_engine-aio-{'w' if write else 'r'}-{os.path.basename(path)}", daemon=True)
         self.handle = handle
+        self.device = device
         self.path = path
         self.write = write
         self.stats = stats
@@ -189,19 +354,26 @@ class _Lane(threading.Thread):
                 batch.append(nxt)
             self._run_batch(submit, batch)
 
-    def _run_batch(self, submit, batch: list[tuple[torch.Tensor, int, Future]]) -> None:
+    def _run_batch(self, submit, batch: list[tuple[torch.Tensor, int, Future, Fault | None]]) -> None:
         started: list[tuple[torch.Tensor, int, Future]] = []
         deadline = 0.0
-        for buf, offset, fut in batch:
+        kind = "write" if self.write else "read"
+        for buf, offset, fut, fault in batch:
             if not fut.set_running_or_notify_cancel():
                 continue
             self.stats.start()
+            if fault is not None:
+                # The op ignores per-iocb results, so a real EIO/ENOSPC could not reach us through it; an
+                # injected one is raised here, where the op's own submit failure is.
+                self.stats.finish(0)
+                fut.set_exception(device_error(kind, fault.err, self.device, self.path, offset, buf.numel()))
+                continue
             rc = submit(buf, self.path, offset)
             if rc != 0:
                 self.stats.finish(0)
-                fut.set_exception(IOEngineError(f"aio {'write' if self.write else 'read'} submit failed "
-                                                f"(rc={rc}; see stderr for the op's message)",
-                                                self.path, offset, buf.numel()))
+                fut.set_exception(device_error(kind, None, self.device, self.path, offset, buf.numel(),
+                                               f"the async_io op refused the request (rc={rc}; see stderr "
+                                               "for its message)"))
                 continue
             if self.throttle is not None:
                 deadline = self.throttle.reserve(buf.numel())
@@ -220,8 +392,9 @@ class _Lane(threading.Thread):
         for buf, offset, fut in started:
             if completed != len(started):
                 self.stats.finish(0)
-                fut.set_exception(IOEngineError(
-                    f"aio wait completed {completed} of {len(started)} ops ({err!r})", self.path, offset, buf.numel()))
+                fut.set_exception(device_error(
+                    kind, None, self.device, self.path, offset, buf.numel(),
+                    f"the async_io op completed {completed} of {len(started)} requests ({err!r})"))
             else:
                 self.stats.finish(buf.numel())
                 fut.set_result(buf.numel())
@@ -232,14 +405,18 @@ class AioBackend:
     """One read handle and one write handle (each with its dispatcher thread) per device."""
 
     name = "aio"
+    # The op's wait() returns an op count and it never reads per-iocb results: no byte counts, so short
+    # transfers can neither be produced (fault injection) nor detected through it.
+    reports_transfer_bytes = False
 
     def __init__(self, paths: list[str], file_size: int, queue_depth: int = 32, block_bytes: int = 1 << 20,
-                 throttle_gbps: float | None = None, pin: bool = False, handles_per_lane: int = 4) -> None:
+                 throttle_gbps: float | None = None, pin: bool = False, handles_per_lane: int = 4,
+                 build_op: bool = True) -> None:
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         if block_bytes < ALIGN or block_bytes % ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
-        op = load_aio_op()
+        op = load_aio_op(build=build_op)
         for p in paths:  # the op opens files with O_DIRECT and fails every request where that is refused
             try:
                 os.close(os.open(p, os.O_RDWR | os.O_DIRECT))
@@ -247,7 +424,8 @@ class AioBackend:
                 if e.errno == errno.EINVAL:
                     raise AioUnavailable(f"{p}: the filesystem refuses O_DIRECT, which libaio needs; "
                                          "use backend='threads'") from e
-                raise IOEngineError(f"cannot open slab file: {e.strerror}", p) from e
+                raise IOEngineError(f"cannot open slab file: {e.strerror}", p, op="open",
+                                    directory=os.path.dirname(p), err=e.errno) from e
         self.paths = list(paths)
         self.file_size = file_size
         self.pin = pin
@@ -263,7 +441,7 @@ class AioBackend:
         # aio_handle(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism).
         self._queues = [[queue.SimpleQueue(), queue.SimpleQueue()] for _ in paths]
         self._lanes = [
-            _Lane(op.aio_handle(block_bytes, queue_depth, False, True, 1), p, bool(write),
+            _Lane(op.aio_handle(block_bytes, queue_depth, False, True, 1), i, p, bool(write),
                   self.stats[i]["write" if write else "read"], self._throttles[i], 64, self._queues[i][write])
             for i, p in enumerate(paths) for write in (0, 1) for _ in range(handles_per_lane)]
         self._alloc_handle = self._lanes[0].handle if self._lanes else op.aio_handle()
@@ -298,7 +476,9 @@ class AioBackend:
             with self._lock:
                 self._locked -= buffer.numel()
 
-    def submit(self, op: DeviceOp) -> list[Future]:
+    def submit(self, op: DeviceOp, fault: Fault | None = None) -> list[Future]:
+        if fault is not None and fault.err is None:
+            raise ValueError(f"the aio backend cannot inject {fault.kind} transfers (no byte counts)")
         path = self.paths[op.device]
         check_op(op, path, self.file_size)
         work = self._queues[op.device][1 if op.write else 0]
@@ -311,20 +491,31 @@ class AioBackend:
         offset = op.offset
         for buf in _coalesce(op.buffers):
             fut: Future = Future()
-            work.put((buf, offset, fut))
+            work.put((buf, offset, fut, fault))
+            fault = None  # an injected fault hits the op's first piece only
             futures.append(fut)
             offset += buf.numel()
         return futures
 
-    def sync(self) -> None:
-        for p in self.paths:
-            fd = os.open(p, os.O_RDWR)
+    def sync(self, fault_for: Callable[[int], Fault | None] | None = None) -> None:
+        first: IOEngineError | None = None
+        for device, p in enumerate(self.paths):
+            fault = fault_for(device) if fault_for is not None else None
             try:
-                os.fsync(fd)
-            except OSError as e:
-                raise IOEngineError(f"fsync failed: {e.strerror}", p) from e
-            finally:
-                os.close(fd)
+                fd = os.open(p, os.O_RDWR)
+                try:
+                    if fault is not None:
+                        fault.fsync()
+                    else:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:  # fsync the other devices anyway: their data is not at fault
+                err = device_error("fsync", e.errno, device, p)
+                err.__cause__ = e
+                first = first or err
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         for lane in self._lanes:

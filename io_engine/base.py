@@ -12,15 +12,21 @@ nothing for misaligned requests and aborts the process on reads past the end of 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
+import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .faults import Fault
 
 # O_DIRECT needs buffer address, file offset and length aligned to the logical block size
 # (512 B on most NVMe, 4 KiB on 4Kn drives). 4 KiB satisfies both and equals the page size.
@@ -28,10 +34,17 @@ ALIGN = 4096
 
 
 class IOEngineError(OSError):
-    """An I/O request failed; names the file, offset and size so the failure can be traced."""
+    """An I/O request failed; says what failed where, so the failure can be traced to a disk and a byte.
+
+    Attributes (None where they do not apply): `op` ("read", "write", "fsync", "open"), `device` (index in
+    the volume's directory list), `directory`, `path` (the slab file), `offset` (byte offset in that file)
+    and `size` (bytes of the transfer), `errno` and `strerror` (from the failing system call).
+    Code above catches this one class; `errno` tells ENOSPC (disk full) from EIO (failing disk).
+    """
 
     def __init__(self, message: str, path: str | None = None, offset: int | None = None,
-                 size: int | None = None) -> None:
+                 size: int | None = None, *, op: str | None = None, device: int | None = None,
+                 directory: str | None = None, err: int | None = None) -> None:
         where = []
         if path is not None:
             where.append(f"path={path}")
@@ -39,10 +52,42 @@ class IOEngineError(OSError):
             where.append(f"offset={offset}")
         if size is not None:
             where.append(f"size={size}")
-        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.message = f"{message} ({', '.join(where)})" if where else message
+        super().__init__(self.message)
         self.path = path
         self.offset = offset
         self.size = size
+        self.op = op
+        self.device = device
+        self.directory = directory
+        # Set after OSError.__init__ (which leaves them None for one argument), so `except OSError` code
+        # that checks e.errno sees the real cause.
+        self.errno = err
+        self.strerror = os.strerror(err) if err is not None else None
+
+    def __str__(self) -> str:
+        # OSError.__str__ would print "[Errno N] strerror" once errno is set, dropping the where.
+        return self.message
+
+
+def errno_text(err: int) -> str:
+    """'No space left on device [ENOSPC]': the text for people, the name for searching."""
+    return f"{os.strerror(err)} [{errno.errorcode.get(err, f'errno {err}')}]"
+
+
+def device_error(op: str, err: int | None, device: int, path: str, offset: int | None = None,
+                 size: int | None = None, detail: str | None = None) -> IOEngineError:
+    """The error of a failed device transfer, in the one format every backend (and the fault injector) uses:
+
+    "write failed on device 1 (/mnt/nvme1): No space left on device [ENOSPC] (path=..., offset=..., size=...)".
+    `err` is the errno of the failing call; `detail` replaces the errno text where there is none.
+    """
+    directory = os.path.dirname(path)
+    why = errno_text(err) if err is not None else (detail or "unknown error")
+    if err is not None and detail:
+        why += f"; {detail}"
+    return IOEngineError(f"{op} failed on device {device} ({directory}): {why}", path, offset, size,
+                         op=op, device=device, directory=directory, err=err)
 
 
 class VolumeConfigError(ValueError):
@@ -104,8 +149,12 @@ class Backend(Protocol):
 
     name: str
 
-    def submit(self, op: DeviceOp) -> list[Future]:
-        """Start `op`; the futures complete (or fail with IOEngineError) when its bytes are on disk/in memory."""
+    def submit(self, op: DeviceOp, fault: Fault | None = None) -> list[Future]:
+        """Start `op`; the futures complete (or fail with IOEngineError) when its bytes are on disk/in memory.
+
+        `fault` (from faults.FaultyBackend only) makes this op fail or move short on purpose, at the point
+        where a real failure would happen, so the backend's own error and retry paths handle it.
+        """
         ...
 
     def is_direct(self, buffer: torch.Tensor) -> bool:
@@ -120,8 +169,9 @@ class Backend(Protocol):
         """Release a tensor returned by alloc()."""
         ...
 
-    def sync(self) -> None:
-        """Flush written data to stable storage (fsync every slab file)."""
+    def sync(self, fault_for: Callable[[int], Fault | None] | None = None) -> None:
+        """Flush written data to stable storage (fsync every slab file, even after one failed; then raise
+        the first failure). `fault_for(device)` is the fault-injection hook, as for submit()."""
         ...
 
     def close(self) -> None:
@@ -182,57 +232,106 @@ class LaneStats:
                     "gbps": self.bytes / busy / 1e9 if busy > 0 else 0.0}
 
 
+# A request that has not completed after this many seconds is reported (WARNING on the `io_engine` logger),
+# then again after 2x, 4x, ... as long as it keeps waiting: a stuck disk must never hang a run silently,
+# and a slow one is not an error. IO_ENGINE_STALL_S sets it; tests lower it directly.
+STALL_WARN_S: float = 60.0
+_raw_stall = os.environ.get("IO_ENGINE_STALL_S")
+if _raw_stall:
+    try:
+        STALL_WARN_S = float(_raw_stall)
+        if STALL_WARN_S <= 0:
+            raise ValueError("must be positive")
+    except ValueError as _e:
+        STALL_WARN_S = 60.0
+        logging.getLogger("io_engine").warning("IO_ENGINE_STALL_S=%r is not a positive number of seconds (%s); "
+                                               "using %g", _raw_stall, _e, STALL_WARN_S)
+
+log = logging.getLogger("io_engine")
+
+
 class Handle:
     """Completion handle of one volume request; `wait()` blocks until all its pieces are done.
 
     Keeps the tensors of the request alive until completion, so a caller may drop its own
-    references right after submitting.
+    references right after submitting. `devices` names where the request goes ("device 0 (/mnt/nvme0)"),
+    for the stall warnings of `wait()`.
     """
 
-    def __init__(self, futures: list[Future], keepalive: tuple = (), describe: str = "") -> None:
+    def __init__(self, futures: list[Future], keepalive: tuple = (), describe: str = "",
+                 devices: tuple[str, ...] = ()) -> None:
         self._futures = futures
         self._keepalive = keepalive
         self._describe = describe
+        self._devices = devices
         self._error: BaseException | None = None
         self._waited = False
+        self.reported = False  # wait() has raised this request's failure to a caller
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the request is complete; raise IOEngineError if any piece failed."""
+        """Block until the request is complete; raise IOEngineError if any piece failed.
+
+        A request still pending after STALL_WARN_S seconds is logged as a WARNING (and again at doubling
+        intervals) while the wait goes on; only `timeout` ends the wait early (TimeoutError).
+        """
         if not self._waited:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            start = time.monotonic()
+            deadline = None if timeout is None else start + timeout
+            stall = STALL_WARN_S
+            next_warn = start + stall
             for f in self._futures:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    f.result(remaining)
-                except FutureTimeout:
-                    raise TimeoutError(f"{self._describe} not done after {timeout} s") from None
-                except Exception as e:  # keep waiting for the rest: their buffers are still in use
-                    if self._error is None:
-                        self._error = e
+                while True:
+                    now = time.monotonic()
+                    limit = next_warn if deadline is None else min(next_warn, deadline)
+                    try:
+                        f.result(max(0.0, limit - now))
+                        break
+                    except FutureTimeout:
+                        now = time.monotonic()
+                        if deadline is not None and now >= deadline:
+                            raise TimeoutError(f"{self._describe} not done after {timeout} s") from None
+                        if now >= next_warn:
+                            self._warn_stalled(now - start)
+                            stall *= 2
+                            next_warn = now + stall
+                    except Exception as e:  # keep waiting for the rest: their buffers are still in use
+                        if self._error is None:
+                            self._error = e
+                        break
                 # KeyboardInterrupt/SystemExit raised in this thread while blocked propagate as they are;
                 # the backends hold their own references to the buffers of pieces still in flight.
             self._waited = True
             self._keepalive = ()
         if self._error is not None:
+            self.reported = True
             if isinstance(self._error, IOEngineError):
                 raise self._error
             raise IOEngineError(f"{self._describe} failed: {self._error!r}") from self._error
+
+    def _warn_stalled(self, waited_s: float) -> None:
+        pending = sum(not f.done() for f in self._futures)
+        where = ", ".join(self._devices) or "unknown device"
+        log.warning("io_engine: %s on %s has not completed after %.1f s (%d of %d piece(s) pending); still "
+                    "waiting. A disk this slow may be failing: check dmesg and iostat -x for %s",
+                    self._describe or "request", where, waited_s, pending, len(self._futures), where)
 
     def __repr__(self) -> str:
         return f"Handle({self._describe}, done={self.done()})"
 
 
-def wait_all_handles(handles: Iterable[Handle]) -> None:
+def wait_all_handles(handles: Iterable[Handle], skip_reported: bool = False) -> None:
     """Wait for every handle, even after one failed (their buffers stay in use until they finish); then
-    raise the first failure."""
+    raise the first failure (with skip_reported, the first one no earlier wait() has raised already)."""
     first: Exception | None = None
     for h in handles:
+        seen = h.reported
         try:
             h.wait()
         except Exception as e:
-            first = first or e
+            if not (skip_reported and seen):
+                first = first or e
     if first is not None:
         raise first

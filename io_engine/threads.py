@@ -10,13 +10,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
-from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, memview
+from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, device_error, memview
 from .buffers import aligned_empty
 from .throttle import Throttle, for_directory
+
+if TYPE_CHECKING:
+    from .faults import Fault
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,8 @@ def open_direct(path: str) -> tuple[int, bool]:
         return os.open(path, os.O_RDWR | os.O_DIRECT), True
     except OSError as e:
         if e.errno != errno.EINVAL:
-            raise IOEngineError(f"cannot open slab file: {e.strerror}", path) from e
+            raise IOEngineError(f"cannot open slab file: {e.strerror}", path, op="open",
+                                directory=os.path.dirname(path), err=e.errno) from e
     log.warning("filesystem of %s refuses O_DIRECT; using buffered I/O (page cache) for it, "
                 "so bandwidth numbers include caching", path)
     return os.open(path, os.O_RDWR), False
@@ -41,6 +47,7 @@ class ThreadsBackend:
     keeps every worker of its device busy."""
 
     name = "threads"
+    reports_transfer_bytes = True  # every syscall returns its byte count, so short transfers are seen
 
     def __init__(self, paths: list[str], file_size: int, queue_depth: int = 8, block_bytes: int = 1 << 20,
                  throttle_gbps: float | None = None, pin: bool = False) -> None:
@@ -77,30 +84,41 @@ class ThreadsBackend:
     def free(self, buffer: torch.Tensor) -> None:
         pass  # storage is reclaimed when the last reference goes
 
-    def submit(self, op: DeviceOp) -> list[Future]:
+    def submit(self, op: DeviceOp, fault: Fault | None = None) -> list[Future]:
         path = self.paths[op.device]
         check_op(op, path, self.file_size)
         futures = []
         for offset, pieces in _split(op, self.block_bytes):
-            futures.append(self._pools[op.device].submit(self._transfer, op.device, op.write, offset, pieces))
+            futures.append(self._pools[op.device].submit(self._transfer, op.device, op.write, offset, pieces, fault))
+            fault = None  # an injected fault hits the op's first piece only
         return futures
 
-    def _transfer(self, device: int, write: bool, offset: int, pieces: list[torch.Tensor]) -> int:
+    def _transfer(self, device: int, write: bool, offset: int, pieces: list[torch.Tensor],
+                  fault: Fault | None = None) -> int:
         fd, path = self._fds[device], self.paths[device]
         views = [memview(p) for p in pieces]
         total = sum(len(v) for v in views)
-        lane = self.stats[device]["write" if write else "read"]
+        kind = "write" if write else "read"
+        lane = self.stats[device][kind]
         lane.start()
         done = 0
         try:
+            # A regular file may return fewer bytes than asked (signals, I/O errors part way, O_DIRECT
+            # edge cases): keep going from where it stopped; only an error or no progress at all fails.
             while done < total:
                 try:
-                    n = os.pwritev(fd, views, offset + done) if write else os.preadv(fd, views, offset + done)
+                    if fault is not None:  # stands in for this one call (faults.py)
+                        n, fault = fault.syscall(write, fd, views, offset + done), None
+                    else:
+                        n = os.pwritev(fd, views, offset + done) if write else os.preadv(fd, views, offset + done)
                 except OSError as e:
-                    raise IOEngineError(f"{'write' if write else 'read'} failed: {e.strerror}",
-                                        path, offset + done, total - done) from e
+                    raise device_error(kind, e.errno, device, path, offset + done, total - done,
+                                       None if e.errno is not None else str(e)) from e
                 if n <= 0:
-                    raise IOEngineError("unexpected end of file", path, offset + done, total - done)
+                    raise device_error(kind, None, device, path, offset + done, total - done, detail=(
+                        f"read returned 0 bytes after {done} of {total} (end of file: the slab file is shorter "
+                        "than the volume; was it truncated?)" if not write else
+                        f"write made no progress (0 bytes written after {done} of {total})"))
                 done += n
                 views = _advance(views, n)
             throttle = self._throttles[device]
@@ -110,12 +128,21 @@ class ThreadsBackend:
             lane.finish(done)
         return done
 
-    def sync(self) -> None:
-        for fd, path in zip(self._fds, self.paths):
+    def sync(self, fault_for: Callable[[int], Fault | None] | None = None) -> None:
+        first: IOEngineError | None = None
+        for device, (fd, path) in enumerate(zip(self._fds, self.paths)):
+            fault = fault_for(device) if fault_for is not None else None
             try:
-                os.fsync(fd)
-            except OSError as e:
-                raise IOEngineError(f"fsync failed: {e.strerror}", path) from e
+                if fault is not None:
+                    fault.fsync()
+                else:
+                    os.fsync(fd)
+            except OSError as e:  # fsync the other devices anyway: their data is not at fault
+                err = device_error("fsync", e.errno, device, path)
+                err.__cause__ = e
+                first = first or err
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         for pool in self._pools:

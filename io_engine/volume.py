@@ -39,6 +39,7 @@ from .base import (
     wait_all_handles,
 )
 from .buffers import BufferPool
+from .faults import FAULTS_ENV, FaultyBackend, plan_from_env
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,24 @@ class Volume:
         self._manifests = [os.path.join(d, f"{name}.volume.json") for d in self.dirs]
         self.emulated_gbps = emulate_ssd_gbps
         pin = torch.cuda.is_available() if pin is None else pin
+        try:  # before anything is written: a test that meant to inject faults must not run without them
+            fault_plan = plan_from_env(name)
+        except ValueError as e:
+            raise VolumeConfigError(f"cannot open volume: {FAULTS_ENV}: {e}") from e
 
         self.volume_id = self._prepare_files()
         self.backend, self.backend_reason = _make_backend(
             backend, self.paths, self.file_size, queue_depth, block_bytes, emulate_ssd_gbps, pin)
+        if fault_plan is not None and not fault_plan.rules:
+            log.info("io_engine: %s names no faults for volume %r", FAULTS_ENV, name)
+        elif fault_plan is not None:
+            try:
+                self.backend = FaultyBackend(self.backend, fault_plan)
+            except ValueError as e:
+                self.backend.close()
+                raise VolumeConfigError(f"cannot open volume: {FAULTS_ENV}: {e}") from e
+            log.warning("io_engine: %s is set: injecting faults %s into volume %r (for tests only)",
+                        FAULTS_ENV, ",".join(map(str, fault_plan.rules)), name)
         log.info("io_engine: %d device(s), backend=%s (%s)", self.n_devices, self.backend.name, self.backend_reason)
 
         self._staging = BufferPool(staging_budget_bytes, self.backend.alloc, self.backend.free)
@@ -144,6 +159,8 @@ class Volume:
             if manifests[-1] is None and os.path.exists(path):
                 problems.append(f"{path} exists without its manifest {os.path.basename(mpath)}; refusing to "
                                 f"overwrite it. Delete it, or open the volume with another name")
+            elif manifests[-1] is not None:
+                problems.extend(_slab_problems(path, mpath, manifests[-1]))
         ids = {m["volume_id"] for m in manifests if m}
         if manifests and any(manifests) and not all(manifests) and not problems:
             problems.append("some directories hold this volume and some do not: pass the same directories "
@@ -215,6 +232,13 @@ class Volume:
         """Start reading `tensor.nbytes` bytes at logical `offset` into `tensor` (contiguous, CPU)."""
         return self._request(tensor, offset, write=False)
 
+    def _where(self, offset: int, n: int) -> tuple[str, ...]:
+        """The devices a request of n bytes at logical `offset` touches, named for messages."""
+        first, last = offset // self.chunk_bytes, (offset + max(n, 1) - 1) // self.chunk_bytes
+        devs = range(self.n_devices) if last - first + 1 >= self.n_devices else \
+            sorted({c % self.n_devices for c in range(first, last + 1)})
+        return tuple(f"device {d} ({self.dirs[d]})" for d in devs)
+
     def _request(self, tensor: torch.Tensor, offset: int, write: bool) -> Handle:
         if self._closed:
             raise IOEngineError("volume is closed", self.dirs[0], offset)
@@ -234,7 +258,8 @@ class Volume:
             futures = self._submit(offset, buf, write)
         else:
             futures = [self._stager.submit(self._staged, offset, buf, write)]
-        handle = Handle(futures, keepalive=(buf,), describe=f"{kind} of {n} bytes at {offset}")
+        handle = Handle(futures, keepalive=(buf,), describe=f"{kind} of {n} bytes at {offset}",
+                        devices=self._where(offset, n))
         with self._pending_lock:
             if len(self._pending) > 4096:
                 self._pending = {h for h in self._pending if not h.done()}
@@ -305,10 +330,14 @@ class Volume:
         return BufferPool(budget_bytes, self.backend.alloc, self.backend.free)
 
     def wait_all(self) -> None:
-        """Wait for every request issued so far; raises the first failure after all have finished."""
+        """Wait for every request issued so far; raises the first failure after all have finished.
+
+        A failure that a handle's own wait() has raised already is not raised again: the caller has it,
+        and sync()/close() after a handled error must not fail on it.
+        """
         with self._pending_lock:
             pending, self._pending = self._pending, set()
-        wait_all_handles(pending)
+        wait_all_handles(pending, skip_reported=True)
 
     def sync(self) -> None:
         """Wait for all requests, then make the written bytes durable (fsync)."""
@@ -357,15 +386,23 @@ def _make_backend(name: str, paths: list[str], file_size: int, queue_depth: int 
         from .aio import AioBackend, AioUnavailable
 
         try:
-            be = AioBackend(paths, file_size, queue_depth or 32, block_bytes, gbps, pin)
+            # auto never compiles: a silent ~8-minute op build would look like a hang. An explicit "aio" may,
+            # and the build announces itself first.
+            be = AioBackend(paths, file_size, queue_depth or 32, block_bytes, gbps, pin, build_op=name == "aio")
             return be, "libaio via DeepSpeed async_io" + (" (requested)" if name == "aio" else " (auto)")
         except AioUnavailable as e:
             if name == "aio":
                 raise
             reason = f"aio unavailable: {e}"
-            log.warning("io_engine: %s; falling back to the threads backend", reason)
+            # Once per process and reason: a run opens several volumes, and the first line says it all.
+            level = logging.INFO if reason in _fallbacks_said else logging.WARNING
+            _fallbacks_said.add(reason)
+            log.log(level, "io_engine: %s; backend 'auto' uses threads", reason)
             return ThreadsBackend(paths, file_size, queue_depth or 8, block_bytes, gbps, pin), reason
     return ThreadsBackend(paths, file_size, queue_depth or 8, block_bytes, gbps, pin), "requested"
+
+
+_fallbacks_said: set[str] = set()
 
 
 def _probe_writable(d: str) -> str:
@@ -378,6 +415,24 @@ def _probe_writable(d: str) -> str:
     os.close(fd)
     os.unlink(probe)
     return ""
+
+
+def _slab_problems(path: str, mpath: str, manifest: dict) -> list[str]:
+    """A slab file missing or shorter than its manifest records: its bytes are gone, whatever we do.
+
+    Re-extending it (posix_fallocate) would turn the lost tail into zeros that read back as valid data.
+    """
+    expected = manifest.get("file_size")
+    fix = (f"the data in it is lost: restore it (from a backup or snapshot), or start over (delete this "
+           f"volume's {os.path.basename(path)} and {os.path.basename(mpath)} in every directory)")
+    if not os.path.exists(path):
+        return [f"{path} is missing, but its manifest {os.path.basename(mpath)} records a slab file of "
+                f"{expected} bytes: the slab file was deleted or moved; {fix}"]
+    actual = os.path.getsize(path)
+    if isinstance(expected, int) and actual < expected:
+        return [f"{path} is {actual} bytes, but its manifest {os.path.basename(mpath)} records {expected} "
+                f"bytes: the slab file was truncated or replaced; {fix}"]
+    return []
 
 
 def _read_manifest(path: str, problems: list[str]) -> dict | None:

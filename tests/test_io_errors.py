@@ -178,3 +178,19 @@ def test_interrupt_while_waiting_is_not_turned_into_an_io_error():
 
     with pytest.raises(KeyboardInterrupt):
         Handle([Interrupted()], describe="read").wait()
+
+
+def test_io_error_says_where_and_keeps_errno():
+    """str() keeps the where (OSError would print only "[Errno 28] ..."), and errno is there to branch on."""
+    import errno
+
+    from io_engine.base import device_error
+
+    e = device_error("write", errno.ENOSPC, 1, "/mnt/nvme1/lohan.slab", 4096, 8192)
+    assert str(e) == ("write failed on device 1 (/mnt/nvme1): No space left on device [ENOSPC] "
+                      "(path=/mnt/nvme1/lohan.slab, offset=4096, size=8192)")
+    assert isinstance(e, OSError) and e.errno == errno.ENOSPC and e.strerror == "No space left on device"
+    assert (e.op, e.device, e.directory, e.path, e.offset, e.size) == (
+        "write", 1, "/mnt/nvme1", "/mnt/nvme1/lohan.slab", 4096, 8192)
+    plain = IOEngineError("volume is closed", "/d", 0)
+    assert str(plain) == "volume is closed (path=/d, offset=0)" and plain.errno is None
