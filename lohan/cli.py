@@ -3,6 +3,20 @@
 Settings come from a YAML run config (default `configs/tiny.yaml`), then from the flags, then from
 `--set key=value` dotted overrides (e.g. `--set engine.prefetch_depth=3`). Every problem with the
 settings is reported at once, with how to fix it, before anything is written.
+
+Relative paths. A relative path given on the command line (flags, `--set`) is relative to the current
+directory, as a shell user expects. In a config file, relative *input* paths (`data`, a `model`
+directory, `engine.profile_from`) are looked up in the current directory first and, when nothing is
+there, next to the config file, then in the directory above it: `configs/tiny.yaml` says
+`data: data/corpus.txt` and finds the repository's corpus from any working directory, while a file
+of that name in the current directory still wins (and keeps the path as written, so a resumed run
+sees the same settings). Relative *output* paths (`engine.nvme`, `metrics`) always stay relative to the
+current directory: `python /path/to/finetune.py` writes `./runs/tiny/...` where it is run, as the
+README shows, never into the repository.
+
+Bad input ends with exit code 2 and one `error: ...` message (cause and fix), with nothing written;
+an unexpected exception does too, with "run with -v for the traceback" (`-v` prints it; with the
+environment variable LOHAN_DEBUG set it propagates, which the test suite uses so bugs are not masked).
 """
 
 from __future__ import annotations
@@ -10,9 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import re
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -35,8 +52,15 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one `error: ...` line, like every other refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="finetune.py",
         description="Fine-tune an LLM with its model states on NVMe SSDs (LoHan). Defaults: configs/tiny.yaml.")
     p.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
@@ -72,7 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the last committed state in the NVMe directories instead of starting over")
+                   help="continue the run whose states are in the NVMe directories (from its last committed step, "
+                        "or where its initialization stopped)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard the states already in the NVMe directories and start over (without --resume or "
+                        "--overwrite, a directory that holds a run is refused)")
+    p.add_argument("--verify", action="store_true",
+                   help="check every stored record against its checksum, report, and exit (writes nothing)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (placement, bytes per tier, predicted step time) and exit; writes nothing")
     p.add_argument("--hardware", metavar="DESC",
@@ -88,11 +118,18 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     raw: dict[str, Any] = {}
     if path is not None:
-        if not path.exists():
-            raise ValueError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ValueError(f"config file {path} {what}; pass a YAML file (the shipped ones are in "
+                             f"{DEFAULT_CONFIG.parent})")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML{_yaml_problem(e)}; fix the file there") from None
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: a run config is a mapping of fields, not {type(raw).__name__}")
+            raise ValueError(f"{path}: a run config is a mapping of fields (key: value lines), not a "
+                             f"{type(raw).__name__}")
+        raw = _resolve_inputs(dict(raw), path)
     raw = dict(raw)
     if getattr(args, "model", None) and raw.get("model") not in (None, args.model):
         # the YAML's shape overrides belong to its own model, not to the one asked for on the command line
@@ -108,7 +145,12 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         key, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. engine.lr=1e-4")
-        value = yaml.safe_load(text)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item!r}: cannot read the value{_yaml_problem(e)}; quote it, e.g. "
+                             f"--set '{key}=\"...\"'") from None
+        value = _number(value)
         parts = key.split(".")
         if parts[0] == "engine" and len(parts) == 2:
             engine[parts[1]] = value
@@ -119,6 +161,39 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         else:
             raise ValueError(f"--set {key}: unknown key; use FIELD, engine.FIELD or model_overrides.FIELD")
     return _make_run_config(raw, engine)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """` (line L, column C): problem` of a YAML error, for a one-line message."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{where}: {getattr(e, 'problem', None) or e}"
+
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _number(value: Any) -> Any:
+    """YAML 1.1 reads `1e-4` (no dot) as a string; on the command line it can only mean the number."""
+    return float(value) if isinstance(value, str) and _EXPONENT.fullmatch(value) else value
+
+
+def _resolve_inputs(raw: dict, config: Path) -> dict:
+    """The config file's relative input paths, found as the module docstring says (outputs untouched)."""
+    bases = [config.resolve().parent, config.resolve().parent.parent]
+
+    def find(value: Any) -> Any:
+        if not isinstance(value, str) or not value or os.path.isabs(value) or os.path.exists(value):
+            return value
+        return next((str(b / value) for b in bases if (b / value).exists()), value)
+
+    if "data" in raw and raw["data"] != "synthetic":
+        raw["data"] = find(raw["data"])
+    if isinstance(raw.get("model"), str) and raw["model"] not in PRESETS:
+        raw["model"] = find(raw["model"])
+    if isinstance(raw.get("engine"), dict) and "profile_from" in raw["engine"]:
+        raw["engine"] = {**raw["engine"], "profile_from": find(raw["engine"]["profile_from"])}
+    return raw
 
 
 def _make_run_config(raw: dict, engine: dict) -> RunConfig:
@@ -147,8 +222,24 @@ def _make_run_config(raw: dict, engine: dict) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a usage mistake already reported as "error: ..." (2)
+        return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return _main(args)
+    except Exception as e:  # the safety net: KeyboardInterrupt and SystemExit are not Exceptions
+        if os.environ.get("LOHAN_DEBUG"):
+            raise  # tests and developers: the real traceback, nothing masked
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else "; run with -v for the traceback"
+        print(f"error: unexpected {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         run = load_run_config(args)
         if run.is_hf and run.model_overrides:
@@ -157,12 +248,17 @@ def main(argv: list[str] | None = None) -> int:
             run.model_config()
         if args.hardware and not args.dry_run:
             raise ValueError("--hardware describes another machine: use it with --dry-run")
+        if args.resume and args.overwrite:
+            raise ValueError("--resume continues the stored run and --overwrite discards it: pass one of them")
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .train import train  # torch is imported only once the settings are known to be valid
+    from .train import train, verify_store  # torch is imported only once the settings are known to be valid
 
-    return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export)
+    if args.verify:
+        return verify_store(run)
+    return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export,
+                 overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

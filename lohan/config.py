@@ -11,6 +11,7 @@ architecture instead of inventing one: ``get_model_config("13b", n_layer=2, d_mo
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,11 @@ __all__ = ["ModelConfig", "PRESETS", "get_model_config"]
 def _is_int(value: object) -> bool:
     # bool is a subclass of int; `n_layer=True` is a bug, not a 1-layer model.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A real number that is neither NaN nor infinite (bool excluded, as in `_is_int`)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -305,6 +311,10 @@ class EngineConfig:
     """2: a step's states go to the alternate slot and become current with an atomic commit record
     (crash-consistent, 2x SSD space). 1: in place (needs periodic checkpoints to survive a crash)."""
 
+    checksums: bool = True
+    """Hash every record section the store writes (XXH3-64, committed with the step) and verify every read,
+    so bytes damaged on the SSDs stop the run instead of training on. Fixed when the store is created."""
+
     backend: str = "auto"
     """io_engine backend: ``auto``, ``aio`` or ``threads``."""
 
@@ -340,10 +350,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        nvme = (self.nvme,) if isinstance(self.nvme, str) else tuple(self.nvme)
-        object.__setattr__(self, "nvme", nvme)
-        if not nvme:
+        # `--set engine.nvme=5` or a YAML mapping must be a message, not a TypeError from tuple()
+        nvme = (self.nvme,) if isinstance(self.nvme, str | os.PathLike) else tuple(self.nvme) if isinstance(
+            self.nvme, list | tuple) else None
+        if nvme is None or not all(isinstance(d, str | os.PathLike) and os.fspath(d) for d in nvme):
+            problems.append(f"nvme={self.nvme!r}: give one directory path or a list of them, e.g. [/mnt/nvme0/lohan]")
+            nvme = ()
+        elif not nvme:
             problems.append("nvme: give at least one directory")
+        nvme = tuple(os.fspath(d) for d in nvme)
+        object.__setattr__(self, "nvme", nvme)
         for name in ("act_mem", "gpu_mem"):
             if getattr(self, name) is not None:
                 try:
@@ -378,16 +394,17 @@ class EngineConfig:
             problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
             problems.append(f"total_steps={self.total_steps!r} must be a positive integer or None")
-        if not (isinstance(self.lr, int | float) and self.lr > 0):
-            problems.append(f"lr={self.lr!r} must be a positive number")
-        b = tuple(self.betas)
+        # NaN fails every comparison and inf passes `> 0`: both would train on garbage, so ask for finite numbers
+        if not (_is_finite(self.lr) and self.lr > 0):
+            problems.append(f"lr={self.lr!r} must be a finite positive number, e.g. 3.0e-4")
+        b = tuple(self.betas) if isinstance(self.betas, list | tuple) else (self.betas,)
         object.__setattr__(self, "betas", b)
         if len(b) != 2 or not all(isinstance(x, int | float) and 0 <= x < 1 for x in b):
             problems.append(f"betas={self.betas!r} must be two numbers in [0, 1)")
-        if not (isinstance(self.eps, int | float) and self.eps > 0):
+        if not (_is_finite(self.eps) and self.eps > 0):
             problems.append(f"eps={self.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
-        if not (isinstance(self.weight_decay, int | float) and self.weight_decay >= 0):
-            problems.append(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
         if not (isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1):
             problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if problems:
@@ -396,6 +413,10 @@ class EngineConfig:
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """A copy with some fields replaced (re-validated)."""
         return dataclasses.replace(self, **overrides)
+
+
+MAX_STEPS = 2**24
+"""The most optimizer steps a run may ask for: AdamW's step counter is a float32 tensor (exact to 2**24)."""
 
 
 @dataclass(frozen=True)
@@ -438,14 +459,24 @@ class RunConfig:
     def __post_init__(self) -> None:
         problems: list[str] = []
         if not isinstance(self.model, str) or (self.model not in PRESETS and not is_model_dir(self.model)):
+            # say which of the two readings failed: a directory without config.json is the usual mistake
+            found = (f" ({self.model} is a directory without config.json: point at the folder that "
+                     "save_pretrained wrote)" if isinstance(self.model, str) and os.path.isdir(self.model) else "")
             problems.append(f"model={self.model!r}: choose a preset ({', '.join(PRESETS)}) or a local Hugging Face "
-                            "model directory (with config.json)")
+                            f"model directory (with config.json){found}")
         if not isinstance(self.model_overrides, dict):
             problems.append("model_overrides must be a mapping of ModelConfig fields")
+        if not isinstance(self.data, str) or not self.data:
+            problems.append(f"data={self.data!r}: give a .txt or .jsonl file, or 'synthetic'")
+        if self.metrics is not None and not isinstance(self.metrics, str):
+            problems.append(f"metrics={self.metrics!r}: give a file path (JSONL) or leave it unset")
         for name in ("steps", "batch_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
+        if _is_int(self.steps) and self.steps > MAX_STEPS:
+            problems.append(f"steps={self.steps:,} is more than lohan counts ({MAX_STEPS:,}: the optimizer's step "
+                            "counter is float32, exact up to 2**24); a typo? Ask for fewer steps")
         if self.epochs is not None and (not _is_int(self.epochs) or self.epochs < 1):
             problems.append(f"epochs={self.epochs!r} must be an integer >= 1")
         if self.epochs is not None and self.data == "synthetic":
@@ -457,6 +488,12 @@ class RunConfig:
                 object.__setattr__(self, "engine", EngineConfig(**self.engine))
             except (TypeError, ValueError) as e:
                 problems.append(f"engine: {e}")
+        m = getattr(self.engine, "micro_batches", None)
+        if _is_int(self.batch_size) and self.batch_size >= 1 and _is_int(m) and m >= 1 and self.batch_size % m:
+            # every micro-batch has the same shape; refusing here beats a failure at the first step
+            fits = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+            problems.append(f"batch_size={self.batch_size} is not divisible by micro_batches={m}: pick micro_batches "
+                            f"from {fits} or a batch size that is a multiple of {m}")
         if problems:
             raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))
 

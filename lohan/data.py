@@ -49,6 +49,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 """The corpus shipped with the repository (prose from Python's stdlib docstrings, PSF License)."""
 
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+"""Extensions :meth:`TokenDataset.from_file` reads as plain text (``.jsonl`` is read as examples)."""
+
 IGNORE_INDEX = -100
 """Target value of a token that is not a prediction target (PyTorch's ``cross_entropy`` default)."""
 
@@ -258,12 +261,21 @@ def load_text(path: str | Path) -> str:
             f"training text {str(p)!r} is empty ({len(data)} bytes); it needs some text to train on"
         )
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(
             f"training text {str(p)!r} is not valid UTF-8 (byte {e.start}: {data[e.start : e.start + 1]!r}); "
             f"convert it first, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`"
         ) from None
+    # NUL is valid UTF-8 but never occurs in text: a file full of zeros (or a binary that happens to decode)
+    # would otherwise train silently on garbage
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise ValueError(
+            f"training text {str(p)!r} contains NUL bytes (the first at byte {nul:,}): it is a binary file, not "
+            f"text; pass a UTF-8 .txt file"
+        )
+    return text
 
 
 def _show(value: object, limit: int) -> str:
@@ -338,6 +350,11 @@ def load_jsonl(path: str | Path) -> list[dict[str, str]]:
         if problem is not None:
             raise ValueError(f"{where}: {problem}")
         keys = ("text",) if "text" in obj else ("prompt", "response")
+        # an empty target trains nothing (or, with an EOS, only to stop at once): in a file it is a mistake
+        # made while preparing the data, so name the line instead of training around it
+        target = keys[0] if keys == ("text",) else "response"
+        if not obj[target].strip():
+            raise ValueError(f'{where}: the "{target}" is empty; fill it in or drop the line')
         examples.append({k: obj[k] for k in keys})
     return examples
 
@@ -537,10 +554,20 @@ class TokenDataset:
     ) -> TokenDataset:
         """Load a local file, dispatched on its extension; the default path is the shipped corpus.
 
-        ``.jsonl`` (any case): :meth:`from_jsonl`. Anything else: :func:`load_text` then :meth:`from_text`.
+        ``.jsonl`` (any case): :meth:`from_jsonl`. :data:`TEXT_SUFFIXES`: :func:`load_text` then
+        :meth:`from_text`. Any other extension is refused (ValueError), so a ``.json`` or ``.csv`` file is
+        not trained on as if it were prose.
         """
-        if Path(path).suffix.lower() == ".jsonl":
+        suffix = Path(path).suffix.lower()
+        if suffix == ".jsonl":
             return cls.from_jsonl(path, seq_len, tokenizer)
+        if suffix not in TEXT_SUFFIXES and Path(path).expanduser().is_file():  # load_text names the other cases
+            # a .json, .csv or .parquet read as plain text would "train" on its syntax; say what is read instead
+            raise ValueError(
+                f"training data {str(path)!r} has the extension {suffix or '(none)'!r}; lohan reads plain text "
+                f"({', '.join(TEXT_SUFFIXES)}) and JSON lines (.jsonl: {{\"text\"}} or {{\"prompt\", \"response\"}} "
+                f"per line): convert or rename the file"
+            )
         return cls.from_text(load_text(path), seq_len, tokenizer)
 
     @property

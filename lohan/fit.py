@@ -36,6 +36,48 @@ def _existing_parent(path: str) -> str:
     return path
 
 
+def nvme_problems(dirs: tuple[str, ...] | list[str]) -> list[str]:
+    """What stops the NVMe directories from holding a store, checked without creating or writing anything.
+
+    The engine creates the directories and the volume checks them again, but by then a directory may have
+    been made; these are the mistakes found on paths alone: a path that is a file (or lies under one), a
+    directory named twice, a place the process cannot write. Each problem says how to fix it.
+    """
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            problems.append(f"--nvme names {d} twice" + (f" (also as {seen[real]})" if seen[real] != d else "")
+                            + ": list each SSD directory once")
+            continue
+        seen[real] = d
+        if os.path.exists(d) and not os.path.isdir(d):
+            problems.append(f"--nvme {d} is a file, not a directory: pass a directory for the states (an "
+                            "existing one, or a new path that lohan creates)")
+            continue
+        parent = _existing_parent(d)
+        if not os.path.isdir(parent):
+            problems.append(f"--nvme {d} cannot be created: {parent} is a file, not a directory; pass a path "
+                            "under a directory")
+        elif not os.access(parent, os.W_OK | os.X_OK):  # also False on a read-only mount, even for root
+            where = "is" if parent == os.path.abspath(d) else f"cannot be created: {parent} is"
+            problems.append(f"--nvme {d} {where} not writable by this user; fix the permissions or pass another "
+                            "directory")
+    return problems
+
+
+def local_problems(nvme: tuple[str, ...], cpu_mem: int) -> list[str]:
+    """Settings this machine cannot honour, found before anything is written: the NVMe paths
+    (:func:`nvme_problems`) and a main-memory budget larger than the RAM."""
+    problems = nvme_problems(nvme)
+    ram = psutil.virtual_memory().total
+    if cpu_mem > ram:
+        problems.append(f"--cpu-mem {cpu_mem / 2**30:.2f} GiB is more than this machine's RAM "
+                        f"({ram / 2**30:.2f} GiB); give a budget below it, leaving room for the OS and the process")
+    return problems
+
+
 def _free_ssd_bytes(dirs: tuple[str, ...]) -> int:
     """Free bytes over the directories, each filesystem counted once (dirs on one disk share its space)."""
     seen: dict[int, int] = {}

@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# lohan.cli.main turns an unexpected exception into "error: ..." and exit 2 for users; in tests it must
+# propagate with its traceback, so a bug is never mistaken for a clean refusal
+os.environ.setdefault("LOHAN_DEBUG", "1")
 
 
 def _aio_status() -> tuple[bool, str]:

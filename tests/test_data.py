@@ -480,8 +480,11 @@ def test_empty_and_too_short_jsonl_errors_give_token_counts(tmp_path):
 
 
 def test_jsonl_with_no_target_token_is_rejected(tmp_path):
-    path = _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "only prompts here", "response": ""}] * 3)
+    rows = [{"prompt": "only prompts here", "response": ""}] * 3
     with pytest.raises(ValueError, match="no token of the .* windows is a prediction target"):
+        TokenDataset.from_examples(rows, seq_len=8)
+    path = _write_jsonl(tmp_path / "prompts.jsonl", rows)  # in a file, the first empty response is named
+    with pytest.raises(ValueError, match='line 1: the "response" is empty'):
         TokenDataset.from_file(path, seq_len=8)
 
 

@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from .gpt import lm_loss
 
-__all__ = ["SUPPORTED", "HFBlocks", "export_hf", "init_from_hf", "is_hf_dir", "load_hf_skeleton", "load_tokenizer",
-           "model_meta"]
+__all__ = ["SUPPORTED", "HFBlocks", "check_weights", "export_hf", "init_from_hf", "is_hf_dir", "load_hf_skeleton",
+           "load_tokenizer", "model_meta"]
 
 SUPPORTED = ("llama", "gpt2", "opt", "qwen2")
 
@@ -80,7 +80,11 @@ _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 # ------------------------------------------------------------------------------------------ directory
 def _read_config(path: str | os.PathLike) -> dict:
     with open(os.path.join(path, "config.json")) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:  # its own message names neither the file nor a fix
+            raise ValueError(f"{path}/config.json is not valid JSON ({e}); save the model again or repair "
+                             "the file") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}/config.json is not a JSON object")
     return data
@@ -405,6 +409,36 @@ def _make_init_block(program: HFBlocks, path: str | os.PathLike) -> Callable[[in
         return out
 
     return init_block
+
+
+def check_weights(program: HFBlocks, path: str | os.PathLike) -> None:
+    """Refuse a checkpoint that cannot give every parameter of `program` its tensor, from the safetensors
+    headers alone (no tensor is read).
+
+    The import itself runs block by block while the store is being written on the SSDs, so a missing,
+    truncated or mismatched checkpoint found there would leave a half-built store behind; checked first,
+    it is refused with nothing written. Raises ValueError naming the directory, the problem and the fix.
+    """
+    try:
+        ckpt = _Checkpoint(path)
+        prefix = program.model.base_model_prefix
+        by_file: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
+        for i, block in enumerate(program.modules):
+            for name, (pname, p) in zip(program.param_names(i), block.named_parameters()):
+                key = ckpt.resolve(name, prefix)
+                by_file.setdefault(ckpt.key_file[key], []).append((key, tuple(p.shape), f"{program.names[i]}.{pname}"))
+        for file, entries in by_file.items():
+            with safe_open(os.path.join(ckpt.path, file), framework="pt") as f:
+                for key, shape, where in entries:
+                    have = tuple(f.get_slice(key).get_shape())
+                    if have != shape:
+                        raise ValueError(f"tensor {key!r} in {file} has shape {have}, but config.json gives {shape} "
+                                         f"for {where}: the weights and config.json are from different models")
+    except (OSError, KeyError, ValueError, SafetensorError) as e:
+        # KeyError's str() quotes its message; the safetensors errors name only the failing field
+        detail = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise ValueError(f"the weights in {path} cannot be read: {detail}. Save the model again (save_pretrained) "
+                         "or re-download it") from None
 
 
 def model_meta(program: HFBlocks) -> dict:
