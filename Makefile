@@ -48,7 +48,7 @@ aio-op: install
 	  "see the messages above. The threads backend does not need this op."; exit 1; }
 
 run: aio-op
-	$(PY) finetune.py
+	$(PY) finetune.py --overwrite
 
 test: aio-op
 	$(PY) -m pytest -q

@@ -34,13 +34,16 @@ from torch import Tensor
 from io_engine.base import align_up
 
 from .config import EngineConfig, ModelConfig, get_model_config
+from .crashpoints import crashpoint
 from .device import Device
+from .dirlock import DirLock
+from .integrity import unit_bounds
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
-from .offload import GradOffloader, chunk_record_bytes
+from .offload import GradOffloader, chunk_record_bytes, upcast_bytes
 from .optim import AdamWHyper, lr_at
 from .params import ParamStreamer
-from .store import DTYPES, StateStore, StoreLayout, block_views, plan_layout
+from .store import DTYPES, StateStore, StoreLayout, StoreStatus, block_views, plan_layout
 from .swap import ActivationManager
 
 log = logging.getLogger(__name__)
@@ -78,7 +81,8 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         # serial holds every block's gradient until backward ends; otherwise one filling, one queued
         "grads": (sum(grads) if cfg.mode == "serial" else min(2 * max(grads), sum(grads)))
         + cfg.micro_batches * tied_bytes,
-        "optimizer": cfg.max_inflight_blocks * max_rec,
+        # records in flight, plus the fp32 scratch bf16 gradients are upcast into (offload.upcast_bytes)
+        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(layout, chunk, grad_dtype(cfg)),
     }
     total = sum(need.values())
     if total > cfg.cpu_mem:
@@ -113,35 +117,19 @@ class Engine:
         dirs = list(cfg.nvme)
         for d in dirs:
             os.makedirs(d, exist_ok=True)
-        existing = StateStore.read_model_meta(dirs, cfg.name)
-        if resume and existing is not None:
-            if existing != model_meta:
-                raise ValueError(f"the store in {dirs[0]} holds another model ({existing}); cannot resume it "
-                                 f"with {model_meta}")
-            self.store = StateStore.open(dirs, cfg.backend, cfg.chunk_bytes, cfg.name,
-                                         emulate_ssd_gbps=cfg.emulate_ssd_gbps)
-            if self.store.layout != layout:
-                self.store.close()
-                raise ValueError(f"the store in {dirs[0]} was laid out for other settings (slots or "
-                                 "compute_dtype differ); resume with the settings it was created with")
-        else:
-            if existing is not None or _has_store_files(dirs, cfg.name):
-                if not overwrite:
-                    raise FileExistsError(
-                        f"a store named {cfg.name!r} already exists in {dirs[0]}; pass resume=True to continue "
-                        "it, overwrite=True to start over (its contents are lost), or use another name/directory")
-                _remove_store(dirs, cfg.name)
-            self.store = StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20,
-                                           backend=cfg.backend, chunk_bytes=cfg.chunk_bytes, name=cfg.name,
-                                           progress=progress, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
+        self._lock = DirLock(dirs)  # before anything in the directories is read or written
+        try:
+            self.store = _open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress)
+        except BaseException:
+            self._lock.release()
+            raise
         volume = self.store.volume
         self.params_pool = volume.buffer_pool(self.memory_plan["params"])
         self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
         self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"])
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
         self.grad_dtype = grad_dtype(cfg)
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, optimizer_chunk_elems(layout, cfg),
-                                       self.grad_dtype)
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype)
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),
@@ -159,7 +147,12 @@ class Engine:
         return self.store.step
 
     def step(self, batch: tuple[Tensor, Tensor]) -> float:
-        """One optimizer step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss."""
+        """One optimizer step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss.
+
+        Phases: forward (block inputs and swapped activations kept), backward (each block's gradient
+        goes to the optimizer pipeline as soon as it is complete), then commit of the new slot, or, on
+        any failure, rollback to the last commit (which the step never touched with two slots).
+        """
         if self._broken:
             raise RuntimeError(self._broken)
         idx, targets = batch
@@ -171,117 +164,142 @@ class Engine:
             raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
         t_start = time.perf_counter()
         io0 = self.store.volume.stats()
-        wait0 = self.streamer.wait_s
+        wait0, hash0 = self.streamer.wait_s, self.streamer.hash_s
         self.offloader.reset_stats()
         idx = idx.to(self.device.torch)
         targets = targets.to(self.device.torch)
-        ids_mb, tgt_mb = idx.chunk(m_count), targets.chunk(m_count)
 
         n = len(self.program.modules)
-        last = n - 1
         step = self.store.step
         hyper = AdamWHyper.from_config(self.cfg, lr_at(self.cfg, step))
         read_slot, write_slot = self.store.slot, self.store.next_slot()
-        visits = list(range(last)) + list(range(last, -1, -1))  # forward 0..n-2 (head runs in backward), back
+        # forward visits blocks 0..n-2 (the head runs in backward), backward n-1..0
+        visits = list(range(n - 1)) + list(range(n - 1, -1, -1))
         self.store.begin_step()
-        self.offloader.begin_step(step + 1, hyper, list(range(last, -1, -1)), read_slot, write_slot)
-        compute_s = 0.0
+        self.offloader.begin_step(step + 1, hyper, list(range(n - 1, -1, -1)), read_slot, write_slot)
         try:
-            acts: list[list[Tensor | None]] = [[None] * m_count for _ in range(n)]
-            acts[0] = list(ids_mb)
-            # ---- forward: keep block inputs only
-            for p in range(last):
-                i = visits[p]
-                self._visit(visits, p, read_slot)
-                t0 = time.perf_counter()
-                acts_mgr = self.activations
-                with torch.no_grad(), self.device.autocast(self.compute_dtype):
-                    if i == 1 and acts_mgr.needs_prepare(idx.shape[0], idx.shape[1]):
-                        acts_mgr.prepare(acts[1][0], idx.shape[0], idx.shape[1])
-                    for m in range(m_count):
-                        if i in acts_mgr.inner:
-                            acts[i + 1][m] = acts_mgr.forward_block(i, m, acts[i][m])
-                            acts[i][m] = None
-                        else:
-                            acts[i + 1][m] = self.program.run(i, acts[i][m], None)
-                compute_s += time.perf_counter() - t0
-                self._leave(visits, p)
-            # ---- backward: recompute each block, gradients to the optimizer pipeline
-            grad_out: list[Tensor | None] = [None] * m_count
-            borrowed: dict[tuple[int, int, int], Tensor] = {}
-            loss = 0.0
-            for p in range(last, len(visits)):
-                i = visits[p]
-                params = self._visit(visits, p, read_slot)
-                layout = self.store.layout.blocks[i]
-                gsize = self.grad_dtype.itemsize
-                gbuf = self.grads_pool.acquire(gsize * layout.numel)
-                acc = block_views(gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype), layout)
-                ext = self.program.external_params(i)
-                ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
-                self.activations.prefetch(i - 1)
-                inner = i in self.activations.inner
-                t0 = time.perf_counter()
-                for m in range(m_count):
-                    if inner:
-                        x, run = self.activations.backward_block(i, m)
-                    else:
-                        x, run = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
-                    if i > 0:
-                        x = x.detach().requires_grad_()
-                    with torch.enable_grad(), self.device.autocast(self.compute_dtype):
-                        out = run(x)
-                        if i == last:
-                            out = out / m_count
-                    inputs = ([x] if i > 0 else []) + list(params) + ext_params
-                    grads = torch.autograd.grad(out, inputs, grad_outputs=None if i == last else grad_out[m],
-                                                allow_unused=True)
-                    if i == last:
-                        loss += float(out.detach())
-                    off = 1 if i > 0 else 0
-                    for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
-                        other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
-                        if g is None:                             # as autograd sums a leaf's inputs
-                            g = torch.zeros_like(view)
-                        if other is not None:
-                            g = g + other
-                        if m == 0:
-                            view.copy_(g)
-                        else:
-                            view.add_(g)
-                    for (o, k), g in zip(ext, grads[off + len(params):]):
-                        if g is not None:
-                            borrowed[(o, k, m)] = g.detach()
-                    grad_out[m] = grads[0] if i > 0 else None
-                    acts[i][m] = None
-                    if inner:
-                        del x, out, grads
-                        self.activations.release(i, m)
-                compute_s += time.perf_counter() - t0
-                self.offloader.submit(i, gbuf)
-                self._leave(visits, p)
+            acts, fwd_s = self._forward(visits, read_slot, idx)
+            loss, bwd_s = self._backward(visits, read_slot, acts, targets.chunk(m_count))
             self.offloader.backward_done()
             t_tail = time.perf_counter()
             self.offloader.finish()
             tail_s = time.perf_counter() - t_tail
         except BaseException:
-            self.offloader.abort()
-            self.streamer.release_all()
-            self.activations.end_step()
-            if self.store.layout.slots == 1 and self.offloader.blocks_written:
-                self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
-                                "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
-            else:  # nothing current was touched: the last commit stands
-                self.store.commit(step, read_slot)
+            self._rollback(step, read_slot)
             raise
         self.streamer.release_all()
         act_stats = self.activations.stats()
         self.activations.end_step()
-        self.store.commit(step + 1, write_slot)
-        self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, compute_s, tail_s,
-                             io0, wait0, hyper.lr, idx.shape[1])
+        self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written())
+        self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, fwd_s + bwd_s, tail_s,
+                             io0, wait0, hash0, hyper.lr, idx.shape[1])
         self.last_metrics["activations"] = act_stats
         return loss
+
+    def _forward(self, visits: list[int], read_slot: int, idx: Tensor) -> tuple[list[list[Tensor | None]], float]:
+        """Blocks 0..n-2 under no_grad; returns what backward needs (block inputs, or nothing for blocks whose
+        activations the manager holds) and the compute seconds."""
+        m_count = self.cfg.micro_batches
+        n = len(self.program.modules)
+        acts: list[list[Tensor | None]] = [[None] * m_count for _ in range(n)]
+        acts[0] = list(idx.chunk(m_count))
+        acts_mgr = self.activations
+        compute_s = 0.0
+        for p in range(n - 1):
+            i = visits[p]
+            self._visit(visits, p, read_slot)
+            t0 = time.perf_counter()
+            with torch.no_grad(), self.device.autocast(self.compute_dtype):
+                if i == 1 and acts_mgr.needs_prepare(idx.shape[0], idx.shape[1]):
+                    acts_mgr.prepare(acts[1][0], idx.shape[0], idx.shape[1])
+                for m in range(m_count):
+                    if i in acts_mgr.inner:
+                        acts[i + 1][m] = acts_mgr.forward_block(i, m, acts[i][m])
+                        acts[i][m] = None
+                    else:
+                        acts[i + 1][m] = self.program.run(i, acts[i][m], None)
+            compute_s += time.perf_counter() - t0
+            crashpoint("engine.forward")
+            self._leave(visits, p)
+        return acts, compute_s
+
+    def _backward(self, visits: list[int], read_slot: int, acts: list[list[Tensor | None]],
+                  tgt_mb: tuple[Tensor, ...]) -> tuple[float, float]:
+        """Blocks n-1..0: recompute each with grad, accumulate its gradient over micro-batches into a host
+        buffer and hand it to the optimizer pipeline. Returns the mean loss and the compute seconds."""
+        m_count = self.cfg.micro_batches
+        last = len(self.program.modules) - 1
+        grad_out: list[Tensor | None] = [None] * m_count
+        borrowed: dict[tuple[int, int, int], Tensor] = {}
+        loss = 0.0
+        compute_s = 0.0
+        for p in range(last, len(visits)):
+            i = visits[p]
+            params = self._visit(visits, p, read_slot)
+            layout = self.store.layout.blocks[i]
+            gsize = self.grad_dtype.itemsize
+            gbuf = self.grads_pool.acquire(gsize * layout.numel)
+            acc = block_views(gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype), layout)
+            ext = self.program.external_params(i)
+            ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
+            self.activations.prefetch(i - 1)
+            inner = i in self.activations.inner
+            t0 = time.perf_counter()
+            for m in range(m_count):
+                if inner:
+                    x, run = self.activations.backward_block(i, m)
+                else:
+                    x, run = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
+                if i > 0:
+                    x = x.detach().requires_grad_()
+                with torch.enable_grad(), self.device.autocast(self.compute_dtype):
+                    out = run(x)
+                    if i == last:
+                        out = out / m_count
+                inputs = ([x] if i > 0 else []) + list(params) + ext_params
+                grads = torch.autograd.grad(out, inputs, grad_outputs=None if i == last else grad_out[m],
+                                            allow_unused=True)
+                if i == last:
+                    loss += float(out.detach())
+                off = 1 if i > 0 else 0
+                for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
+                    other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
+                    if g is None:                             # as autograd sums a leaf's inputs
+                        g = torch.zeros_like(view)
+                    if other is not None:
+                        g = g + other
+                    if m == 0:
+                        view.copy_(g)
+                    else:
+                        view.add_(g)
+                for (o, k), g in zip(ext, grads[off + len(params):]):
+                    if g is not None:
+                        borrowed[(o, k, m)] = g.detach()
+                grad_out[m] = grads[0] if i > 0 else None
+                acts[i][m] = None
+                if inner:
+                    del x, out, grads
+                    self.activations.release(i, m)
+            compute_s += time.perf_counter() - t0
+            self.offloader.submit(i, gbuf)
+            crashpoint("engine.backward")
+            self._leave(visits, p)
+        return loss, compute_s
+
+    def _rollback(self, step: int, read_slot: int) -> None:
+        """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
+        self.offloader.abort()
+        self.streamer.release_all()
+        self.activations.end_step()
+        if self.store.layout.slots == 1 and self.offloader.blocks_written:
+            self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
+                            "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
+            return
+        try:  # nothing current was touched: the last commit stands
+            self.store.commit(step, read_slot, sums=self.store.sums)
+        except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
+            log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
+                        "points at it", step, e)
 
     def _visit(self, visits: list[int], p: int, slot: int) -> list[torch.nn.Parameter]:
         """Acquire the block at visit position p and prefetch the next `prefetch_depth` visits."""
@@ -300,7 +318,7 @@ class Engine:
         self.streamer.release(i)
 
     def _record_metrics(self, step: int, loss: float, tokens: int, step_s: float, compute_s: float, tail_s: float,
-                        io0: dict, wait0: float, lr: float, seq_len: int) -> None:
+                        io0: dict, wait0: float, hash0: float, lr: float, seq_len: int) -> None:
         io1 = self.store.volume.stats()
 
         def lane(direction: str) -> tuple[float, int]:
@@ -310,7 +328,9 @@ class Engine:
         (read_s, read_b), (write_s, write_b) = lane("read"), lane("write")
         ago = self.offloader
         lanes = {"compute": compute_s, "ssd_read": read_s, "ssd_write": write_s, "cpu_adam": ago.adam_s,
-                 "param_wait": self.streamer.wait_s - wait0, "optimizer_tail": tail_s}
+                 "param_wait": self.streamer.wait_s - wait0, "optimizer_tail": tail_s,
+                 # checksums: hashing on the optimizer thread (reads and writes) and of streamed P16
+                 "checksum": ago.hash_s + self.streamer.hash_s - hash0}
         bottleneck = max(lanes["compute"], lanes["ssd_read"], lanes["ssd_write"], lanes["cpu_adam"])
         # Model FLOPs (forward + backward = 3x forward); the recomputation is extra work, not counted.
         flops = 3 * self.flops_per_token(seq_len) * tokens if self.flops_per_token else None
@@ -342,7 +362,10 @@ class Engine:
         self.activations.close()
         for pool in (self.params_pool, self.grads_pool, self.records_pool):
             pool.clear()
-        self.store.close()
+        try:
+            self.store.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> Engine:
         return self
@@ -351,14 +374,61 @@ class Engine:
         self.close()
 
 
-def _has_store_files(dirs: list[str], name: str) -> bool:
-    return any(os.path.exists(os.path.join(d, f"{name}{suffix}")) for d in dirs
-               for suffix in (".slab", ".volume.json", ".store.json", ".commit.json"))
+class StoreExistsError(FileExistsError):
+    """The directories already hold a store (complete or half-built) and neither resume nor overwrite was asked."""
+
+    def __init__(self, directory: str, status: StoreStatus) -> None:
+        self.directory, self.status = directory, status
+        what = "continue it" if status.state == "complete" else "continue its initialization"
+        super().__init__(f"{directory} already holds {status.describe()}; pass resume=True to {what}, or "
+                         "overwrite=True to start over (its contents are lost), or use another name/directory")
+
+
+def _open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, model_meta: dict,
+                    init_block: Callable[[int], list[Tensor]], resume: bool, overwrite: bool,
+                    progress: Callable[[int, int], None] | None) -> StateStore:
+    """Open the store in `dirs` (resume), continue its interrupted initialization (resume), or create it
+    (nothing there, or overwrite). Anything else is refused: a store is never discarded silently."""
+    status = StateStore.status(dirs, cfg.name)
+    check_elems = optimizer_chunk_elems(layout, cfg)
+    if status.state != "none" and not resume and not overwrite:
+        raise StoreExistsError(dirs[0], status)
+    if status.state in ("complete", "partial") and resume and status.model != model_meta:
+        raise ValueError(f"the store in {dirs[0]} holds another model ({status.model}); cannot resume it with "
+                         f"{model_meta}")
+    if status.state == "complete" and resume:
+        store = StateStore.open(dirs, cfg.backend, cfg.chunk_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
+        problem = None
+        if store.layout != layout:
+            problem = "was laid out for other settings (slots or compute_dtype differ)"
+        elif any(unit_bounds(b.numel, store.check_elems) != unit_bounds(b.numel, check_elems) for b in layout.blocks):
+            per_elem = 12 + layout.blocks[0].p16_itemsize
+            problem = (f"was created with other optimizer chunks (resume with --set "
+                       f"engine.opt_chunk_bytes={store.check_elems * per_elem})")
+        if problem:
+            store.close()
+            raise ValueError(f"the store in {dirs[0]} {problem}; resume with the settings it was created with")
+        return store
+    if status.state == "partial" and resume:
+        return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
+                                 chunk_bytes=cfg.chunk_bytes, name=cfg.name, progress=progress,
+                                 emulate_ssd_gbps=cfg.emulate_ssd_gbps, check_elems=check_elems,
+                                 checksums=cfg.checksums)
+    if status.state != "none":  # overwrite, or the slab files of a creation that stopped before its first block
+        _remove_store(dirs, cfg.name)
+    return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
+                             chunk_bytes=cfg.chunk_bytes, name=cfg.name, progress=progress,
+                             emulate_ssd_gbps=cfg.emulate_ssd_gbps, check_elems=check_elems, checksums=cfg.checksums)
+
+
+STORE_SUFFIXES = (".slab", ".volume.json", ".volume.json.tmp", ".store.json", ".store.json.tmp", ".commit.json",
+                  ".commit.json.tmp", ".init.json", ".init.json.tmp", ".run.json", ".run.json.tmp", ".profile.json",
+                  "-act.slab", "-act.volume.json")
 
 
 def _remove_store(dirs: list[str], name: str) -> None:
     for d in dirs:
-        for suffix in (".slab", ".volume.json", ".store.json", ".commit.json", ".commit.json.tmp"):
+        for suffix in STORE_SUFFIXES:
             path = os.path.join(d, f"{name}{suffix}")
             if os.path.exists(path):
                 os.unlink(path)

@@ -278,6 +278,18 @@ def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
 # ------------------------------------------------------------------------------------- JSONL file
 
 
+def _drop_partial_line(path: Path) -> None:
+    """A process killed while writing a record leaves a line without its newline; cut it off before
+    appending, so the resumed run's records start on a line of their own."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsWriter:
     """Append-only JSONL metrics file: one JSON object per line, flushed as it is written.
 
@@ -291,6 +303,7 @@ class MetricsWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_line(self.path)
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
 
     def write(self, record: StepMetrics | Mapping[str, Any]) -> None:

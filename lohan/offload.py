@@ -32,8 +32,10 @@ import torch
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up, wait_all_handles
 
+from .crashpoints import crashpoint
+from .integrity import Sums, tensor_hash
 from .optim import AdamWHyper, adamw_block_, adamw_chunk_
-from .store import RecordView, StateStore
+from .store import RecordView, StateStore, StoreLayout
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 
@@ -43,6 +45,14 @@ Unit = tuple[int, int, int]  # (block, first element, end element) of one READ /
 def chunk_record_bytes(n: int, p16_itemsize: int) -> int:
     """Buffer bytes of a chunk of n elements: P32 | m | v | P16, each section 4 KiB-aligned."""
     return 3 * align_up(4 * n) + align_up(p16_itemsize * n)
+
+
+def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype) -> int:
+    """Bytes of the fp32 scratch the optimizer upcasts bf16 gradients into (`GradOffloader._fp32`): the
+    largest pipeline unit (a whole block, or a chunk); 0 when the gradients are fp32 already."""
+    if grad_dtype == torch.float32:
+        return 0
+    return 4 * max(b.numel if chunk_elems is None else min(b.numel, chunk_elems) for b in layout.blocks)
 
 
 class _Handles:
@@ -67,11 +77,15 @@ class GradOffloader:
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
             raise ValueError(f"chunk_elems={chunk_elems} must be a positive multiple of 4096 (keeps I/O aligned)")
+        # The pipeline's units are the store's checksum units, so each READ and WRITE can be checked whole.
+        if chunk_elems is not None and chunk_elems != store.check_elems:
+            raise ValueError(f"chunk_elems={chunk_elems} differs from the store's checksum unit {store.check_elems}")
         self.store = store
         self.pool = pool
         self.mode = mode
-        self.chunk_elems = chunk_elems
+        self.chunk_elems = store.check_elems
         self.grad_dtype = grad_dtype
+        self._upcast: torch.Tensor | None = None  # fp32 scratch for bf16 gradients, see `_fp32`
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.reset_stats()
@@ -81,6 +95,7 @@ class GradOffloader:
         self.read_wait_s = 0.0
         self.grad_wait_s = 0.0
         self.busy_s = 0.0
+        self.hash_s = 0.0
         self.blocks_written = 0
 
     def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int) -> None:
@@ -90,6 +105,7 @@ class GradOffloader:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._backward_done = threading.Event()
         self._error = None
+        self._sums: dict[int, list[list[int]]] = {}
         args = (step, hyper, list(order), read_slot, write_slot)
         self._thread = threading.Thread(target=self._run_guarded, args=args, name="lohan-ago", daemon=True)
         self._thread.start()
@@ -112,6 +128,15 @@ class GradOffloader:
         self._thread = None
         if self._error is not None:
             raise RuntimeError("the optimizer pipeline failed") from self._error
+
+    def sums_written(self) -> Sums | None:
+        """Checksums of every record written this step, in block order (after `finish`)."""
+        if not self.store.checksums:
+            return None
+        missing = [i for i in range(len(self.store.layout.blocks)) if i not in self._sums]
+        if missing:
+            raise RuntimeError(f"the optimizer step wrote no checksums for blocks {missing}")
+        return [self._sums[i] for i in range(len(self.store.layout.blocks))]
 
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.
@@ -202,22 +227,37 @@ class GradOffloader:
                     buf.release()
                     raise
                 self.read_wait_s += time.perf_counter() - t0
+                b = layout.blocks[i]
+                if self.store.checksums:
+                    t0 = time.perf_counter()
+                    try:
+                        p32, m, v, _ = self._unit_views(buf, b, lo, hi)
+                        self.store.check_unit(i, lo, "state", tensor_hash(p32, m, v), slot=self._read_slot)
+                    except BaseException:
+                        buf.release()
+                        raise
+                    self.hash_s += time.perf_counter() - t0
                 if prefetch and k + 1 < len(units):
                     self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
-                b = layout.blocks[i]
                 g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
                 t0 = time.perf_counter()
                 try:
                     if (lo, hi) == (0, b.numel):
-                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g.float(), b, step, hyper)
+                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), self._fp32(g), b, step, hyper)
                     else:
                         p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
-                        adamw_chunk_(p32, g[lo:hi].float(), m, v, p16, step, hyper)
+                        adamw_chunk_(p32, self._fp32(g[lo:hi]), m, v, p16, step, hyper)
                 except BaseException:
                     buf.release()
                     raise
                 self.adam_s += time.perf_counter() - t0
+                if self.store.checksums:  # hashed before the write goes out: the bytes that reach the SSD
+                    t0 = time.perf_counter()
+                    p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
+                    self._sums.setdefault(i, []).append([tensor_hash(p32, m, v), tensor_hash(p16)])
+                    self.hash_s += time.perf_counter() - t0
                 self._writes.append((self._write(unit, buf), buf))
+                crashpoint("offload.write_issued")
                 if lo == 0:
                     self.blocks_written += 1
                 self._reap(wait=self.mode == "naive")
@@ -225,6 +265,32 @@ class GradOffloader:
             if grad is not None:
                 grad.release()
         self._reap(wait=True)
+
+    def _fp32(self, g: torch.Tensor) -> torch.Tensor:
+        """`g` as fp32: a bf16 gradient is upcast into one scratch kept for the engine's life (its size,
+        `upcast_bytes`, is in the memory plan).
+
+        Why not `g.float()`: that allocates 4 bytes per element on this thread, which is a new one every
+        step. glibc hands each new thread one of its up to 8 x cores malloc arenas, and a freed chunk of
+        tens of MiB stays resident at the top of a non-main arena (`malloc_trim` trims only the main
+        one), so RSS grew by 27-54 MiB per step on a 110M Llama until every arena held one (~0.8 GiB on
+        2 cores, more on bigger machines; found with malloc_info, see benchmarks/soak.py).
+        """
+        if g.dtype == torch.float32:
+            return g
+        if self._upcast is None:
+            self._upcast = torch.empty(upcast_bytes(self.store.layout, self.chunk_elems, g.dtype) // 4,
+                                       dtype=torch.float32)
+        out = self._upcast[:g.numel()]
+        out.copy_(g)
+        return out
+
+    def _unit_views(self, buf: AlignedBuffer, b, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+        """(P32, m, v, P16) element views of a unit held in a record or chunk buffer."""
+        if (lo, hi) == (0, b.numel):
+            rec = RecordView(buf.tensor, b, self.store.p16_dtype)
+            return rec.p32, rec.m, rec.v, rec.p16
+        return self._chunk_views(buf, b, hi - lo)
 
     def _chunk_views(self, buf: AlignedBuffer, b, n: int) -> tuple[torch.Tensor, ...]:
         """(P32, m, v, P16) views of a chunk buffer."""

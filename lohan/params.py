@@ -17,6 +17,7 @@ from torch import nn
 from io_engine import AlignedBuffer, BufferPool, Handle
 
 from .device import Device
+from .integrity import tensor_hash, unit_bounds
 from .store import StateStore
 
 
@@ -40,6 +41,7 @@ class ParamStreamer:
         self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter]]] = {}
         self.max_resident = 0
         self.wait_s = 0.0
+        self.hash_s = 0.0
         self.bytes_read = 0
 
     def prefetch(self, i: int, slot: int) -> None:
@@ -63,6 +65,15 @@ class ParamStreamer:
         self.wait_s += time.perf_counter() - t0
         layout = self.store.layout.blocks[i]
         flat = buf.tensor[:layout.p16_itemsize * layout.numel].view(self.store.p16_dtype)
+        if self.store.checksums:
+            t0 = time.perf_counter()
+            try:
+                for lo, hi in unit_bounds(layout.numel, self.store.check_elems):
+                    self.store.check_unit(i, lo, "p16", tensor_hash(flat[lo:hi]), slot=slot)
+            except BaseException:
+                buf.release()
+                raise
+            self.hash_s += time.perf_counter() - t0
         dev = self.device.to_device(flat)
         if self.device.is_cuda:  # the device copy is independent of the host buffer once it completed
             self.device.copy_stream.synchronize()

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -163,7 +164,10 @@ class Profile:
                           "hardware": Hardware.from_dict(d["hardware"])})
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write atomically (temp file, rename): a resumed run reuses the profile, so it is never half-written."""
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
 
     @staticmethod
     def load(path: str | Path) -> Profile:

@@ -16,11 +16,17 @@ slot `1 - s`; only when all writes are durable (fsync) does an atomic commit rec
 killed mid-step leaves the previous commit pointing at an untouched slot. This costs 2x the SSD
 capacity of the states and no extra traffic. With `slots=1` updates are in place; the commit
 record is marked dirty during a step, so a crash is detected and recovery needs a checkpoint.
+
+Integrity (`integrity.py`). The commit record also carries the checksums of every record of its slot,
+computed where the bytes are produced (initialization, the optimizer) and checked wherever they are
+read back (the optimizer's READ, parameter streaming, export), so damaged bytes stop the step before
+they reach the states. Creation is resumable: each block's initial record is made durable and noted
+in `<name>.init.json` before the next one starts.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +38,20 @@ from torch import nn
 from io_engine import ALIGN, Volume, open_volume
 from io_engine.base import align_up
 
-FORMAT_VERSION = 1
+from .crashpoints import crashpoint
+from .integrity import (
+    StoreCorruptError,
+    Sums,
+    describe_range,
+    read_json_checked,
+    tensor_hash,
+    unit_bounds,
+    write_json_atomic,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -153,45 +172,62 @@ class RecordView:
         self.p16 = buf[start:start + block.p16_itemsize * n].view(p16_dtype)
 
 
-def _atomic_write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # make the rename itself durable
-    finally:
-        os.close(dfd)
-
-
 @dataclass
 class Commit:
-    """The durable pointer to the current states: optimizer step and slot."""
+    """The durable pointer to the current states: optimizer step, slot and the slot's checksums."""
 
     step: int
     slot: int
     dirty: bool = False
     time: float = 0.0
+    sums: Sums | None = None
+
+
+@dataclass(frozen=True)
+class StoreStatus:
+    """What a directory holds under a store name, read without opening the volume."""
+
+    state: str                 # "none" | "partial" (initialization stopped) | "complete" | "stray" (slab files only)
+    model: dict | None = None
+    step: int = 0
+    blocks_done: int = 0
+    n_blocks: int = 0
+
+    def describe(self) -> str:
+        label = (self.model or {}).get("config", {}).get("name") or (self.model or {}).get("kind", "a model")
+        if self.state == "complete":
+            return f"a store of {label} committed at step {self.step}"
+        if self.state == "partial":
+            return (f"a store of {label} whose initialization stopped after {self.blocks_done} of "
+                    f"{self.n_blocks} blocks")
+        if self.state == "stray":
+            return "the slab files of a store whose creation stopped before its first block"
+        return "no store"
+
+
+_FIX_META = ("The store's metadata cannot be trusted: restore the directory from a backup, or start over "
+             "with --overwrite (its states are lost)")
 
 
 class StateStore:
-    """Model states of every block on a striped NVMe volume, with versioned commits.
+    """Model states of every block on a striped NVMe volume, with versioned, checksummed commits.
 
-    Build with `StateStore.create(...)` (lays out and initializes block by block) or
-    `StateStore.open(...)` (an existing store, resumed from its last commit).
+    Build with `StateStore.create(...)` (lays out and initializes block by block, and continues an
+    initialization that was interrupted) or `StateStore.open(...)` (an existing store, at its last commit).
     """
 
-    def __init__(self, volume: Volume, layout: StoreLayout, meta_dir: str, name: str, commit: Commit) -> None:
+    def __init__(self, volume: Volume, layout: StoreLayout, meta_dir: str, name: str, commit: Commit,
+                 check_elems: int, checksums: bool) -> None:
         self.volume = volume
         self.layout = layout
         self.name = name
         self.meta_path = os.path.join(meta_dir, f"{name}.store.json")
         self.commit_path = os.path.join(meta_dir, f"{name}.commit.json")
+        self.init_path = os.path.join(meta_dir, f"{name}.init.json")
         self.commit_state = commit
         self.p16_dtype = DTYPES[layout.p16_dtype]
+        self.check_elems = check_elems
+        self.checksums = checksums
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -199,22 +235,51 @@ class StateStore:
                init_block: Callable[[int], list[torch.Tensor]], staging_budget: int,
                backend: str = "auto", chunk_bytes: int = 1 << 20, name: str = "lohan",
                progress: Callable[[int, int], None] | None = None,
-               emulate_ssd_gbps: float | None = None) -> StateStore:
+               emulate_ssd_gbps: float | None = None, check_elems: int | None = None,
+               checksums: bool = True) -> StateStore:
         """Create the volume and write every block's initial record into slot 0, one block at a time.
 
         `init_block(i)` returns block i's initialized parameters (in layout order, any float dtype);
-        only one block is ever materialized, so models larger than main memory initialize.
+        only one block is ever materialized, so models larger than main memory initialize. Each block
+        is made durable and recorded in `<name>.init.json` before the next starts, so a store whose
+        creation was interrupted (killed, disk full, Ctrl-C) continues from the first missing block
+        when `create` is called again with the same layout and model.
         """
+        check = check_elems or align_up(max(b.numel for b in layout.blocks), 4096)
+        meta_path = os.path.join(dirs[0], f"{name}.store.json")
+        init_path = os.path.join(dirs[0], f"{name}.init.json")
+        start, sums = 0, []
+        if os.path.exists(meta_path):  # an interrupted creation: continue it if it is this store
+            meta = _read_meta(meta_path)
+            if (meta["model"], StoreLayout.from_json(meta["layout"]), meta["check_elems"], meta["checksums"]) != \
+                    (model_meta, layout, check, checksums):
+                raise ValueError(f"{dirs[0]} holds the unfinished initialization of another store (other model or "
+                                 "settings); start over with --overwrite, or use another directory")
+            if os.path.exists(init_path):
+                done = read_json_checked(init_path, "initialization progress", _FIX_META)
+                if done.get("volume_id") == meta["volume_id"]:
+                    start, sums = int(done["blocks_done"]), list(done["sums"])
         volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name,
                              emulate_ssd_gbps=emulate_ssd_gbps)
         try:
-            store = cls(volume, layout, dirs[0], name, Commit(step=0, slot=0, dirty=True))
+            if os.path.exists(meta_path) and _read_meta(meta_path)["volume_id"] != volume.volume_id:
+                raise ValueError(f"{meta_path} describes another volume than the slab files in {list(dirs)}; "
+                                 "start over with --overwrite")
+            store = cls(volume, layout, dirs[0], name, Commit(step=0, slot=0, dirty=True), check, checksums)
+            if not os.path.exists(meta_path):
+                write_json_atomic(meta_path, {"format": FORMAT_VERSION, "model": model_meta,
+                                              "volume_id": volume.volume_id, "layout": layout.to_json(),
+                                              "check_elems": check, "checksums": checksums})
+            if start:
+                log.info("continuing the initialization of %s at block %d of %d", dirs[0], start, len(layout.blocks))
+                if progress:
+                    progress(start, len(layout.blocks))
             # Whole records up to the staging budget; bigger ones (a 175B layer's is 25 GB) section by
             # section in pieces, so initialization needs the block's parameters plus one piece.
             piece = max(ALIGN, staging_budget // 4 // ALIGN * ALIGN)
             biggest = max((b.record_bytes for b in layout.blocks if b.record_bytes <= staging_budget), default=0)
             pool = volume.buffer_pool(max(staging_budget, biggest))
-            for b in layout.blocks:
+            for b in layout.blocks[start:]:
                 params = init_block(b.index)
                 if [tuple(p.shape) for p in params] != [s.shape for s in b.params]:
                     raise ValueError(f"init_block({b.index}) returned shapes that do not match the layout")
@@ -227,20 +292,45 @@ class StateStore:
                         rec.v.zero_()
                         rec.p16.copy_(rec.p32)
                         volume.write(buf.tensor, layout.record_offset(b.index, 0)).wait()
+                        sums.append(store.record_sums(b, rec.p32, rec.m, rec.v, rec.p16) if checksums else None)
                 else:
                     store._write_record_in_pieces(b, params, pool, piece)
+                    sums.append(store._initial_sums(b, params) if checksums else None)
                 del params
+                volume.sync()
+                crashpoint("store.init.block_written")
+                write_json_atomic(init_path, {"volume_id": volume.volume_id, "blocks_done": b.index + 1,
+                                              "sums": sums})
                 if progress:
                     progress(b.index + 1, len(layout.blocks))
             pool.clear()
-            volume.sync()
-            _atomic_write_json(store.meta_path, {"format": FORMAT_VERSION, "model": model_meta,
-                                                 "volume_id": volume.volume_id, "layout": layout.to_json()})
-            store.commit(step=0, slot=0)
+            store.commit(step=0, slot=0, sums=sums if checksums else None)
+            os.unlink(init_path)
             return store
         except BaseException:
             volume.close()
             raise
+
+    def record_sums(self, b: BlockLayout, p32: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    p16: torch.Tensor) -> list[list[int]]:
+        """Per-unit [state, p16] checksums of a whole block's sections (flat views of numel elements)."""
+        return [[tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]), tensor_hash(p16[lo:hi])]
+                for lo, hi in unit_bounds(b.numel, self.check_elems)]
+
+    def _initial_sums(self, b: BlockLayout, params: list[torch.Tensor]) -> list[list[int]]:
+        """Checksums of a block's initial record computed from its parameters, unit by unit (one unit's
+        copy in memory at a time: a big block is never assembled)."""
+        flats = [p.detach().reshape(-1) for p in params]
+        out = []
+        for lo, hi in unit_bounds(b.numel, self.check_elems):
+            p32 = torch.empty(hi - lo, dtype=torch.float32)
+            for spec, flat in zip(b.params, flats):
+                a, z = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+                if a < z:
+                    p32[a - lo:z - lo].copy_(flat[a - spec.offset:z - spec.offset])
+            zeros = torch.zeros_like(p32)
+            out.append([tensor_hash(p32, zeros, zeros), tensor_hash(p32.to(self.p16_dtype))])
+        return out
 
     def _write_record_in_pieces(self, b: BlockLayout, params: list[torch.Tensor], pool, piece: int) -> None:
         """Slot 0 record of block b from its parameters: P32 and P16 copied, m and v zeroed, `piece` elements
@@ -265,6 +355,27 @@ class StateStore:
                 for k in (1, 2):  # m, v
                     self.volume.write(buf.tensor, base + k * b.state_bytes + 4 * lo).wait()
 
+    @staticmethod
+    def status(dirs: Sequence[str], name: str = "lohan") -> StoreStatus:
+        """What `dirs` hold under `name` (reads the metadata only; StoreCorruptError if it is damaged)."""
+        d = dirs[0]
+        meta_path, commit_path = os.path.join(d, f"{name}.store.json"), os.path.join(d, f"{name}.commit.json")
+        if not os.path.exists(meta_path):
+            stray = any(os.path.exists(os.path.join(x, f"{name}{suffix}")) for x in dirs
+                        for suffix in (".slab", ".volume.json"))
+            return StoreStatus("stray" if stray else "none")
+        meta = _read_meta(meta_path)
+        n_blocks = len(meta["layout"]["blocks"])
+        if os.path.exists(commit_path):
+            commit = _read_commit(commit_path)
+            if not commit.dirty or commit.step > 0 or not os.path.exists(os.path.join(d, f"{name}.init.json")):
+                return StoreStatus("complete", meta["model"], commit.step, n_blocks, n_blocks)
+        done = 0
+        init_path = os.path.join(d, f"{name}.init.json")
+        if os.path.exists(init_path):
+            done = int(read_json_checked(init_path, "initialization progress", _FIX_META)["blocks_done"])
+        return StoreStatus("partial", meta["model"], 0, done, n_blocks)
+
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", chunk_bytes: int = 1 << 20,
              name: str = "lohan", emulate_ssd_gbps: float | None = None) -> StateStore:
@@ -273,12 +384,8 @@ class StateStore:
         commit_path = os.path.join(dirs[0], f"{name}.commit.json")
         if not os.path.exists(meta_path) or not os.path.exists(commit_path):
             raise FileNotFoundError(f"no committed store named {name!r} in {dirs[0]}")
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{meta_path}: store format {meta.get('format')} is not {FORMAT_VERSION}")
-        with open(commit_path) as f:
-            commit = Commit(**json.load(f))
+        meta = _read_meta(meta_path)
+        commit = _read_commit(commit_path)
         if commit.dirty:
             raise RuntimeError(f"{commit_path}: the store was being updated in place when its process stopped "
                                "(slots=1), so its states are mixed; restore a checkpoint or start over")
@@ -287,17 +394,19 @@ class StateStore:
                              emulate_ssd_gbps=emulate_ssd_gbps)
         if volume.volume_id != meta["volume_id"]:
             volume.close()
-            raise ValueError(f"{meta_path} describes another volume than the slab files in {list(dirs)}")
-        return cls(volume, layout, dirs[0], name, commit)
+            raise StoreCorruptError(f"{meta_path} describes another volume than the slab files in {list(dirs)} "
+                                    "(a stale or foreign store): pass the directories it was created with, or "
+                                    "start over with --overwrite")
+        if meta["checksums"] and commit.sums is None:
+            volume.close()
+            raise StoreCorruptError(f"{commit_path} carries no checksums for a checksummed store. {_FIX_META}")
+        return cls(volume, layout, dirs[0], name, commit, meta["check_elems"], meta["checksums"])
 
     @staticmethod
     def read_model_meta(dirs: Sequence[str], name: str = "lohan") -> dict | None:
-        """The model description of an existing committed store, or None."""
+        """The model description of an existing store (committed or being initialized), or None."""
         path = os.path.join(dirs[0], f"{name}.store.json")
-        if not os.path.exists(path) or not os.path.exists(os.path.join(dirs[0], f"{name}.commit.json")):
-            return None
-        with open(path) as f:
-            return json.load(f).get("model")
+        return _read_meta(path)["model"] if os.path.exists(path) else None
 
     # --------------------------------------------------------------- commits
     @property
@@ -308,33 +417,112 @@ class StateStore:
     def slot(self) -> int:
         return self.commit_state.slot
 
+    @property
+    def sums(self) -> Sums | None:
+        """Checksums of the current slot (None: the store keeps none)."""
+        return self.commit_state.sums
+
     def next_slot(self) -> int:
         return (self.slot + 1) % self.layout.slots
 
     def begin_step(self) -> None:
         """In-place stores mark the commit dirty before the first write of a step."""
         if self.layout.slots == 1:
-            self.commit_state = Commit(self.step, self.slot, dirty=True, time=time.time())
-            _atomic_write_json(self.commit_path, asdict(self.commit_state))
+            self.commit_state = Commit(self.step, self.slot, dirty=True, time=time.time(), sums=self.sums)
+            write_json_atomic(self.commit_path, asdict(self.commit_state))
 
-    def commit(self, step: int, slot: int) -> None:
-        """Make `slot` current at optimizer step `step`, durably (all writes must be complete)."""
+    def commit(self, step: int, slot: int, sums: Sums | None = None) -> None:
+        """Make `slot` current at optimizer step `step`, durably (all writes must be complete).
+        `sums` are the checksums of every record in `slot` (required when the store keeps checksums)."""
+        if self.checksums and (sums is None or len(sums) != len(self.layout.blocks)):
+            raise RuntimeError(f"commit of step {step} without the checksums of every block")
         self.volume.sync()
-        self.commit_state = Commit(step, slot, dirty=False, time=time.time())
-        _atomic_write_json(self.commit_path, asdict(self.commit_state))
+        crashpoint("store.commit.synced")
+        self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums)
+        write_json_atomic(self.commit_path, asdict(self.commit_state))
+
+    # ------------------------------------------------------------ integrity
+    def check_unit(self, block: int, lo: int, what: str, got: int, slot: int | None = None) -> None:
+        """Raise StoreCorruptError if unit [lo, ...) of `block`'s `what` ('state' or 'p16') hashed to `got`
+        but the commit says otherwise."""
+        if self.sums is None:
+            return
+        k = lo // self.check_elems
+        want = self.sums[block][k][0 if what == "state" else 1]
+        if got == want:
+            return
+        b = self.layout.blocks[block]
+        slot = self.slot if slot is None else slot
+        hi = min(lo + self.check_elems, b.numel)
+        if what == "state":
+            off, nbytes = self.layout.record_offset(block, slot) + 4 * lo, 3 * b.state_bytes
+            sections = "P32/m/v"
+        else:
+            off, nbytes = self.layout.p16_offset(block, slot) + b.p16_itemsize * lo, b.p16_itemsize * (hi - lo)
+            sections = "P16"
+        raise StoreCorruptError(
+            f"checksum mismatch in block {block} ({b.name}), {sections} elements {lo}..{hi} of slot {slot} at "
+            f"step {self.step}: the bytes read back from {describe_range(self.volume.dirs, off, nbytes)} are not "
+            f"what was written. The SSD returned damaged data; check the drive (smartctl, dmesg), then restore the "
+            f"directory from a backup or start over with --overwrite. `python finetune.py --verify --nvme "
+            f"{' '.join(self.volume.dirs)}` checks every block")
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """Read every record of the current slot and check it against the committed checksums; returns
+        one line per damaged unit (empty: the store is intact). Reads unit by unit (bounded memory)."""
+        if self.sums is None:
+            return ["this store keeps no checksums (created with checksums off): nothing to verify"]
+        problems = []
+        for b in self.layout.blocks:
+            rec = self.layout.record_offset(b.index, self.slot)
+            for lo, hi in unit_bounds(b.numel, self.check_elems):
+                n = hi - lo
+                secs = [torch.empty(4 * n, dtype=torch.uint8) for _ in range(3)]
+                p16 = torch.empty(b.p16_itemsize * n, dtype=torch.uint8)
+                handles = [self.volume.read_into(t, rec + k * b.state_bytes + 4 * lo) for k, t in enumerate(secs)]
+                handles.append(self.volume.read_into(p16, rec + b.p16_start + b.p16_itemsize * lo))
+                for h in handles:
+                    h.wait()
+                for what, got in (("state", tensor_hash(*secs)), ("p16", tensor_hash(p16))):
+                    try:
+                        self.check_unit(b.index, lo, what, got)
+                    except StoreCorruptError as e:
+                        problems.append(str(e).split(": the bytes")[0])
+            if progress:
+                progress(b.index + 1, len(self.layout.blocks))
+        return problems
 
     # ---------------------------------------------------------------- access
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        """Synchronously read block `block`'s fp32 master weights of the current slot (for export/tests)."""
+        """Synchronously read block `block`'s fp32 master weights of the current slot (for export/tests);
+        the P32, m and v sections are read so their checksums can be verified."""
         b = self.layout.blocks[block]
-        buf = torch.empty(b.state_bytes, dtype=torch.uint8)
+        buf = torch.empty(3 * b.state_bytes, dtype=torch.uint8)
         self.volume.read_into(buf, self.layout.record_offset(block, self.slot)).wait()
-        p32 = buf[:4 * b.numel].view(torch.float32)
-        return [v.to(dtype).clone() for v in block_views(p32, b)]
+        n, sb = b.numel, b.state_bytes
+        p32 = buf[:4 * n].view(torch.float32)
+        m, v = buf[sb:sb + 4 * n].view(torch.float32), buf[2 * sb:2 * sb + 4 * n].view(torch.float32)
+        for lo, hi in unit_bounds(n, self.check_elems):
+            self.check_unit(block, lo, "state", tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]))
+        return [t.to(dtype).clone() for t in block_views(p32, b)]
 
     def close(self) -> None:
         self.volume.close()
 
 
-__all__ = ["ALIGN", "BlockLayout", "Commit", "ParamSpec", "RecordView", "StateStore", "StoreLayout",
+def _read_meta(path: str) -> dict:
+    meta = read_json_checked(path, "store description", _FIX_META)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: store format {meta.get('format')} is not {FORMAT_VERSION} (written by another "
+                         "lohan version); start over with --overwrite or use that version")
+    return meta
+
+
+def _read_commit(path: str) -> Commit:
+    data = read_json_checked(path, "commit record", _FIX_META)
+    data.pop("checksum", None)
+    return Commit(**data)
+
+
+__all__ = ["ALIGN", "BlockLayout", "Commit", "StoreCorruptError", "StoreStatus", "ParamSpec", "RecordView", "StateStore", "StoreLayout",
            "block_views", "plan_layout"]

@@ -24,6 +24,7 @@ from io_engine.base import align_up
 
 from .activations import ActivationStore, OpTracker, SelectiveMode
 from .config import EngineConfig
+from .crashpoints import crashpoint
 from .device import Device
 from .planner import POLICIES, OpProfile, Plan, Profile, make_plan
 from .profiler import _remove_volume, measure_hardware, profile_block
@@ -115,6 +116,7 @@ class ActivationManager:
                               ops=tuple(OpProfile(o.name, o.flops * m, o.bytes * m) for o in ops),
                               input_bytes=in_bytes * m, param_count=self.param_count,
                               p16_itemsize=self.p16_itemsize, flop_f=float(flop_f), hardware=hw, source="measured")
+            crashpoint("profile.measured")
             with contextlib.suppress(OSError):
                 profile.save(os.path.join(self.cfg.nvme[0], f"{self.cfg.name}.profile.json"))
         plan = make_plan(profile, self.policy)

@@ -9,28 +9,35 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import json
 import logging
 import os
+import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from io_engine import VolumeConfigError
+from io_engine import IOEngineError, VolumeConfigError
 
-from .config import ModelConfig, RunConfig
+from .config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
+from .crashpoints import crashpoint
 from .data import Batch, BatchIterator, ByteTokenizer, TokenDataset, synthetic_batches
+from .dirlock import DirectoryInUseError, DirLock
 from .engine import Engine, MemoryPlanError, init
-from .fit import described_hardware, detect_hardware, fit_report
+from .fit import described_hardware, detect_hardware, fit_report, local_problems
+from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
+from .store import StateStore
 
 log = logging.getLogger(__name__)
 
-RUN_STATE_VERSION = 1
+RUN_STATE_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -51,9 +58,10 @@ def load_model(run: RunConfig) -> Model:
     if not run.is_hf:
         return Model(run.model_config(), ByteTokenizer())
     from .data import HFTokenizer
-    from .models.hf import load_hf_skeleton, load_tokenizer
+    from .models.hf import check_weights, load_hf_skeleton, load_tokenizer
 
     program = load_hf_skeleton(run.model)
+    check_weights(program, run.model)  # a damaged checkpoint is refused here, not halfway into the store
     return Model(planning_config(program, run.model), HFTokenizer(load_tokenizer(run.model)), program)
 
 
@@ -118,13 +126,34 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, batches: Iterat
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": batches.state_dict() if isinstance(batches, BatchIterator) else None,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
+    write_json_atomic(run_state_path(run), state)
+
+
+def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: dict | None) -> None:
+    """Before the store is opened (and so before anything in it is touched): a resume must be of the same
+    model and the same data settings. ValueError lists what differs (stored, now)."""
+    if model.hf_program is not None:
+        from .models.hf import model_meta
+
+        now = model_meta(model.hf_program)
+    else:
+        now = {"kind": "gpt", "config": dataclasses.asdict(model.config), "seed": run.engine.seed}
+    if stored_model is not None and stored_model != now:
+        old, new = stored_model.get("config", {}), now.get("config", {})
+        diff = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+        if stored_model.get("seed") != now.get("seed"):
+            diff["seed"] = (stored_model.get("seed"), now.get("seed"))
+        raise ValueError(f"--resume with another model than the stored one: {diff or stored_model.get('kind')} "
+                         "(stored, now); resume with the settings it was created with, or start over with --overwrite")
     path = run_state_path(run)
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if path.exists():
+        state = read_json_checked(path, "run state (data position, RNG)",
+                                  f"Delete {path} to resume from the step count instead")
+        if state.get("version") == RUN_STATE_VERSION and state["run"] != _fingerprint(run, seq_len):
+            diff = {k: (state["run"].get(k), v) for k, v in _fingerprint(run, seq_len).items()
+                    if state["run"].get(k) != v}
+            raise ValueError(f"--resume with other settings than the run being resumed: {diff} (saved, now); "
+                             "pass the same settings, or start over with --overwrite")
 
 
 def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
@@ -133,7 +162,9 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
     path = run_state_path(run)
     if not path.exists():
         return None
-    state = json.loads(path.read_text())
+    state = read_json_checked(path, "run state (data position, RNG)",
+                              f"Delete {path} to resume from the step count instead (the data position is then "
+                              "recomputed, the RNG state is not restored)")
     if state.get("version") != RUN_STATE_VERSION:
         return None
     if state["store"]["volume_id"] != engine.store.volume.volume_id:
@@ -169,12 +200,28 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
 
 
 def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware: str | None = None,
-          export: str | None = None) -> int:
-    """Run (or, with `dry_run`, only plan) the fine-tune described by `run`; returns a process exit code."""
+          export: str | None = None, overwrite: bool = False) -> int:
+    """Run (or, with `dry_run`, only plan) the fine-tune described by `run`; returns a process exit code.
+
+    `resume` continues the store in the NVMe directories (or its interrupted initialization);
+    `overwrite` discards it. Without either, a directory that holds a store is refused. SIGTERM stops
+    the run like Ctrl-C: the step in flight is abandoned and the last commit stands.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return _train(run, resume, dry_run, hardware, export, overwrite)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _train(run, resume, dry_run, hardware, export, overwrite)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
+           overwrite: bool) -> int:
     console = Console(soft_wrap=True)  # never re-wrap the fixed-width lines, also when piped
 
     def fail(msg: str) -> int:
-        console.print(f"[red]error:[/red] {msg}")
+        console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
         return 2
 
     try:
@@ -184,7 +231,10 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     mcfg = model.config
     seq_len = run.seq_len or mcfg.seq_len
     if seq_len > model.max_seq_len:
-        return fail(f"seq_len {seq_len} exceeds the model's {model.max_seq_len} positions")
+        more = ("" if model.hf_program is not None else
+                f", or give the preset more positions (--set model_overrides.seq_len={seq_len})")
+        return fail(f"seq_len {seq_len} exceeds the model's {model.max_seq_len} positions; use --seq-len "
+                    f"{model.max_seq_len} or less{more}")
     if run.batch_size % run.engine.micro_batches:
         return fail(f"batch_size {run.batch_size} is not divisible by micro_batches {run.engine.micro_batches}")
     try:
@@ -196,6 +246,9 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     except (OSError, ValueError) as e:
         return fail(str(e))
     steps = run.epochs * per_epoch if run.epochs else run.steps
+    if steps > MAX_STEPS:  # RunConfig bounds --steps; --epochs is only known in steps now
+        return fail(f"{run.epochs:,} epochs of {per_epoch:,} steps are {steps:,} steps, more than lohan counts "
+                    f"({MAX_STEPS:,}); ask for fewer epochs")
     if export:
         from .models.gpt_export import check_export_dir
 
@@ -206,6 +259,9 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
 
     # ---- the plan: on this machine (refuse what cannot fit) or on a described one (--hardware)
     e = run.engine
+    problems = [] if hardware else local_problems(e.nvme, e.cpu_mem)
+    if problems:
+        return fail("; ".join(problems))
     try:
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem))
@@ -226,23 +282,39 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
                     "drives), or see the plan for another box with --dry-run --hardware "
                     "'rtx4090,12xP5510,256GB'")
 
-    # ---- the engine
-    engine_cfg = e.with_overrides(total_steps=e.total_steps or steps)
+    # ---- the engine: refuse what would discard or misread a store, then open, continue or create it
     try:
-        with Progress(TextColumn("initializing states on NVMe"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("blocks"), TimeElapsedColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("init", total=mcfg.n_layer + 2)
-
-            def progress(done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
-
-            if model.hf_program is not None:
-                from .models.hf import init_from_hf
-
-                engine = init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
-            else:
-                engine = init(mcfg, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
-    except (MemoryPlanError, VolumeConfigError, FileExistsError, FileNotFoundError, ValueError) as err:
+        status = StateStore.status(e.nvme, e.name)
+    except (StoreCorruptError, ValueError) as err:
+        return fail(str(err))
+    if resume and status.state == "none":
+        return fail(f"nothing to resume in {e.nvme[0]}: it holds no lohan store named {e.name!r}. Check the --nvme "
+                    "path (and engine.name), or drop --resume to start a new run")
+    if not resume and not overwrite and status.state != "none":
+        what = "continue it" if status.state == "complete" else "continue it where it stopped"
+        return fail(f"{e.nvme[0]} already holds {status.describe()}. Pass --resume to {what}, or --overwrite to "
+                    "discard it and start over")
+    if resume:
+        try:
+            check_resumable(run, seq_len, model, status.model)
+        except (StoreCorruptError, ValueError) as err:
+            return fail(str(err))
+    engine_cfg = e.with_overrides(total_steps=e.total_steps or steps)
+    saved_profile = Path(e.nvme[0]) / f"{e.name}.profile.json"
+    if resume and not e.profile_from and saved_profile.exists():
+        # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
+        engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
+    try:
+        engine = _open_engine(console, run, model, engine_cfg, resume)
+    except KeyboardInterrupt as err:
+        console.print(f"\n{_interrupt_name(err)} while initializing the states; every block written so far is "
+                      "durable: continue with --resume")
+        return _interrupt_code(err)
+    except IOEngineError as err:
+        return fail(f"{err}. The blocks initialized before the failure are durable; fix the cause (free space, "
+                    "check the drive), then continue with --resume")
+    except (MemoryPlanError, VolumeConfigError, FileExistsError, FileNotFoundError, ValueError,
+            StoreCorruptError, DirectoryInUseError) as err:
         return fail(str(err))
     start = engine.step_count
     metrics_path = Path(run.metrics) if run.metrics else Path(e.nvme[0]).parent / "metrics.jsonl"
@@ -277,14 +349,24 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
                 report_step(bar, sm, steps)
         if export:
             _export(console, run, model, engine, export)
-    except KeyboardInterrupt:
-        console.print(f"\ninterrupted; the state committed at step {engine.step_count} is on NVMe with its data "
-                      "position (continue with --resume)")
-        code = 130
+    except KeyboardInterrupt as err:
+        console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.step_count} is on NVMe with "
+                      "its data position (continue with --resume)")
+        code = _interrupt_code(err)
+    except (StoreCorruptError, IOEngineError, RuntimeError) as err:
+        cause = _root_cause(err)
+        if isinstance(cause, StoreCorruptError):  # the committed state itself is damaged: no "intact" claim
+            code = fail(f"{cause}. Training stopped before using the damaged bytes")
+        else:
+            code = fail(f"{cause}. The step in flight was abandoned; the state committed at step "
+                        f"{engine.step_count} is intact. Fix the cause, then continue with --resume")
     except (OSError, ValueError) as err:
         code = fail(str(err))
     finally:
-        engine.close()
+        try:
+            engine.close()
+        except (OSError, RuntimeError) as err:  # a failing disk may fail the close too; the commit stands
+            log.warning("closing the engine failed: %s", err)
     if history:
         console.print(format_summary(history))
         png = plot_metrics(metrics_path)
@@ -292,14 +374,104 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     return code
 
 
+def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: EngineConfig, resume: bool) -> Engine:
+    """Open the store (resume), continue its interrupted initialization (resume), or create it, with a
+    progress bar over the blocks written."""
+    with Progress(TextColumn("initializing states on NVMe"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("blocks"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("init", total=model.config.n_layer + 2)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        if model.hf_program is not None:
+            from .models.hf import init_from_hf
+
+            return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
+        return init(model.config, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers and `kill` send): stops the run exactly as Ctrl-C does."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _interrupt_name(err: BaseException) -> str:
+    return "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+
+
+def _interrupt_code(err: BaseException) -> int:
+    return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
+
+
+def _root_cause(err: BaseException) -> BaseException | str:
+    """The innermost I/O or integrity error behind `err` (the optimizer thread's failures arrive wrapped)."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, StoreCorruptError | IOEngineError):
+            return cause
+        cause = cause.__cause__
+    return str(err) if not err.__cause__ else f"{err}: {err.__cause__}"
+
+
 def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out: str) -> None:
+    """Export into a sibling `<out>.partial` directory, then swap it in: a kill mid-export leaves the previous
+    export (or nothing) at `out`, never a half-written one, and the same command redoes it."""
+    final = Path(out)
+    tmp = final.with_name(final.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
     if model.hf_program is not None:
         from .models.hf import export_hf
 
-        export_hf(engine, model.hf_program, run.model, out)
+        export_hf(engine, model.hf_program, run.model, tmp)
     else:
         from .models.gpt_export import export_gpt2
 
-        export_gpt2(engine, model.config, out)
+        export_gpt2(engine, model.config, tmp)
+    for f in tmp.iterdir():  # durable before it replaces anything
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    crashpoint("export.written")
+    if final.exists():
+        shutil.rmtree(final)  # checked before the run: empty, or a previous export
+    os.replace(tmp, final)
     console.print(f"exported the step-{engine.step_count} weights to {out} (loads with transformers "
                   "AutoModelForCausalLM.from_pretrained)")
+
+
+def verify_store(run: RunConfig) -> int:
+    """`finetune.py --verify`: read every record of the store in the run's NVMe directories and check it
+    against the committed checksums. Exit code 0: intact; 1: damaged (each damaged unit is listed); 2: no
+    store, or its metadata is unreadable."""
+    console = Console(soft_wrap=True)
+    e = run.engine
+    try:
+        status = StateStore.status(e.nvme, e.name)
+        if status.state != "complete":
+            console.print(f"[red]error:[/red] {escape(e.nvme[0])} holds {status.describe()}: nothing to verify")
+            return 2
+        with DirLock(list(e.nvme)):
+            store = StateStore.open(list(e.nvme), e.backend, e.chunk_bytes, e.name)
+            try:
+                with Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TextColumn("blocks"),
+                              TimeElapsedColumn(), console=console, transient=True) as bar:
+                    task = bar.add_task("verify", total=len(store.layout.blocks))
+                    problems = store.verify(lambda done, total: bar.update(task, completed=done))
+                gib = store.layout.slot_bytes / 2**30
+            finally:
+                store.close()
+    except (StoreCorruptError, DirectoryInUseError, VolumeConfigError, IOEngineError, ValueError, RuntimeError) as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 2
+    if problems:
+        for p in problems:
+            console.print(f"[red]damaged:[/red] {escape(p)}")
+        console.print(f"{len(problems)} damaged unit(s) in {escape(', '.join(e.nvme))}: restore the directories from a "
+                      "backup, or start over with --overwrite")
+        return 1
+    console.print(f"{status.describe()}: all {len(store.layout.blocks)} blocks ({gib:.2f} GiB) match their checksums")
+    return 0

@@ -457,3 +457,35 @@ def test_load_tokenizer_errors(tmp_path, hf_dir):
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="has no tokenizer"):
         hf.load_tokenizer(empty)
+
+
+def test_interrupted_import_continues_where_it_stopped(hf_dir, make_dirs, monkeypatch):
+    """A weight import killed halfway (here: an error at the 3rd block) continues with resume=True from the
+    first block not yet durable, and the store ends equal to the checkpoint."""
+    path = hf_dir("llama")
+    real = hf._make_init_block
+    reads: list[int] = []
+
+    def dying(program, src):
+        init_block = real(program, src)
+
+        def wrapped(i: int):
+            reads.append(i)
+            if len(reads) == 3:
+                raise OSError("simulated kill during the import")
+            return init_block(i)
+
+        return wrapped
+
+    monkeypatch.setattr(hf, "_make_init_block", dying)
+    dirs = make_dirs(1)
+    with pytest.raises(OSError, match="simulated kill"):
+        hf.init_from_hf(path, engine_config(dirs))
+    monkeypatch.setattr(hf, "_make_init_block", real)
+    reads.clear()
+    monkeypatch.setattr(hf, "_make_init_block", lambda program, src: (lambda i: reads.append(i) or real(program, src)(i)))
+    with hf.init_from_hf(path, engine_config(dirs), resume=True) as engine:
+        assert reads[0] == 2  # blocks 0 and 1 were not imported again
+        state = engine_hf_state(engine, engine.program)
+    ref = reference_model(path).state_dict()
+    assert all(torch.equal(t, ref[name]) for name, t in state.items())

@@ -1,0 +1,256 @@
+"""Kill anywhere: SIGKILL `finetune.py` at many points of every phase, resume, and check the result is
+bit-identical to an uninterrupted run.
+
+    python scripts/kill_harness.py                      # 24 trials (a few minutes), writes benchmarks/results/
+    python scripts/kill_harness.py --trials 6 --seed 3  # a quicker look
+
+Each trial runs the same small fine-tune (the tiny preset on the shipped corpus, seq 64, batch 4, 6 steps,
+export at the end) and kills it one to three times: at named crash points (`lohan/crashpoints.py`: a block
+of store creation, the rename of each JSON file, forward, backward, the optimizer's writes, the commit's
+fsync, the run-state write, profiling, the export) or after a random delay. After each kill it does what
+the error message tells a user to do: the same command with `--resume` (without it when nothing was
+created yet). Checked per trial: every step's loss in the metrics equals the uninterrupted run's, and the
+final weights (fp32 masters, every block, read back from the store) and the exported checkpoint are
+bit-identical. A trial whose crash point was never reached is counted as such, not as survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STEPS = 6
+
+# (phase, crash spec) pairs; `{k:N}` is drawn per trial from 1..N (N: how often a 6-step run of 8 blocks,
+# 7 forward visits and 8 backward visits a step, reaches that point, so most draws are reached)
+POINTS: list[tuple[str, str]] = [
+    ("store creation", "store.init.block_written:{k:8}"),
+    ("store creation", "json.rename:lohan.init.json:{k:8}"),
+    ("store creation", "json.rename:lohan.store.json"),
+    ("store creation", "json.rename:lohan.commit.json:1"),
+    ("profiling", "profile.measured"),
+    ("forward", "engine.forward:{k:28}"),
+    ("backward", "engine.backward:{k:32}"),
+    ("optimizer write", "offload.write_issued:{k:32}"),
+    ("commit fsync", "store.commit.synced:{k:5}"),
+    ("commit rename", "json.rename:lohan.commit.json:{k:5}"),
+    ("run-state write", "json.rename:lohan.run.json:{k:4}"),
+    ("export", "export.written"),
+    ("random time", "random"),
+]
+
+
+def base_args(work: Path, steps: int = STEPS) -> list[str]:
+    return [sys.executable, str(ROOT / "finetune.py"), "--steps", str(steps), "--seq-len", "64", "--batch-size", "4",
+            "--nvme", str(work / "nvme"), "--metrics", str(work / "metrics.jsonl"), "--export", str(work / "export"),
+            "--backend", "threads"]
+
+
+@dataclass
+class Attempt:
+    spec: str | None
+    phase: str | None
+    rc: int
+    seconds: float
+    note: str = ""
+
+
+@dataclass
+class Trial:
+    index: int
+    attempts: list[Attempt] = field(default_factory=list)
+    kills: int = 0
+    identical: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+def _env(spec: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOHAN_CRASH_AT", "LOHAN_DEBUG")}
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    if spec:
+        env["LOHAN_CRASH_AT"] = spec
+    return env
+
+
+def run_once(args: list[str], spec: str | None, kill_after: float | None = None) -> tuple[int, str, float]:
+    """Run the command; SIGKILL it after `kill_after` seconds if given. Returns (rc, output, seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(spec),
+                            cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=kill_after)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate()
+    return proc.returncode, out, time.perf_counter() - t0
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    losses = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "step" in rec and "loss" in rec:
+                losses[int(rec["step"])] = rec["loss"]
+    return losses
+
+
+def read_weights(work: Path) -> dict[str, object]:
+    from lohan.store import StateStore
+
+    store = StateStore.open([str(work / "nvme")], backend="threads")
+    try:
+        return {f"{b.name}.{s.name}": t for b in store.layout.blocks for s, t in zip(b.params, store.read_params(b.index))}
+    finally:
+        store.close()
+
+
+def read_export(work: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((work / "export").glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def reference(work: Path) -> tuple[dict[int, float], dict, dict, float]:
+    rc, out, secs = run_once(base_args(work), None)
+    if rc != 0:
+        raise SystemExit(f"the uninterrupted reference run failed (exit {rc}):\n{out}")
+    return read_losses(work / "metrics.jsonl"), read_weights(work), read_export(work), secs
+
+
+def run_trial(index: int, work: Path, kills: list[tuple[str, str]], ref: tuple, ref_s: float,
+              rng: random.Random) -> Trial:
+    """Kill the run once per entry of `kills`, resuming after each, then finish and compare with `ref`."""
+    trial = Trial(index)
+    resume = False
+    pending = list(kills)
+    for _ in range(len(kills) + 4):  # kills, plus re-runs after refusals, plus the final run
+        phase, spec = pending.pop(0) if pending else (None, None)
+        args = base_args(work) + (["--resume"] if resume else [])
+        kill_after = None
+        if spec == "random":
+            kill_after, spec = rng.uniform(0.5, ref_s), None
+        rc, out, secs = run_once(args, spec, kill_after)
+        note = ""
+        if rc == -signal.SIGKILL:
+            trial.kills += 1
+            note = "killed"
+        elif rc == 2 and "nothing to resume" in out:
+            note = "nothing to resume yet: the same command without --resume"
+            resume = False
+            trial.attempts.append(Attempt(spec, phase, rc, secs, note))
+            continue
+        elif rc == 0:
+            note = "finished" + (" (crash point not reached)" if spec or kill_after else "")
+        else:
+            trial.problems.append(f"exit {rc} after {phase or 'no kill'}: {out.strip().splitlines()[-1:]}")
+            trial.attempts.append(Attempt(spec, phase, rc, secs, note or "failed"))
+            return trial
+        trial.attempts.append(Attempt(spec or (f"SIGKILL after {kill_after:.2f} s" if kill_after else None), phase,
+                                      rc, secs, note))
+        resume = True
+        if rc == 0 and not pending:
+            break
+    ref_losses, ref_weights, ref_export = ref
+    losses = read_losses(work / "metrics.jsonl")
+    diff = {s: (losses[s], ref_losses.get(s)) for s in losses if losses[s] != ref_losses.get(s)}
+    if diff:
+        trial.problems.append(f"losses differ at steps {sorted(diff)}: {diff}")
+    if not same_tensors(read_weights(work), ref_weights):
+        trial.problems.append("final weights differ from the uninterrupted run")
+    if not same_tensors(read_export(work), ref_export):
+        trial.problems.append("exported checkpoint differs from the uninterrupted run")
+    trial.identical = not trial.problems
+    return trial
+
+
+def draw_kills(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    out = []
+    for phase, spec in rng.sample(POINTS, n):
+        if "{k:" in spec:
+            head, _, top = spec.partition("{k:")
+            spec = head + str(rng.randint(1, int(top.rstrip("}"))))
+        out.append((phase, spec))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kill_harness.json"))
+    ap.add_argument("--keep", action="store_true", help="keep the trials' directories")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="lohan-kill-"))
+    try:
+        ref = reference(root / "ref")
+        print(f"reference run: {ref[3]:.1f} s, {len(ref[0])} steps")
+        trials = []
+        for i in range(args.trials):
+            kills = draw_kills(rng, 1 if i % 3 == 0 else 2 if i % 3 == 1 else 3)
+            t = run_trial(i, root / f"trial{i}", kills, ref[:3], ref[3], rng)
+            trials.append(t)
+            got = ", ".join(f"{a.phase or '-'}: {a.note}" for a in t.attempts)
+            print(f"trial {i:2d}: {'identical' if t.identical else 'DIFFERENT'} | {t.kills} kill(s) | {got}"
+                  + (f" | {t.problems}" if t.problems else ""))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    by_phase: dict[str, list[int]] = {}
+    for t in trials:
+        for a in t.attempts:
+            if a.phase:
+                ok = t.identical and a.note == "killed"
+                row = by_phase.setdefault(a.phase, [0, 0, 0])
+                row[0] += a.note == "killed"
+                row[1] += ok
+                row[2] += a.note.startswith("finished")
+    kills = sum(t.kills for t in trials)
+    survived = sum(t.kills for t in trials if t.identical)
+    summary = {
+        "kills": kills, "kills_survived": survived, "trials": len(trials),
+        "trials_identical": sum(t.identical for t in trials),
+        "trials_killed_several_times": sum(t.kills > 1 for t in trials),
+        "by_phase": {p: {"killed": r[0], "survived": r[1], "point_not_reached": r[2]} for p, r in sorted(by_phase.items())},
+        "command": " ".join(base_args(Path("WORK"))[1:]), "seed": args.seed,
+        "trial_log": [asdict(t) for t in trials],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"\nkill points survived / tried: {survived} / {kills} over {len(trials)} trials "
+          f"({summary['trials_killed_several_times']} killed several times)")
+    for p, r in summary["by_phase"].items():
+        print(f"  {p:16s} {r['survived']:3d} / {r['killed']:3d}" + (f"   ({r['point_not_reached']} not reached)"
+                                                                    if r["point_not_reached"] else ""))
+    print(f"results: {args.out}")
+    return 0 if survived == kills and all(t.identical for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

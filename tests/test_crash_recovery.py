@@ -1,0 +1,111 @@
+"""Kill anywhere (reduced): SIGKILL finetune.py at named points of several phases, resume with the command
+the error message gives, and check the run ends bit-identical to an uninterrupted one. The full harness
+(24 random trials over every phase) is `scripts/kill_harness.py`; `make test-all` runs a larger sample."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("kill_harness", ROOT / "scripts" / "kill_harness.py")
+kh = importlib.util.module_from_spec(_spec)
+sys.modules["kill_harness"] = kh  # dataclasses look their module up while the class is created
+_spec.loader.exec_module(kh)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    losses, weights, export, secs = kh.reference(tmp_path_factory.mktemp("ref"))
+    return (losses, weights, export), secs
+
+
+@pytest.mark.parametrize("kills", [
+    # killed twice: in the middle of store creation, then inside backward of the resumed run
+    [("store creation", "store.init.block_written:3"), ("backward", "engine.backward:13")],
+    # killed twice: just before a commit record's rename, then before the run state's rename
+    [("commit rename", "json.rename:lohan.commit.json:3"), ("run-state write", "json.rename:lohan.run.json:2")],
+    # after the optimizer's writes went out, then between the export's shards and its rename
+    [("optimizer write", "offload.write_issued:20"), ("export", "export.written")],
+], ids=["create+backward", "commit+runstate", "write+export"])
+def test_killed_runs_resume_bit_identically(tmp_path, reference, kills):
+    ref, ref_s = reference
+    trial = kh.run_trial(0, tmp_path / "run", kills, ref, ref_s, random.Random(0))
+    assert trial.kills == len(kills), trial.attempts  # every point was reached
+    assert trial.identical, trial.problems
+
+
+@pytest.mark.slow
+def test_kill_harness_random_sample(tmp_path):
+    assert kh.main(["--trials", "8", "--seed", "1", "--out", str(tmp_path / "kill.json")]) == 0
+
+
+def test_sigterm_stops_like_ctrl_c_and_resumes(tmp_path, reference):
+    ref, _ = reference
+    work = tmp_path / "run"
+    args = kh.base_args(work, steps=kh.STEPS)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=kh._env(None),
+                            cwd=ROOT)
+    metrics = work / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(kh.read_losses(metrics)) < 2 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "terminated (SIGTERM)" in out and "--resume" in out and "Traceback" not in out
+    rc, out, _ = kh.run_once(args + ["--resume"], None)
+    assert rc == 0, out
+    losses = kh.read_losses(metrics)
+    assert losses == ref[0]
+    assert kh.same_tensors(kh.read_weights(work), ref[1])
+
+
+def _run_with_faults(args: list[str], spec: str) -> tuple[int, str]:
+    env = kh._env(None)
+    env["IO_ENGINE_FAULTS"] = spec
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("spec, expect", [
+    # the store's 20th write (step 2's optimizer writes) finds the disk full
+    ("vol=lohan:write#20:ENOSPC", r"write failed on device 0 \(.*nvme\): No space left on device \[ENOSPC\] "
+                                  r"\(path=.*lohan\.slab, offset=\d+"),
+    # a read of step 3 fails (a dying drive)
+    ("vol=lohan:read#30:EIO", r"read failed on device 0 \(.*nvme\): Input/output error \[EIO\] \(path=.*lohan\.slab"),
+    # the fsync of the second commit fails
+    ("vol=lohan:fsync#3:EIO", r"fsync failed on device 0 .*\[EIO\]"),
+    # the disk fills up during store creation (its 4th block)
+    ("vol=lohan:write#4:ENOSPC", r"\[ENOSPC\].*continue with --resume"),
+], ids=["enospc-write", "eio-read", "eio-fsync", "enospc-creation"])
+def test_io_faults_end_the_run_cleanly_and_resume_bit_identically(tmp_path, reference, spec, expect):
+    ref, _ = reference
+    work = tmp_path / "run"
+    args = kh.base_args(work)
+    rc, out = _run_with_faults(args, spec)
+    assert rc == 2, out
+    assert re.search(expect, out, re.S), out
+    assert "Traceback" not in out and "--resume" in out
+    committed = kh.read_losses(work / "metrics.jsonl")
+    assert all(committed[s] == ref[0][s] for s in committed)  # what was committed before the fault is right
+    rc, out = _run_with_faults(args + ["--resume"], "")  # the fault has cleared
+    assert rc == 0, out
+    assert kh.read_losses(work / "metrics.jsonl") == ref[0]
+    assert kh.same_tensors(kh.read_weights(work), ref[1])
+
+
+def test_short_transfers_are_completed_transparently(tmp_path, reference):
+    ref, _ = reference
+    work = tmp_path / "run"
+    rc, out = _run_with_faults(kh.base_args(work), "vol=lohan:write#10+:short,vol=lohan:read#5+:short")
+    assert rc == 0, out
+    assert kh.same_tensors(kh.read_weights(work), ref[1])
