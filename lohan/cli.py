@@ -49,6 +49,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "weight_decay": ("engine", "weight_decay"), "total_steps": ("engine", "total_steps"),
     "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
+    "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
 }
 
 
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
     p.add_argument("--eps", type=float, help="Adam epsilon")
+    p.add_argument("--max-grad-norm", type=float, metavar="NORM",
+                   help="clip gradients to this global L2 norm (default 1.0; 0 turns clipping off)")
+    p.add_argument("--clip-mode", choices=["auto", "speculate", "defer"],
+                   help="clipping under overlapped updates: speculate and redo, or defer updates (default auto)")
     p.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
     p.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
     p.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")

@@ -246,6 +246,9 @@ def parse_bytes(value: int | str) -> int:
     raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
 
 
+NO_DECAY_KINDS = ("bias", "norm", "embedding")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: where states live, memory budgets, offloading mode, optimizer.
@@ -291,7 +294,28 @@ class EngineConfig:
     """Adam epsilon."""
 
     weight_decay: float = 0.01
-    """Decoupled (AdamW) weight decay, applied to every parameter."""
+    """Decoupled (AdamW) weight decay, applied to every parameter except those `no_decay` names."""
+
+    no_decay: tuple[str, ...] = ("bias", "norm")
+    """Parameters AdamW does not decay, by kind: ``bias`` (every bias), ``norm`` (weights of LayerNorm /
+    RMSNorm modules), ``embedding`` (token and position embeddings, and a head tied to them). The
+    Hugging Face Trainer's default is ``bias`` and ``norm``; ``[]`` decays everything."""
+
+    max_grad_norm: float = 1.0
+    """Clip the gradients to this global L2 norm before the update, exactly as
+    `torch.nn.utils.clip_grad_norm_` (0 turns clipping off). Under active gradient offloading the norm is
+    only known at the end of backward: see `clip_mode`."""
+
+    clip_mode: str = "auto"
+    """How updates overlap backward when clipping. ``speculate``: update each block with coefficient 1 as
+    its gradients arrive and redo the step's optimizer pass from the previous slot (kept gradients, exact
+    coefficient) when the step's norm says clipping applies. ``defer``: read ahead during backward but
+    update only once the norm is known. ``auto``: speculate when the previous step was not clipped, else
+    defer (so steady clipping costs no redo). With ``slots=1`` only ``defer`` is possible."""
+
+    max_bad_steps: int = 8
+    """A step whose loss or gradients are not finite is never committed (the previous states stand, its
+    batch is skipped); after this many such steps in a row the run stops."""
 
     seed: int = 0
     """Seed of the model's initialization."""
@@ -407,6 +431,22 @@ class EngineConfig:
             problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
         if not (isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1):
             problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if isinstance(self.no_decay, str | list):
+            object.__setattr__(self, "no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
+                               else tuple(self.no_decay))
+        bad = [k for k in self.no_decay if k not in NO_DECAY_KINDS] if isinstance(self.no_decay, tuple) else [0]
+        if bad:
+            problems.append(f"no_decay={self.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
+                            "[bias, norm]")
+        if not (_is_finite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            problems.append(f"max_grad_norm={self.max_grad_norm!r} must be a finite number >= 0 (0: no clipping)")
+        if self.clip_mode not in ("auto", "speculate", "defer"):
+            problems.append(f"clip_mode={self.clip_mode!r}: choose one of auto, speculate, defer")
+        elif self.clip_mode == "speculate" and self.slots == 1 and self.max_grad_norm:
+            problems.append("clip_mode=speculate needs slots=2 (a wrong guess is undone from the previous slot, "
+                            "which slots=1 overwrites); use clip_mode=defer or auto")
+        if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
+            problems.append(f"max_bad_steps={self.max_bad_steps!r} must be an integer >= 1")
         if problems:
             raise ValueError("invalid engine config:\n  - " + "\n  - ".join(problems))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -40,8 +41,8 @@ from .dirlock import DirLock
 from .integrity import unit_bounds
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
-from .offload import GradOffloader, chunk_record_bytes, upcast_bytes
-from .optim import AdamWHyper, lr_at
+from .offload import ClipGate, GradOffloader, chunk_record_bytes, upcast_bytes
+from .optim import AdamWHyper, decay_mask, lr_at
 from .params import ParamStreamer
 from .store import DTYPES, StateStore, StoreLayout, StoreStatus, block_views, plan_layout
 from .swap import ActivationManager
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 class MemoryPlanError(ValueError):
     """The main-memory budget cannot hold the engine's minimum working set."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradients; the last good state is committed."""
 
 
 def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
@@ -66,6 +71,11 @@ def grad_dtype(cfg: EngineConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.compute_dtype == "bf16" and cfg.micro_batches == 1 else torch.float32
 
 
+def keeps_all_grads(cfg: EngineConfig) -> bool:
+    """Whether a step holds every block's gradient at once (see plan_host_memory)."""
+    return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
+
+
 def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int) -> dict[str, int]:
     """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget."""
     max_p16 = max(b.p16_bytes for b in layout.blocks)
@@ -78,11 +88,14 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks,
         # but never more than every block at once (small models)
         "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max_p16, sum(b.p16_bytes for b in layout.blocks)),
-        # serial holds every block's gradient until backward ends; otherwise one filling, one queued
-        "grads": (sum(grads) if cfg.mode == "serial" else min(2 * max(grads), sum(grads)))
+        # every block's gradient is held until backward ends in serial mode, and kept for the step when
+        # clipping (a deferred or redone update needs it) or updating in place (slots=1: nothing is written
+        # before the step is known to be finite); otherwise one filling, one queued
+        "grads": (sum(grads) if keeps_all_grads(cfg) else min(2 * max(grads), sum(grads)))
         + cfg.micro_batches * tied_bytes,
-        # records in flight, plus the fp32 scratch bf16 gradients are upcast into (offload.upcast_bytes)
-        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(layout, chunk, grad_dtype(cfg)),
+        # records in flight, plus the fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
+        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(layout, chunk, grad_dtype(cfg),
+                                                                      clip=cfg.max_grad_norm > 0),
     }
     total = sum(need.values())
     if total > cfg.cpu_mem:
@@ -91,6 +104,8 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
             f"cpu_mem={cfg.cpu_mem / 2**30:.2f} GiB is too small for this model: the engine needs "
             f"{total / 2**30:.2f} GiB ({parts}). Raise cpu_mem to at least {total / 2**30:.2f} GiB"
             + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
+            + (", or turn gradient clipping off (max_grad_norm=0: clipping keeps the step's gradients)"
+               if cfg.max_grad_norm > 0 and cfg.mode != "serial" else "")
             + ", or lower prefetch_depth / max_inflight_blocks")
     return need
 
@@ -126,10 +141,14 @@ class Engine:
         volume = self.store.volume
         self.params_pool = volume.buffer_pool(self.memory_plan["params"])
         self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
-        self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"])
+        # the optimizer's share of the plan also holds the fp32 upcast scratch, which the offloader
+        # allocates itself: the record pool gets the rest, so the two together stay within the plan
+        upcast = upcast_bytes(layout, optimizer_chunk_elems(layout, cfg), grad_dtype(cfg), clip=cfg.max_grad_norm > 0)
+        self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"] - upcast)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
         self.grad_dtype = grad_dtype(cfg)
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype)
+        self.decays = [decay_mask(m, cfg.no_decay) for m in program.modules]
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays)
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),
@@ -138,6 +157,9 @@ class Engine:
             flops_per_token=flops_per_token)
         self.last_metrics: dict[str, Any] = {}
         self._broken: str | None = None
+        self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
+        # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
+        self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
 
     # ------------------------------------------------------------------ step
@@ -147,11 +169,14 @@ class Engine:
         return self.store.step
 
     def step(self, batch: tuple[Tensor, Tensor]) -> float:
-        """One optimizer step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss.
+        """One training step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss.
 
         Phases: forward (block inputs and swapped activations kept), backward (each block's gradient
-        goes to the optimizer pipeline as soon as it is complete), then commit of the new slot, or, on
-        any failure, rollback to the last commit (which the step never touched with two slots).
+        goes to the optimizer pipeline as soon as it is complete, and its norm is taken), then the
+        settlement: the global norm gives the clip coefficient (a speculative update that guessed wrong is
+        redone from the previous slot), a step with a non-finite loss or gradient is skipped, and the new
+        slot is committed; on any failure, rollback to the last commit (which the step never touched with
+        two slots).
         """
         if self._broken:
             raise RuntimeError(self._broken)
@@ -171,30 +196,92 @@ class Engine:
 
         n = len(self.program.modules)
         step = self.store.step
+        commit = self.store.commit_state
         hyper = AdamWHyper.from_config(self.cfg, lr_at(self.cfg, step))
         read_slot, write_slot = self.store.slot, self.store.next_slot()
         # forward visits blocks 0..n-2 (the head runs in backward), backward n-1..0
         visits = list(range(n - 1)) + list(range(n - 1, -1, -1))
+        order = list(range(n - 1, -1, -1))
+        gate = self._gate()
+        speculated = not gate.deferred and self.cfg.max_grad_norm > 0
         self.store.begin_step()
-        self.offloader.begin_step(step + 1, hyper, list(range(n - 1, -1, -1)), read_slot, write_slot)
+        self.offloader.begin_step(commit.applied + 1, hyper, order, read_slot, write_slot, gate=gate,
+                                  keep=speculated)
+        settle: dict[str, Any] = {}
         try:
             acts, fwd_s = self._forward(visits, read_slot, idx)
-            loss, bwd_s = self._backward(visits, read_slot, acts, targets.chunk(m_count))
-            self.offloader.backward_done()
+            loss, bwd_s, norms = self._backward(visits, read_slot, acts, targets.chunk(m_count))
             t_tail = time.perf_counter()
-            self.offloader.finish()
+            settle = self._settle(loss, norms, gate, speculated)
+            if settle["skipped"]:
+                self.offloader.abort()
+            else:
+                self.offloader.backward_done()
+                self.offloader.finish()
+                if settle["redone"]:
+                    self.offloader.redo(commit.applied + 1, hyper, order, read_slot, write_slot, settle["coef_t"])
             tail_s = time.perf_counter() - t_tail
         except BaseException:
             self._rollback(step, read_slot)
             raise
+        finally:
+            self.offloader.release_kept()
         self.streamer.release_all()
         act_stats = self.activations.stats()
         self.activations.end_step()
-        self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written())
+        if settle["skipped"]:
+            self._skip(step, commit, loss, settle)
+        else:
+            self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written(), updates=commit.applied + 1)
         self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, fwd_s + bwd_s, tail_s,
                              io0, wait0, hash0, hyper.lr, idx.shape[1])
+        self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
         self.last_metrics["activations"] = act_stats
         return loss
+
+    def _gate(self) -> ClipGate:
+        """The step's coefficient gate: open at 1 (no clipping, or a speculated update), or deferred until
+        the norm is known. In place (slots=1) nothing may be written before the step is known good."""
+        cfg = self.cfg
+        if cfg.slots == 1:
+            return ClipGate(None)
+        if cfg.max_grad_norm <= 0:
+            return ClipGate(1.0)
+        if cfg.clip_mode == "speculate" or (cfg.clip_mode == "auto" and self._last_coef == 1.0):
+            return ClipGate(1.0)
+        return ClipGate(None)
+
+    def _settle(self, loss: float, norms: list[list[Tensor]], gate: ClipGate, speculated: bool) -> dict[str, Any]:
+        """The step's global gradient norm, exactly as `clip_grad_norm_` computes it (per-parameter norms in
+        the model's parameter order, then the norm of those), and what follows from it."""
+        order = self._norm_order
+        flat = [norms[i][k] for i, k in order] if order else [t for block in norms for t in block]
+        total = torch.linalg.vector_norm(torch.stack(flat), 2.0)
+        norm = float(total)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return {"skipped": True, "redone": False, "grad_norm": norm, "clip_coef": None, "coef_t": None}
+        coef_t = torch.tensor(1.0)
+        if self.cfg.max_grad_norm > 0:
+            coef_t = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
+        coef = float(coef_t)
+        self._last_coef = coef
+        if gate.deferred:
+            gate.open(coef_t)
+        return {"skipped": False, "redone": speculated and coef != 1.0, "grad_norm": norm,
+                "clip_coef": coef if self.cfg.max_grad_norm > 0 else None, "coef_t": coef_t}
+
+    def _skip(self, step: int, commit: Any, loss: float, settle: dict[str, Any]) -> None:
+        """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were."""
+        streak = commit.bad_streak + 1
+        self.store.commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied, bad_streak=streak)
+        log.warning("step %d skipped: loss %s, gradient norm %s are not finite (%d in a row); the states of the "
+                    "last good update stand", step + 1, loss, settle["grad_norm"], streak)
+        if streak >= self.cfg.max_bad_steps:
+            raise NonFiniteError(
+                f"{streak} steps in a row (up to step {step + 1}) had a non-finite loss or gradients (last: loss "
+                f"{loss}, gradient norm {settle['grad_norm']}); stopping. The states of the last good update "
+                f"({commit.applied} updates) are committed and intact. Lower the learning rate, check the data, or "
+                "raise engine.max_bad_steps")
 
     def _forward(self, visits: list[int], read_slot: int, idx: Tensor) -> tuple[list[list[Tensor | None]], float]:
         """Blocks 0..n-2 under no_grad; returns what backward needs (block inputs, or nothing for blocks whose
@@ -224,15 +311,17 @@ class Engine:
         return acts, compute_s
 
     def _backward(self, visits: list[int], read_slot: int, acts: list[list[Tensor | None]],
-                  tgt_mb: tuple[Tensor, ...]) -> tuple[float, float]:
+                  tgt_mb: tuple[Tensor, ...]) -> tuple[float, float, list[list[Tensor]]]:
         """Blocks n-1..0: recompute each with grad, accumulate its gradient over micro-batches into a host
-        buffer and hand it to the optimizer pipeline. Returns the mean loss and the compute seconds."""
+        buffer and hand it to the optimizer pipeline. Returns the mean loss, the compute seconds and each
+        block's per-parameter gradient norms (block order)."""
         m_count = self.cfg.micro_batches
         last = len(self.program.modules) - 1
         grad_out: list[Tensor | None] = [None] * m_count
         borrowed: dict[tuple[int, int, int], Tensor] = {}
         loss = 0.0
         compute_s = 0.0
+        norms: list[list[Tensor]] = [[] for _ in range(last + 1)]
         for p in range(last, len(visits)):
             i = visits[p]
             params = self._visit(visits, p, read_slot)
@@ -280,11 +369,12 @@ class Engine:
                 if inner:
                     del x, out, grads
                     self.activations.release(i, m)
+            norms[i] = _param_norms(acc)
             compute_s += time.perf_counter() - t0
             self.offloader.submit(i, gbuf)
             crashpoint("engine.backward")
             self._leave(visits, p)
-        return loss, compute_s
+        return loss, compute_s, norms
 
     def _rollback(self, step: int, read_slot: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
@@ -296,7 +386,8 @@ class Engine:
                             "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
             return
         try:  # nothing current was touched: the last commit stands
-            self.store.commit(step, read_slot, sums=self.store.sums)
+            c = self.store.commit_state
+            self.store.commit(step, read_slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
                         "points at it", step, e)
@@ -372,6 +463,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _param_norms(grads: list[Tensor]) -> list[Tensor]:
+    """Per-parameter L2 norms, as clip_grad_norm_ takes them (torch._foreach_norm on fp32 gradients; bf16
+    ones are upcast inside the norm)."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return list(torch._foreach_norm(grads, 2.0))
+    return [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
 
 
 class StoreExistsError(FileExistsError):

@@ -165,6 +165,14 @@ class StepMetrics:
     """Peak GPU memory allocated, GiB; None when running on the CPU."""
     lanes: dict[str, float] = field(default_factory=dict)
     """Busy seconds per lane (``compute``, ``ssd_read``, ``ssd_write``, ``cpu_adam``, ``wait``, ...)."""
+    grad_norm: float | None = None
+    """Global L2 norm of the step's gradients (before clipping)."""
+    clip_coef: float | None = None
+    """Factor the gradients were multiplied by (``clip_grad_norm_``'s, at most 1); None without clipping."""
+    redone: bool = False
+    """The speculative update guessed the clip coefficient wrong and was redone from the previous slot."""
+    skipped: bool = False
+    """The loss or the gradients were not finite: the step was not applied (its batch is consumed)."""
 
     @classmethod
     def from_counters(
@@ -182,6 +190,10 @@ class StepMetrics:
         gpu_mem_bytes: int | None = None,
         lanes: Mapping[str, float] | None = None,
         overlap_pct: float | None = None,
+        grad_norm: float | None = None,
+        clip_coef: float | None = None,
+        redone: bool = False,
+        skipped: bool = False,
     ) -> StepMetrics:
         """Derive the rates of a step from raw counters (bytes, FLOPs, seconds).
 
@@ -219,6 +231,10 @@ class StepMetrics:
             cpu_mem_gib=cpu_mem_bytes / GIB,
             gpu_mem_gib=None if gpu_mem_bytes is None else gpu_mem_bytes / GIB,
             lanes=lanes,
+            grad_norm=grad_norm,
+            clip_coef=clip_coef,
+            redone=redone,
+            skipped=skipped,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -236,6 +252,16 @@ def _fit(value: float, width: int, spec: str) -> str:
     candidates += [f".{p}e" for p in (2, 1, 0)]
     texts = [format(value, c) for c in candidates]
     return next((t for t in texts if len(t) <= width), min(texts, key=len)).rjust(width)
+
+
+def _step_flag(m: StepMetrics) -> str:
+    """One character after the gradient norm: ``c`` clipped, ``r`` clipped after a redone speculative
+    update, ``!`` skipped (not finite), blank otherwise."""
+    if m.skipped:
+        return "!"
+    if m.redone:
+        return "r"
+    return "c" if m.clip_coef is not None and m.clip_coef < 1 else " "
 
 
 def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
@@ -263,6 +289,7 @@ def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
         head,
         f"loss {_fit(m.loss, 7, '.4f')}",
         f"lr {_fit(m.lr, 8, '.2e')}",
+        *([f"gnorm {_fit(m.grad_norm, 6, '.3f')}{_step_flag(m)}"] if m.grad_norm is not None else []),
         f"{_fit(m.tokens_per_s, 9, ',.0f')} tok/s",
         f"{_fit(m.tflops, 7, '.3f')} TFLOPS",
         f"SSD r {_fit(m.ssd_read_gbps, 5, '.2f')} w {_fit(m.ssd_write_gbps, 5, '.2f')} GB/s",

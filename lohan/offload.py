@@ -47,12 +47,43 @@ def chunk_record_bytes(n: int, p16_itemsize: int) -> int:
     return 3 * align_up(4 * n) + align_up(p16_itemsize * n)
 
 
-def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype) -> int:
-    """Bytes of the fp32 scratch the optimizer upcasts bf16 gradients into (`GradOffloader._fp32`): the
-    largest pipeline unit (a whole block, or a chunk); 0 when the gradients are fp32 already."""
-    if grad_dtype == torch.float32:
+def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype, clip: bool = False) -> int:
+    """Bytes of the fp32 scratch the optimizer upcasts bf16 gradients (and scales clipped ones) into
+    (`GradOffloader._fp32`): the largest pipeline unit (a whole block, or a chunk); 0 when the gradients
+    are fp32 already and never scaled."""
+    if grad_dtype == torch.float32 and not clip:
         return 0
     return 4 * max(b.numel if chunk_elems is None else min(b.numel, chunk_elems) for b in layout.blocks)
+
+
+class ClipGate:
+    """The coefficient the optimizer multiplies this step's gradients by (`clip_grad_norm_`'s clamped
+    coefficient, a 0-d fp32 tensor): given at once (clipping off, or speculated), or once backward has
+    ended and the global norm is known (deferred). `cancel` discards the step: the pipeline stops."""
+
+    def __init__(self, coef: float | None = 1.0) -> None:
+        self._ready = threading.Event()
+        self.coef: torch.Tensor | None = None
+        self.cancelled = False
+        if coef is not None:
+            self.open(torch.tensor(coef, dtype=torch.float32))
+
+    @property
+    def deferred(self) -> bool:
+        return not self._ready.is_set()
+
+    def open(self, coef: torch.Tensor) -> None:
+        self.coef = coef
+        self._ready.set()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._ready.set()
+
+    def wait(self) -> torch.Tensor | None:
+        """The coefficient (None: the step was discarded)."""
+        self._ready.wait()
+        return None if self.cancelled else self.coef
 
 
 class _Handles:
@@ -72,7 +103,7 @@ class GradOffloader:
     """The optimizer side of one training step, fed block by block from the backward pass."""
 
     def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32, decays: list[list[bool]] | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
@@ -85,6 +116,10 @@ class GradOffloader:
         self.mode = mode
         self.chunk_elems = store.check_elems
         self.grad_dtype = grad_dtype
+        self.decays = decays or [[True] * len(b.params) for b in store.layout.blocks]
+        self._kept: dict[int, AlignedBuffer] = {}  # gradients kept for a redo (clipping), released by the engine
+        self._gate = ClipGate()
+        self._keep = False
         self._upcast: torch.Tensor | None = None  # fp32 scratch for bf16 gradients, see `_fp32`
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -98,10 +133,18 @@ class GradOffloader:
         self.hash_s = 0.0
         self.blocks_written = 0
 
-    def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int) -> None:
-        """Start the pipeline for optimizer step `step` (1-based); blocks arrive in `order`."""
+    def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
+                   gate: ClipGate | None = None, keep: bool = False) -> None:
+        """Start the pipeline for optimizer step `step` (1-based); blocks arrive in `order`.
+
+        `gate` gives the gradient coefficient (default 1: no clipping); a deferred gate holds every update
+        (READs still go out) until it opens. With `keep` the gradient buffers are kept after use, for
+        `redo`, until `release_kept`.
+        """
         if self._thread is not None:
             raise RuntimeError("begin_step called while the previous step is still running")
+        self._gate = gate or ClipGate()
+        self._keep = keep
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._backward_done = threading.Event()
         self._error = None
@@ -138,6 +181,27 @@ class GradOffloader:
             raise RuntimeError(f"the optimizer step wrote no checksums for blocks {missing}")
         return [self._sums[i] for i in range(len(self.store.layout.blocks))]
 
+    def redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
+             coef: torch.Tensor) -> None:
+        """Run the step's optimizer pass again from `read_slot` (untouched: the speculative writes went to
+        `write_slot`) with the kept gradients and the step's true coefficient."""
+        kept, self._kept = self._kept, {}
+        missing = [i for i in order if i not in kept]
+        if missing:
+            raise RuntimeError(f"redo without the kept gradients of blocks {missing}")
+        gate = ClipGate(None)
+        gate.open(coef)
+        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=True)
+        for i in order:
+            self._queue.put((i, kept[i]))
+        self.finish()
+
+    def release_kept(self) -> None:
+        """Give back the gradients kept for a redo (after the step is committed or discarded)."""
+        for buf in self._kept.values():
+            buf.release()
+        self._kept.clear()
+
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.
 
@@ -146,11 +210,19 @@ class GradOffloader:
         """
         if self._thread is None:
             return
+        self._gate.cancel()
         self._queue.put((_ABORT, None))
         self._backward_done.set()
         self._thread.join()
         self._thread = None
         self._error = None
+        while True:  # gradients the pipeline never took (it stopped at a cancelled gate)
+            try:
+                _, grad = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if grad is not None:
+                grad.release()
 
     # ----------------------------------------------------------------- worker
     def _run_guarded(self, *args) -> None:
@@ -207,7 +279,7 @@ class GradOffloader:
                 i, lo, hi = unit
                 if i != current:  # the block's first unit: wait for its gradients
                     if grad is not None:
-                        grad.release()
+                        self._done_with(current, grad)
                         grad = None
                     t0 = time.perf_counter()
                     got, grad = self._queue.get()
@@ -240,13 +312,18 @@ class GradOffloader:
                 if prefetch and k + 1 < len(units):
                     self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
                 g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
+                coef = self._gate.wait()  # deferred: until backward has ended and the norm is known
+                if coef is None:  # the step was discarded (non-finite gradients, or an abort)
+                    buf.release()
+                    return
                 t0 = time.perf_counter()
                 try:
                     if (lo, hi) == (0, b.numel):
-                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), self._fp32(g), b, step, hyper)
+                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), self._fp32(g, coef), b, step,
+                                     hyper, self.decays[i])
                     else:
                         p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
-                        adamw_chunk_(p32, self._fp32(g[lo:hi]), m, v, p16, step, hyper)
+                        adamw_chunk_(p32, self._fp32(g[lo:hi], coef), m, v, p16, step, hyper, b, lo, self.decays[i])
                 except BaseException:
                     buf.release()
                     raise
@@ -263,10 +340,16 @@ class GradOffloader:
                 self._reap(wait=self.mode == "naive")
         finally:
             if grad is not None:
-                grad.release()
+                self._done_with(current, grad)
         self._reap(wait=True)
 
-    def _fp32(self, g: torch.Tensor) -> torch.Tensor:
+    def _done_with(self, block: int | None, grad: AlignedBuffer) -> None:
+        if self._keep and block is not None:
+            self._kept[block] = grad
+        else:
+            grad.release()
+
+    def _fp32(self, g: torch.Tensor, coef: torch.Tensor | None = None) -> torch.Tensor:
         """`g` as fp32: a bf16 gradient is upcast into one scratch kept for the engine's life (its size,
         `upcast_bytes`, is in the memory plan).
 
@@ -276,13 +359,16 @@ class GradOffloader:
         one), so RSS grew by 27-54 MiB per step on a 110M Llama until every arena held one (~0.8 GiB on
         2 cores, more on bigger machines; found with malloc_info, see benchmarks/soak.py).
         """
-        if g.dtype == torch.float32:
+        scale = coef is not None and float(coef) != 1.0  # x * 1 == x: the unclipped case needs no copy
+        if g.dtype == torch.float32 and not scale:
             return g
         if self._upcast is None:
-            self._upcast = torch.empty(upcast_bytes(self.store.layout, self.chunk_elems, g.dtype) // 4,
+            self._upcast = torch.empty(upcast_bytes(self.store.layout, self.chunk_elems, g.dtype, clip=True) // 4,
                                        dtype=torch.float32)
         out = self._upcast[:g.numel()]
         out.copy_(g)
+        if scale:  # as clip_grad_norm_ scales: fp32 gradient times the fp32 0-d coefficient
+            out.mul_(coef)
         return out
 
     def _unit_views(self, buf: AlignedBuffer, b, lo: int, hi: int) -> tuple[torch.Tensor, ...]:

@@ -10,9 +10,11 @@ it is 1.2-1.4x DeepSpeedCPUAdam on this kind of machine, which also holds the GI
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.optim.adamw import adamw
 
 from .config import EngineConfig
@@ -52,28 +54,79 @@ def lr_at(cfg: EngineConfig, step: int) -> float:
     return cfg.lr * lr_factor(step, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
 
 
-def adamw_block_(rec: RecordView, grad: torch.Tensor, block: BlockLayout, step: int, hp: AdamWHyper) -> None:
+def _kinds(owner: nn.Module, leaf: str) -> set[str]:
+    kinds = set()
+    if leaf == "bias":
+        kinds.add("bias")
+    if "norm" in type(owner).__name__.lower():  # LayerNorm, RMSNorm, LlamaRMSNorm, Qwen2RMSNorm, ...
+        kinds.add("norm")
+    if isinstance(owner, nn.Embedding):
+        kinds.add("embedding")
+    return kinds
+
+
+def decay_mask(module: nn.Module, no_decay: Sequence[str]) -> list[bool]:
+    """Per parameter of `module` (in `named_parameters()` order): True if AdamW decays it. Parameters are
+    classified by their own module (works on meta modules: only types and names are read)."""
+    out = []
+    for name, _ in module.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        out.append(not (_kinds(owner, leaf) & set(no_decay)))
+    return out
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: Sequence[str]) -> list[dict]:
+    """`torch.optim` parameter groups with lohan's decay rule, for a model held in memory (reference loops
+    in tests and benchmarks use these to train exactly as the engine does)."""
+    decay, keep = [], []
+    for p, d in zip(model.parameters(), decay_mask(model, no_decay)):
+        (decay if d else keep).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def _adamw(p32: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
+           decays: list[bool], step: int, hp: AdamWHyper) -> None:
+    """torch's fused AdamW on parallel lists of views, the decayed ones and the others in two calls (as
+    torch.optim.AdamW runs two parameter groups; the kernel is elementwise, so grouping changes no bit)."""
+    for decayed in (True, False):
+        idx = [k for k, d in enumerate(decays) if d is decayed]
+        if not idx:
+            continue
+        # The fused kernel increments every state step in place, so each parameter needs its own tensor.
+        steps = [torch.tensor(float(step - 1)) for _ in idx]
+        adamw([p32[k] for k in idx], [grads[k] for k in idx], [m[k] for k in idx], [v[k] for k in idx], [], steps,
+              foreach=False, fused=True, amsgrad=False, maximize=False, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+              weight_decay=hp.weight_decay if decayed else 0.0, eps=hp.eps)
+
+
+def adamw_block_(rec: RecordView, grad: torch.Tensor, block: BlockLayout, step: int, hp: AdamWHyper,
+                 decays: Sequence[bool] | None = None) -> None:
     """Update one block's record in place: P32, m, v by AdamW at 1-based step `step`, then P16 = P32.
 
     Args:
         rec: Views into the block's record buffer (read from the SSD).
-        grad: The block's flat fp32 gradient (numel = block.numel).
+        grad: The block's flat fp32 gradient (numel = block.numel), already clipped.
         step: The optimizer step this update makes (1 for the first update), for bias correction.
+        decays: Per parameter, whether weight decay applies (default: every parameter).
     """
-    params = block_views(rec.p32, block)
-    # The fused kernel increments every state step in place, so each parameter needs its own tensor.
-    steps = [torch.tensor(float(step - 1)) for _ in params]
-    adamw(params, block_views(grad, block), block_views(rec.m, block), block_views(rec.v, block), [], steps,
-          foreach=False, fused=True, amsgrad=False, maximize=False, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
-          weight_decay=hp.weight_decay, eps=hp.eps)
+    decays = list(decays) if decays is not None else [True] * len(block.params)
+    _adamw(block_views(rec.p32, block), block_views(grad, block), block_views(rec.m, block),
+           block_views(rec.v, block), decays, step, hp)
     rec.p16.copy_(rec.p32)
 
 
 def adamw_chunk_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p16: torch.Tensor,
-                 step: int, hp: AdamWHyper) -> None:
-    """AdamW on a flat slice of a block (parameter boundaries do not matter: the update is elementwise
-    and every parameter shares the step and hyperparameters), then P16 = P32."""
-    adamw([p32], [grad], [m], [v], [], [torch.tensor(float(step - 1))], foreach=False, fused=True,
-          amsgrad=False, maximize=False, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
-          weight_decay=hp.weight_decay, eps=hp.eps)
+                 step: int, hp: AdamWHyper, block: BlockLayout | None = None, lo: int = 0,
+                 decays: Sequence[bool] | None = None) -> None:
+    """AdamW on the flat slice [lo, lo + len) of a block, then P16 = P32. The update is elementwise, so the
+    slice is cut only where the decay differs: into the pieces of the parameters it overlaps."""
+    if block is None or decays is None or all(decays):
+        _adamw([p32], [grad], [m], [v], [True], step, hp)
+    else:
+        hi = lo + p32.numel()
+        cuts = [(max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo, d) for s, d in zip(block.params, decays)
+                if s.offset < hi and s.offset + s.numel > lo]
+        _adamw([p32[a:z] for a, z, _ in cuts], [grad[a:z] for a, z, _ in cuts], [m[a:z] for a, z, _ in cuts],
+               [v[a:z] for a, z, _ in cuts], [d for _, _, d in cuts], step, hp)
     p16.copy_(p32)

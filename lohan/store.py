@@ -26,6 +26,7 @@ in `<name>.init.json` before the next one starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -181,6 +182,12 @@ class Commit:
     dirty: bool = False
     time: float = 0.0
     sums: Sums | None = None
+    updates: int | None = None   # optimizer updates applied (None: as many as steps); a skipped step adds none
+    bad_streak: int = 0          # consecutive steps skipped for non-finite loss or gradients
+
+    @property
+    def applied(self) -> int:
+        return self.step if self.updates is None else self.updates
 
 
 @dataclass(frozen=True)
@@ -428,17 +435,20 @@ class StateStore:
     def begin_step(self) -> None:
         """In-place stores mark the commit dirty before the first write of a step."""
         if self.layout.slots == 1:
-            self.commit_state = Commit(self.step, self.slot, dirty=True, time=time.time(), sums=self.sums)
+            self.commit_state = dataclasses.replace(self.commit_state, dirty=True, time=time.time())
             write_json_atomic(self.commit_path, asdict(self.commit_state))
 
-    def commit(self, step: int, slot: int, sums: Sums | None = None) -> None:
-        """Make `slot` current at optimizer step `step`, durably (all writes must be complete).
-        `sums` are the checksums of every record in `slot` (required when the store keeps checksums)."""
+    def commit(self, step: int, slot: int, sums: Sums | None = None, updates: int | None = None,
+               bad_streak: int = 0) -> None:
+        """Make `slot` current at training step `step`, durably (all writes must be complete).
+        `sums` are the checksums of every record in `slot` (required when the store keeps checksums);
+        `updates` the optimizer updates the slot's states have seen (default: `step`)."""
         if self.checksums and (sums is None or len(sums) != len(self.layout.blocks)):
             raise RuntimeError(f"commit of step {step} without the checksums of every block")
         self.volume.sync()
         crashpoint("store.commit.synced")
-        self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums)
+        self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums,
+                                   updates=None if updates == step else updates, bad_streak=bad_streak)
         write_json_atomic(self.commit_path, asdict(self.commit_state))
 
     # ------------------------------------------------------------ integrity

@@ -29,7 +29,7 @@ from .config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
 from .crashpoints import crashpoint
 from .data import Batch, BatchIterator, ByteTokenizer, TokenDataset, synthetic_batches
 from .dirlock import DirectoryInUseError, DirLock
-from .engine import Engine, MemoryPlanError, init
+from .engine import Engine, MemoryPlanError, NonFiniteError, init
 from .fit import described_hardware, detect_hardware, fit_report, local_problems
 from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
@@ -197,6 +197,20 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"(params {plan['params'] / 2**20:.0f} MiB, grads {plan['grads'] / 2**20:.0f} MiB, optimizer "
         f"{plan['optimizer'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
         f"activations {e.act_policy}")
+    # The RSS bound (lohan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
+    # the overhead is this process as measured now, before the first step, plus what no budget covers.
+    import psutil
+
+    from .memory import rss_overhead
+
+    over = rss_overhead(psutil.Process().memory_info().rss, mcfg, run.batch_size, seq_len, e.micro_batches,
+                        e.compute_dtype, e.prefetch_depth, e.act_policy, device_is_cpu=not engine.device.is_cuda)
+    console.print(
+        f"  peak RSS at most {(e.cpu_mem + sum(over.values())) / 2**30:.2f} GiB = cpu_mem {e.cpu_mem / 2**30:.2f} "
+        f"+ overhead {sum(over.values()) / 2**30:.2f} (process {over['process'] / 2**30:.2f} measured now, device "
+        f"working set {over['device working set'] / 2**30:.2f}"
+        + (" as the CPU computes" if not engine.device.is_cuda else "")
+        + f", allocator slack {over['allocator slack'] / 2**30:.2f})")
 
 
 def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware: str | None = None,
@@ -343,7 +357,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     flops=(m["tflops"] or 0.0) * 1e12 * m["step_s"], ssd_read_bytes=m["ssd_read_bytes"],
                     ssd_write_bytes=m["ssd_write_bytes"], cpu_mem_bytes=int(m["cpu_mem_gib"] * 2**30),
                     gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
-                    lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"])
+                    lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
+                    clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")))
                 history.append(sm)
                 writer.write(sm)
                 report_step(bar, sm, steps)
@@ -353,6 +368,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.step_count} is on NVMe with "
                       "its data position (continue with --resume)")
         code = _interrupt_code(err)
+    except NonFiniteError as err:
+        code = fail(str(err))
     except (StoreCorruptError, IOEngineError, RuntimeError) as err:
         cause = _root_cause(err)
         if isinstance(cause, StoreCorruptError):  # the committed state itself is damaged: no "intact" claim
@@ -369,6 +386,11 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             log.warning("closing the engine failed: %s", err)
     if history:
         console.print(format_summary(history))
+        clipped = sum(h.clip_coef is not None and h.clip_coef < 1 for h in history)
+        redone, skipped = sum(h.redone for h in history), sum(h.skipped for h in history)
+        if clipped or skipped:
+            console.print(f"  gradients   clipped in {clipped} of {len(history)} steps ({redone} speculative updates "
+                          f"redone), {skipped} skipped as not finite")
         png = plot_metrics(metrics_path)
         console.print(f"metrics: {metrics_path}" + (f", plot: {png}" if png else ""))
     return code

@@ -1,7 +1,7 @@
 """The engine equals plain PyTorch training: every offloading mode, 1 and 3 SSD directories.
 
-Reference: the same GPT materialized in memory, fp32 master weights, `torch.optim.AdamW(fused=True)`,
-the same warmup+cosine schedule through LambdaLR, micro-batches run one after the other with the
+Reference: the same GPT materialized in memory, fp32 master weights, `torch.optim.AdamW(fused=True)` with
+the same decay groups, `clip_grad_norm_`, the same warmup+cosine schedule through LambdaLR, micro-batches run one after the other with the
 loss divided by their count. With fp32 compute the engine must match bit for bit at every step.
 """
 
@@ -13,7 +13,7 @@ import torch
 import lohan
 from lohan.config import EngineConfig, get_model_config
 from lohan.models.gpt import build_model
-from lohan.optim import lr_factor
+from lohan.optim import lr_factor, param_groups
 
 STEPS = 10
 
@@ -41,8 +41,8 @@ def engine_config(dirs, **kw) -> EngineConfig:
 def reference_run(mcfg, ecfg: EngineConfig, data, autocast: bool = False, delay_update: bool = False):
     """Plain PyTorch: returns per-step losses and the final named parameters."""
     model = build_model(mcfg, device="cpu", seed=ecfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=ecfg.lr, betas=ecfg.betas, eps=ecfg.eps,
-                            weight_decay=ecfg.weight_decay, fused=True)
+    opt = torch.optim.AdamW(param_groups(model, ecfg.weight_decay, ecfg.no_decay), lr=ecfg.lr, betas=ecfg.betas,
+                            eps=ecfg.eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, ecfg.warmup_steps, ecfg.total_steps, ecfg.min_lr_ratio))
     losses = []
@@ -64,6 +64,8 @@ def reference_run(mcfg, ecfg: EngineConfig, data, autocast: bool = False, delay_
                 for p, c in zip(model.parameters(), current):
                     p.copy_(c)
         stale = [p.detach().clone() for p in model.parameters()]
+        if ecfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ecfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

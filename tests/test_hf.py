@@ -16,7 +16,7 @@ import torch
 from lohan.config import EngineConfig
 from lohan.models import hf
 from lohan.models.gpt import lm_loss
-from lohan.optim import lr_factor
+from lohan.optim import lr_factor, param_groups
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
@@ -221,8 +221,8 @@ def test_blocks_in_sequence_equal_the_hf_forward(hf_dir, family):
 # ---------------------------------------------------------------------------------------------- engine
 def reference_run(path: str, ecfg: EngineConfig, data):
     model = reference_model(path)
-    opt = torch.optim.AdamW(model.parameters(), lr=ecfg.lr, betas=ecfg.betas, eps=ecfg.eps,
-                            weight_decay=ecfg.weight_decay, fused=True)
+    opt = torch.optim.AdamW(param_groups(model, ecfg.weight_decay, ecfg.no_decay), lr=ecfg.lr, betas=ecfg.betas,
+                            eps=ecfg.eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, ecfg.warmup_steps, ecfg.total_steps, ecfg.min_lr_ratio))
     losses = []
@@ -233,6 +233,8 @@ def reference_run(path: str, ecfg: EngineConfig, data):
             loss = lm_loss(model(input_ids=x).logits, y) / m
             loss.backward()
             total += float(loss.detach())
+        if ecfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ecfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

@@ -244,6 +244,13 @@ class HFBlocks:
         """HF state-dict names of block i's parameters, in `modules[i].parameters()` order."""
         return list(self._param_names[i])
 
+    def param_order(self) -> list[tuple[int, int]]:
+        """(block, index in the block) of every parameter in the model's own `parameters()` order, which
+        is not always block order (OPT registers its final norm before the layers). Gradient clipping
+        takes the global norm in this order, as `clip_grad_norm_(model.parameters())` does."""
+        where = {name: (i, k) for i, names in enumerate(self._param_names) for k, name in enumerate(names)}
+        return [where[name] for name, _ in self.model.named_parameters() if name in where]
+
     def external_params(self, i: int) -> list[tuple[int, int]]:
         return [self._tied_ref] if self.tied and i == len(self.modules) - 1 else []
 

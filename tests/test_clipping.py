@@ -1,0 +1,188 @@
+"""Stable training under overlapped updates: global-norm clipping, the non-finite guard and decay groups,
+each equal to plain PyTorch (`clip_grad_norm_` + `AdamW` with the same parameter groups), bit for bit in fp32,
+while the optimizer still runs during backward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lohan
+from lohan.config import EngineConfig, get_model_config
+from lohan.engine import NonFiniteError
+from lohan.models.gpt import build_model
+from lohan.optim import decay_mask, lr_factor, param_groups
+from lohan.store import StateStore
+
+STEPS = 8
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=256, n_layer=2, d_model=64, n_head=4, seq_len=32)
+    base.update(kw)
+    return get_model_config("tiny", **base)
+
+
+def batches(steps: int, batch: int = 4, seq: int = 32, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+        yield x[:, :-1], x[:, 1:]
+
+
+def config(dirs, **kw) -> EngineConfig:
+    base = dict(nvme=tuple(dirs), cpu_mem="512MiB", compute_dtype="fp32", lr=1e-2, warmup_steps=2,
+                total_steps=STEPS, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, seed=5, backend="threads",
+                max_grad_norm=1.5)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def reference(mcfg, ecfg: EngineConfig, data, poison: set[int] = frozenset()):
+    """Plain PyTorch: clip_grad_norm_, AdamW with lohan's decay groups, a step with a non-finite loss or
+    gradient norm skipped (its batch consumed, the schedule advanced). Returns losses, norms, weights."""
+    model = build_model(mcfg, device="cpu", seed=ecfg.seed)
+    opt = torch.optim.AdamW(param_groups(model, ecfg.weight_decay, ecfg.no_decay), lr=ecfg.lr, betas=ecfg.betas,
+                            eps=ecfg.eps, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, ecfg.warmup_steps, ecfg.total_steps, ecfg.min_lr_ratio))
+    losses, norms = [], []
+    for step, (idx, tgt) in enumerate(data):
+        handle = model.embed.register_forward_hook(lambda m, a, out: out * math.nan) if step in poison else None
+        total = 0.0
+        for x, y in zip(idx.chunk(ecfg.micro_batches), tgt.chunk(ecfg.micro_batches)):
+            loss = model(x, y)[1] / ecfg.micro_batches
+            loss.backward()
+            total += float(loss.detach())
+        if handle:
+            handle.remove()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), ecfg.max_grad_norm or math.inf)
+        if math.isfinite(total) and math.isfinite(float(norm)):
+            opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        norms.append(float(norm))
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def run_engine(mcfg, ecfg: EngineConfig, data, poison: set[int] = frozenset()):
+    losses, metrics = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        real = engine.program.run
+
+        for step, batch in enumerate(data):
+            if step in poison:
+                engine.program.run = lambda i, x, t: real(i, x, t) * math.nan if i == 0 else real(i, x, t)
+            losses.append(engine.step(batch))
+            engine.program.run = real
+            metrics.append(dict(engine.last_metrics))
+        params = engine.state_dict_fp32()
+    return losses, metrics, params
+
+
+def same_weights(ours: dict, ref: dict) -> None:
+    def ref_name(k: str) -> str:
+        block, _, rest = k.partition(".")
+        return f"blocks.{block[5:]}.{rest}" if block.startswith("block") else k
+
+    assert {ref_name(k) for k in ours} == set(ref)
+    for k, v in ours.items():
+        assert torch.equal(v, ref[ref_name(k)]), f"{k}: max |diff| {(v - ref[ref_name(k)]).abs().max():.3e}"
+
+
+def check(mcfg, ecfg, data_args=(), poison=frozenset()):
+    ref_losses, ref_norms, ref_params = reference(mcfg, ecfg, batches(STEPS, *data_args), poison)
+    losses, metrics, params = run_engine(mcfg, ecfg, batches(STEPS, *data_args), poison)
+    assert [str(x) for x in losses] == [str(x) for x in ref_losses]  # str: NaN == NaN
+    assert [str(m["grad_norm"]) for m in metrics] == [str(x) for x in ref_norms]
+    same_weights(params, ref_params)
+    return metrics
+
+
+@pytest.mark.parametrize("mode", ["serial", "naive", "optimized"])
+@pytest.mark.parametrize("clip_mode", ["speculate", "defer", "auto"])
+def test_clipping_is_bit_exact(make_dirs, mode, clip_mode):
+    metrics = check(tiny_cfg(), config(make_dirs(1), mode=mode, clip_mode=clip_mode))
+    coefs = [m["clip_coef"] for m in metrics]
+    assert any(c < 1 for c in coefs) and any(c == 1 for c in coefs), coefs  # both regimes were exercised
+    redone = [m["redone"] for m in metrics]
+    if clip_mode == "defer":
+        assert not any(redone)
+    elif clip_mode == "speculate":
+        assert redone == [c < 1 for c in coefs]  # exactly the clipped steps were redone
+    else:  # auto: defers after a clipped step, so only a clipped step after an unclipped one is redone
+        assert all(r == (c < 1 and i > 0 and coefs[i - 1] == 1) for i, (r, c) in enumerate(zip(redone, coefs)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_clipping_with_micro_batches_chunks_and_several_dirs(make_dirs, tied):
+    ecfg = config(make_dirs(3), micro_batches=3, opt_chunk_bytes=4096 * 16, clip_mode="speculate")
+    check(tiny_cfg(tie_embeddings=tied), ecfg, data_args=(6,))
+
+
+def test_clipping_in_place_defers_every_update(make_dirs):
+    metrics = check(tiny_cfg(), config(make_dirs(2), slots=1, clip_mode="auto"))
+    assert not any(m["redone"] for m in metrics)
+
+
+def test_speculation_needs_two_slots():
+    with pytest.raises(ValueError, match="clip_mode=speculate needs slots=2"):
+        config(["d"], slots=1, clip_mode="speculate")
+
+
+def test_clipping_off_takes_the_norm_anyway(make_dirs):
+    metrics = check(tiny_cfg(), config(make_dirs(1), max_grad_norm=0.0))
+    assert all(m["clip_coef"] is None and m["grad_norm"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize("slots", [2, 1])
+def test_non_finite_steps_are_skipped_exactly_like_a_guarded_loop(make_dirs, slots):
+    metrics = check(tiny_cfg(), config(make_dirs(1), slots=slots), poison={2, 5, 6})
+    assert [m["skipped"] for m in metrics] == [s in (2, 5, 6) for s in range(STEPS)]
+
+
+def test_too_many_bad_steps_stop_the_run_with_the_last_good_state(make_dirs):
+    dirs = make_dirs(1)
+    ecfg = config(dirs, max_bad_steps=2)
+    data = list(batches(5))
+    with lohan.init(tiny_cfg(), ecfg) as engine:
+        engine.step(data[0])
+        engine.step(data[1])
+        good = engine.state_dict_fp32()
+        real = engine.program.run
+        engine.program.run = lambda i, x, t: real(i, x, t) * math.inf if i == 0 else real(i, x, t)
+        assert math.isnan(engine.step(data[2])) and engine.last_metrics["skipped"]
+        with pytest.raises(NonFiniteError, match="2 steps in a row .* last good update \\(2 updates\\)"):
+            engine.step(data[3])
+    store = StateStore.open(dirs, backend="threads")
+    try:
+        assert (store.step, store.commit_state.applied, store.commit_state.bad_streak) == (4, 2, 2)
+        got = {f"{b.name}.{s.name}": t for b in store.layout.blocks for s, t in zip(b.params, store.read_params(b.index))}
+    finally:
+        store.close()
+    assert all(torch.equal(got[k], good[k]) for k in good)
+
+
+@pytest.mark.parametrize("no_decay", [(), ("bias",), ("bias", "norm", "embedding")])
+def test_decay_groups_are_bit_exact(make_dirs, no_decay):
+    check(tiny_cfg(), config(make_dirs(1), no_decay=no_decay, max_grad_norm=0.0, weight_decay=0.5))
+
+
+def test_decay_classification():
+    model = build_model(tiny_cfg(), device="meta")
+    names = [n for n, _ in model.named_parameters()]
+    mask = dict(zip(names, decay_mask(model, ("bias", "norm"))))
+    assert not mask["blocks.0.qkv.bias"] and not mask["blocks.0.ln1.weight"] and not mask["head.ln_f.weight"]
+    assert mask["blocks.0.qkv.weight"] and mask["embed.wte.weight"] and mask["embed.wpe.weight"]
+    mask = dict(zip(names, decay_mask(model, ("embedding",))))
+    assert not mask["embed.wte.weight"] and not mask["embed.wpe.weight"] and mask["blocks.0.ln1.weight"]
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    mask = dict(zip([n for n, _ in llama.named_parameters()], decay_mask(llama, ("bias", "norm"))))
+    assert not mask["model.norm.weight"] and not mask["model.layers.0.input_layernorm.weight"]
+    assert mask["model.layers.0.self_attn.q_proj.weight"] and mask["lm_head.weight"]
