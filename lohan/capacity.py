@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU, SSD count x model and RAM, e.g. 'rtx4090,12xP5510,256GB'")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (the paper uses 1024)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--compute-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--no-compare", action="store_true", help="skip the activations-in-RAM comparison")

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem", help="main-memory budget of the engine, e.g. 8GiB")
     p.add_argument("--gpu-mem", help="device memory the plan must fit in, e.g. 24GiB (default: the device's)")
     p.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
-    p.add_argument("--compute-dtype", choices=["bf16", "fp32"], help="device compute precision")
+    p.add_argument("--compute-dtype", choices=["bf16", "fp16", "fp32"],
+                   help="device compute precision (fp16 uses dynamic loss scaling)")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
     p.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")

@@ -313,6 +313,15 @@ class EngineConfig:
     update only once the norm is known. ``auto``: speculate when the previous step was not clipped, else
     defer (so steady clipping costs no redo). With ``slots=1`` only ``defer`` is possible."""
 
+    loss_scale: float = 65536.0
+    """fp16 only: the initial dynamic loss scale (`torch.amp.GradScaler`'s ``init_scale``). The loss is
+    multiplied by it before backward and the gradients divided by it after; a step whose gradients overflow
+    is skipped (the previous slot stands) and the scale halved; after ``loss_scale_growth_interval`` steps
+    without overflow it doubles."""
+
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: steps without overflow before the loss scale doubles (GradScaler's ``growth_interval``)."""
+
     max_bad_steps: int = 8
     """A step whose loss or gradients are not finite is never committed (the previous states stand, its
     batch is skipped); after this many such steps in a row the run stops."""
@@ -403,7 +412,7 @@ class EngineConfig:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))
             except ValueError as e:
                 problems.append(f"{name}: {e}")
-        choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": ("bf16", "fp32"),
+        choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": ("bf16", "fp16", "fp32"),
                    "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -445,6 +454,10 @@ class EngineConfig:
         elif self.clip_mode == "speculate" and self.slots == 1 and self.max_grad_norm:
             problems.append("clip_mode=speculate needs slots=2 (a wrong guess is undone from the previous slot, "
                             "which slots=1 overwrites); use clip_mode=defer or auto")
+        if not (_is_finite(self.loss_scale) and self.loss_scale > 0):
+            problems.append(f"loss_scale={self.loss_scale!r} must be a positive number, e.g. 65536")
+        if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1):
+            problems.append(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be an integer >= 1")
         if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
             problems.append(f"max_bad_steps={self.max_bad_steps!r} must be an integer >= 1")
         if problems:

@@ -38,6 +38,7 @@ from .config import EngineConfig, ModelConfig, get_model_config
 from .crashpoints import crashpoint
 from .device import Device
 from .dirlock import DirLock
+from .gradstash import GradStash
 from .integrity import unit_bounds
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
@@ -88,24 +89,27 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks,
         # but never more than every block at once (small models)
         "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max_p16, sum(b.p16_bytes for b in layout.blocks)),
-        # every block's gradient is held until backward ends in serial mode, and kept for the step when
-        # clipping (a deferred or redone update needs it) or updating in place (slots=1: nothing is written
-        # before the step is known to be finite); otherwise one filling, one queued
-        "grads": (sum(grads) if keeps_all_grads(cfg) else min(2 * max(grads), sum(grads)))
+        # one filling, one queued (serial mode: every block's gradient until backward ends)
+        "grads": (sum(grads) if cfg.mode == "serial" else min(2 * max(grads), sum(grads)))
         + cfg.micro_batches * tied_bytes,
         # records in flight, plus the fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
         "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(layout, chunk, grad_dtype(cfg),
                                                                       clip=cfg.max_grad_norm > 0),
     }
     total = sum(need.values())
+    if keeps_all_grads(cfg) and cfg.mode != "serial":
+        # Clipping (a deferred or redone update) and in-place updates (slots=1: nothing is written before the
+        # step is known to be finite) keep the step's gradients: in main memory as far as cpu_mem allows,
+        # the rest on the SSDs (gradstash.py)
+        need["grad_stash"] = min(sum(grads), max(0, cfg.cpu_mem - total))
+        total += need["grad_stash"]
     if total > cfg.cpu_mem:
         parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
         raise MemoryPlanError(
             f"cpu_mem={cfg.cpu_mem / 2**30:.2f} GiB is too small for this model: the engine needs "
             f"{total / 2**30:.2f} GiB ({parts}). Raise cpu_mem to at least {total / 2**30:.2f} GiB"
             + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
-            + (", or turn gradient clipping off (max_grad_norm=0: clipping keeps the step's gradients)"
-               if cfg.max_grad_norm > 0 and cfg.mode != "serial" else "")
+
             + ", or lower prefetch_depth / max_inflight_blocks")
     return need
 
@@ -140,7 +144,7 @@ class Engine:
             raise
         volume = self.store.volume
         self.params_pool = volume.buffer_pool(self.memory_plan["params"])
-        self.grads_pool = volume.buffer_pool(self.memory_plan["grads"])
+        self.grads_pool = volume.buffer_pool(self.memory_plan["grads"] + self.memory_plan.get("grad_stash", 0))
         # the optimizer's share of the plan also holds the fp32 upcast scratch, which the offloader
         # allocates itself: the record pool gets the rest, so the two together stay within the plan
         upcast = upcast_bytes(layout, optimizer_chunk_elems(layout, cfg), grad_dtype(cfg), clip=cfg.max_grad_norm > 0)
@@ -148,7 +152,13 @@ class Engine:
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
         self.grad_dtype = grad_dtype(cfg)
         self.decays = [decay_mask(m, cfg.no_decay) for m in program.modules]
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays)
+        grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
+        # serial mode holds every gradient in its pool already: the stash keeps those very buffers
+        stash_ram = sum(align_up(g) for g in grad_bytes) if cfg.mode == "serial" else self.memory_plan.get("grad_stash")
+        self.stash = (GradStash(dirs, grad_bytes, self.grads_pool, stash_ram, cfg.name, cfg.backend, cfg.chunk_bytes,
+                                cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays,
+                                       self.stash)
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),
@@ -158,6 +168,8 @@ class Engine:
         self.last_metrics: dict[str, Any] = {}
         self._broken: str | None = None
         self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
+        self._deferred = False
+        self._scale: Tensor | None = None
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
@@ -202,8 +214,10 @@ class Engine:
         # forward visits blocks 0..n-2 (the head runs in backward), backward n-1..0
         visits = list(range(n - 1)) + list(range(n - 1, -1, -1))
         order = list(range(n - 1, -1, -1))
+        self._begin_loss_scale(commit)
         gate = self._gate()
         speculated = not gate.deferred and self.cfg.max_grad_norm > 0
+        self._deferred = gate.deferred
         self.store.begin_step()
         self.offloader.begin_step(commit.applied + 1, hyper, order, read_slot, write_slot, gate=gate,
                                   keep=speculated)
@@ -229,10 +243,12 @@ class Engine:
         self.streamer.release_all()
         act_stats = self.activations.stats()
         self.activations.end_step()
+        scaler = self._end_loss_scale()
         if settle["skipped"]:
-            self._skip(step, commit, loss, settle)
+            self._skip(step, commit, loss, settle, scaler)
         else:
-            self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written(), updates=commit.applied + 1)
+            self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written(), updates=commit.applied + 1,
+                              **scaler)
         self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, fwd_s + bwd_s, tail_s,
                              io0, wait0, hash0, hyper.lr, idx.shape[1])
         self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
@@ -258,8 +274,11 @@ class Engine:
         flat = [norms[i][k] for i, k in order] if order else [t for block in norms for t in block]
         total = torch.linalg.vector_norm(torch.stack(flat), 2.0)
         norm = float(total)
+        scaled = {"loss_scale": float(self._scale)} if self._scale is not None else {}
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            return {"skipped": True, "redone": False, "grad_norm": norm, "clip_coef": None, "coef_t": None}
+            overflow = math.isfinite(loss) and self._scale is not None and bool(self._found_inf.item())
+            return {"skipped": True, "overflow": overflow, "redone": False, "grad_norm": norm, "clip_coef": None,
+                    "coef_t": None, **scaled}
         coef_t = torch.tensor(1.0)
         if self.cfg.max_grad_norm > 0:
             coef_t = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
@@ -267,13 +286,39 @@ class Engine:
         self._last_coef = coef
         if gate.deferred:
             gate.open(coef_t)
-        return {"skipped": False, "redone": speculated and coef != 1.0, "grad_norm": norm,
-                "clip_coef": coef if self.cfg.max_grad_norm > 0 else None, "coef_t": coef_t}
+        return {"skipped": False, "overflow": False, "redone": speculated and coef != 1.0, "grad_norm": norm,
+                "clip_coef": coef if self.cfg.max_grad_norm > 0 else None, "coef_t": coef_t, **scaled}
 
-    def _skip(self, step: int, commit: Any, loss: float, settle: dict[str, Any]) -> None:
-        """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were."""
+    def _begin_loss_scale(self, commit: Any) -> None:
+        """fp16: the dynamic loss scale of this step, as GradScaler keeps it (0-d fp32 tensor), from the commit."""
+        if self.cfg.compute_dtype != "fp16":
+            self._scale = None
+            return
+        self._scale = torch.tensor(commit.loss_scale or self.cfg.loss_scale, dtype=torch.float32)
+        self._tracker = torch.tensor(commit.growth_tracker, dtype=torch.int32)
+        self._inv_scale = self._scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+        self._found_inf = torch.zeros(1)
+
+    def _end_loss_scale(self) -> dict[str, Any]:
+        """fp16: GradScaler.update (halve after an overflow, double after growth_interval clean steps)."""
+        if self._scale is None:
+            return {}
+        torch._amp_update_scale_(self._scale, self._tracker, self._found_inf, 2.0, 0.5,
+                                 self.cfg.loss_scale_growth_interval)
+        return {"loss_scale": float(self._scale), "growth_tracker": int(self._tracker)}
+
+    def _skip(self, step: int, commit: Any, loss: float, settle: dict[str, Any], scaler: dict[str, Any]) -> None:
+        """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were. An
+        fp16 overflow (finite loss, gradients too large for the scale) is GradScaler's ordinary skip: the
+        scale was lowered, and it does not count as a bad step."""
+        if settle.get("overflow"):
+            self.store.commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied,
+                              bad_streak=commit.bad_streak, **scaler)
+            log.info("step %d: fp16 gradients overflowed; skipped, loss scale lowered to %s", step + 1,
+                     scaler["loss_scale"])
+            return
         streak = commit.bad_streak + 1
-        self.store.commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied, bad_streak=streak)
+        self.store.commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied, bad_streak=streak, **scaler)
         log.warning("step %d skipped: loss %s, gradient norm %s are not finite (%d in a row); the states of the "
                     "last good update stand", step + 1, loss, settle["grad_norm"], streak)
         if streak >= self.cfg.max_bad_steps:
@@ -346,7 +391,9 @@ class Engine:
                     if i == last:
                         out = out / m_count
                 inputs = ([x] if i > 0 else []) + list(params) + ext_params
-                grads = torch.autograd.grad(out, inputs, grad_outputs=None if i == last else grad_out[m],
+                # fp16: backward runs on loss x scale (GradScaler.scale), the gradients are unscaled below
+                target = out * self._scale if i == last and self._scale is not None else out
+                grads = torch.autograd.grad(target, inputs, grad_outputs=None if i == last else grad_out[m],
                                             allow_unused=True)
                 if i == last:
                     loss += float(out.detach())
@@ -356,7 +403,9 @@ class Engine:
                     if g is None:                             # as autograd sums a leaf's inputs
                         g = torch.zeros_like(view)
                     if other is not None:
-                        g = g + other
+                        # fp16 gradients carry the loss scale: summed in fp32, as autograd sums the fp32 .grad
+                        # of an autocast model (an fp16 sum could overflow where GradScaler's does not)
+                        g = g.float() + other.float() if g.dtype == torch.float16 else g + other
                     if m == 0:
                         view.copy_(g)
                     else:
@@ -369,9 +418,12 @@ class Engine:
                 if inner:
                     del x, out, grads
                     self.activations.release(i, m)
+            if self._scale is not None:  # GradScaler.unscale_: the same op, so the same bits and inf check
+                torch._amp_foreach_non_finite_check_and_unscale_(acc, self._found_inf, self._inv_scale)
             norms[i] = _param_norms(acc)
             compute_s += time.perf_counter() - t0
-            self.offloader.submit(i, gbuf)
+            # a deferred update keeps the gradient in the stash (RAM, or the SSDs past the budget)
+            self.offloader.submit(i, self.stash.put(i, gbuf) if self._deferred and self.stash else gbuf)
             crashpoint("engine.backward")
             self._leave(visits, p)
         return loss, compute_s, norms
@@ -451,6 +503,8 @@ class Engine:
         self._closed = True
         self.streamer.release_all()
         self.activations.close()
+        if self.stash is not None:
+            self.stash.close()
         for pool in (self.params_pool, self.grads_pool, self.records_pool):
             pool.clear()
         try:
@@ -467,10 +521,8 @@ class Engine:
 
 def _param_norms(grads: list[Tensor]) -> list[Tensor]:
     """Per-parameter L2 norms, as clip_grad_norm_ takes them (torch._foreach_norm on fp32 gradients; bf16
-    ones are upcast inside the norm)."""
-    if all(g.dtype == torch.float32 for g in grads):
-        return list(torch._foreach_norm(grads, 2.0))
-    return [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
+    ones are upcast first, so a bf16 buffer gives the same norms as an fp32 buffer of the same values)."""
+    return list(torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads], 2.0))
 
 
 class StoreExistsError(FileExistsError):
@@ -522,7 +574,7 @@ def _open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mod
 
 STORE_SUFFIXES = (".slab", ".volume.json", ".volume.json.tmp", ".store.json", ".store.json.tmp", ".commit.json",
                   ".commit.json.tmp", ".init.json", ".init.json.tmp", ".run.json", ".run.json.tmp", ".profile.json",
-                  "-act.slab", "-act.volume.json")
+                  "-act.slab", "-act.volume.json", "-grad.slab", "-grad.volume.json")
 
 
 def _remove_store(dirs: list[str], name: str) -> None:

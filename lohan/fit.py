@@ -120,7 +120,8 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
     """This machine as a `Hardware` record, without writing anything."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")
-    dtype = torch.bfloat16 if compute_dtype == "bf16" and use_cuda else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32) if use_cuda \
+        else torch.float32
     ram = psutil.virtual_memory().total
     notes = [f"SSD bandwidth assumed {ASSUMED_SSD_GBPS} GB/s per directory (read and write; measured at the "
              "first step of a real run)"]
@@ -180,8 +181,9 @@ def _duration(seconds: float) -> str:
 
 def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
-               slots: int = 2) -> FitReport:
-    cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots)
+               slots: int = 2, keep_grads: bool = False) -> FitReport:
+    cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
+                   keep_grads=keep_grads)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, mcfg, machine.hardware, compute_dtype)
     step_s = cap.plan.estimate.t_iter
@@ -194,7 +196,7 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
 def _with_device_in_ram(cap: Capacity, mcfg: ModelConfig, hw: Hardware, compute_dtype: str) -> Capacity:
     """On a CPU-only run the device's working set is in main memory too: its parameters are the host
     pool's buffers (no copy), but a block's activations and gradients, the logits and the process add up."""
-    s = 2 if compute_dtype == "bf16" else 4
+    s = 4 if compute_dtype == "fp32" else 2
     big = max(mcfg.block_param_count(), mcfg.embed_param_count(), mcfg.head_param_count())
     extra = {k: v for k, v in cap.gpu_parts.items() if k != "params"}
     extra["block gradients"] = s * big

@@ -173,6 +173,8 @@ class StepMetrics:
     """The speculative update guessed the clip coefficient wrong and was redone from the previous slot."""
     skipped: bool = False
     """The loss or the gradients were not finite: the step was not applied (its batch is consumed)."""
+    loss_scale: float | None = None
+    """fp16: the dynamic loss scale the step ran with (a skipped overflow step halves it)."""
 
     @classmethod
     def from_counters(
@@ -194,6 +196,7 @@ class StepMetrics:
         clip_coef: float | None = None,
         redone: bool = False,
         skipped: bool = False,
+        loss_scale: float | None = None,
     ) -> StepMetrics:
         """Derive the rates of a step from raw counters (bytes, FLOPs, seconds).
 
@@ -235,6 +238,7 @@ class StepMetrics:
             clip_coef=clip_coef,
             redone=redone,
             skipped=skipped,
+            loss_scale=loss_scale,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up, wait_all_handles
 
 from .crashpoints import crashpoint
+from .gradstash import GradStash, StashedGrad
 from .integrity import Sums, tensor_hash
 from .optim import AdamWHyper, adamw_block_, adamw_chunk_
 from .store import RecordView, StateStore, StoreLayout
@@ -103,7 +104,8 @@ class GradOffloader:
     """The optimizer side of one training step, fed block by block from the backward pass."""
 
     def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None,
-                 grad_dtype: torch.dtype = torch.float32, decays: list[list[bool]] | None = None) -> None:
+                 grad_dtype: torch.dtype = torch.float32, decays: list[list[bool]] | None = None,
+                 stash: GradStash | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
@@ -117,7 +119,7 @@ class GradOffloader:
         self.chunk_elems = store.check_elems
         self.grad_dtype = grad_dtype
         self.decays = decays or [[True] * len(b.params) for b in store.layout.blocks]
-        self._kept: dict[int, AlignedBuffer] = {}  # gradients kept for a redo (clipping), released by the engine
+        self.stash = stash  # where gradients are kept for a redo (clipping); cleared by `release_kept`
         self._gate = ClipGate()
         self._keep = False
         self._upcast: torch.Tensor | None = None  # fp32 scratch for bf16 gradients, see `_fp32`
@@ -153,8 +155,9 @@ class GradOffloader:
         self._thread = threading.Thread(target=self._run_guarded, args=args, name="lohan-ago", daemon=True)
         self._thread.start()
 
-    def submit(self, block: int, grad: AlignedBuffer) -> None:
-        """Hand over block `block`'s complete fp32 gradient (the pipeline releases the buffer)."""
+    def submit(self, block: int, grad: AlignedBuffer | StashedGrad) -> None:
+        """Hand over block `block`'s complete gradient (the pipeline releases the buffer), or its place in
+        the stash (a deferred update: the gradient may be on the SSDs until its update runs)."""
         if self._error is not None:
             raise RuntimeError("the optimizer pipeline failed") from self._error
         self._queue.put((block, grad))
@@ -185,22 +188,20 @@ class GradOffloader:
              coef: torch.Tensor) -> None:
         """Run the step's optimizer pass again from `read_slot` (untouched: the speculative writes went to
         `write_slot`) with the kept gradients and the step's true coefficient."""
-        kept, self._kept = self._kept, {}
-        missing = [i for i in order if i not in kept]
-        if missing:
-            raise RuntimeError(f"redo without the kept gradients of blocks {missing}")
+        if self.stash is None:
+            raise RuntimeError("redo needs a gradient stash")
+        grads = [self.stash.get(i) for i in order]
         gate = ClipGate(None)
         gate.open(coef)
-        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=True)
-        for i in order:
-            self._queue.put((i, kept[i]))
+        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=False)
+        for i, g in zip(order, grads):
+            self._queue.put((i, g))
         self.finish()
 
     def release_kept(self) -> None:
         """Give back the gradients kept for a redo (after the step is committed or discarded)."""
-        for buf in self._kept.values():
-            buf.release()
-        self._kept.clear()
+        if self.stash is not None:
+            self.stash.clear()
 
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.
@@ -311,11 +312,11 @@ class GradOffloader:
                     self.hash_s += time.perf_counter() - t0
                 if prefetch and k + 1 < len(units):
                     self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
-                g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
                 coef = self._gate.wait()  # deferred: until backward has ended and the norm is known
                 if coef is None:  # the step was discarded (non-finite gradients, or an abort)
                     buf.release()
                     return
+                g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
                 t0 = time.perf_counter()
                 try:
                     if (lo, hi) == (0, b.numel):
@@ -343,11 +344,13 @@ class GradOffloader:
                 self._done_with(current, grad)
         self._reap(wait=True)
 
-    def _done_with(self, block: int | None, grad: AlignedBuffer) -> None:
-        if self._keep and block is not None:
-            self._kept[block] = grad
+    def _done_with(self, block: int | None, grad: AlignedBuffer | StashedGrad) -> None:
+        if self._keep and block is not None and not isinstance(grad, StashedGrad):
+            if self.stash is None:
+                raise RuntimeError("keeping gradients needs a gradient stash")
+            self.stash.put(block, grad)
         else:
-            grad.release()
+            grad.release()  # a stashed gradient gives back only what reading it back took
 
     def _fp32(self, g: torch.Tensor, coef: torch.Tensor | None = None) -> torch.Tensor:
         """`g` as fp32: a bf16 gradient is upcast into one scratch kept for the engine's life (its size,

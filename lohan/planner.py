@@ -527,7 +527,8 @@ def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: 
     largest block, or of a chunk of ``opt_chunk_bytes`` when records are bigger.
     """
     s = _itemsize(compute_dtype)
-    g = s if micro_batches == 1 else 4  # engine.grad_dtype: bf16 gradients are kept as they are unless accumulated
+    # engine.grad_dtype: bf16 gradients are kept as they are unless accumulated; fp16 ones are scaled: fp32
+    g = s if micro_batches == 1 and compute_dtype == "bf16" else 4
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
     total = cfg.param_count()
     tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
@@ -622,10 +623,12 @@ def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, pl
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
-             micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2) -> Capacity:
+             micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
+             keep_grads: bool = False) -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
-    buffers in main memory)."""
+    buffers in main memory). With ``keep_grads`` (gradient clipping, or in-place slots) the step's
+    gradients are also kept: in the main memory left over, the rest on the SSDs (the engine's stash)."""
     pool_args = dict(compute_dtype=compute_dtype, prefetch_depth=prefetch_depth,
                      max_inflight=max_inflight, micro_batches=micro_batches)
     pools = engine_pools(cfg, **pool_args)
@@ -633,6 +636,9 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     plan = algorithm1(analytic_profile(cfg, batch, seq, reserve_engine_pools(hw, cfg, **pool_args), compute_dtype))
     gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
+    if keep_grads:  # what the RAM left after the pools and activations cannot keep goes to the SSDs
+        g = _itemsize(compute_dtype) if micro_batches == 1 else 4
+        states += max(0, g * cfg.param_count() - max(0, _ram_budget(hw) - sum(pools.values()) - plan.cpu_bytes))
     return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
                   {**pools, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
 

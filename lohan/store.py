@@ -53,7 +53,7 @@ from .integrity import (
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,8 @@ class Commit:
     sums: Sums | None = None
     updates: int | None = None   # optimizer updates applied (None: as many as steps); a skipped step adds none
     bad_streak: int = 0          # consecutive steps skipped for non-finite loss or gradients
+    loss_scale: float | None = None   # fp16: the dynamic loss scale and its growth tracker (GradScaler's state)
+    growth_tracker: int = 0
 
     @property
     def applied(self) -> int:
@@ -439,7 +441,7 @@ class StateStore:
             write_json_atomic(self.commit_path, asdict(self.commit_state))
 
     def commit(self, step: int, slot: int, sums: Sums | None = None, updates: int | None = None,
-               bad_streak: int = 0) -> None:
+               bad_streak: int = 0, loss_scale: float | None = None, growth_tracker: int = 0) -> None:
         """Make `slot` current at training step `step`, durably (all writes must be complete).
         `sums` are the checksums of every record in `slot` (required when the store keeps checksums);
         `updates` the optimizer updates the slot's states have seen (default: `step`)."""
@@ -448,7 +450,8 @@ class StateStore:
         self.volume.sync()
         crashpoint("store.commit.synced")
         self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums,
-                                   updates=None if updates == step else updates, bad_streak=bad_streak)
+                                   updates=None if updates == step else updates, bad_streak=bad_streak,
+                                   loss_scale=loss_scale, growth_tracker=growth_tracker)
         write_json_atomic(self.commit_path, asdict(self.commit_state))
 
     # ------------------------------------------------------------ integrity

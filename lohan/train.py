@@ -280,7 +280,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem))
         report = fit_report(mcfg, machine, run.batch_size, seq_len, e.compute_dtype, e.micro_batches,
-                            e.prefetch_depth, per_epoch, slots=e.slots)
+                            e.prefetch_depth, per_epoch, slots=e.slots,
+                            keep_grads=e.max_grad_norm > 0 or e.slots == 1)
     except ValueError as err:
         return fail(str(err))
     if dry_run:
@@ -358,7 +359,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     ssd_write_bytes=m["ssd_write_bytes"], cpu_mem_bytes=int(m["cpu_mem_gib"] * 2**30),
                     gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
                     lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
-                    clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")))
+                    clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
+                    loss_scale=m.get("loss_scale"))
                 history.append(sm)
                 writer.write(sm)
                 report_step(bar, sm, steps)

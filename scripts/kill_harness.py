@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "trials_identical": sum(t.identical for t in trials),
         "trials_killed_several_times": sum(t.kills > 1 for t in trials),
         "by_phase": {p: {"killed": r[0], "survived": r[1], "point_not_reached": r[2]} for p, r in sorted(by_phase.items())},
-        "command": " ".join(base_args(Path("WORK"))[1:]), "seed": args.seed,
+        "command": " ".join(["python finetune.py", *base_args(Path("WORK"))[2:]]), "seed": args.seed,
         "trial_log": [asdict(t) for t in trials],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -186,3 +186,95 @@ def test_decay_classification():
     mask = dict(zip([n for n, _ in llama.named_parameters()], decay_mask(llama, ("bias", "norm"))))
     assert not mask["model.norm.weight"] and not mask["model.layers.0.input_layernorm.weight"]
     assert mask["model.layers.0.self_attn.q_proj.weight"] and mask["lm_head.weight"]
+
+
+@pytest.mark.parametrize("clip_mode", ["speculate", "defer"])
+def test_gradients_past_the_memory_budget_spill_to_the_ssds_exactly(make_dirs, clip_mode):
+    """With cpu_mem too small to keep the step's gradients, the stash writes the rest to the SSDs and reads
+    them back for the deferred or redone update: same bits as keeping them all in RAM."""
+    mcfg = tiny_cfg()
+    roomy = config(make_dirs(1, "probe"))
+    with lohan.init(mcfg, roomy) as engine:
+        plan = dict(engine.memory_plan)
+    others = sum(v for k, v in plan.items() if k != "grad_stash")
+    ecfg = config(make_dirs(2), clip_mode=clip_mode, cpu_mem=others + plan["grad_stash"] // 3)
+    ref_losses, ref_norms, ref_params = reference(mcfg, ecfg, batches(STEPS))
+    losses, spilled = [], 0
+    with lohan.init(mcfg, ecfg) as engine:
+        assert 0 < engine.memory_plan["grad_stash"] < plan["grad_stash"]
+        for batch in batches(STEPS):
+            losses.append(engine.step(batch))
+        spilled = engine.stash.spilled_total
+        params = engine.state_dict_fp32()
+    assert spilled > 0
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+
+
+# ------------------------------------------------------------------------------ fp16 dynamic loss scaling
+def reference_fp16(mcfg, ecfg: EngineConfig, data):
+    """Plain PyTorch mixed precision: fp32 model, autocast fp16, GradScaler, unscale_, clip_grad_norm_, AdamW."""
+    model = build_model(mcfg, device="cpu", seed=ecfg.seed)
+    opt = torch.optim.AdamW(param_groups(model, ecfg.weight_decay, ecfg.no_decay), lr=ecfg.lr, betas=ecfg.betas,
+                            eps=ecfg.eps, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, ecfg.warmup_steps, ecfg.total_steps, ecfg.min_lr_ratio))
+    scaler = torch.amp.GradScaler("cpu", init_scale=ecfg.loss_scale, growth_interval=ecfg.loss_scale_growth_interval)
+    losses, scales, skipped = [], [], []
+    for idx, tgt in data:
+        total = 0.0
+        scales.append(scaler.get_scale())
+        for x, y in zip(idx.chunk(ecfg.micro_batches), tgt.chunk(ecfg.micro_batches)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x, y)[1] / ecfg.micro_batches
+            scaler.scale(loss).backward()
+            total += float(loss.detach())
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ecfg.max_grad_norm)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, scales, skipped, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp16_dynamic_loss_scaling_follows_grad_scaler(make_dirs, tied):
+    """A scale of 2**21 overflows the fp16 gradients until it has been halved enough: those steps are skipped
+    (nothing committed but the lower scale), exactly where GradScaler skips them; the scale then grows back
+    every `growth_interval` clean steps; the loss curves agree to fp16 rounding noise."""
+    mcfg = tiny_cfg(tie_embeddings=tied)
+    ecfg = config(make_dirs(1), compute_dtype="fp16", loss_scale=2.0**21, loss_scale_growth_interval=3,
+                  lr=3e-3, max_bad_steps=2)
+    data = [next(batches(1))] * 14  # one batch, repeated: learnable
+    ref_losses, ref_scales, ref_skipped, _ = reference_fp16(mcfg, ecfg, data)
+    losses, metrics, _ = run_engine(mcfg, ecfg, data)
+    assert [m["loss_scale"] for m in metrics] == ref_scales
+    assert [m["skipped"] for m in metrics] == ref_skipped
+    assert sum(ref_skipped) >= 3 and ref_scales[-1] > min(ref_scales)  # overflowed, then grew back
+    assert all(m["overflow"] == m["skipped"] for m in metrics)  # overflows are not "bad steps"
+    diffs = [abs(a - b) for a, b in zip(losses, ref_losses)]
+    assert max(diffs) < 5e-3, diffs
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_fp16_scale_survives_a_resume(make_dirs):
+    dirs = make_dirs(1)
+    ecfg = config(dirs, compute_dtype="fp16", loss_scale=2.0**30, loss_scale_growth_interval=3)
+    data = list(batches(6))
+    with lohan.init(tiny_cfg(), ecfg) as engine:
+        for b in data[:3]:
+            engine.step(b)
+        scale = engine.store.commit_state.loss_scale
+        rest = [engine.step(b) for b in data[3:]]
+    with lohan.init(tiny_cfg(), config(make_dirs(1, "b"), compute_dtype="fp16", loss_scale=2.0**30,
+                                       loss_scale_growth_interval=3)) as engine:
+        for b in data[:3]:
+            engine.step(b)
+    with lohan.init(tiny_cfg(), config(make_dirs(1, "b"), compute_dtype="fp16", loss_scale=2.0**30,
+                                       loss_scale_growth_interval=3), resume=True) as engine:
+        assert engine.store.commit_state.loss_scale == scale < 2.0**30
+        assert [engine.step(b) for b in data[3:]] == rest

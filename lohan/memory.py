@@ -1,0 +1,53 @@
+"""Main-memory accounting of a run: the bound on its peak RSS that the plan states (`train._header`),
+checked by `benchmarks/soak.py` and `tests/test_memory.py`.
+
+    peak RSS <= cpu_mem + overhead
+
+`cpu_mem` bounds what the engine allocates on purpose: its buffer pools (`Engine.memory_plan`, hard
+budgets) and the activation records the plan keeps in main memory (the CPU tier: a hard-budgeted pool
+sized from what `cpu_mem` leaves after the pools). The overhead is what no budget covers:
+
+- process: the RSS measured once the engine is built, before the first step: Python, torch and the
+  libraries, the model skeleton, tokenizer and data, the store's metadata (0.40 GiB for the tiny
+  preset, 0.59 GiB for a 110M HF Llama here);
+- device working set, only when the device is the CPU (with a GPU it is device memory): what a step
+  holds beyond the block parameters (those are views of the params pool's buffers, no copy): the block
+  being recomputed (its activations and their gradients), the records the plan keeps on the device and
+  the head's fp32 logits, after the capacity planner's device-memory model (`planner._gpu_need`);
+- allocator slack: memory glibc keeps in its arenas after it is freed (fragmentation of the per-step
+  temporaries), and the first step's profiling and SSD probe. benchmarks/soak.py measured peak RSS minus
+  (process + pools + activation tier) at 0.18 GiB (tiny, analytic working set 0.03 GiB) and 0.25 GiB
+  (110M Llama at seq 512, working set 0.15 GiB); `SLACK_BYTES` + `SLACK_FACTOR` x working set covers both
+  with room (0.27 and 0.33 GiB).
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+from .planner import Hardware, _gpu_need, analytic_profile
+
+SLACK_BYTES = 1 << 28  # 256 MiB
+SLACK_FACTOR = 0.5
+"""Allocator slack = SLACK_BYTES + SLACK_FACTOR x the device working set (see the module docstring)."""
+
+_BYTES_ONLY = Hardware("bytes-only", thp_g=1.0, bw_g=1.0, bw_s2m=1.0, bw_m2s=1.0, mem_avail=0)
+"""The planner's byte counts do not depend on the machine; its profile wants one all the same."""
+
+
+def device_working_set(mcfg: ModelConfig, batch: int, seq: int, micro_batches: int, compute_dtype: str,
+                       prefetch_depth: int, act_policy: str) -> int:
+    """Bytes the compute device holds during a step beyond the block parameters (analytic)."""
+    need = _gpu_need(mcfg, batch, seq, _BYTES_ONLY, compute_dtype, micro_batches, prefetch_depth, ())
+    ws = sum(v for k, v in need.items() if k != "params")
+    if act_policy == "recompute-all":  # every block's input stays on the device, not only the last one's
+        ws += (mcfg.n_layer - 1) * analytic_profile(mcfg, batch, seq, _BYTES_ONLY, compute_dtype).input_bytes
+    return ws
+
+
+def rss_overhead(process_rss: int, mcfg: ModelConfig, batch: int, seq: int, micro_batches: int, compute_dtype: str,
+                 prefetch_depth: int, act_policy: str, device_is_cpu: bool) -> dict[str, int]:
+    """The parts of the peak RSS beyond `cpu_mem`: `process` (measured, passed in), `device working set`
+    (0 with a GPU) and `allocator slack`; their sum is the overhead of `peak RSS <= cpu_mem + overhead`."""
+    ws = (device_working_set(mcfg, batch, seq, micro_batches, compute_dtype, prefetch_depth, act_policy)
+          if device_is_cpu else 0)
+    return {"process": int(process_rss), "device working set": ws, "allocator slack": int(SLACK_BYTES + SLACK_FACTOR * ws)}
