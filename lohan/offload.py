@@ -217,7 +217,11 @@ class GradOffloader:
         self._thread.join()
         self._thread = None
         self._error = None
-        while True:  # gradients the pipeline never took (it stopped at a cancelled gate)
+        self._drain()  # gradients the pipeline never took (it stopped at a cancelled gate)
+
+    def _drain(self) -> None:
+        """Give back the gradient buffers still queued."""
+        while True:
             try:
                 _, grad = self._queue.get_nowait()
             except queue.Empty:
@@ -231,13 +235,7 @@ class GradOffloader:
             self._run(*args)
         except BaseException as e:  # surfaced to the compute thread by submit()/finish()
             self._error = e
-            while True:  # give back the gradient buffers the compute thread keeps handing over
-                try:
-                    _, grad = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if grad is not None:
-                    grad.release()
+            self._drain()  # the compute thread may keep handing buffers over until it sees the error
 
     def _run(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int) -> None:
         self._read_slot, self._write_slot = read_slot, write_slot

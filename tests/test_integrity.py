@@ -11,30 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from test_store import batch, ecfg, small_model  # the same tiny model, settings and batches
 
 import lohan
-from lohan.config import EngineConfig, get_model_config
 from lohan.dirlock import LOCK_NAME, DirectoryInUseError, DirLock
 from lohan.engine import StoreExistsError
 from lohan.integrity import StoreCorruptError
 from lohan.store import StateStore
-
-
-def small_model(**kw):
-    base = dict(vocab_size=256, n_layer=3, d_model=64, n_head=4, seq_len=32)
-    base.update(kw)
-    return get_model_config("tiny", **base)
-
-
-def ecfg(dirs, **kw):
-    base = dict(nvme=tuple(dirs), cpu_mem="256MiB", compute_dtype="fp32", backend="threads", lr=1e-2)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def batch(seed=0):
-    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(seed))
-    return x[:, :-1], x[:, 1:]
 
 
 def trained_store(dirs, steps=2, **kw):
