@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import xxhash
 
+from .crashpoints import crashpoint
+
 Sums = list[list[list[int]]]  # [block][unit] -> [state, p16]
 
 
@@ -60,8 +62,6 @@ def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
         json.dump(data, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    from .crashpoints import crashpoint
-
     crashpoint(f"json.rename:{os.path.basename(path)}")
     os.replace(tmp, path)
     dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)

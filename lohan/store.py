@@ -370,6 +370,9 @@ class StateStore:
         d = dirs[0]
         meta_path, commit_path = os.path.join(d, f"{name}.store.json"), os.path.join(d, f"{name}.commit.json")
         if not os.path.exists(meta_path):
+            if os.path.exists(commit_path):  # a store that committed has its description: it was removed
+                raise StoreCorruptError(f"{meta_path} (store description) is missing beside its commit record. "
+                                        f"{_FIX_META}")
             stray = any(os.path.exists(os.path.join(x, f"{name}{suffix}")) for x in dirs
                         for suffix in (".slab", ".volume.json"))
             return StoreStatus("stray" if stray else "none")

@@ -329,7 +329,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return fail(f"{err}. The blocks initialized before the failure are durable; fix the cause (free space, "
                     "check the drive), then continue with --resume")
     except (MemoryPlanError, VolumeConfigError, FileExistsError, FileNotFoundError, ValueError,
-            StoreCorruptError, DirectoryInUseError) as err:
+            StoreCorruptError, DirectoryInUseError, RuntimeError) as err:
         return fail(str(err))
     start = engine.step_count
     metrics_path = Path(run.metrics) if run.metrics else Path(e.nvme[0]).parent / "metrics.jsonl"

@@ -201,3 +201,14 @@ def test_a_second_process_is_refused_and_a_dead_holder_is_taken_over(make_dirs, 
     with DirLock(dirs):
         assert str(os.getpid()) in open(os.path.join(dirs[0], LOCK_NAME)).read()
     assert open(os.path.join(dirs[0], LOCK_NAME)).read() == ""  # a clean release leaves no claim
+
+
+def test_a_removed_store_description_is_not_mistaken_for_a_fresh_directory(make_dirs):
+    dirs = make_dirs(1)
+    trained_store(dirs, steps=1)
+    os.unlink(os.path.join(dirs[0], "lohan.store.json"))
+    with pytest.raises(StoreCorruptError, match="store description.*is missing"):
+        StateStore.status(dirs)
+    with pytest.raises(StoreCorruptError):  # never "resumed" by starting over on top of the slab
+        lohan.init(small_model(), ecfg(dirs), resume=True)
+    assert os.path.getsize(os.path.join(dirs[0], "lohan.slab")) > 0
