@@ -501,6 +501,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.offloader.close()  # its worker thread lives as long as the engine
         self.streamer.release_all()
         self.activations.close()
         if self.stash is not None:

@@ -2,12 +2,16 @@
 corpus, into a local directory: something to try ``finetune.py --model DIR`` on without a download.
 
 The directory has what a downloaded checkpoint has (config.json, model.safetensors, tokenizer.json and
-its config), so everything that works on it works on a real local Llama, GPT-2, OPT or Qwen2 checkpoint.
+its config), so everything that works on it works on a real local checkpoint of that family (``--family``: Llama,
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-2, OPT).
 
 Usage::
 
     .venv/bin/python scripts/make_tiny_hf.py runs/tiny-llama                  # Llama family
     .venv/bin/python scripts/make_tiny_hf.py runs/tiny-qwen2 --family qwen2 --layers 6
+    .venv/bin/python scripts/make_tiny_hf.py runs/llama-110m --size 110m      # ~110M params (benchmarks/soak.py)
+
+``--size`` picks a named shape (`SIZES`); explicit flags override its fields.
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Named shapes (flag defaults; explicit flags win). "110m": a Llama-2-style layout at GPT-2-small width,
+# the model of the memory soak (benchmarks/soak.py): 12 x 7.08M per layer + 24.6M tied embedding
+# = ~109.5M parameters. The BPE vocabulary trained on the corpus stays smaller than 32000; the model's
+# vocabulary is padded to it (`model_vocab`), as real checkpoints pad theirs.
+SIZES: dict[str, dict[str, int | bool]] = {
+    "110m": dict(layers=12, hidden=768, heads=12, kv_heads=12, intermediate=2048, vocab=32000, model_vocab=32000,
+                 tie=True),
+}
 
 
 def train_tokenizer(corpus: Path, vocab_size: int):
@@ -29,23 +42,43 @@ def train_tokenizer(corpus: Path, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train([str(corpus)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
-def model_config(family: str, vocab: int, hidden: int, layers: int, heads: int, positions: int):
+# A minimal chat template, saved with the tokenizer so {"messages": [...]} data (data/chat_example.jsonl) runs on
+# the tiny model: "<s>### user\n...</s>### assistant\n...</s>", each turn closed by the EOS (no new tokens).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}"
+)
+
+
+# Llama-layout families: one config signature (class name, tied by default). Gemma and Qwen3 default to a
+# head_dim of their own (256, 128); it is set to hidden // heads here so that small widths work.
+_LLAMA_LIKE = {"llama": ("LlamaConfig", False), "qwen2": ("Qwen2Config", True), "mistral": ("MistralConfig", False),
+               "qwen3": ("Qwen3Config", True), "gemma2": ("Gemma2Config", True),
+               "gemma3_text": ("Gemma3TextConfig", True), "phi3": ("Phi3Config", False),
+               "olmo2": ("Olmo2Config", False)}
+FAMILIES = (*_LLAMA_LIKE, "gpt2", "opt")
+
+
+def model_config(family: str, vocab: int, hidden: int, layers: int, heads: int, positions: int,
+                 intermediate: int | None = None, kv_heads: int | None = None, tie: bool | None = None):
+    """The family's config; `intermediate` (default 4 x hidden), `kv_heads` (default heads // 2) and `tie`
+    (default: the family's usual, e.g. untied Llama, tied Qwen2) apply to the Llama-layout families."""
     import transformers as tf
 
     ids = dict(bos_token_id=1, eos_token_id=2)
-    if family == "llama":
-        return tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                              num_hidden_layers=layers, num_attention_heads=heads,
-                              num_key_value_heads=max(1, heads // 2), max_position_embeddings=positions,
-                              tie_word_embeddings=False, **ids)
-    if family == "qwen2":
-        return tf.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                              num_hidden_layers=layers, num_attention_heads=heads,
-                              num_key_value_heads=max(1, heads // 2), max_position_embeddings=positions,
-                              tie_word_embeddings=True, **ids)
+    ffn = intermediate or 4 * hidden
+    kv = kv_heads or max(1, heads // 2)
+    if family in _LLAMA_LIKE:
+        cls, tied = _LLAMA_LIKE[family]
+        extra = {"head_dim": hidden // heads} if family in ("qwen3", "gemma2", "gemma3_text") else {}
+        return getattr(tf, cls)(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                max_position_embeddings=positions, tie_word_embeddings=tied if tie is None else tie,
+                                **extra, **ids)
     if family == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions,
                              **ids)
@@ -53,11 +86,15 @@ def model_config(family: str, vocab: int, hidden: int, layers: int, heads: int, 
         return tf.OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=4 * hidden, num_hidden_layers=layers,
                             num_attention_heads=heads, max_position_embeddings=positions,
                             word_embed_proj_dim=hidden, pad_token_id=0, **ids)
-    raise ValueError(f"unknown family {family!r}: llama, qwen2, gpt2 or opt")
+    raise ValueError(f"unknown family {family!r}: {', '.join(FAMILIES)}")
 
 
 def make(out: str | Path, family: str = "llama", layers: int = 4, hidden: int = 128, heads: int = 4,
-         positions: int = 512, vocab: int = 1024, seed: int = 0, corpus: Path = REPO / "data" / "corpus.txt") -> Path:
+         positions: int = 512, vocab: int = 1024, seed: int = 0, corpus: Path = REPO / "data" / "corpus.txt",
+         intermediate: int | None = None, kv_heads: int | None = None, tie: bool | None = None,
+         model_vocab: int | None = None) -> Path:
+    """Write the model and tokenizer to `out`. `vocab` is the BPE target (the corpus may yield fewer
+    tokens); `model_vocab` pads the model's vocabulary beyond the tokenizer's (default: the tokenizer's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,9 +102,12 @@ def make(out: str | Path, family: str = "llama", layers: int = 4, hidden: int = 
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty; choose a new directory")
     tokenizer = train_tokenizer(corpus, vocab)
+    if model_vocab is not None and model_vocab < len(tokenizer):
+        raise SystemExit(f"--model-vocab {model_vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(family, len(tokenizer), hidden, layers, heads, positions),
-                                             dtype=torch.float32)
+    cfg = model_config(family, model_vocab or len(tokenizer), hidden, layers, heads, positions, intermediate,
+                       kv_heads, tie)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -76,15 +116,28 @@ def make(out: str | Path, family: str = "llama", layers: int = 4, hidden: int = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory to create")
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "gpt2", "opt"])
+    p.add_argument("--family", default="llama", choices=FAMILIES)
+    p.add_argument("--size", choices=sorted(SIZES), help="a named shape; explicit flags override its fields")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (Llama-layout families; default heads // 2)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (Llama-layout families; default 4 x hidden)")
+    p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie lm_head to the embedding (Llama-layout families; default: the family's usual)")
     p.add_argument("--positions", type=int, default=512)
     p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary trained on data/corpus.txt")
+    p.add_argument("--model-vocab", type=int, default=None,
+                   help="the model's vocabulary, padded beyond the tokenizer's (default: the tokenizer's size)")
     p.add_argument("--seed", type=int, default=0)
+    if argv is None:
+        argv = sys.argv[1:]
+    size = p.parse_known_args(argv)[0].size
+    if size:  # the named shape becomes the defaults, so flags given explicitly still win
+        p.set_defaults(**SIZES[size])
     args = p.parse_args(argv)
-    out = make(args.out, args.family, args.layers, args.hidden, args.heads, args.positions, args.vocab, args.seed)
+    out = make(args.out, args.family, args.layers, args.hidden, args.heads, args.positions, args.vocab, args.seed,
+               intermediate=args.intermediate, kv_heads=args.kv_heads, tie=args.tie, model_vocab=args.model_vocab)
     print(f"wrote a {args.family} model ({args.layers} layers, hidden {args.hidden}) and its tokenizer to {out}")
     return 0
 
