@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version  # sibling module (the script's own directory)
+from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -647,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print()

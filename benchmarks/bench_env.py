@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def package_version(pkg: str) -> str | None:
@@ -20,3 +25,15 @@ def cpu_model() -> str | None:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         return None
+
+
+def portable(value: Any) -> Any:
+    """`value` (a report: nested dicts, lists, strings) with the interpreter's path written `python` and
+    the repository's prefix dropped, so a committed report names no path of the machine that made it."""
+    if isinstance(value, str):
+        return value.replace(sys.executable, "python").replace(f"{REPO}/", "").replace(str(REPO), ".")
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v) for v in value]
+    return value

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_env import cpu_model, package_version  # noqa: E402 (sibling module)
+from bench_env import cpu_model, package_version, portable  # noqa: E402 (sibling module)
 
 import lohan  # noqa: E402
 from lohan.config import EngineConfig, get_model_config  # noqa: E402
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or Path(__file__).resolve().parent / "results" /
                f"checksum_cost{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Checksum cost (engine.checksums on vs off, interleaved steps)", "",
              f"`{report['command']}` on {report['cpu']}, torch {report['torch']}, xxhash {report['xxhash']}, "

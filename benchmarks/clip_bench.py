@@ -39,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_env import cpu_model, package_version  # noqa: E402 (sibling module)
+from bench_env import cpu_model, package_version, portable  # noqa: E402 (sibling module)
 
 import lohan  # noqa: E402
 from lohan.config import EngineConfig, get_model_config  # noqa: E402
@@ -59,7 +59,7 @@ def make_run_engines(root: Path, steps: int):
 
 
 def llama_engines(root: Path, steps: int):
-    from lohan.models.hf import init_from_hf
+    from lohan.hf_engine import init_from_hf
 
     model = root / "llama-110m"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"), str(model), "--size", "110m"],
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               "python": platform.python_version(), "torch": package_version("torch"), "results": results}
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"clip_bench{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Exact clipping under overlapped updates: cost and redo rate", "",
              f"`{report['command']}` on {report['cpu']}, torch {report['torch']}, {report['date']}", "",

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench_env import cpu_model, package_version  # sibling module (the script's own directory)
+from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
 
 if TYPE_CHECKING:
     import torch
@@ -912,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     out = args.out or REPO / "benchmarks" / "results" / f"io_bench-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     log(f"wrote {out} and {out.with_suffix('.md')}")

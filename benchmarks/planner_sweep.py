@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version  # sibling module (the script's own directory)
+from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     report["wall_s"] = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(report, out.with_suffix(".md"))
     write_plot(report, out.with_suffix(".png"))

@@ -21,7 +21,9 @@ Numbers per run (benchmarks/README.md has the key table):
   (max(5, 5 %)) steps after it, `rss_end` = median over the last `window` steps, `drift_pct` =
   (end - after warm-up) / after warm-up. Medians of windows, not single samples, so one noisy sample
   does not decide it; `growth_after_warmup_max` is the largest single step-end RSS above the
-  after-warm-up median.
+  after-warm-up median. The engine's pools fill lazily up to their planned budgets (the optimizer's
+  record pool takes one more buffer when its writes back up, at any step), so the same drift is also
+  given for the RSS outside the pools (`drift_outside_pools_pct`): growth that no budget bounds.
 - `peak_rss` = the child's VmHWM (whole life, store initialization included);
   `overhead` = peak RSS - the engine's planned pools (`memory_plan`, what `cpu_mem` is checked against).
   On this CPU-only machine the "device" is the CPU, so the overhead holds the process (Python, torch,
@@ -34,14 +36,14 @@ Numbers per run (benchmarks/README.md has the key table):
   (`lohan/memory.py`), the run completed.
 
 Diagnosis flags: `--legacy-upcast` brings back what made a 110M Llama grow (a new optimizer thread per
-step allocating a fresh fp32 gradient per block), `--malloc-trim` calls glibc's malloc_trim(0) after
-every step; benchmarks/README.md has what they showed.
+step allocating a fresh fp32 gradient per block), `--malloc-trim every|first` calls glibc's malloc_trim(0)
+after every step or after the first; benchmarks/README.md has what they showed.
 
 Run (from the repository root):
     .venv/bin/python benchmarks/soak.py                       # both configurations, 300 steps each
     .venv/bin/python benchmarks/soak.py --quick               # 40 steps each (~5 min)
     .venv/bin/python benchmarks/soak.py --configs llama110m --steps 100
-Reports: `benchmarks/results/soak_<config>[_quick | _<N>steps][_legacy_upcast][_malloc_trim].{json,md,png}`.
+Reports: `benchmarks/results/soak_<config>[_quick | _<N>steps][_legacy_upcast][_malloc_trim[_first]].{json,md,png}`.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version  # sibling module (the script's own directory)
+from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -163,12 +165,13 @@ def child(argv: list[str]) -> int:
               "plan": dict(self.memory_plan), "cpu_mem": int(self.cfg.cpu_mem), "device": self.device.type,
               "threads": proc.num_threads(), "fds": proc.num_fds()})
 
-    trim = libc is not None and os.environ.get(TRIM_ENV) == "1"
+    trim_mode = os.environ.get(TRIM_ENV, "") if libc is not None else ""  # "", "every" or "first"
     last_faults = [resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
 
     def step(self: Any, batch: Any) -> float:
         loss = orig_step(self, batch)
         t_trim = time.perf_counter()
+        trim = trim_mode == "every" or (trim_mode == "first" and self.step_count == 1)
         if trim:  # diagnosis: give the allocator's free pages back, so retention shows apart from growth
             libc.malloc_trim(0)
         t_trim = time.perf_counter() - t_trim
@@ -252,7 +255,7 @@ def _read_new_lines(path: Path, pos: int) -> tuple[list[dict], int]:
 
 
 def run_child(finetune_args: list[str], workdir: Path, interval: float, log: Any,
-              legacy_upcast: bool = False, malloc_trim: bool = False) -> dict[str, Any]:
+              legacy_upcast: bool = False, malloc_trim: str | None = None) -> dict[str, Any]:
     """Run the fine-tune as a child, sample it from outside; returns the raw records."""
     import psutil
 
@@ -260,7 +263,7 @@ def run_child(finetune_args: list[str], workdir: Path, interval: float, log: Any
     diag.unlink(missing_ok=True)
     stdout = workdir / "stdout.log"
     env = {**os.environ, DIAG_ENV: str(diag), LEGACY_ENV: "1" if legacy_upcast else "0",
-           TRIM_ENV: "1" if malloc_trim else "0"}
+           TRIM_ENV: malloc_trim or ""}
     env.setdefault("DS_ACCELERATOR", "cpu")  # as the Makefile sets it on machines without an NVIDIA driver
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *finetune_args]
     t0 = time.monotonic()
@@ -322,6 +325,11 @@ def analyze(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     after = rss[warmup:warmup + window]
     last = rss[-window:]
     rss_after, rss_end = _median(after), _median(last)
+    # the engine's pools fill lazily up to their planned budgets (e.g. one more record buffer when the
+    # optimizer's writes back up): RSS outside them shows growth that no budget bounds
+    outside = [r["rss"] - sum(p["allocated"] for p in r["pools"].values()) - r.get("upcast_bytes", 0)
+               for r in per_step]
+    out_after, out_end = _median(outside[warmup:warmup + window]), _median(outside[-window:])
     post = per_step[warmup:]
     samples = raw["samples"]
     peak = max([r["vm_hwm"] for r in recs if "vm_hwm" in r] + [s.get("vm_hwm", 0) for s in samples] + [0])
@@ -339,6 +347,8 @@ def analyze(raw: dict[str, Any], steps: int) -> dict[str, Any]:
         "rss": {
             "after_warmup_bytes": rss_after, "end_bytes": rss_end,
             "drift_pct": 100 * (rss_end - rss_after) / rss_after if after else None,
+            "outside_pools_after_warmup_bytes": out_after, "outside_pools_end_bytes": out_end,
+            "drift_outside_pools_pct": 100 * (out_end - out_after) / out_after if after else None,
             "growth_after_warmup_max_bytes": (max(r["rss"] for r in post) - rss_after) if post else None,
             "slope_bytes_per_step": {"post_warmup": _slope(xs, [r["rss"] for r in post]),
                                      "first_half": _slope(xs[:half], [r["rss"] for r in post[:half]]),
@@ -372,6 +382,8 @@ def analyze(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     out["expected_peak_bytes"] = float(expected.group(1)) * GiB if expected else None
     out["checks"] = {
         "drift_below_2pct": out["rss"]["drift_pct"] is not None and abs(out["rss"]["drift_pct"]) < 2.0,
+        "drift_outside_pools_below_2pct": (out["rss"]["drift_outside_pools_pct"] is not None
+                                           and abs(out["rss"]["drift_outside_pools_pct"]) < 2.0),
         "threads_flat": out["threads"]["end"] == out["threads"]["after_warmup"],
         "fds_flat": out["fds"]["end"] == out["fds"]["after_warmup"],
         "peak_within_expected": (None if out["expected_peak_bytes"] is None
@@ -418,17 +430,6 @@ def _g(x: float | None) -> str:
     return "n/a" if x is None else f"{x / GiB:.3f}"
 
 
-def _portable(value):
-    """`value` with the interpreter's path written `python` and the repository's prefix dropped."""
-    if isinstance(value, str):
-        return value.replace(sys.executable, "python").replace(f"{REPO}/", "").replace(str(REPO), ".")
-    if isinstance(value, dict):
-        return {k: _portable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_portable(v) for v in value]
-    return value
-
-
 def markdown(report: dict[str, Any]) -> str:
     a = report["result"]
     r, th, fd, b = a["rss"], a["threads"], a["fds"], a["breakdown"]
@@ -441,6 +442,9 @@ def markdown(report: dict[str, Any]) -> str:
          f"{_g(r['after_warmup_bytes'])} GiB"),
         (f"RSS at the end (median of the last {a['window_steps']} steps)", f"{_g(r['end_bytes'])} GiB"),
         ("drift", drift),
+        ("RSS outside the engine pools after warm-up / end / drift (pools fill lazily up to their plan)",
+         f"{_g(r['outside_pools_after_warmup_bytes'])} / {_g(r['outside_pools_end_bytes'])} GiB / "
+         + ("n/a" if r["drift_outside_pools_pct"] is None else f"{r['drift_outside_pools_pct']:+.2f} %")),
         ("largest step-end RSS above the after-warm-up median", f"{(r['growth_after_warmup_max_bytes'] or 0) / MiB:.1f} MiB"),
         ("RSS slope after warm-up (first half / second half)",
          f"{slope['first_half'] / 1024:+.1f} / {slope['second_half'] / 1024:+.1f} KiB/step"),
@@ -526,15 +530,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="diagnosis: bring back a new optimizer thread per step and its per-block g.float() (before "
                         "the upcast scratch and the persistent worker) to show the malloc-arena growth they caused; "
                         "reports get a _legacy_upcast suffix")
-    p.add_argument("--malloc-trim", action="store_true",
-                   help="diagnosis: call glibc's malloc_trim(0) after every step (tells allocator retention from "
-                        "growth); reports get a _malloc_trim suffix")
+    p.add_argument("--malloc-trim", choices=["every", "first"],
+                   help="diagnosis: call glibc's malloc_trim(0) after every step, or after the first one only "
+                        "(tells allocator retention from growth); reports get a _malloc_trim[_first] suffix")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="more finetune.py flags for every run (last option)")
     args = p.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     suffix = ("_quick" if args.quick and not args.steps else f"_{steps}steps" if steps != STEPS else "") \
-        + ("_legacy_upcast" if args.legacy_upcast else "") + ("_malloc_trim" if args.malloc_trim else "")
+        + ("_legacy_upcast" if args.legacy_upcast else "") + (f"_malloc_trim{'_first' if args.malloc_trim == 'first' else ''}" if args.malloc_trim else "")
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -557,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "config": name, "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "soak_command": shlex.join([sys.executable, *sys.argv]), "cwd": os.getcwd(),
-            "child_command": raw["command"], "finetune_args": ft_args, "returncode": raw["returncode"],
+            "child_command": raw["command"], "finetune_args": ft_args,
+            "returncode": raw["returncode"],
             "wall_seconds": time.time() - t0,
             "settings": {"steps": steps, "interval_s": args.interval, "legacy_upcast": args.legacy_upcast,
                          "malloc_trim": args.malloc_trim},
@@ -572,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             report["stdout_tail"] = raw["stdout"][-4000:]
         args.out_dir.mkdir(parents=True, exist_ok=True)
         stem = args.out_dir / f"soak_{name}{suffix}"
-        report = _portable(report)  # no paths of this machine in a report that goes into the repository
+        report = portable(report)  # no paths of this machine in a report that goes into the repository
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         png = plot(report, stem.with_suffix(".png"))
         stem.with_suffix(".md").write_text(markdown(report) + (f"\n![RSS over steps]({png.name})\n" if png else ""))

@@ -104,6 +104,16 @@ class BufferPool:
                 if cached:
                     tensor = cached.pop()
                     break
+                if self.allocated + cap > self.budget_bytes:
+                    # Full: lend the smallest larger cached buffer instead of freeing cached ones to
+                    # allocate this size. Pools serve mixed sizes (a model's blocks differ), and evicting
+                    # made the optimizer's pool free and re-allocate buffers every step, which fragments
+                    # the malloc heap (RSS crept up; benchmarks/soak.py). Budgets are sized as count x
+                    # the largest request, so lending a larger buffer never makes a planned request wait.
+                    bigger = min((size for size, bufs in self._cache.items() if size > cap and bufs), default=None)
+                    if bigger is not None:
+                        tensor = self._cache[bigger].pop()
+                        break
                 if self._make_room(cap):
                     self.allocated += cap
                     self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -124,7 +134,7 @@ class BufferPool:
                     raise BudgetExceededError(
                         f"timed out after {timeout} s waiting for {cap} bytes of the "
                         f"{self.budget_bytes}-byte buffer budget ({self.in_use} in use)")
-            self.in_use += cap
+            self.in_use += tensor.numel()  # the buffer's capacity: `cap`, or more when a larger one is lent
         return AlignedBuffer(tensor, nbytes, self)
 
     def _make_room(self, cap: int) -> bool:

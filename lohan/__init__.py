@@ -20,4 +20,11 @@ def init(*args: Any, **kwargs: Any):
     return _init(*args, **kwargs)
 
 
-__all__ = ["init"]
+def init_from_hf(*args: Any, **kwargs: Any):
+    """Build a training Engine for a local Hugging Face model directory; see `lohan.hf_engine.init_from_hf`."""
+    from .hf_engine import init_from_hf as _init_from_hf
+
+    return _init_from_hf(*args, **kwargs)
+
+
+__all__ = ["init", "init_from_hf"]

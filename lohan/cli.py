@@ -50,6 +50,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
+    "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
 }
 
 
@@ -67,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
     p.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face model directory")
     p.add_argument("--layers", type=int, metavar="N",
-                   help="run a slice of the preset: its shape with N transformer layers")
-    p.add_argument("--data", help="local .txt or .jsonl ({text} or {prompt, response}) file, or 'synthetic'")
+                   help="run a slice of the model: its width with its first N transformer layers (a preset, or a "
+                        "Hugging Face directory, whose first N layers' weights are imported)")
+    p.add_argument("--data", help="local .txt or .jsonl ({text}, {prompt, response} or {messages} lines) file, "
+                                  "or 'synthetic'")
     p.add_argument("--steps", type=int, help="optimizer steps to run (in total, when resuming)")
     p.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
     p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
@@ -99,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device")
     p.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
     p.add_argument("--metrics", help="JSONL metrics file (one record per step)")
+    p.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")
+    p.add_argument("--eval-fraction", type=float, metavar="F",
+                   help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate every N steps and at the end (default: only at the end)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable)")
     p.add_argument("--resume", action="store_true",
@@ -115,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for another machine, e.g. 'rtx4090,12xP5510,256GB' (with --dry-run)")
     p.add_argument("--export", metavar="DIR",
                    help="after training, write the weights as a Hugging Face checkpoint to DIR")
+    p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
+                        "presets export fp32)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -195,6 +206,8 @@ def _resolve_inputs(raw: dict, config: Path) -> dict:
 
     if "data" in raw and raw["data"] != "synthetic":
         raw["data"] = find(raw["data"])
+    if raw.get("eval_data"):
+        raw["eval_data"] = find(raw["eval_data"])
     if isinstance(raw.get("model"), str) and raw["model"] not in PRESETS:
         raw["model"] = find(raw["model"])
     if isinstance(raw.get("engine"), dict) and "profile_from" in raw["engine"]:
@@ -249,11 +262,16 @@ def _main(args: argparse.Namespace) -> int:
     try:
         run = load_run_config(args)
         if run.is_hf and run.model_overrides:
-            raise ValueError("--layers and model_overrides apply to presets; a Hugging Face model keeps its shape")
+            extra = sorted(set(run.model_overrides) - {"n_layer"})
+            if extra:
+                raise ValueError(f"model_overrides {', '.join(extra)} apply to presets; a Hugging Face model keeps its "
+                                 "shape (only --layers N, model_overrides.n_layer, cuts it to its first N layers)")
         if not run.is_hf:
             run.model_config()
         if args.hardware and not args.dry_run:
             raise ValueError("--hardware describes another machine: use it with --dry-run")
+        if args.export_dtype and not args.export:
+            raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
         if args.resume and args.overwrite:
             raise ValueError("--resume continues the stored run and --overwrite discards it: pass one of them")
     except (ValueError, TypeError) as e:
@@ -264,7 +282,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.verify:
         return verify_store(run)
     return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export,
-                 overwrite=args.overwrite)
+                 overwrite=args.overwrite, export_dtype=args.export_dtype)
 
 
 if __name__ == "__main__":

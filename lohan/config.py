@@ -481,15 +481,16 @@ class RunConfig:
 
     model: str = "tiny"
     """A preset name (see :data:`PRESETS`), or a local Hugging Face model directory (config.json +
-    safetensors; Llama, GPT-2, OPT and Qwen2 families)."""
+    safetensors; any decoder-only ``*ForCausalLM`` of the standard layout, see :mod:`lohan.models.hf`)."""
 
     model_overrides: dict = dataclasses.field(default_factory=dict)
     """Fields of the preset to replace, e.g. ``{vocab_size: 256, seq_len: 256}``."""
 
     data: str = "data/corpus.txt"
     """A local ``.txt`` file, a ``.jsonl`` file (``{"text": ...}`` or ``{"prompt": ..., "response": ...}``
-    lines; the loss is on the response), or ``synthetic`` for random tokens. Presets use byte-level
-    tokens; a Hugging Face model uses its own tokenizer."""
+    lines, the loss on the response; or ``{"messages": [...]}`` conversations, rendered with the model's
+    chat template, the loss on the assistant turns), or ``synthetic`` for random tokens. Presets use
+    byte-level tokens; a Hugging Face model uses its own tokenizer."""
 
     steps: int = 200
     """Optimizer steps to run (the total, counting steps of the run being resumed)."""
@@ -505,6 +506,16 @@ class RunConfig:
 
     metrics: str | None = None
     """JSONL file receiving one record per step (default: ``<first nvme dir>/../metrics.jsonl``)."""
+
+    eval_data: str | None = None
+    """A ``.txt`` or ``.jsonl`` file to evaluate on (read like ``data``, with the model's tokenizer)."""
+
+    eval_fraction: float | None = None
+    """Hold out this share of the data's packed sequences, in (0, 0.5], for evaluation (seeded by
+    ``engine.seed``; the held-out sequences are not trained on). Exclusive with ``eval_data``."""
+
+    eval_every: int | None = None
+    """Evaluate every this many steps, and at the end; None: only at the end (with an eval set)."""
 
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Engine settings (NVMe directories, memory budget, offloading mode, optimizer)."""
@@ -536,6 +547,7 @@ class RunConfig:
             problems.append("epochs needs a dataset; synthetic data has no epochs (use steps)")
         if self.seq_len is not None and (not _is_int(self.seq_len) or self.seq_len < 1):
             problems.append(f"seq_len={self.seq_len!r} must be a positive integer")
+        problems += self._eval_problems()
         if isinstance(self.engine, dict):
             try:
                 object.__setattr__(self, "engine", EngineConfig(**self.engine))
@@ -549,6 +561,37 @@ class RunConfig:
                             f"from {fits} or a batch size that is a multiple of {m}")
         if problems:
             raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))
+
+    def _eval_problems(self) -> list[str]:
+        problems = []
+        if self.eval_data is not None and self.eval_fraction is not None:
+            problems.append("eval_data and eval_fraction are two ways to get an eval set: pass one of them")
+        if self.eval_data is not None:
+            if not isinstance(self.eval_data, str) or not self.eval_data:
+                problems.append(f"eval_data={self.eval_data!r}: give a .txt or .jsonl file")
+            elif not os.path.isfile(self.eval_data):
+                what = "is a directory" if os.path.isdir(self.eval_data) else "does not exist"
+                problems.append(f"eval_data={self.eval_data!r} {what}; pass an existing .txt or .jsonl file")
+        if self.eval_fraction is not None:
+            f = self.eval_fraction
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 0.5:
+                problems.append(f"eval_fraction={f!r} must be a number in (0, 0.5], e.g. 0.05 to hold out 5% of the "
+                                "data")
+            elif self.data == "synthetic":
+                problems.append("eval_fraction needs a dataset to hold sequences out of; synthetic data has none "
+                                "(use eval_data)")
+        if self.eval_every is not None:
+            if not _is_int(self.eval_every) or self.eval_every < 1:
+                problems.append(f"eval_every={self.eval_every!r} must be an integer >= 1")
+            elif self.eval_data is None and self.eval_fraction is None:
+                problems.append("eval_every needs an eval set: add eval_data (--eval-data FILE) or eval_fraction "
+                                "(--eval-fraction F)")
+        return problems
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has an eval set."""
+        return self.eval_data is not None or self.eval_fraction is not None
 
     @property
     def is_hf(self) -> bool:

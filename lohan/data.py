@@ -5,9 +5,12 @@ is a byte-level tokenizer over a local ``.txt`` file (``data/corpus.txt`` ships 
 with fixed-length packing, like nanoGPT's ``shakespeare_char``. A Hugging Face tokenizer can be used
 instead through :class:`HFTokenizer`, and a ``.jsonl`` file of ``{"text": ...}`` or
 ``{"prompt": ..., "response": ...}`` examples gives instruction tuning with the loss on the responses
-only (see :meth:`TokenDataset.from_jsonl`). Everything here is deterministic given a seed, and
-:class:`BatchIterator` can save and restore its position so a resumed run sees exactly the batches an
-uninterrupted run would have seen.
+only (see :meth:`TokenDataset.from_jsonl`); ``{"messages": [...]}`` conversations are rendered with the
+model's chat template and trained on the assistant turns only (:meth:`HFTokenizer.encode_chats`).
+Everything here is deterministic given a seed, and :class:`BatchIterator` can save and restore its
+position so a resumed run sees exactly the batches an uninterrupted run would have seen.
+:meth:`TokenDataset.split` holds out a seeded share of the windows for evaluation, and
+:func:`eval_batches` walks a dataset once, in order.
 
 Shapes: a *window* is ``seq_len + 1`` consecutive tokens; the model input is ``window[:-1]`` and the
 target is ``window[1:]`` (next-token prediction). Batches are ``(idx, targets)``, both ``int64`` of shape
@@ -33,9 +36,11 @@ __all__ = [
     "DEFAULT_CORPUS",
     "HFTokenizer",
     "IGNORE_INDEX",
+    "CHAT_ROLES",
     "TokenDataset",
     "Tokenizer",
     "encode_examples",
+    "eval_batches",
     "load_jsonl",
     "load_text",
     "pack_tokens",
@@ -54,6 +59,11 @@ TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 IGNORE_INDEX = -100
 """Target value of a token that is not a prediction target (PyTorch's ``cross_entropy`` default)."""
+
+CHAT_ROLES = ("system", "user", "assistant")
+"""Roles a ``{"messages": [...]}`` example may use; the loss is on the ``assistant`` turns."""
+
+_CONVERT_CHAT = "convert the data to {prompt, response} lines"
 
 
 def _is_int(value: object) -> bool:
@@ -156,6 +166,16 @@ class ByteTokenizer:
             ) from None
         return data.decode("utf-8", errors="replace")
 
+    def encode_chats(
+        self, conversations: Sequence[Sequence[Mapping[str, str]]], names: Sequence[str] | None = None
+    ) -> list[tuple[list[int], list[bool]]]:
+        """Always raises: bytes have no chat template (see :meth:`HFTokenizer.encode_chats`)."""
+        raise ValueError(
+            "the byte-level tokenizer of the presets has no chat template, and chat data ({\"messages\": [...]} "
+            "lines) is rendered with the model's: use a Hugging Face model directory whose tokenizer_config.json "
+            f"has one (--model DIR), or {_CONVERT_CHAT}"
+        )
+
 
 class HFTokenizer:
     """A Hugging Face ``transformers`` tokenizer behind the :class:`Tokenizer` protocol.
@@ -229,6 +249,107 @@ class HFTokenizer:
             ids = ids.tolist()
         return str(self.tok.decode(list(ids), skip_special_tokens=False))
 
+    @property
+    def source(self) -> str:
+        """Where the tokenizer was loaded from (its ``name_or_path``), for messages."""
+        return str(getattr(self.tok, "name_or_path", "") or "this tokenizer")
+
+    def encode_chats(
+        self, conversations: Sequence[Sequence[Mapping[str, str]]], names: Sequence[str] | None = None
+    ) -> list[tuple[list[int], list[bool]]]:
+        """Render conversations with the tokenizer's chat template; mark the assistant turns as targets.
+
+        How the assistant spans are found: each conversation is rendered whole, and for its assistant
+        message ``k`` twice more, ``messages[:k]`` with the generation prompt (the text up to where the
+        assistant starts to write) and ``messages[:k+1]`` (the text through the end of its turn). The
+        characters between the two lengths are the turn: its content and whatever the template closes the
+        turn with (an end-of-turn token such as ``</s>``, ``<|eot_id|>`` or ``<|im_end|>``, and a newline
+        in ChatML). Those closing tokens *are* targets: the model must learn to stop. Every prefix must be
+        a prefix of the whole rendering, and the turn must contain the message's content; a template that
+        rewrites earlier turns (e.g. drops the reasoning of past turns) is refused instead of guessed at.
+        The spans are taken in characters, not by diffing token counts of the prefixes, because a
+        tokenizer may merge characters across a turn boundary (BPE pre-tokenizers treat ``"\\n\\n"``
+        before a word differently from ``"\\n\\n"`` at the end of a text); the whole conversation is
+        tokenized once, so the ids are exactly what the model sees at inference, and a token is a target
+        when its characters (``offset_mapping``) overlap a turn. ``return_assistant_tokens_mask`` was the
+        alternative, but it only works with templates that mark turns with ``{% generation %}``, which
+        almost no released template does.
+
+        Special tokens come from the template (a BOS, if the template writes one); nothing is added.
+
+        Args:
+            conversations: Lists of ``{"role", "content"}`` messages, checked by :func:`load_jsonl`.
+            names: One name per conversation for error messages (file and line); default its index.
+
+        Returns:
+            ``(ids, is_target)`` per conversation.
+
+        Raises:
+            ValueError: If the tokenizer has no chat template or is not a fast tokenizer (no character
+                offsets), or the template fails on a conversation or does not render it prefix by prefix.
+        """
+        template = getattr(self.tok, "chat_template", None)
+        if not template:
+            raise ValueError(
+                f"the tokenizer of {self.source} has no chat template, so {{\"messages\": [...]}} lines cannot be "
+                "rendered: use a model directory whose tokenizer_config.json (or chat_template.jinja) has one, "
+                f"or {_CONVERT_CHAT}"
+            )
+        if not getattr(self.tok, "is_fast", False):
+            raise ValueError(
+                f"the tokenizer of {self.source} is a slow (Python) tokenizer; chat data needs a fast one (a "
+                f"tokenizer.json in the model directory) to map the assistant turns to tokens, or {_CONVERT_CHAT}"
+            )
+        texts, spans = [], []
+        for n, messages in enumerate(conversations):
+            text, turns = self._assistant_spans(list(messages), names[n] if names else f"conversation {n}")
+            texts.append(text)
+            spans.append(turns)
+        if not texts:
+            return []
+        enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        out = []
+        for ids, offsets, turns in zip(enc["input_ids"], enc["offset_mapping"], spans):
+            is_target, k = [], 0
+            for start, end in offsets:  # offsets ascend, and so do the turns: one merge-like walk
+                end = max(end, start + 1)  # a token with no characters of its own counts at its position
+                while k < len(turns) and turns[k][1] <= start:
+                    k += 1
+                is_target.append(k < len(turns) and turns[k][0] < end)
+            out.append((list(ids), is_target))
+        return out
+
+    def _assistant_spans(self, messages: list[Mapping[str, str]], name: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character span of each assistant turn in it."""
+
+        def render(msgs: list[Mapping[str, str]], generation_prompt: bool) -> str:
+            try:
+                return str(self.tok.apply_chat_template([dict(m) for m in msgs], tokenize=False,
+                                                        add_generation_prompt=generation_prompt))
+            except Exception as e:  # jinja2's TemplateError, or raise_exception() inside the template
+                raise ValueError(f"{name}: the chat template of {self.source} failed on the first {len(msgs)} "
+                                 f"message(s): {type(e).__name__}: {e}") from None
+
+        full = render(messages, False)
+        turns = []
+        for k, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            head, turn = render(messages[:k], True), render(messages[: k + 1], False)
+            if not (full.startswith(turn) and turn.startswith(head)):
+                raise ValueError(
+                    f"{name}: the chat template of {self.source} does not render this conversation prefix by "
+                    f"prefix (the first {k + 1} messages are not the start of the whole conversation), so the "
+                    f"assistant turns cannot be located; fix the template or {_CONVERT_CHAT}"
+                )
+            if msg["content"].strip() not in turn[len(head):]:
+                raise ValueError(
+                    f"{name}: the chat template of {self.source} does not write the content of message {k + 1} "
+                    f"(assistant) where the assistant turn is expected; fix the template or {_CONVERT_CHAT}"
+                )
+            turns.append((len(head), len(turn)))
+        return full, turns
+
 
 # -------------------------------------------------------------------------------------------- text
 
@@ -286,15 +407,47 @@ def _show(value: object, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _chat_problem(messages: object) -> str | None:
+    """What is wrong with the ``messages`` of a chat example, or None."""
+    if not isinstance(messages, list) or not messages:
+        return (f'the "messages" value must be a non-empty list of {{"role", "content"}} objects, got '
+                f"{type(messages).__name__} {_show(messages, 40)}")
+    for n, msg in enumerate(messages, start=1):
+        if not isinstance(msg, Mapping):
+            return f'message {n}: expected a {{"role", "content"}} object, got {type(msg).__name__} {_show(msg, 40)}'
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            return f'message {n}: the role {_show(role, 30)} is not one of "system", "user", "assistant"'
+        content = msg.get("content")
+        if not isinstance(content, str):
+            return (f'message {n} ({role}): the "content" must be a string, got {type(content).__name__} '
+                    f"{_show(content, 40)}")
+        if not content.strip():
+            return f"message {n} ({role}): the content is empty; fill it in or drop the message"
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        return "has no assistant message: the loss is on the assistant turns, so there is nothing to train on"
+    first = next((n for n, r in enumerate(roles, start=1) if r != "system"), None)
+    if roles[first - 1] == "assistant":  # first is set: there is an assistant message
+        return (f"message {first} is an assistant turn before any user message; start the conversation with a "
+                "user message (after an optional system message)")
+    return None
+
+
 def _example_problem(obj: object) -> str | None:
-    """What is wrong with one example, or None if it is a valid text or prompt/response example."""
+    """What is wrong with one example, or None if it is a valid text, prompt/response or chat example."""
     if not isinstance(obj, Mapping):
         return f"expected a JSON object, got {type(obj).__name__} {_show(obj, 60)}"
     has_text, has_prompt, has_response = "text" in obj, "prompt" in obj, "response" in obj
+    if "messages" in obj:
+        if has_text or has_prompt or has_response:
+            return 'has "messages" and "text"/"prompt"/"response" keys; use one form per example'
+        return _chat_problem(obj["messages"])
     if has_text and (has_prompt or has_response):
         return 'has both "text" and "prompt"/"response" keys; use one form per example'
     if not (has_text or has_prompt or has_response):
-        return f'needs a "text" key or "prompt" and "response" keys; it has keys {sorted(map(str, obj))}'
+        return (f'needs a "text" key or "prompt" and "response" keys (or a "messages" list); it has keys '
+                f"{sorted(map(str, obj))}")
     if not has_text and not (has_prompt and has_response):
         have, missing = ("prompt", "response") if has_prompt else ("response", "prompt")
         return f'has a "{have}" key but no "{missing}" key'
@@ -305,31 +458,40 @@ def _example_problem(obj: object) -> str | None:
     return None
 
 
-def load_jsonl(path: str | Path) -> list[dict[str, str]]:
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read and check a local ``.jsonl`` file of training examples.
 
-    Each non-blank line is one JSON object, either ``{"text": "..."}`` (plain text: every token is a
-    target) or ``{"prompt": "...", "response": "..."}`` (only the response tokens are targets). The two
-    forms may be mixed; other keys (ids, metadata) are ignored; blank lines are skipped.
+    Each non-blank line is one JSON object: ``{"text": "..."}`` (plain text: every token is a target),
+    ``{"prompt": "...", "response": "..."}`` (only the response tokens are targets) or
+    ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (a conversation,
+    rendered with the model's chat template; only the assistant turns are targets). The forms may be
+    mixed; other keys (ids, metadata, other message fields) are ignored; blank lines are skipped.
 
     Args:
         path: The ``.jsonl`` file (UTF-8; a leading byte-order mark is accepted).
 
     Returns:
-        The examples in file order, each reduced to its ``text`` or ``prompt``/``response`` keys.
+        The examples in file order, each reduced to its ``text``, ``prompt``/``response`` or ``messages``
+        (of ``role``/``content``) keys.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
         IsADirectoryError: If ``path`` is a directory.
         ValueError: On the first bad line (not UTF-8, invalid JSON, not an object, missing or conflicting
-            keys, a non-string value), naming the file, the 1-based line number and the problem.
+            keys, a non-string or empty value; for a conversation: no messages, an unknown role, an empty
+            content, no assistant turn), naming the file, the 1-based line number and the problem.
     """
+    return [ex for _, ex in _read_jsonl(path)]
+
+
+def _read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """:func:`load_jsonl` with the 1-based line number of each example."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"training data {str(p)!r} does not exist; pass an existing .jsonl file")
     if p.is_dir():
         raise IsADirectoryError(f"training data {str(p)!r} is a directory; pass one .jsonl file inside it")
-    examples: list[dict[str, str]] = []
+    examples: list[tuple[int, dict[str, Any]]] = []
     for lineno, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
         if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
@@ -349,13 +511,17 @@ def load_jsonl(path: str | Path) -> list[dict[str, str]]:
         problem = _example_problem(obj)
         if problem is not None:
             raise ValueError(f"{where}: {problem}")
+        if "messages" in obj:  # checked by _chat_problem, empty contents included
+            messages = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
+            examples.append((lineno, {"messages": messages}))
+            continue
         keys = ("text",) if "text" in obj else ("prompt", "response")
         # an empty target trains nothing (or, with an EOS, only to stop at once): in a file it is a mistake
         # made while preparing the data, so name the line instead of training around it
         target = keys[0] if keys == ("text",) else "response"
         if not obj[target].strip():
             raise ValueError(f'{where}: the "{target}" is empty; fill it in or drop the line')
-        examples.append({k: obj[k] for k in keys})
+        examples.append((lineno, {k: obj[k] for k in keys}))
     return examples
 
 
@@ -367,7 +533,7 @@ def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def encode_examples(
-    examples: Iterable[Mapping[str, str]], tokenizer: Tokenizer | None = None
+    examples: Iterable[Mapping[str, Any]], tokenizer: Tokenizer | None = None, names: Sequence[str] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize examples into one token stream with a parallel loss mask.
 
@@ -376,34 +542,57 @@ def encode_examples(
         {"text": t}                   -> [bos] + encode(t) + [eos]                mask: all True
         {"prompt": p, "response": r}  -> [bos] + encode(p) + encode(r) + [eos]    mask: False on bos and
                                                                                   prompt, True on the rest
+        {"messages": m}               -> the chat template's rendering of m       mask: True on the
+                                                                                  assistant turns only
 
     The prompt and the response are encoded separately, so the mask boundary is exact (no token straddles
     it); put any separator (e.g. a trailing space or newline) in the prompt or the response. The EOS is a
-    target, so the model learns to stop after a response.
+    target, so the model learns to stop after a response. Conversations get no BOS/EOS from here: their
+    chat template writes its own special tokens (see :meth:`HFTokenizer.encode_chats`; the
+    :class:`ByteTokenizer` refuses them).
 
     Args:
         examples: Dicts as returned by :func:`load_jsonl` (extra keys are ignored).
         tokenizer: Default :class:`ByteTokenizer`.
+        names: Name of each example in error messages (file and line); default ``example <index>``.
 
     Returns:
         ``(ids, mask)``: ``int64`` and ``bool`` tensors of the same length (the examples concatenated);
         ``mask[j]`` is True if token ``j`` is a prediction target.
 
     Raises:
-        ValueError: If an example is malformed (naming its 0-based index).
+        ValueError: If an example is malformed (naming it), or the tokenizer cannot render a conversation.
     """
     tokenizer = tokenizer or ByteTokenizer()
     examples = list(examples)
-    for i, ex in enumerate(examples):
+    names = list(names) if names is not None else [f"example {i}" for i in range(len(examples))]
+    for name, ex in zip(names, examples):
         problem = _example_problem(ex)
         if problem is not None:
-            raise ValueError(f"example {i}: {problem}")
+            raise ValueError(f"{name}: {problem}")
+    chat_rows = [i for i, ex in enumerate(examples) if "messages" in ex]
+    chats: dict[int, tuple[list[int], list[bool]]] = {}
+    if chat_rows:
+        encode_chats = getattr(tokenizer, "encode_chats", None)
+        if encode_chats is None:
+            raise ValueError(f"{names[chat_rows[0]]}: the tokenizer {type(tokenizer).__name__} cannot render chat "
+                             f"messages (it has no encode_chats); use an HFTokenizer with a chat template, or "
+                             f"{_CONVERT_CHAT}")
+        rendered = encode_chats([examples[i]["messages"] for i in chat_rows], [names[i] for i in chat_rows])
+        chats = dict(zip(chat_rows, rendered))
+    plain = [ex for ex in examples if "messages" not in ex]
     bos, eos = getattr(tokenizer, "bos_id", None), tokenizer.eos_id
     # One batched encode call per field: the prompt texts ("" for text examples) and the target texts.
-    prompts = _encode_all(tokenizer, [ex.get("prompt", "") for ex in examples])
-    targets = _encode_all(tokenizer, [ex["text"] if "text" in ex else ex["response"] for ex in examples])
+    prompts = iter(_encode_all(tokenizer, [ex.get("prompt", "") for ex in plain]))
+    targets = iter(_encode_all(tokenizer, [ex["text"] if "text" in ex else ex["response"] for ex in plain]))
     ids, mask = array("q"), bytearray()
-    for ex, p_ids, t_ids in zip(examples, prompts, targets):
+    for i, ex in enumerate(examples):
+        if i in chats:
+            chat_ids, is_target = chats[i]
+            ids.extend(chat_ids)
+            mask.extend(bytes(is_target))
+            continue
+        p_ids, t_ids = next(prompts), next(targets)
         if "text" in ex:
             head = [bos] if bos is not None else []
             head_mask = 1  # plain text: every token (also the BOS after the previous EOS) is a target
@@ -498,22 +687,24 @@ class TokenDataset:
     @classmethod
     def from_examples(
         cls,
-        examples: Iterable[Mapping[str, str]],
+        examples: Iterable[Mapping[str, Any]],
         seq_len: int,
         tokenizer: Tokenizer | None = None,
         source: str = "the dataset",
+        names: Sequence[str] | None = None,
     ) -> TokenDataset:
-        """Tokenize text and prompt/response examples with :func:`encode_examples` and pack them.
+        """Tokenize text, prompt/response and chat examples with :func:`encode_examples` and pack them.
 
         The examples are concatenated in order and packed like :func:`pack_tokens` (windows of
         ``seq_len + 1`` with stride ``seq_len``; the ragged tail is dropped) with the loss mask alongside.
         ``loss_mask`` is None when nothing is masked (only ``text`` examples).
 
         Args:
-            examples: Dicts with a ``text`` or ``prompt`` and ``response`` keys.
+            examples: Dicts with a ``text``, ``prompt`` and ``response``, or ``messages`` keys.
             seq_len: Model input length.
             tokenizer: Default :class:`ByteTokenizer`.
             source: Name of the data in error messages (the file name for :meth:`from_jsonl`).
+            names: Name of each example in error messages (:meth:`from_jsonl`: file and line).
 
         Raises:
             ValueError: If an example is malformed, the examples are too short for one window (the
@@ -521,7 +712,7 @@ class TokenDataset:
         """
         _check_positive(seq_len=seq_len)
         examples = list(examples)
-        ids, mask = encode_examples(examples, tokenizer)
+        ids, mask = encode_examples(examples, tokenizer, names)
         n, need = ids.numel(), seq_len + 1
         if n < need:
             if examples:
@@ -538,15 +729,19 @@ class TokenDataset:
         if not masks[:, 1:].any():
             raise ValueError(
                 f"{source}: no token of the {len(windows):,} windows is a prediction target (every response "
-                f"is empty and the tokenizer has no EOS), so there is no loss to train on"
+                f"is empty and the tokenizer has no EOS, or no assistant turn falls inside a window), so there "
+                f"is no loss to train on"
             )
         return cls(windows, None if bool(masks.all()) else masks)
 
     @classmethod
     def from_jsonl(cls, path: str | Path, seq_len: int, tokenizer: Tokenizer | None = None) -> TokenDataset:
-        """:func:`load_jsonl` then :meth:`from_examples` (loss on ``text`` and ``response`` tokens only)."""
+        """:func:`load_jsonl` then :meth:`from_examples` (loss on ``text``, ``response`` and assistant tokens
+        only); a conversation the tokenizer cannot render is named by its line."""
         source = repr(str(Path(path).expanduser()))
-        return cls.from_examples(load_jsonl(path), seq_len, tokenizer, source=source)
+        rows = _read_jsonl(path)
+        return cls.from_examples([ex for _, ex in rows], seq_len, tokenizer, source=source,
+                                 names=[f"{source} line {lineno}" for lineno, _ in rows])
 
     @classmethod
     def from_file(
@@ -565,8 +760,8 @@ class TokenDataset:
             # a .json, .csv or .parquet read as plain text would "train" on its syntax; say what is read instead
             raise ValueError(
                 f"training data {str(path)!r} has the extension {suffix or '(none)'!r}; lohan reads plain text "
-                f"({', '.join(TEXT_SUFFIXES)}) and JSON lines (.jsonl: {{\"text\"}} or {{\"prompt\", \"response\"}} "
-                f"per line): convert or rename the file"
+                f"({', '.join(TEXT_SUFFIXES)}) and JSON lines (.jsonl: {{\"text\"}}, {{\"prompt\", \"response\"}} or "
+                f"{{\"messages\"}} per line): convert or rename the file"
             )
         return cls.from_text(load_text(path), seq_len, tokenizer)
 
@@ -590,6 +785,36 @@ class TokenDataset:
         if self.loss_mask is None:
             return w[:-1], w[1:]
         return w[:-1], w[1:].masked_fill(~self.loss_mask[i, 1:], IGNORE_INDEX)
+
+    def split(self, fraction: float, seed: int = 0) -> tuple[TokenDataset, TokenDataset]:
+        """Hold out a seeded share of the windows for evaluation: ``(train, held_out)``.
+
+        Whole packed windows are held out (``round(fraction * len(self))``, at least one), chosen by a
+        permutation seeded from ``seed`` alone, so the same data, ``seq_len`` and seed always hold out the
+        same windows (a resumed run trains on the same rest). Both parts keep the windows' original order.
+        A held-out window shares its first input token with the end of the window before it (packing
+        stride ``seq_len``), and an example cut by a window boundary may lie on both sides.
+
+        Raises:
+            ValueError: If ``fraction`` is not in ``(0, 1)`` or nothing would be left to train on.
+        """
+        n = len(self)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ValueError(f"fraction={fraction!r} must be a number in (0, 1)")
+        k = max(1, round(fraction * n))
+        if k >= n:
+            raise ValueError(f"the data packs into {n:,} windows of {self.seq_len:,} tokens: holding out {k:,} for "
+                             "evaluation leaves none to train on; use more data, a shorter --seq-len or a smaller "
+                             "--eval-fraction")
+        # -1: a stream no epoch order (epochs >= 0) draws from
+        g = torch.Generator().manual_seed(_epoch_seed(seed, -1))
+        held = torch.zeros(n, dtype=torch.bool)
+        held[torch.randperm(n, generator=g)[:k]] = True
+
+        def take(rows: torch.Tensor) -> TokenDataset:
+            return TokenDataset(self.windows[rows], None if self.loss_mask is None else self.loss_mask[rows])
+
+        return take(~held), take(held)
 
 
 # ----------------------------------------------------------------------------------------- batches
@@ -752,6 +977,28 @@ class BatchIterator:
                 + "\n  - ".join(problems)
             )
         self.epoch, self.position = epoch, position
+
+
+def eval_batches(dataset: TokenDataset, batch_size: int, multiple: int = 1) -> Iterator[Batch]:
+    """Every window of ``dataset`` once, in order, in batches of ``batch_size`` (for evaluation).
+
+    The last batch holds the remainder, cut down to a multiple of ``multiple`` (the engine's micro-batch
+    count, which must divide every batch); the fewer than ``multiple`` windows cut off are not evaluated.
+
+    Yields:
+        ``(idx, targets)`` like :class:`BatchIterator` (``-100`` where masked).
+    """
+    _check_positive(batch_size=batch_size, multiple=multiple)
+    n = len(dataset)
+    for start in range(0, n, batch_size):
+        rows = min(batch_size, n - start) // multiple * multiple
+        if rows == 0:
+            return
+        w = dataset.windows[start : start + rows]
+        idx, targets = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if dataset.loss_mask is not None:
+            targets.masked_fill_(~dataset.loss_mask[start : start + rows, 1:], IGNORE_INDEX)
+        yield idx, targets
 
 
 def synthetic_batches(

@@ -40,6 +40,7 @@ from .device import Device
 from .dirlock import DirLock
 from .gradstash import GradStash
 from .integrity import unit_bounds
+from .memory import release_free_memory
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
 from .offload import ClipGate, GradOffloader, chunk_record_bytes, upcast_bytes
@@ -173,6 +174,7 @@ class Engine:
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
+        self._trimmed = False  # memory.release_free_memory after the first step
 
     # ------------------------------------------------------------------ step
     @property
@@ -253,6 +255,49 @@ class Engine:
                              io0, wait0, hash0, hyper.lr, idx.shape[1])
         self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
         self.last_metrics["activations"] = act_stats
+        if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
+            release_free_memory()
+            self._trimmed = True
+        return loss
+
+    def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
+        """Mean loss of `batch` = (token ids, targets) under the committed weights, forward only.
+
+        Micro-batched like `step` (the mean of the micro-batches' mean losses, so with one micro-batch the
+        mean over the batch's targets): each block's P16 is streamed from the committed slot (prefetched
+        like a step's forward) and run under no_grad, the head included. Nothing is saved for backward,
+        no gradient is taken, the optimizer, the activation manager and the store are not touched and
+        nothing is committed; every block is released at the end, so the next `step` starts as it would
+        have without the evaluation.
+        """
+        if self._broken:
+            raise RuntimeError(self._broken)
+        idx, targets = batch
+        m_count = self.cfg.micro_batches
+        if idx.shape != targets.shape or idx.dim() != 2:
+            raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
+                             f"and {tuple(targets.shape)}")
+        if idx.shape[0] % m_count:
+            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
+        xs = list(idx.to(self.device.torch).chunk(m_count))
+        tgt_mb = targets.to(self.device.torch).chunk(m_count)
+        slot, last = self.store.slot, len(self.program.modules) - 1
+        visits = list(range(last + 1))
+        loss = 0.0
+        try:
+            with torch.no_grad(), self.device.autocast(self.compute_dtype):
+                for p, i in enumerate(visits):
+                    self._visit(visits, p, slot)
+                    for o, _ in self.program.external_params(i):  # tied weights: the owner must be resident
+                        self.streamer.acquire(o, slot)
+                    for m in range(m_count):
+                        if i == last:  # as step sums the loss: each micro-batch's mean / their count
+                            loss += float(self.program.run(i, xs[m], tgt_mb[m]) / m_count)
+                        else:
+                            xs[m] = self.program.run(i, xs[m], None)
+                    self._leave(visits, p)
+        finally:
+            self.streamer.release_all()
         return loss
 
     def _gate(self) -> ClipGate:

@@ -175,6 +175,12 @@ class StepMetrics:
     """The loss or the gradients were not finite: the step was not applied (its batch is consumed)."""
     loss_scale: float | None = None
     """fp16: the dynamic loss scale the step ran with (a skipped overflow step halves it)."""
+    eval_loss: float | None = None
+    """Loss on the eval set after this step (forward only, the committed weights); None: no eval here."""
+    eval_ppl: float | None = None
+    """Perplexity on the eval set, ``exp(eval_loss)``."""
+    eval_s: float | None = None
+    """Wall-clock seconds of the evaluation (not part of :attr:`step_s`)."""
 
     @classmethod
     def from_counters(
@@ -197,6 +203,8 @@ class StepMetrics:
         redone: bool = False,
         skipped: bool = False,
         loss_scale: float | None = None,
+        eval_loss: float | None = None,
+        eval_s: float | None = None,
     ) -> StepMetrics:
         """Derive the rates of a step from raw counters (bytes, FLOPs, seconds).
 
@@ -213,6 +221,8 @@ class StepMetrics:
             gpu_mem_bytes: Peak GPU memory, None on the CPU.
             lanes: Busy seconds per lane.
             overlap_pct: Overlap in percent; computed from ``lanes`` by :func:`overlap_percent` if None.
+            eval_loss: Eval loss measured after the step (its perplexity is derived), None if none was.
+            eval_s: Seconds the evaluation took.
 
         Returns:
             The step's metrics.
@@ -239,11 +249,31 @@ class StepMetrics:
             redone=redone,
             skipped=skipped,
             loss_scale=loss_scale,
+            eval_loss=None if eval_loss is None else float(eval_loss),
+            eval_ppl=None if eval_loss is None else perplexity(eval_loss),
+            eval_s=eval_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``."""
-        return _json_safe(dataclasses.asdict(self))
+        """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``.
+        The ``eval_*`` fields appear only on the records of steps that evaluated."""
+        record = dataclasses.asdict(self)
+        if self.eval_loss is None:
+            for name in EVAL_FIELDS:
+                del record[name]
+        return _json_safe(record)
+
+
+EVAL_FIELDS = ("eval_loss", "eval_ppl", "eval_s")
+"""The :class:`StepMetrics` fields of an evaluation, written only on the steps that evaluated."""
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, inf past what a float holds (a diverged model), NaN for a NaN loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def _fit(value: float, width: int, spec: str) -> str:
@@ -276,7 +306,8 @@ def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
         step   12/200 | loss  3.4521 | lr 2.00e-04 |     1,234 tok/s |   0.012 TFLOPS | SSD r  1.23 w  0.98 GB/s | overlap  87% | RAM   3.2 GiB |   1.230 s
 
     Every number is padded to a fixed width (values that would not fit switch to fewer decimals or
-    e-notation), so the width depends only on ``total_steps`` and on whether a GPU field is present.
+    e-notation), so the width depends only on ``total_steps`` and on whether a GPU field is present. A step
+    that evaluated adds ``| eval loss  3.2100 ppl    24.78 (  0.41 s)`` at the end.
 
     Args:
         m: The step's metrics.
@@ -303,6 +334,10 @@ def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
     if m.gpu_mem_gib is not None:
         parts.append(f"GPU {_fit(m.gpu_mem_gib, 5, '.1f')} GiB")
     parts.append(f"{_fit(m.step_s, 7, '.3f')} s")
+    if m.eval_loss is not None:  # last, so the columns before it align with the other steps' lines
+        ppl = m.eval_ppl if m.eval_ppl is not None else perplexity(m.eval_loss)
+        parts.append(f"eval loss {_fit(m.eval_loss, 7, '.4f')} ppl {_fit(ppl, 8, '.2f')} "
+                     f"({_fit(m.eval_s or 0.0, 6, '.2f')} s)")
     return " | ".join(parts)
 
 
@@ -372,7 +407,8 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -> Path | None:
-    """Plot loss and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``).
+    """Plot loss and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``); the eval loss
+    of the records that have one is drawn next to the training loss.
 
     Returns the PNG path, or None when matplotlib is unavailable or there is nothing to plot.
     """
@@ -389,7 +425,12 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
     out = Path(png_path) if png_path else Path(metrics_path).with_suffix(".png")
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    ax1.plot(steps, [r["loss"] for r in records], lw=1)
+    ax1.plot(steps, [r["loss"] for r in records], lw=1, label="train")
+    evals = [r for r in records if isinstance(r.get("eval_loss"), int | float)]
+    if evals:
+        ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], lw=1.5, marker="o", ms=3,
+                 color="tab:orange", label="eval")
+        ax1.legend(loc="upper right")
     ax1.set_ylabel("loss")
     ax1.grid(alpha=0.3)
     ax2.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records], lw=1, color="tab:green")
@@ -441,6 +482,22 @@ class RunSummary:
     """Largest CPU memory of any step, GiB."""
     peak_gpu_mem_gib: float | None
     """Largest GPU memory of any step, GiB; None on the CPU."""
+    evals: int = 0
+    """Evaluations run (steps with an ``eval_loss``)."""
+    eval_total_s: float = 0.0
+    """Seconds spent evaluating, over all evaluations."""
+    last_eval_loss: float | None = None
+    """Eval loss of the last evaluation."""
+    min_eval_loss: float | None = None
+    """Lowest eval loss (NaN ignored)."""
+    min_eval_step: int | None = None
+    """Step of :attr:`min_eval_loss`."""
+
+    @property
+    def eval_share(self) -> float:
+        """Share of the run's time spent evaluating: ``eval_total_s / (total_s + eval_total_s)``."""
+        total = self.total_s + self.eval_total_s
+        return self.eval_total_s / total if total > 0 else 0.0
 
     @classmethod
     def from_steps(cls, steps: Sequence[StepMetrics], warmup_steps: int = 1) -> RunSummary:
@@ -464,6 +521,9 @@ class RunSummary:
         finite = [m for m in steps if not math.isnan(m.loss)]
         best = min(finite, key=lambda m: m.loss) if finite else steps[0]
         gpu = [m.gpu_mem_gib for m in steps if m.gpu_mem_gib is not None]
+        evals = [m for m in steps if m.eval_loss is not None]
+        scored = [(m.eval_loss, m.step) for m in evals if m.eval_loss is not None and not math.isnan(m.eval_loss)]
+        best_eval = min(scored) if scored else None  # the lowest eval loss, the earliest step on a tie
         return cls(
             steps=len(steps),
             measured_steps=len(measured),
@@ -480,6 +540,11 @@ class RunSummary:
             overlap_pct=time_weighted("overlap_pct"),
             peak_cpu_mem_gib=max(m.cpu_mem_gib for m in steps),
             peak_gpu_mem_gib=max(gpu) if gpu else None,
+            evals=len(evals),
+            eval_total_s=sum(m.eval_s or 0.0 for m in evals),
+            last_eval_loss=evals[-1].eval_loss if evals else None,
+            min_eval_loss=best_eval[0] if best_eval else None,
+            min_eval_step=best_eval[1] if best_eval else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -509,6 +574,14 @@ def format_summary(steps: Sequence[StepMetrics] | RunSummary, warmup_steps: int 
     memory = f"peak RAM {s.peak_cpu_mem_gib:.1f} GiB"
     if s.peak_gpu_mem_gib is not None:
         memory += f"   peak GPU {s.peak_gpu_mem_gib:.1f} GiB"
+    evaluation = []
+    if s.evals:
+        best = f"   min {s.min_eval_loss:.4f} (step {s.min_eval_step})" if s.min_eval_loss is not None else ""
+        evaluation = [
+            f"  eval        last {s.last_eval_loss:.4f} (ppl {perplexity(s.last_eval_loss):.2f}){best}   "
+            f"{s.evals} evaluation(s), {s.eval_total_s / s.evals:.2f} s each, {100 * s.eval_share:.1f}% of the run "
+            f"time"
+        ]
     return "\n".join(
         [
             f"run summary: {s.steps:,} steps, {s.total_tokens:,} tokens in {_duration(s.total_s)}",
@@ -518,6 +591,7 @@ def format_summary(steps: Sequence[StepMetrics] | RunSummary, warmup_steps: int 
             f"  SSD         read {s.ssd_read_gbps:.2f} GB/s   write {s.ssd_write_gbps:.2f} GB/s   "
             f"overlap {s.overlap_pct:.0f}%",
             f"  memory      {memory}",
+            *evaluation,
         ]
     )
 

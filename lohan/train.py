@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,15 @@ from io_engine import IOEngineError, VolumeConfigError
 
 from .config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
 from .crashpoints import crashpoint
-from .data import Batch, BatchIterator, ByteTokenizer, TokenDataset, synthetic_batches
+from .data import (
+    IGNORE_INDEX,
+    Batch,
+    BatchIterator,
+    ByteTokenizer,
+    TokenDataset,
+    eval_batches,
+    synthetic_batches,
+)
 from .dirlock import DirectoryInUseError, DirLock
 from .engine import Engine, MemoryPlanError, NonFiniteError, init
 from .fit import described_hardware, detect_hardware, fit_report, local_problems
@@ -54,15 +63,19 @@ class Model:
         return self.hf_program.max_seq_len if self.hf_program is not None else self.config.seq_len
 
 
-def load_model(run: RunConfig) -> Model:
+def load_model(run: RunConfig, dry_run: bool = False) -> Model:
+    """The run's model. A Hugging Face directory's weights are checked for a real run only: a dry run plans
+    from config.json alone (a real model's shape, no download), and without a tokenizer reads no data."""
     if not run.is_hf:
         return Model(run.model_config(), ByteTokenizer())
     from .data import HFTokenizer
-    from .models.hf import check_weights, load_hf_skeleton, load_tokenizer
+    from .models.hf import check_weights, has_tokenizer, load_hf_skeleton, load_tokenizer
 
-    program = load_hf_skeleton(run.model)
-    check_weights(program, run.model)  # a damaged checkpoint is refused here, not halfway into the store
-    return Model(planning_config(program, run.model), HFTokenizer(load_tokenizer(run.model)), program)
+    program = load_hf_skeleton(run.model, run.model_overrides.get("n_layer"))  # --layers N: the first N layers
+    if not dry_run:
+        check_weights(program, run.model)  # a damaged checkpoint is refused here, not halfway into the store
+    tokenizer = (HFTokenizer(load_tokenizer(run.model)) if not dry_run or has_tokenizer(run.model) else None)
+    return Model(planning_config(program, run.model), tokenizer, program)
 
 
 def planning_config(program: Any, path: str) -> ModelConfig:
@@ -85,6 +98,42 @@ def load_dataset(run: RunConfig, model: Model, seq_len: int) -> TokenDataset | N
         raise ValueError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary is "
                          f"{model.config.vocab_size} (for presets set model_overrides.vocab_size >= 256)")
     return TokenDataset.from_file(run.data, seq_len=seq_len, tokenizer=model.tokenizer)
+
+
+def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None,
+                  seq_len: int) -> tuple[TokenDataset | None, TokenDataset | None]:
+    """(training data, eval set): `eval_fraction` holds whole packed sequences out of the training data
+    (seeded by engine.seed), `eval_data` is read like the training data; without either, no eval set."""
+    if run.eval_fraction is not None and dataset is not None:
+        dataset, held = dataset.split(run.eval_fraction, run.engine.seed)
+        what = f"{run.eval_fraction:g} of {run.data}"
+    elif run.eval_data is not None:
+        held, what = TokenDataset.from_file(run.eval_data, seq_len=seq_len, tokenizer=model.tokenizer), run.eval_data
+    else:
+        return dataset, None
+    m = run.engine.micro_batches
+    used = len(held) // m * m  # eval_batches evaluates whole micro-batches
+    more = "use a larger --eval-fraction, a longer --eval-data file or a shorter --seq-len"
+    if used == 0:
+        raise ValueError(f"the eval set ({what}) packs into {len(held)} sequence(s) of {seq_len} tokens, fewer than "
+                         f"the {m} micro-batches an evaluation runs; {more}")
+    if held.loss_mask is not None and not held.loss_mask[:used, 1:].any():
+        raise ValueError(f"no token of the eval set ({what}: {len(held)} sequence(s) of {seq_len} tokens) is a "
+                         f"prediction target, so there is no loss to evaluate; {more}")
+    return dataset, held
+
+
+def evaluate(engine: Engine, eval_set: TokenDataset, batch_size: int) -> tuple[float, float]:
+    """(eval loss, seconds): each batch's loss from `Engine.evaluate`, weighted by its target tokens; with one
+    micro-batch per step that is the mean loss over every target of the eval set."""
+    t0 = time.perf_counter()
+    total, weight = 0.0, 0
+    for batch in eval_batches(eval_set, batch_size, engine.cfg.micro_batches):
+        n = int((batch[1] != IGNORE_INDEX).sum())
+        if n:
+            total += engine.evaluate(batch) * n
+            weight += n
+    return total / weight, time.perf_counter() - t0
 
 
 def make_batches(run: RunConfig, model: Model, dataset: TokenDataset | None, seq_len: int, start_step: int,
@@ -112,8 +161,11 @@ def run_state_path(run: RunConfig) -> Path:
 
 
 def _fingerprint(run: RunConfig, seq_len: int) -> dict[str, Any]:
-    return {"model": run.model, "data": run.data, "batch_size": run.batch_size, "seq_len": seq_len,
-            "seed": run.engine.seed}
+    fp = {"model": run.model, "data": run.data, "batch_size": run.batch_size, "seq_len": seq_len,
+          "seed": run.engine.seed}
+    if run.eval_fraction is not None:  # it takes sequences out of the training data (eval_data does not)
+        fp["eval_fraction"] = run.eval_fraction
+    return fp
 
 
 def save_run_state(run: RunConfig, seq_len: int, engine: Engine, batches: Iterator[Batch]) -> None:
@@ -214,7 +266,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
 
 
 def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware: str | None = None,
-          export: str | None = None, overwrite: bool = False) -> int:
+          export: str | None = None, overwrite: bool = False, export_dtype: str | None = None) -> int:
     """Run (or, with `dry_run`, only plan) the fine-tune described by `run`; returns a process exit code.
 
     `resume` continues the store in the NVMe directories (or its interrupted initialization);
@@ -222,16 +274,16 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands.
     """
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        return _train(run, resume, dry_run, hardware, export, overwrite)
+        return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return _train(run, resume, dry_run, hardware, export, overwrite)
+        return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
-           overwrite: bool) -> int:
+           overwrite: bool, export_dtype: str | None = None) -> int:
     console = Console(soft_wrap=True)  # never re-wrap the fixed-width lines, also when piped
 
     def fail(msg: str) -> int:
@@ -239,9 +291,16 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return 2
 
     try:
-        model = load_model(run)
+        model = load_model(run, dry_run)
     except (ValueError, NotImplementedError, OSError) as e:
         return fail(str(e))
+    if model.tokenizer is None and run.data != "synthetic":
+        console.print(f"note: {run.model} has no tokenizer, so {run.data} is not read: the plan counts --steps "
+                      "with random tokens")
+        run = dataclasses.replace(run, data="synthetic", epochs=None, eval_data=None, eval_fraction=None,
+                                  eval_every=None)
+    if export_dtype not in (None, "fp32") and model.hf_program is None:
+        return fail(f"--export-dtype {export_dtype}: presets export fp32 GPT-2 checkpoints; drop the flag")
     mcfg = model.config
     seq_len = run.seq_len or mcfg.seq_len
     if seq_len > model.max_seq_len:
@@ -253,6 +312,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return fail(f"batch_size {run.batch_size} is not divisible by micro_batches {run.engine.micro_batches}")
     try:
         dataset = load_dataset(run, model, seq_len)
+        dataset, eval_set = load_eval_set(run, model, dataset, seq_len)
         per_epoch = len(dataset) // run.batch_size if dataset is not None else None
         if dataset is not None and per_epoch < 1:
             return fail(f"{run.data} packs into {len(dataset)} sequences of {seq_len} tokens, fewer than one "
@@ -345,6 +405,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         metrics_path.unlink()  # a fresh run: the store was started over, so are its metrics
     label = os.path.basename(os.path.normpath(run.model)) if model.hf_program is not None else mcfg.name
     _header(console, run, mcfg, engine, seq_len, label)
+    if eval_set is not None:
+        source = f"held out from {run.data}" if run.eval_fraction is not None else f"from {run.eval_data}"
+        when = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
+        console.print(f"  eval: {len(eval_set)} sequences {source}, {when} (forward only)")
     history: list[StepMetrics] = []
     code = 0
     try:
@@ -353,6 +417,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                 loss = engine.step(next(batches))
                 save_run_state(run, seq_len, engine, batches)
                 m = engine.last_metrics
+                # after the run state is saved: an evaluation reads the committed weights and nothing else
+                due = eval_set is not None and (m["step"] == steps
+                                                or bool(run.eval_every and m["step"] % run.eval_every == 0))
+                eval_loss, eval_s = evaluate(engine, eval_set, run.batch_size) if due else (None, None)
                 sm = StepMetrics.from_counters(
                     step=m["step"], loss=loss, lr=m["lr"], tokens=m["tokens"], step_s=m["step_s"],
                     flops=(m["tflops"] or 0.0) * 1e12 * m["step_s"], ssd_read_bytes=m["ssd_read_bytes"],
@@ -360,12 +428,12 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
                     lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
                     clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
-                    loss_scale=m.get("loss_scale"))
+                    loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s)
                 history.append(sm)
                 writer.write(sm)
                 report_step(bar, sm, steps)
         if export:
-            _export(console, run, model, engine, export)
+            _export(console, run, model, engine, export, export_dtype)
     except KeyboardInterrupt as err:
         console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.step_count} is on NVMe with "
                       "its data position (continue with --resume)")
@@ -409,9 +477,10 @@ def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: Eng
             bar.update(task, completed=done, total=total)
 
         if model.hf_program is not None:
-            from .models.hf import init_from_hf
+            from .hf_engine import init_from_hf
 
-            return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
+            return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress,
+                                n_layer=run.model_overrides.get("n_layer"))
         return init(model.config, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
 
 
@@ -441,7 +510,8 @@ def _root_cause(err: BaseException) -> BaseException | str:
     return str(err) if not err.__cause__ else f"{err}: {err.__cause__}"
 
 
-def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out: str) -> None:
+def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out: str,
+            dtype: str | None = None) -> None:
     """Export into a sibling `<out>.partial` directory, then swap it in: a kill mid-export leaves the previous
     export (or nothing) at `out`, never a half-written one, and the same command redoes it."""
     final = Path(out)
@@ -451,11 +521,12 @@ def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out:
     if model.hf_program is not None:
         from .models.hf import export_hf
 
-        export_hf(engine, model.hf_program, run.model, tmp)
+        dtype = export_hf(engine, model.hf_program, run.model, tmp, dtype)
     else:
         from .models.gpt_export import export_gpt2
 
         export_gpt2(engine, model.config, tmp)
+        dtype = "float32"
     for f in tmp.iterdir():  # durable before it replaces anything
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -463,7 +534,7 @@ def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out:
     if final.exists():
         shutil.rmtree(final)  # checked before the run: empty, or a previous export
     os.replace(tmp, final)
-    console.print(f"exported the step-{engine.step_count} weights to {out} (loads with transformers "
+    console.print(f"exported the step-{engine.step_count} weights to {out} in {dtype} (loads with transformers "
                   "AutoModelForCausalLM.from_pretrained)")
 
 

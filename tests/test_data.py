@@ -20,6 +20,7 @@ from lohan.data import (
     TokenDataset,
     Tokenizer,
     encode_examples,
+    eval_batches,
     load_jsonl,
     load_text,
     pack_tokens,
@@ -427,10 +428,26 @@ def test_load_jsonl_accepts_bom_crlf_blank_lines_and_drops_extra_keys(tmp_path):
         ('"just a string"', "expected a JSON object, got str"),
         ('{"prompt": "only a prompt"}', 'has a "prompt" key but no "response" key'),
         ('{"response": "only a response"}', 'has a "response" key but no "prompt" key'),
-        ('{"input": "x", "output": "y"}', 'needs a "text" key or "prompt" and "response" keys; it has keys'),
+        ('{"input": "x", "output": "y"}', 'needs a "text" key or "prompt" and "response" keys (or a "messages" list); it has keys'),
         ('{"text": "t", "prompt": "p", "response": "r"}', "has both"),
         ('{"text": 42}', 'the "text" value must be a string, got int 42'),
         ('{"prompt": "p", "response": null}', 'the "response" value must be a string, got NoneType null'),
+        # chat examples: checked line by line before any tokenizer sees them
+        ('{"messages": []}', 'the "messages" value must be a non-empty list'),
+        ('{"messages": "hi"}', 'the "messages" value must be a non-empty list'),
+        ('{"text": "t", "messages": [{"role": "user", "content": "q"}]}', 'has "messages" and'),
+        ('{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "a"}]}',
+         'message 1: the role "tool" is not one of "system", "user", "assistant"'),
+        ('{"messages": [{"content": "x"}]}', "message 1: the role null is not one of"),
+        ('{"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "a"}]}',
+         "message 1 (user): the content is empty"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]}',
+         'message 2 (assistant): the "content" must be a string, got int 3'),
+        ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}',
+         "has no assistant message"),
+        ('{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
+         "message 2 is an assistant turn before any user message"),
+        ('{"messages": [["user", "q"]]}', 'message 1: expected a {"role", "content"} object, got list'),
     ],
 )
 def test_bad_jsonl_line_names_file_line_and_problem(tmp_path, bad_line, problem):
@@ -567,3 +584,156 @@ def test_masked_cross_entropy_equals_loss_over_response_tokens_only():
     expected = -logp[is_response].mean()
     torch.testing.assert_close(loss, expected)
     assert not torch.allclose(loss, -logp.mean())  # the mask changes the loss
+
+
+# ------------------------------------------------------------------------------------------ chat data
+
+CHAT_WORDS = [*WORDS, "user", "assistant", "system", ":", "|", "be", "brief"]
+CHAT_VOCAB = {w: i for i, w in enumerate(CHAT_WORDS)}
+# The end-of-turn token right after the content, a BOS from the template, a generation prompt.
+EOT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] + ' : ' + m['content'] + eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant : ' }}{% endif %}"
+)
+# ChatML-like: a header, the turn closed by EOS plus a newline, no BOS.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '| ' + m['role'] + '\\n' + m['content'] + eos_token + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '| assistant\\n' }}{% endif %}"
+)
+# No generation prompt (as some older templates): the assistant header is then part of the turn.
+NO_PROMPT_TEMPLATE = "{% for m in messages %}{{ '| ' + m['role'] + ' ' + m['content'] + eos_token }}{% endfor %}"
+
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "what is two plus four ?"},
+    {"role": "assistant", "content": "six"},
+    {"role": "user", "content": "the sky ?"},
+    {"role": "assistant", "content": "blue blue"},
+]
+
+
+def _chat_tok(template: str | None = EOT_TEMPLATE) -> HFTokenizer:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.WordLevel(CHAT_VOCAB, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", bos_token="<s>", eos_token="</s>",
+                                  name_or_path="models/word-chat")
+    tok.chat_template = template
+    return HFTokenizer(tok)
+
+
+def _chat_expected(messages: list[dict], template: str) -> tuple[list[int], list[bool]]:
+    """The stream and target flags of one conversation, written out per template."""
+    v = CHAT_VOCAB
+    ids, is_target = ([v["<s>"]], [False]) if template == EOT_TEMPLATE else ([], [])
+    for m in messages:
+        head = [v[m["role"]], v[":"]] if template == EOT_TEMPLATE else [v["|"], v[m["role"]]]
+        turn = [v[w] for w in m["content"].split()] + [v["</s>"]]  # the end-of-turn token is a target
+        ids += head + turn
+        mine = m["role"] == "assistant"
+        is_target += [mine and template == NO_PROMPT_TEMPLATE] * len(head) + [mine] * len(turn)
+    return ids, is_target
+
+
+@pytest.mark.parametrize("template", [EOT_TEMPLATE, CHATML_TEMPLATE, NO_PROMPT_TEMPLATE],
+                         ids=["eot", "chatml", "no-generation-prompt"])
+def test_chat_targets_are_exactly_the_assistant_turns(tmp_path, template):
+    tok = _chat_tok(template)
+    (ids, is_target), = tok.encode_chats([CONVERSATION])
+    assert (ids, is_target) == _chat_expected(CONVERSATION, template)
+    short = CONVERSATION[1:3]
+    rows = [{"messages": CONVERSATION}, {"messages": short}, {"text": "hi"}] * 3  # forms mix, in file order
+    ds = TokenDataset.from_file(_write_jsonl(tmp_path / "chat.jsonl", rows, blank_every=2), seq_len=6, tokenizer=tok)
+    stream, targets = [], []
+    for row in rows:
+        if "text" in row:  # text keeps its BOS/EOS from the pipeline; a conversation's come from its template
+            part = ([BOS, VOCAB["hi"], EOS], [True] * 3)
+        else:
+            part = _chat_expected(row["messages"], template)
+        stream += part[0]
+        targets += part[1]
+    _assert_dataset(ds, stream, targets)
+    # batches and resume positions work as for any masked dataset
+    it = BatchIterator(ds, batch_size=2, seed=3)
+    next(it)
+    resumed = BatchIterator(ds, batch_size=2, seed=3)
+    resumed.load_state_dict(it.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(next(it), next(resumed)))
+
+
+def test_chat_data_without_a_template_or_with_bytes_names_the_fix(tmp_path):
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
+    with pytest.raises(ValueError) as e:
+        TokenDataset.from_file(path, seq_len=4, tokenizer=_chat_tok(None))
+    msg = str(e.value)
+    assert "the tokenizer of models/word-chat has no chat template" in msg
+    assert "tokenizer_config.json" in msg and "{prompt, response}" in msg
+    with pytest.raises(ValueError, match="byte-level tokenizer of the presets has no chat template.*--model DIR"):
+        TokenDataset.from_file(path, seq_len=4)
+
+
+def test_chat_template_failures_and_unstable_templates_name_the_line(tmp_path):
+    rows = [{"messages": CONVERSATION[1:3]}, {"messages": CONVERSATION}]  # line 2 has a system message
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role here') }}{% endif %}"
+    with pytest.raises(ValueError) as e:
+        TokenDataset.from_file(path, seq_len=4, tokenizer=_chat_tok(strict + EOT_TEMPLATE))
+    assert "chat.jsonl' line 2: the chat template of models/word-chat failed" in str(e.value)
+    assert "no system role here" in str(e.value)
+    # closes only the conversation's last turn: a turn rendered alone is not the start of the whole
+    last_only = ("{% for m in messages %}{{ m['role'] + ' ' + m['content'] }}{% if loop.last %}{{ eos_token }}"
+                 "{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match="line 1: .* does not render this conversation prefix by prefix"):
+        TokenDataset.from_file(path, seq_len=4, tokenizer=_chat_tok(last_only))
+    silent = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="line 1: .* does not write the content of message 2"):
+        TokenDataset.from_file(path, seq_len=4, tokenizer=_chat_tok(silent))
+
+
+def test_shipped_chat_example_trains_on_its_assistant_turns_with_the_tiny_hf_template():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", DATA_DIR.parent / "scripts" / "make_tiny_hf.py")
+    make_tiny_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_hf)
+    tok = HFTokenizer(make_tiny_hf.train_tokenizer(DEFAULT_CORPUS, 512))
+    rows = load_jsonl(DATA_DIR / "chat_example.jsonl")
+    assert len(rows) >= 200 and all(len(r["messages"]) >= 4 for r in rows)  # multi-turn
+    for row, (ids, is_target) in zip(rows[:40], tok.encode_chats([r["messages"] for r in rows[:40]])):
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        # the targets, turn by turn, decode to each answer followed by the end-of-turn EOS
+        runs = [list(g) for k, g in itertools.groupby(zip(ids, is_target), key=lambda t: t[1]) if k]
+        assert [tok.decode([i for i, _ in run]) for run in runs] == [a + "</s>" for a in answers]
+    ds = TokenDataset.from_file(DATA_DIR / "chat_example.jsonl", seq_len=128, tokenizer=tok)
+    assert len(ds) > 100 and 0 < ds.n_targets < len(ds) * 128
+
+
+# ------------------------------------------------------------------------------- held-out split
+
+
+def test_split_holds_out_seeded_whole_windows_and_eval_batches_cover_them_in_order():
+    ds = TokenDataset(_windows(1000, 8), torch.rand(124, 9) > 0.3)
+    train, held = ds.split(0.1, seed=4)
+    assert (len(train), len(held)) == (112, 12)
+    again_train, again_held = ds.split(0.1, seed=4)
+    assert torch.equal(held.windows, again_held.windows) and torch.equal(train.loss_mask, again_train.loss_mask)
+    assert not torch.equal(held.windows, ds.split(0.1, seed=5)[1].windows)
+    # whole windows, disjoint, each part in the original order (window i starts at token 8 * i)
+    starts = sorted(train.windows[:, 0].tolist() + held.windows[:, 0].tolist())
+    assert starts == ds.windows[:, 0].tolist()
+    assert held.windows[:, 0].tolist() == sorted(held.windows[:, 0].tolist())
+    rows = {w[0] // 8 for w in held.windows.tolist()}
+    assert torch.equal(held.loss_mask, ds.loss_mask[sorted(rows)])
+    batches = list(eval_batches(held, batch_size=5))
+    assert [b[0].shape[0] for b in batches] == [5, 5, 2]
+    xs, ys = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    assert all(torch.equal(xs[i], held[i][0]) and torch.equal(ys[i], held[i][1]) for i in range(len(held)))
+    assert [b[0].shape[0] for b in eval_batches(held, batch_size=8, multiple=4)] == [8, 4]
+    assert [b[0].shape[0] for b in eval_batches(held, batch_size=10, multiple=5)] == [10]  # the last 2 are cut
+    with pytest.raises(ValueError, match="leaves none to train on"):
+        TokenDataset(_windows(10, 8)).split(0.5)  # one window
+    with pytest.raises(ValueError, match=r"fraction=1.5 must be a number in \(0, 1\)"):
+        ds.split(1.5)

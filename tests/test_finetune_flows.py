@@ -126,7 +126,7 @@ def test_hf_directory_finetune_on_jsonl_then_export_and_reload(tmp_path, capsys)
     """The user flow: a local Hugging Face directory, prompt/response data, --export, from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lohan.models import hf
+    from lohan import init_from_hf
     from tests.test_hf import engine_hf_state, make_hf_dir, reference_model
 
     model_dir = make_hf_dir(tmp_path / "llama", "llama")
@@ -147,7 +147,7 @@ def test_hf_directory_finetune_on_jsonl_then_export_and_reload(tmp_path, capsys)
     from lohan.config import EngineConfig
 
     cfg = EngineConfig(nvme=(str(tmp_path / "nvme"),), compute_dtype="fp32", backend="threads")
-    with hf.init_from_hf(model_dir, cfg, resume=True) as engine:
+    with init_from_hf(model_dir, cfg, resume=True) as engine:
         state = engine_hf_state(engine, engine.program)
     trained = reference_model(model_dir)
     trained.load_state_dict(state, strict=False)

@@ -1,8 +1,10 @@
 """Hugging Face causal LMs (Llama, GPT-2, OPT, Qwen2) through the engine: import, training, export.
 
+(tests/test_hf_families.py runs every tested family, Gemma, Mistral, Qwen3, Phi-3 and OLMo 2 included.)
+
 Every model and tokenizer is created here (tiny configs, fixed seeds, every weight perturbed so that
 no two parameters of one shape are alike and a mix-up of names or order shows). The references are
-the HF models themselves, loaded from the same directories with `from_pretrained` in fp32 + SDPA.
+the HF models themselves, loaded from the same directories with `from_pretrained` in fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from lohan.config import EngineConfig
-from lohan.models import hf
+from lohan.hf_engine import init_from_hf
+from lohan.models import hf, hf_checkpoint
 from lohan.models.gpt import lm_loss
 from lohan.optim import lr_factor, param_groups
 
@@ -94,7 +97,8 @@ def hf_dir(tmp_path_factory):
 
 
 def reference_model(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    """The model as transformers loads it (its default attention: SDPA, or eager where the family has no SDPA)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def materialize(program: hf.HFBlocks, tensors: list[list[torch.Tensor]]) -> None:
@@ -132,19 +136,18 @@ def engine_hf_state(engine, program: hf.HFBlocks) -> dict[str, torch.Tensor]:
 def test_unsupported_model_type_is_refused(tmp_path):
     d = tmp_path / "bert"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
-    assert not hf.is_hf_dir(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32, "type_vocab_size": 2}))
+    assert hf.is_hf_dir(d)  # a model directory: refused when loaded, with the reason
     assert not hf.is_hf_dir(tmp_path / "missing")
-    with pytest.raises(ValueError, match="model_type 'bert' is not supported.*llama, gpt2, opt, qwen2"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported: it is an encoder.*tested: llama, "
+                                         "mistral, qwen2"):
         hf.load_hf_skeleton(d)
     with pytest.raises(ValueError, match="'bert' is not supported"):
-        hf.init_from_hf(d, engine_config([str(tmp_path / "nvme")]))
+        init_from_hf(d, engine_config([str(tmp_path / "nvme")]))
     assert not os.path.exists(tmp_path / "nvme" / "lohan.store.json")
 
 
 @pytest.mark.parametrize("config,match", [
-    (Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 use_sliding_window=True, sliding_window=8, max_window_layers=0), "sliding-window"),
     (OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                word_embed_proj_dim=32, do_layer_norm_before=False), "head block would own no parameters"),
     (GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, add_cross_attention=True), "cross_attention"),
@@ -159,7 +162,8 @@ def test_unsupported_variants_are_refused(tmp_path, config, match):
 def test_is_hf_dir(hf_dir):
     for family in ("llama", "gpt2"):
         assert hf.is_hf_dir(hf_dir(family))
-    assert set(hf.SUPPORTED) == {"llama", "gpt2", "opt", "qwen2"}
+    assert {"llama", "gpt2", "opt", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3",
+            "olmo2"} == set(hf.SUPPORTED)
 
 
 def test_skeleton_has_meta_parameters_and_real_buffers(hf_dir):
@@ -204,7 +208,7 @@ def test_blocks_in_sequence_equal_the_hf_forward(hf_dir, family):
     path = hf_dir(family)
     ref = reference_model(path)
     program = hf.load_hf_skeleton(path)
-    init_block = hf._make_init_block(program, path)
+    init_block = hf.make_init_block(program, path)
     materialize(program, [init_block(i) for i in range(len(program.modules))])
     ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
     targets = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)  # HF's labels=ids shifted
@@ -252,7 +256,7 @@ def test_engine_is_bit_exact_with_pytorch(hf_dir, make_dirs, family, policy):
     ecfg = engine_config(make_dirs(2), act_policy=policy, micro_batches=2 if family == "gpt2" else 1)
     ref_losses, ref_params = reference_run(path, ecfg, batches(STEPS))
     losses = []
-    with hf.init_from_hf(path, ecfg) as engine:
+    with init_from_hf(path, ecfg) as engine:
         program = engine.program
         assert isinstance(program, hf.HFBlocks)
         for batch in batches(STEPS):
@@ -307,15 +311,15 @@ def test_import_reads_one_block_at_a_time_from_shards(hf_dir, make_dirs, monkeyp
     with open(os.path.join(path, hf.WEIGHTS_INDEX)) as f:
         weight_map = json.load(f)["weight_map"]
     assert len(set(weight_map.values())) > 2  # really sharded
-    rec = _Recorder(hf.safe_open)
-    monkeypatch.setattr(hf, "safe_open", rec)
+    rec = _Recorder(hf_checkpoint.safe_open)
+    monkeypatch.setattr(hf_checkpoint, "safe_open", rec)
     per_block: list[list[str]] = []
 
     def progress(done: int, total: int) -> None:
         per_block.append(list(rec.reads))
         rec.reads.clear()
 
-    with hf.init_from_hf(path, engine_config(make_dirs(1)), progress=progress) as engine:
+    with init_from_hf(path, engine_config(make_dirs(1)), progress=progress) as engine:
         program = engine.program
         assert len(per_block) == len(program.modules)
         for i, keys in enumerate(per_block):
@@ -341,7 +345,7 @@ def test_import_without_base_model_prefix(hf_dir, make_dirs, tmp_path):
     sd = load_file(os.path.join(src, hf.WEIGHTS_NAME))
     save_file({k.removeprefix("transformer."): v.half() for k, v in sd.items()}, str(d / hf.WEIGHTS_NAME),
               metadata={"format": "pt"})
-    with hf.init_from_hf(d, engine_config(make_dirs(1))) as engine:
+    with init_from_hf(d, engine_config(make_dirs(1))) as engine:
         state = engine_hf_state(engine, engine.program)
     assert set(state) == {k for k in sd if k != "lm_head.weight"}
     for name, t in state.items():
@@ -352,18 +356,18 @@ def test_import_without_base_model_prefix(hf_dir, make_dirs, tmp_path):
 def test_resume_checks_the_model(hf_dir, make_dirs):
     dirs = make_dirs(1)
     path = hf_dir("gpt2")
-    with hf.init_from_hf(path, engine_config(dirs, act_policy="interblock")) as engine:
+    with init_from_hf(path, engine_config(dirs, act_policy="interblock")) as engine:
         engine.step(next(batches(1)))
         meta = engine.store.read_model_meta(dirs)
         before = engine_hf_state(engine, engine.program)
     assert meta["kind"] == "hf" and meta["family"] == "gpt2" and meta["config"]["n_embd"] == 32
     assert json.loads(json.dumps(meta)) == meta
     assert not any(isinstance(v, str) and os.sep in v for v in meta["config"].values())
-    with hf.init_from_hf(path, engine_config(dirs, act_policy="interblock"), resume=True) as engine:
+    with init_from_hf(path, engine_config(dirs, act_policy="interblock"), resume=True) as engine:
         assert engine.step_count == 1
         assert all(torch.equal(t, before[n]) for n, t in engine_hf_state(engine, engine.program).items())
     with pytest.raises(ValueError, match="holds another model"):
-        hf.init_from_hf(hf_dir("opt"), engine_config(dirs), resume=True)
+        init_from_hf(hf_dir("opt"), engine_config(dirs), resume=True)
 
 
 def test_flops_per_token(hf_dir):
@@ -379,7 +383,7 @@ def test_flops_per_token(hf_dir):
 def test_export_loads_in_transformers_with_identical_logits(hf_dir, make_dirs, tmp_path, family, shard_bytes):
     path = hf_dir(family)
     out = str(tmp_path / "export")
-    with hf.init_from_hf(path, engine_config(make_dirs(1), act_policy="interblock")) as engine:
+    with init_from_hf(path, engine_config(make_dirs(1), act_policy="interblock")) as engine:
         program = engine.program
         for batch in batches(2):
             engine.step(batch)
@@ -422,7 +426,7 @@ def test_export_loads_in_transformers_with_identical_logits(hf_dir, make_dirs, t
 def test_export_bf16_and_reexport(hf_dir, make_dirs, tmp_path):
     path = hf_dir("qwen2")
     out = tmp_path / "export"
-    with hf.init_from_hf(path, engine_config(make_dirs(1), act_policy="interblock")) as engine:
+    with init_from_hf(path, engine_config(make_dirs(1), act_policy="interblock")) as engine:
         engine.step(next(batches(1)))
         hf.export_hf(engine, engine.program, path, out, max_shard_bytes=20_000)
         n_shards = sum(n.endswith(".safetensors") for n in os.listdir(out))
@@ -442,7 +446,7 @@ def test_export_refuses_a_foreign_directory(hf_dir, make_dirs, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with hf.init_from_hf(path, engine_config(make_dirs(1))) as engine:
+    with init_from_hf(path, engine_config(make_dirs(1))) as engine:
         with pytest.raises(ValueError, match="refusing to export.*notes.txt"):
             hf.export_hf(engine, engine.program, path, foreign)
         with pytest.raises(ValueError, match="is the source directory"):
@@ -465,7 +469,7 @@ def test_interrupted_import_continues_where_it_stopped(hf_dir, make_dirs, monkey
     """A weight import killed halfway (here: an error at the 3rd block) continues with resume=True from the
     first block not yet durable, and the store ends equal to the checkpoint."""
     path = hf_dir("llama")
-    real = hf._make_init_block
+    real = hf_checkpoint.make_init_block
     reads: list[int] = []
 
     def dying(program, src):
@@ -479,14 +483,14 @@ def test_interrupted_import_continues_where_it_stopped(hf_dir, make_dirs, monkey
 
         return wrapped
 
-    monkeypatch.setattr(hf, "_make_init_block", dying)
+    monkeypatch.setattr(hf_checkpoint, "make_init_block", dying)
     dirs = make_dirs(1)
     with pytest.raises(OSError, match="simulated kill"):
-        hf.init_from_hf(path, engine_config(dirs))
-    monkeypatch.setattr(hf, "_make_init_block", real)
+        init_from_hf(path, engine_config(dirs))
+    monkeypatch.setattr(hf_checkpoint, "make_init_block", real)
     reads.clear()
-    monkeypatch.setattr(hf, "_make_init_block", lambda program, src: (lambda i: reads.append(i) or real(program, src)(i)))
-    with hf.init_from_hf(path, engine_config(dirs), resume=True) as engine:
+    monkeypatch.setattr(hf_checkpoint, "make_init_block", lambda program, src: (lambda i: reads.append(i) or real(program, src)(i)))
+    with init_from_hf(path, engine_config(dirs), resume=True) as engine:
         assert reads[0] == 2  # blocks 0 and 1 were not imported again
         state = engine_hf_state(engine, engine.program)
     ref = reference_model(path).state_dict()

@@ -82,3 +82,27 @@ def test_double_release_is_an_error():
     b.release()
     with pytest.raises(RuntimeError, match="twice"):
         b.release()
+
+
+def test_a_full_pool_lends_a_larger_cached_buffer_instead_of_reallocating():
+    # Mixed sizes (a model's blocks differ): a full pool serves a small request from a larger cached
+    # buffer rather than freeing cached ones to allocate, so steady state allocates nothing new.
+    allocs, frees = [], []
+
+    def alloc(n):
+        from io_engine import aligned_empty
+
+        allocs.append(n)
+        return aligned_empty(n)
+
+    pool = BufferPool(64 * KiB, alloc=alloc, free=lambda t: frees.append(t.numel()))
+    big = [pool.acquire(32 * KiB), pool.acquire(32 * KiB)]
+    for b in big:
+        b.release()
+    for _ in range(5):
+        small = pool.acquire(8 * KiB)
+        assert small.nbytes == 8 * KiB and pool.in_use == 32 * KiB  # the capacity lent is counted
+        small.release()
+        assert pool.in_use == 0
+    assert allocs == [32 * KiB, 32 * KiB] and frees == []
+    assert pool.allocated <= pool.budget_bytes

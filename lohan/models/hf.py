@@ -1,101 +1,128 @@
-"""Hugging Face causal LMs (Llama, GPT-2, OPT, Qwen2) as engine block programs.
+"""Hugging Face decoder-only causal LMs as engine block programs, found from the model's structure.
 
 A local model directory (``config.json`` + ``*.safetensors``, possibly sharded with
-``model.safetensors.index.json``) becomes ``[embed, decoder layer 0..L-1, head]``:
+``model.safetensors.index.json``) becomes ``[embed, decoder layer 0..L-1, head]``. No family is
+recognized by name: any ``*ForCausalLM`` with the standard layout works (tested: `SUPPORTED`).
 
 - The HF model is built from its config with every *parameter* on the meta device and every
-  *buffer* real (rotary ``inv_freq`` is computed on the CPU as usual), in fp32, with SDPA attention
-  and in eval mode (dropout off: the engine's recomputation must reproduce the forward exactly).
-- Decoder layers are the HF layer modules themselves, so their direct children (``self_attn``,
-  ``mlp``, the norms, ...) are the ops the activation runtime profiles, swaps and replays. Each is
-  called the way the HF model calls it for an unpadded causal batch: ``attention_mask=None`` (SDPA's
-  ``is_causal``) and, for rotary families, the model's own ``rotary_emb`` output for positions
-  ``0..T-1`` (cached per sequence length, dtype and device).
-- The embed block holds the token embedding, learned positions (GPT-2 ``wpe``; OPT
-  ``embed_positions``, offset 2) and OPT's ``project_in``; the head block holds the final norm, OPT's
-  ``project_out`` and, when untied, ``lm_head``. A tied ``lm_head`` is owned by the embed block only:
-  the head borrows it (``external_params``) and reads the embedding's *current* parameter at call time.
+  *buffer* real (rotary ``inv_freq`` is computed on the CPU as usual), in fp32, in eval mode (dropout
+  off: the engine's recomputation must reproduce the forward exactly), with the attention that
+  ``from_pretrained`` would pick (SDPA, or eager where the family has no SDPA path, e.g. Gemma 2).
+- The standard layout: a base model (the "decoder") that holds the token embedding and the list of
+  decoder layers as direct children, the other parameter-holding children of the decoder called
+  either before the layers (learned positions, ``project_in``: the embed block) or after them (final
+  norm, ``project_out``: the head block), and an ``lm_head`` next to the decoder. Which child runs
+  where is observed, not assumed (`_Probe`).
+- The engine calls each decoder layer in isolation, so what the HF decoder computes once in its
+  forward and hands every layer (rotary cos/sin, per-layer-type position embeddings, the causal or
+  sliding-window mask of each layer's attention type, position ids) is *captured* from the HF
+  decoder's own forward, run with stub layers on stand-in weights, once per batch shape, dtype and
+  device (`_Probe.layer_inputs`). Masks and positions are input-independent for unpadded causal
+  batches, so the captured arguments are exactly the ones HF passes. Sliding windows are therefore
+  exact at any sequence length (HF's own mask functions build them).
+- The embed block runs the HF decoder's forward up to its first layer (so embedding scaling,
+  learned positions and any other pre-layer step are HF's own code); the head block applies the
+  post-layer children in the order observed, the ``lm_head`` and the final logit soft-capping of the
+  config. At load, a probe run of the whole ``*ForCausalLM`` on stand-in weights checks that these
+  pieces give exactly what HF's forward gives (embed output, nothing between layers, head input,
+  logits); a model whose forward does more is refused with the stage that differs.
+- A tied ``lm_head`` is owned by the embed block only: the head borrows it (``external_params``)
+  and reads the embedding's *current* parameter at call time.
 
-Weights are imported block by block (``init_block(i)`` opens the safetensors files and reads only
-block i's keys) and exported block by block from the store into streamed safetensors shards, so
-neither direction ever holds more than one block. Exported directories load with
-``AutoModelForCausalLM.from_pretrained`` and give exactly the engine's logits.
+Encoder-only (BERT-style), encoder-decoder, multimodal and mixture-of-experts models are refused
+up front with the reason. Weights are imported block by block (``init_block(i)`` opens the
+safetensors files and reads only block i's keys) and exported block by block from the store into
+streamed safetensors shards (`lohan.models.hf_checkpoint`), so neither direction ever holds more than
+one block.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
+import logging
 import os
-import re
-import shutil
-import struct
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from .gpt import lm_loss
+from .hf_checkpoint import (
+    WEIGHTS_INDEX,
+    WEIGHTS_NAME,
+    check_weights,
+    export_hf,
+    has_tokenizer,
+    has_weights,
+    load_tokenizer,
+    make_init_block,
+    read_config,
+)
 
-__all__ = ["SUPPORTED", "HFBlocks", "check_weights", "export_hf", "init_from_hf", "is_hf_dir", "load_hf_skeleton",
-           "load_tokenizer", "model_meta"]
+__all__ = ["SUPPORTED", "WEIGHTS_INDEX", "WEIGHTS_NAME", "HFBlocks", "check_weights", "export_hf", "has_tokenizer",
+           "has_weights", "is_hf_dir", "load_hf_skeleton", "load_tokenizer", "make_init_block", "model_meta"]
 
-SUPPORTED = ("llama", "gpt2", "opt", "qwen2")
+log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")
-"""Files copied verbatim from the source directory on export (whichever exist)."""
-
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_EXPORT_FILES = frozenset(("config.json", "generation_config.json", WEIGHTS_NAME, WEIGHTS_INDEX, *TOKENIZER_FILES))
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "opt")
+"""model_type values tested bit-exact against transformers (tests/test_hf_families.py). Other decoders with
+the standard layout load too: the probe run at load refuses one whose forward the blocks do not reproduce."""
 
 _META_DROP = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 """config.json keys left out of the store's model description: they do not change the model (a
 re-export in another dtype or by another transformers version resumes the same store)."""
 
-# Where each family keeps its pieces, as attribute paths of the *ForCausalLM model.
-_ARCH: dict[str, dict[str, str | None]] = {
-    "llama": dict(tokens="model.embed_tokens", positions=None, project_in=None, layers="model.layers",
-                  norm="model.norm", project_out=None, rope="model.rotary_emb"),
-    "qwen2": dict(tokens="model.embed_tokens", positions=None, project_in=None, layers="model.layers",
-                  norm="model.norm", project_out=None, rope="model.rotary_emb"),
-    "gpt2": dict(tokens="transformer.wte", positions="transformer.wpe", project_in=None, layers="transformer.h",
-                 norm="transformer.ln_f", project_out=None, rope=None),
-    "opt": dict(tokens="model.decoder.embed_tokens", positions="model.decoder.embed_positions",
-                project_in="model.decoder.project_in", layers="model.decoder.layers",
-                norm="model.decoder.final_layer_norm", project_out="model.decoder.project_out", rope=None),
-}
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+_MULTIMODAL_KEYS = ("text_config", "vision_config", "audio_config", "speech_config")
 
 
 # ------------------------------------------------------------------------------------------ directory
-def _read_config(path: str | os.PathLike) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:  # its own message names neither the file nor a fix
-            raise ValueError(f"{path}/config.json is not valid JSON ({e}); save the model again or repair "
-                             "the file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}/config.json is not a JSON object")
-    return data
-
-
 def is_hf_dir(path: str | os.PathLike) -> bool:
-    """True for a directory with a config.json whose model_type is one of SUPPORTED."""
+    """True for a directory with a config.json that names a model_type (whether lohan can train that
+    model is decided when it is loaded, with the reason when it cannot)."""
     try:
-        return os.path.isdir(path) and _read_config(path).get("model_type") in SUPPORTED
+        return os.path.isdir(path) and isinstance(read_config(path).get("model_type"), str)
     except (OSError, ValueError):
         return False
+
+
+def _supported_text() -> str:
+    return (f"lohan fine-tunes decoder-only causal LMs with the standard layout (tested: {', '.join(SUPPORTED)}; "
+            "Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-2, OPT)")
+
+
+def _refuse_kind(path: str | os.PathLike, data: dict) -> None:
+    """Refuse, from config.json alone, the kinds of model the block program cannot express."""
+    family = data.get("model_type")
+    if not isinstance(family, str):
+        raise ValueError(f"{path}/config.json has no model_type; it is not a transformers model config")
+    why = None
+    sub = [k for k in _MULTIMODAL_KEYS if isinstance(data.get(k), dict)]
+    if sub:
+        hint = (" (for Gemma 3, save its text model: Gemma3ForCausalLM with a Gemma3TextConfig, model_type "
+                "gemma3_text)" if family == "gemma3" else "")
+        why = f"it is multimodal (its config has {', '.join(sub)}){hint}"
+    elif data.get("is_encoder_decoder"):
+        why = "it is an encoder-decoder model; lohan trains decoder-only LMs"
+    elif "type_vocab_size" in data:  # token-type embeddings: the BERT family's bidirectional encoders
+        why = "it is an encoder (BERT-style, bidirectional attention), not a causal decoder"
+    else:
+        experts = {k: data[k] for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1}
+        if experts:
+            # routing is data-dependent and its auxiliary loss lives outside the layers; the blocks do not carry it
+            why = (f"it is a mixture-of-experts model ({', '.join(f'{k}={v}' for k, v in experts.items())}); "
+                   "expert routing is not supported")
+    if why is None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            why = "transformers has no causal-LM class for it (not a text generator)"
+    if why is not None:
+        raise ValueError(f"{path}: model_type {family!r} is not supported: {why}. {_supported_text()}")
 
 
 def _family(path: str | os.PathLike) -> tuple[str, dict]:
@@ -103,12 +130,9 @@ def _family(path: str | os.PathLike) -> tuple[str, dict]:
         raise FileNotFoundError(f"{path} is not a directory (expected a Hugging Face model directory)")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has no config.json; it is not a Hugging Face model directory")
-    data = _read_config(path)
-    family = data.get("model_type")
-    if family not in SUPPORTED:
-        raise ValueError(f"{path}: model_type {family!r} is not supported; lohan fine-tunes causal LMs of the "
-                         f"families {', '.join(SUPPORTED)}")
-    return family, data
+    data = read_config(path)
+    _refuse_kind(path, data)
+    return data["model_type"], data
 
 
 @contextlib.contextmanager
@@ -128,19 +152,8 @@ def _meta_parameters() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def _attr(root: nn.Module, path: str | None) -> nn.Module | None:
-    if path is None:
-        return None
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def _leaf(path: str | None) -> str:
-    return path.rpartition(".")[2] if path else ""
+def _has_params(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
 
 
 class _Part(nn.Module):
@@ -149,13 +162,203 @@ class _Part(nn.Module):
     It computes nothing itself: `HFBlocks.run` calls the sub-modules the way the HF model does.
     """
 
-    def __init__(self, parts: list[tuple[str, nn.Module | None]]) -> None:
+    def __init__(self, parts: list[tuple[str, nn.Module]]) -> None:
         super().__init__()
         for name, module in parts:
-            if module is not None:
-                self.add_module(name, module)
+            self.add_module(name, module)
 
 
+# ------------------------------------------------------------------------------------------ probing
+class _Stop(Exception):
+    """Ends a decoder forward at a stub layer, carrying the hidden states that reached it."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__("stop")
+        self.hidden = hidden
+
+
+class _StubLayer(nn.Module):
+    """Stands in for a decoder layer: records what the decoder passes it, then passes its input on, returns
+    fresh random states (`randomize`, to see that nothing happens between layers), or stops the forward."""
+
+    def __init__(self, index: int, events: list | None, stop: bool = False) -> None:
+        super().__init__()
+        self.index = index
+        self.events = events
+        self.stop = stop
+        self.randomize: torch.Generator | None = None
+
+    def forward(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        out = hidden
+        if self.randomize is not None:
+            out = torch.randn(hidden.shape, generator=self.randomize).to(hidden)
+        if self.events is not None:
+            self.events.append(("layer", self.index, hidden, args, kwargs, out))
+        if self.stop:
+            raise _Stop(hidden)
+        return out
+
+
+class _StubHead(nn.Module):
+    """Stands in for the lm_head in the probe: records its input and returns random logits."""
+
+    def __init__(self, vocab: int, events: list) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.events = events
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = torch.randn((*h.shape[:-1], self.vocab), generator=torch.Generator().manual_seed(5)).to(h)
+        self.events.append(("lm_head", h, out))
+        return out
+
+
+def _no_dispatch_modes() -> contextlib.AbstractContextManager:
+    """Leave any active TorchDispatchMode (the activation runtime's recorder, the profiler's FLOP counter):
+    the probe's few ops belong to no block."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # an older torch without it: the probe's ops are then merely counted
+        return contextlib.nullcontext()
+    return _disable_current_modes()
+
+
+class _Probe:
+    """A copy of the *ForCausalLM whose decoder layers and lm_head are stubs and whose parameters are
+    stand-ins (cheap: large ones are one value broadcast, `expand`), so its forward runs without the weights.
+
+    It finds, from HF's own forward, which decoder children run before and after the layers
+    (`check`), and captures the arguments the decoder passes each layer (`layer_inputs`).
+    """
+
+    def __init__(self, model: nn.Module, decoder_name: str, layers_attr: str, head_attr: str) -> None:
+        self.events: list[tuple] = []
+        layers = model.get_submodule(decoder_name).get_submodule(layers_attr)
+        self.stubs = [_StubLayer(i, self.events) for i in range(len(layers))]
+        lm_head = getattr(model, head_attr)
+        self.head = _StubHead(int(lm_head.weight.shape[0]), self.events)
+        memo: dict[int, Any] = {id(layer): stub for layer, stub in zip(layers, self.stubs)}
+        memo[id(lm_head)] = self.head
+        self.model = copy.deepcopy(model, memo)
+        self.decoder = self.model.get_submodule(decoder_name)
+        self._filled: tuple | None = None
+
+    def fill(self, dtype: torch.dtype, device: torch.device, random: bool = False) -> None:
+        """Stand-in parameters of `dtype` on `device` (random where small, for `check`), buffers moved along."""
+        key = (dtype, device, random)
+        if self._filled == key:
+            return
+        g = torch.Generator().manual_seed(3)
+        for module in self.model.modules():
+            for k, p in module._parameters.items():
+                if p is None:
+                    continue
+                if random and p.numel() <= 2**20:
+                    t = (0.5 + 0.2 * torch.randn(p.shape, generator=g)).to(dtype=dtype, device=device)
+                else:  # one value for all: no memory, whatever the size
+                    t = torch.full((), 0.5, dtype=dtype, device=device).expand(p.shape)
+                module._parameters[k] = nn.Parameter(t, requires_grad=False)
+            for k, b in module._buffers.items():
+                if b is not None and b.device != device:
+                    module._buffers[k] = b.to(device)
+        self._filled = key
+
+    def check(self, program: HFBlocks, batch: int = 2, seq: int = 6) -> tuple[list[str], list[str]]:
+        """Run the whole *ForCausalLM forward on stand-in weights and check that the program's embed and head
+        reproduce it exactly. Returns the decoder children with parameters called before the layers (the embed
+        block's, besides the token embedding), and all children called after them, in order (the head's)."""
+        seq = max(1, min(seq, program.max_seq_len))
+        self.fill(torch.float32, torch.device("cpu"), random=True)
+        order: list[str] = []
+        hooks = [child.register_forward_pre_hook(lambda m, a, name=name: order.append(name))
+                 for name, child in self.decoder.named_children() if name != program._layers_attr]
+        marks: list[int] = []
+        hooks.append(self.stubs[0].register_forward_pre_hook(lambda m, a: marks.append(len(order))))
+        g = torch.Generator().manual_seed(4)
+        for stub in self.stubs:
+            stub.randomize = g
+        ids = (torch.arange(batch * seq) * 7 % program.vocab_size).reshape(batch, seq)
+        self.events.clear()
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, use_cache=False).logits
+        finally:
+            for h in hooks:
+                h.remove()
+            for stub in self.stubs:
+                stub.randomize = None
+        layers = [e for e in self.events if e[0] == "layer"]
+        heads = [e for e in self.events if e[0] == "lm_head"]
+        if [e[1] for e in layers] != list(range(len(self.stubs))) or len(heads) != 1 or not marks:
+            raise NotImplementedError(f"{program.family}: the model's forward does not call each decoder layer once "
+                                      "in order and then the lm_head; not a standard decoder layout")
+        cut = marks[0]
+        pre, post = order[:cut], order[cut:]
+        params = {name for name, child in self.decoder.named_children() if _has_params(child)}
+        both = set(pre) & set(post) & params
+        if both:
+            raise NotImplementedError(f"{program.family}: {sorted(both)} run both before and after the decoder layers")
+
+        def differs(stage: str) -> NotImplementedError:
+            return NotImplementedError(
+                f"{program.family}: the HF forward does more than lohan's blocks reproduce ({stage}); "
+                f"{_supported_text()}")
+
+        with torch.no_grad():
+            for s in self.stubs:
+                s.stop = s.index == 0
+            try:
+                embedded = _run_to_first_layer(self.decoder, ids, program.family)
+            finally:
+                for s in self.stubs:
+                    s.stop = False
+            if not torch.equal(embedded, layers[0][2]):
+                raise differs("the *ForCausalLM transforms the embeddings before its base model's layers")
+            for prev, nxt in zip(layers, layers[1:]):
+                if nxt[2] is not prev[5] and not torch.equal(nxt[2], prev[5]):
+                    raise differs(f"the decoder transforms the hidden states between layers {prev[1]} and {nxt[1]}")
+            post = list(dict.fromkeys(post))
+            h = layers[-1][5]
+            for name in post:  # parameter-free children too (a dropout: identity in eval)
+                h = getattr(self.decoder, name)(h)
+            if not torch.equal(h, heads[0][1]):
+                raise differs("the final norm / projections before the lm_head")
+            if not torch.equal(program._cap(heads[0][2]), logits):
+                raise differs("the logits after the lm_head (scaling beyond final_logit_softcapping)")
+        return [name for name in dict.fromkeys(pre) if name in params], post
+
+    def layer_inputs(self, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+                     family: str) -> list[tuple[tuple, dict]]:
+        """(positional args after the hidden states, keyword args) that the decoder passes each layer for an
+        unpadded causal batch [batch, seq] of hidden states in `dtype` on `device`."""
+        self.fill(dtype, device)
+        self.events.clear()
+        ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        self.stubs[-1].stop = True  # the last layer ends the forward: what follows the layers is not needed
+        try:
+            with torch.no_grad():
+                self.decoder(input_ids=ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            self.stubs[-1].stop = False
+        calls = [e for e in self.events if e[0] == "layer"]
+        self.events.clear()
+        if [e[1] for e in calls] != list(range(len(self.stubs))):
+            raise RuntimeError(f"{family}: the decoder called its layers as {[e[1] for e in calls]}")
+        return [(e[3], e[4]) for e in calls]
+
+
+def _run_to_first_layer(decoder: nn.Module, ids: Tensor, family: str) -> Tensor:
+    """The hidden states the decoder's own forward hands its first layer (whose stub stops the forward)."""
+    try:
+        decoder(input_ids=ids, use_cache=False)
+    except _Stop as stop:
+        return stop.hidden
+    raise NotImplementedError(f"{family}: the decoder's forward never reached its first layer")
+
+
+# ------------------------------------------------------------------------------------------ program
 class HFBlocks:
     """A Hugging Face causal LM as [embed, decoder layer 0..L-1, head] (implements BlockProgram).
 
@@ -164,50 +367,66 @@ class HFBlocks:
     """
 
     def __init__(self, model: nn.Module, family: str, config_dict: dict) -> None:
-        if family not in _ARCH:
-            raise ValueError(f"model_type {family!r} is not supported ({', '.join(SUPPORTED)})")
         model.eval()  # dropout off (and OPT's layerdrop): recomputation must reproduce the forward
         self.model = model
         self.family = family
-        self.config = model.config
+        self.config = cfg = model.config
         self.config_dict = config_dict
-        arch = _ARCH[family]
-        cfg = self.config
         self.n_layer = int(cfg.num_hidden_layers)
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         self.max_seq_len = int(cfg.max_position_embeddings)
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.softcap = float(softcap) if softcap else None
         self._check_supported()
 
-        tokens = _attr(model, arch["tokens"])
-        positions = _attr(model, arch["positions"])
-        project_in = _attr(model, arch["project_in"])
-        layers = list(_attr(model, arch["layers"]))
-        norm = _attr(model, arch["norm"])
-        project_out = _attr(model, arch["project_out"])
-        self._rotary = _attr(model, arch["rope"])
+        decoder_name, decoder, self._layers_attr = self._find_decoder()
+        tokens = model.get_input_embeddings()
         lm_head = model.get_output_embeddings()
-        self.tied = lm_head.weight is tokens.weight
+        head_attr = next((k for k, v in model.named_children() if v is lm_head), None)
+        if head_attr is None:
+            raise NotImplementedError(f"{family}: the output embedding is not a direct child of the model; not a "
+                                      f"standard *ForCausalLM layout. {_supported_text()}")
         if getattr(lm_head, "bias", None) is not None:
             raise NotImplementedError(f"{family}: an lm_head with a bias is not supported")
-        self.embed = _Part([(_leaf(arch["tokens"]), tokens), (_leaf(arch["positions"]), positions),
-                            (_leaf(arch["project_in"]), project_in)])
-        self.head = _Part([(_leaf(arch["norm"]), norm), (_leaf(arch["project_out"]), project_out),
-                           ("lm_head", None if self.tied else lm_head)])
-        if not any(True for _ in self.head.parameters()):
+        self.tied = lm_head.weight is tokens.weight
+        self._tokens_attr = next(k for k, v in decoder.named_children() if v is tokens)
+
+        try:
+            self._probe = _Probe(model, decoder_name, self._layers_attr, head_attr)
+            pre, post = self._probe.check(self)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # a forward that does not run on stubs is not the standard layout either
+            raise NotImplementedError(f"{family}: lohan could not trace the model's forward with stub layers "
+                                      f"({type(e).__name__}: {e}); not a standard decoder layout. "
+                                      f"{_supported_text()}") from e
+        children = dict(decoder.named_children())
+        unused = [k for k, v in children.items() if _has_params(v) and k not in (*pre, *post, self._layers_attr,
+                                                                                 self._tokens_attr)]
+        if unused:
+            raise NotImplementedError(f"{family}: decoder children {unused} hold parameters but the forward does not "
+                                      "call them; not supported")
+        self._post = post
+        self.embed = _Part([(self._tokens_attr, tokens)] + [(k, children[k]) for k in pre if k != self._tokens_attr])
+        self.head = _Part([(k, children[k]) for k in self._post] + ([] if self.tied else [(head_attr, lm_head)]))
+        self._head_attr = head_attr
+        if not _has_params(self.head):
             raise NotImplementedError(
                 f"{family}: this configuration has no final norm and a tied lm_head, so the head block would own "
                 "no parameters (e.g. OPT with do_layer_norm_before=false and no project_out); not supported")
-        self._tokens_name = _leaf(arch["tokens"])
-        self._norm_name = _leaf(arch["norm"])
-        self._has_positions = positions is not None
-        self._has_project_in = project_in is not None
-        self._has_norm = norm is not None
-        self._has_project_out = project_out is not None
+        layers = list(children[self._layers_attr])
+        # the embed block runs the decoder's own forward up to layer 0: a shallow copy of the decoder whose
+        # layer list is one stub that stops it, sharing every other child (the streamer swaps their weights)
+        shell = object.__new__(type(decoder))
+        shell.__dict__ = dict(decoder.__dict__)
+        shell._modules = dict(decoder._modules)
+        shell._modules[self._layers_attr] = nn.ModuleList([_StubLayer(0, None, stop=True)] * len(layers))
+        self._shell = shell
 
         self.modules: list[nn.Module] = [self.embed, *layers, self.head]
         self.names = ["embed", *(f"layer{i}" for i in range(len(layers))), "head"]
-        tok_index = [n for n, _ in self.embed.named_parameters()].index(f"{self._tokens_name}.weight")
+        tok_index = [n for n, _ in self.embed.named_parameters()].index(f"{self._tokens_attr}.weight")
         self._tied_ref = (0, tok_index)
 
         # HF state-dict names of every block's parameters (module identity is stable; the streamer
@@ -227,17 +446,32 @@ class HFBlocks:
         missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
             raise NotImplementedError(f"{family}: parameters outside the embed/layers/head blocks: {missing[:5]}")
-        self._cache: dict[tuple, Any] = {}
+        self._cache: dict[tuple, list[tuple[tuple, dict]]] = {}
+        self._probe_lock = threading.Lock()  # the probe's stand-in weights are swapped per dtype and device
+
+    def _find_decoder(self) -> tuple[str, nn.Module, str]:
+        """(name, module, layer-list attribute) of the module holding the token embedding and the layer list."""
+        tokens = self.model.get_input_embeddings()
+        found = []
+        for name, module in self.model.named_modules():
+            children = dict(module.named_children())
+            if module is not self.model and any(c is tokens for c in children.values()):
+                found += [(name, module, k) for k, c in children.items()
+                          if isinstance(c, nn.ModuleList) and len(c) == self.n_layer]
+        if len(found) != 1:
+            what = "no" if not found else f"{len(found)} candidate"
+            raise NotImplementedError(
+                f"{self.family}: {what} list of {self.n_layer} decoder layers next to the token embedding; not a "
+                f"standard decoder-only layout. {_supported_text()}")
+        return found[0]
 
     def _check_supported(self) -> None:
         cfg = self.config
-        if self.family == "gpt2" and getattr(cfg, "add_cross_attention", False):
-            raise NotImplementedError("gpt2 with add_cross_attention is not supported")
-        if self.family == "qwen2" and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-            raise NotImplementedError("qwen2 with sliding-window attention layers (use_sliding_window=true) is "
-                                      "not supported")
-        if getattr(cfg, "_attn_implementation", "sdpa") != "sdpa":
-            raise NotImplementedError(f"attention implementation {cfg._attn_implementation!r}: build with sdpa")
+        if getattr(cfg, "add_cross_attention", False):
+            raise NotImplementedError(f"{self.family} with add_cross_attention is not supported (decoder-only LMs)")
+        impl = getattr(cfg, "_attn_implementation", "sdpa")
+        if impl not in ("sdpa", "eager"):
+            raise NotImplementedError(f"attention implementation {impl!r}: build with sdpa (or eager)")
 
     # ------------------------------------------------------------------ BlockProgram
     def param_names(self, i: int) -> list[str]:
@@ -259,23 +493,29 @@ class HFBlocks:
         if i == 0:
             return self._embed(x)
         if i < last:
-            if self._rotary is not None:
-                out = self.modules[i](x, attention_mask=None, position_embeddings=self._rope(x))
-            else:
-                out = self.modules[i](x, attention_mask=None)
+            args, kwargs = self._layer_inputs(x)[i - 1]
+            out = self.modules[i](x, *args, **kwargs)
             return out[0] if isinstance(out, tuple) else out
         return lm_loss(self.logits(x), targets)
 
     def logits(self, x: Tensor) -> Tensor:
-        """The head block without the loss: final hidden states -> logits (as HF's lm_head gives them)."""
+        """The head block without the loss: final hidden states -> logits (as HF's forward gives them)."""
         h = x
-        if self._has_norm:
-            h = getattr(self.head, self._norm_name)(h)
-        if self._has_project_out:
-            h = self.head.project_out(h)
+        for name in self._post:
+            h = getattr(self.head, name)(h)
         if self.tied:  # the embedding's current parameter (the streamer swaps it in and out)
-            return F.linear(h, getattr(self.embed, self._tokens_name).weight)
-        return self.head.lm_head(h)
+            logits = F.linear(h, getattr(self.embed, self._tokens_attr).weight)
+        else:
+            logits = getattr(self.head, self._head_attr)(h)
+        return self._cap(logits)
+
+    def _cap(self, logits: Tensor) -> Tensor:
+        """Final logit soft-capping (Gemma 2/3), with the very ops of HF's *ForCausalLM forward."""
+        if self.softcap is None:
+            return logits
+        logits = logits / self.softcap
+        logits = torch.tanh(logits)
+        return logits * self.softcap
 
     def forward(self, ids: Tensor) -> Tensor:
         """All blocks in a row (materialized weights): logits for token ids [B, T]."""
@@ -286,39 +526,21 @@ class HFBlocks:
 
     # ------------------------------------------------------------------ pieces
     def _embed(self, ids: Tensor) -> Tensor:
-        tokens = getattr(self.embed, self._tokens_name)
-        h = tokens(ids)
-        if self._has_project_in:
-            h = self.embed.project_in(h)
-        if self._has_positions:
-            b, t = ids.shape
-            if t > self.max_seq_len:
-                raise ValueError(f"sequence length {t} exceeds the model's {self.max_seq_len} position embeddings; "
-                                 "use a shorter seq_len")
-            if self.family == "opt":  # HF: positions from a [B, T] all-ones mask (cumsum - 1), offset 2
-                pos = self._positions(b, t, ids.device)
-                h = h + self.embed.embed_positions(None, 0, position_ids=pos)
-            else:
-                h = h + self.embed.wpe(self._positions(1, t, ids.device))
-        return h
+        if ids.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's {self.max_seq_len} positions; "
+                             "use a shorter seq_len")
+        return _run_to_first_layer(self._shell, ids, self.family)
 
-    def _positions(self, b: int, t: int, device: torch.device) -> Tensor:
-        key = ("pos", b, t, device)
-        pos = self._cache.get(key)
-        if pos is None:
-            pos = self._cache[key] = torch.arange(t, device=device).unsqueeze(0).expand(b, t).contiguous()
-        return pos
-
-    def _rope(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin) of positions 0..T-1 from the model's rotary module, as the HF model computes them."""
-        t = x.shape[1]
-        key = ("rope", t, x.dtype, x.device)
+    def _layer_inputs(self, x: Tensor) -> list[tuple[tuple, dict]]:
+        """What the HF decoder passes each layer for hidden states like x (captured once per shape)."""
+        key = (x.shape[0], x.shape[1], x.dtype, x.device)
         hit = self._cache.get(key)
         if hit is None:
-            if len(self._cache) > 16:
+            with self._probe_lock, _no_dispatch_modes():
+                hit = self._probe.layer_inputs(*key, family=self.family)
+            if len(self._cache) >= 4:  # eager masks are [B, 1, T, T]: keep few
                 self._cache.clear()
-            with torch.no_grad():
-                hit = self._cache[key] = self._rotary(x, self._positions(1, t, x.device))
+            self._cache[key] = hit
         return hit
 
     def flops_per_token(self, seq: int) -> float:
@@ -333,259 +555,57 @@ class HFBlocks:
         return 2.0 * self._matmul_params + 4.0 * self.n_layer * seq * self._attn_width
 
 
-def load_hf_skeleton(path: str | os.PathLike) -> HFBlocks:
-    """The model of a local HF directory with parameters on the meta device (buffers real, fp32, SDPA)."""
+def _attention_for(config: Any) -> str:
+    """The attention `from_pretrained` picks by default: SDPA where the family has it, else eager (Gemma 2,
+    whose attention soft-capping SDPA cannot do). Training and the exported model then compute alike."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def load_hf_skeleton(path: str | os.PathLike, n_layer: int | None = None) -> HFBlocks:
+    """The model of a local HF directory with parameters on the meta device (buffers real, fp32).
+
+    `n_layer` keeps only the first N decoder layers (a slice of the real width, `--layers N`); the
+    layer-type pattern (sliding / full attention) is cut to match.
+    """
     family, data = _family(path)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    _refuse_kind(path, {**config.to_dict(), **data})  # again with the family's defaults (BERT's token types)
+    if n_layer is not None:
+        data = _sliced_config(path, data, config, n_layer)
     with _meta_parameters():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    return HFBlocks(model, family, data)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=_attention_for(config))
+    program = HFBlocks(model, family, data)
+    if family not in SUPPORTED:
+        log.warning("%s: model_type %r is not among the tested families (%s); its layout and forward passed the "
+                    "structural checks", path, family, ", ".join(SUPPORTED))
+    return program
 
 
-# ------------------------------------------------------------------------------------------ import
-class _Checkpoint:
-    """Which safetensors file of a directory holds each key (headers only; no tensor is read)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = str(path)
-        index = os.path.join(self.path, WEIGHTS_INDEX)
-        single = os.path.join(self.path, WEIGHTS_NAME)
-        if os.path.exists(index):
-            with open(index) as f:
-                self.key_file = dict(json.load(f)["weight_map"])
-        else:
-            files = [single] if os.path.exists(single) else sorted(
-                os.path.join(self.path, n) for n in os.listdir(self.path) if n.endswith(".safetensors"))
-            if not files:
-                other = [n for n in os.listdir(self.path) if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-                raise FileNotFoundError(
-                    f"{self.path} has no *.safetensors weights" + (f" (found {', '.join(other)}: convert them "
-                                                                     "to safetensors first)" if other else ""))
-            self.key_file = {}
-            for file in files:
-                with safe_open(file, framework="pt") as f:
-                    for k in f.keys():
-                        self.key_file[k] = os.path.basename(file)
-
-    def resolve(self, name: str, prefix: str) -> str:
-        """The checkpoint key of HF parameter `name`, with or without the base-model prefix."""
-        candidates = [name]
-        if prefix and name.startswith(prefix + "."):
-            candidates.append(name[len(prefix) + 1:])
-        elif prefix:
-            candidates.append(f"{prefix}.{name}")
-        for key in candidates:
-            if key in self.key_file:
-                return key
-        sample = ", ".join(sorted(self.key_file)[:5])
-        raise KeyError(f"{self.path}: no tensor for parameter {name!r} (tried {candidates}; the checkpoint has "
-                       f"e.g. {sample})")
-
-    def read(self, keys: list[str]) -> dict[str, Tensor]:
-        """Exactly these tensors, each file opened once."""
-        by_file: dict[str, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.key_file[k], []).append(k)
-        out = {}
-        for file, ks in by_file.items():
-            with safe_open(os.path.join(self.path, file), framework="pt", device="cpu") as f:
-                for k in ks:
-                    out[k] = f.get_tensor(k)
-        return out
-
-
-def _make_init_block(program: HFBlocks, path: str | os.PathLike) -> Callable[[int], list[Tensor]]:
-    ckpt: list[_Checkpoint] = []
-    prefix = program.model.base_model_prefix
-
-    def init_block(i: int) -> list[Tensor]:
-        if not ckpt:
-            ckpt.append(_Checkpoint(path))
-        src = ckpt[0]
-        keys = [src.resolve(n, prefix) for n in program.param_names(i)]
-        tensors = src.read(keys)
-        out = []
-        for key, (pname, p) in zip(keys, program.modules[i].named_parameters()):
-            t = tensors.pop(key)
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, the config gives "
-                                 f"{tuple(p.shape)} for {program.names[i]}.{pname}")
-            out.append(t.to(torch.float32))
-        return out
-
-    return init_block
-
-
-def check_weights(program: HFBlocks, path: str | os.PathLike) -> None:
-    """Refuse a checkpoint that cannot give every parameter of `program` its tensor, from the safetensors
-    headers alone (no tensor is read).
-
-    The import itself runs block by block while the store is being written on the SSDs, so a missing,
-    truncated or mismatched checkpoint found there would leave a half-built store behind; checked first,
-    it is refused with nothing written. Raises ValueError naming the directory, the problem and the fix.
-    """
-    try:
-        ckpt = _Checkpoint(path)
-        prefix = program.model.base_model_prefix
-        by_file: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
-        for i, block in enumerate(program.modules):
-            for name, (pname, p) in zip(program.param_names(i), block.named_parameters()):
-                key = ckpt.resolve(name, prefix)
-                by_file.setdefault(ckpt.key_file[key], []).append((key, tuple(p.shape), f"{program.names[i]}.{pname}"))
-        for file, entries in by_file.items():
-            with safe_open(os.path.join(ckpt.path, file), framework="pt") as f:
-                for key, shape, where in entries:
-                    have = tuple(f.get_slice(key).get_shape())
-                    if have != shape:
-                        raise ValueError(f"tensor {key!r} in {file} has shape {have}, but config.json gives {shape} "
-                                         f"for {where}: the weights and config.json are from different models")
-    except (OSError, KeyError, ValueError, SafetensorError) as e:
-        # KeyError's str() quotes its message; the safetensors errors name only the failing field
-        detail = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        raise ValueError(f"the weights in {path} cannot be read: {detail}. Save the model again (save_pretrained) "
-                         "or re-download it") from None
+def _sliced_config(path: str | os.PathLike, data: dict, config: Any, n_layer: int) -> dict:
+    """Cut `config` (in place) and its config.json dict (a copy, returned) to the first n_layer layers."""
+    have = int(config.num_hidden_layers)
+    if not isinstance(n_layer, int) or isinstance(n_layer, bool) or not 1 <= n_layer <= have:
+        raise ValueError(f"--layers {n_layer}: {path} has {have} decoder layers; choose 1 to {have}")
+    data = dict(data)
+    config.num_hidden_layers = n_layer  # through attribute_map where the family names it otherwise (n_layer)
+    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in data), "num_hidden_layers")
+    data[key] = n_layer
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:n_layer]
+        data["layer_types"] = list(config.layer_types)
+    return data
 
 
 def model_meta(program: HFBlocks) -> dict:
     """The store's description of the model: stable across runs, no paths."""
     config = {k: v for k, v in program.config_dict.items() if k not in _META_DROP}
     return {"kind": "hf", "family": program.family, "config": config}
-
-
-def init_from_hf(path: str | os.PathLike, config: Any, *, resume: bool = False, overwrite: bool = False,
-                 progress: Callable[[int, int], None] | None = None):
-    """An Engine that fine-tunes the HF model in directory `path` (weights imported block by block).
-
-    `config` is an EngineConfig or a dict of its fields. With `resume=True` an existing store of the
-    same model continues where it stopped (the weights in `path` are not read then).
-    """
-    from ..config import EngineConfig
-    from ..engine import Engine
-
-    cfg = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
-    program = load_hf_skeleton(path)
-    return Engine(program, cfg, model_meta(program), _make_init_block(program, path),
-                  flops_per_token=program.flops_per_token, resume=resume, overwrite=overwrite, progress=progress)
-
-
-# ------------------------------------------------------------------------------------------ export
-def _check_out_dir(src_dir: str, out_dir: str) -> None:
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"export target {out_dir} exists and is not a directory")
-    if os.path.isdir(out_dir) and os.path.samefile(src_dir, out_dir):
-        raise ValueError(f"export target {out_dir} is the source directory; export to a new directory")
-    if os.path.isdir(out_dir):
-        foreign = [n for n in os.listdir(out_dir) if n not in _EXPORT_FILES and not _SHARD_RE.match(n)]
-        if foreign:
-            raise ValueError(f"refusing to export into {out_dir}: it is not empty and holds files an export does "
-                             f"not write ({', '.join(sorted(foreign)[:5])}); choose a new or empty directory")
-
-
-def _write_shard(path: str, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                 tensors: Iterator[Tensor]) -> int:
-    """Stream one safetensors file: the header from shapes, then each tensor's bytes as it comes."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in entries:
-        n = itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    written = 0
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for (name, shape), t in zip(entries, tensors, strict=True):
-            if tuple(t.shape) != tuple(shape):
-                raise RuntimeError(f"export: {name} has shape {tuple(t.shape)}, expected {shape}")
-            data = t.to(dtype).contiguous().reshape(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
-            written += data.numel()
-        f.flush()
-        os.fsync(f.fileno())
-    if written != offset:
-        raise RuntimeError(f"export: wrote {written} bytes of tensors into {path}, the header announced {offset}")
-    return offset
-
-
-def export_hf(engine: Any, program: HFBlocks, src_dir: str | os.PathLike, out_dir: str | os.PathLike,
-              dtype: str = "float32", *, max_shard_bytes: int = 5 * 10**9) -> None:
-    """Write the engine's current weights as a HF model directory that `from_pretrained` loads.
-
-    config.json (the source's, dtype updated), generation_config.json and the tokenizer files are
-    copied from `src_dir`; the weights are read from the store one block at a time and streamed into
-    safetensors shards of at most `max_shard_bytes` (a block larger than that gets a shard of its
-    own), with model.safetensors.index.json when there is more than one. A tied lm_head is written
-    once, as the embedding (transformers ties it on load).
-    """
-    if dtype not in _DTYPES:
-        raise ValueError(f"export dtype {dtype!r}: choose float32, bfloat16 or float16")
-    tdtype = _DTYPES[dtype]
-    src_dir, out_dir = str(src_dir), str(out_dir)
-    _check_out_dir(src_dir, out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    for n in os.listdir(out_dir):  # a previous export's weights: the shard count may change
-        if n in (WEIGHTS_NAME, WEIGHTS_INDEX) or _SHARD_RE.match(n):
-            os.unlink(os.path.join(out_dir, n))
-
-    layout = engine.store.layout
-    if [b.name for b in layout.blocks] != program.names:
-        raise ValueError("export_hf: the engine's store was not laid out for this program")
-    itemsize = torch.empty(0, dtype=tdtype).element_size()
-    shards: list[list[int]] = []
-    size = 0
-    for b in layout.blocks:
-        nbytes = itemsize * b.numel
-        if not shards or size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(b.index)
-        size += nbytes
-
-    def block_tensors(blocks: list[int]) -> Iterator[Tensor]:
-        for i in blocks:  # one block in memory at a time
-            yield from engine.store.read_params(i)
-
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, blocks in enumerate(shards):
-        fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(name, spec.shape) for i in blocks
-                   for name, spec in zip(program.param_names(i), layout.blocks[i].params, strict=True)]
-        total += _write_shard(os.path.join(out_dir, fname), entries, tdtype, block_tensors(blocks))
-        weight_map.update((name, fname) for name, _ in entries)
-    if len(shards) > 1:
-        with open(os.path.join(out_dir, WEIGHTS_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-
-    config = _read_config(src_dir)
-    dtype_name = str(tdtype).removeprefix("torch.")
-    present = [k for k in ("dtype", "torch_dtype") if k in config]
-    for k in present or ["dtype"]:
-        config[k] = dtype_name
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    for name in ("generation_config.json", *TOKENIZER_FILES):
-        src = os.path.join(src_dir, name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))
-
-
-# ------------------------------------------------------------------------------------------ tokenizer
-def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved in a HF directory (local files only)."""
-    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, n)) for n in
-                                          ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                                           "vocab.json")):
-        raise ValueError(f"{path} has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
-                         "tokenizer.model, vocab.json); pass a directory that has one")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"could not load the tokenizer in {path}: {e}") from e
