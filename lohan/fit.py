@@ -1,16 +1,19 @@
 """Before anything is written: does the run fit this machine (or a described one), and what would it cost?
 
 `detect_hardware` describes the machine the run is on: the compute device and its throughput (a short
-matmul measurement), main memory (psutil), free space of the NVMe directories. SSD bandwidth is not
-measured here, because measuring means writing: it is taken as `ASSUMED_SSD_GBPS` per directory and
-labelled as an assumption (the engine measures it for real at the first step). `fit_report` runs the
-capacity planner (DESIGN.md §4.4, `planner.capacity`) and adds the predicted step time, TFLOPS and time
-per epoch.
+matmul measurement), main memory (psutil), free space of the NVMe directories, and the CPU optimizer's
+rate (a short measurement of the engine's own AdamW kernel, `measure_cpu_adam`). SSD bandwidth is
+measured by the engine's first step (a write then a read through the volume, saved with the run's
+profile as `<nvme>/<name>.profile.json`); when that file exists it is used, otherwise the bandwidth is
+`ASSUMED_SSD_GBPS` per directory, labelled as an assumption (measuring here would mean writing).
+`fit_report` runs the capacity planner (DESIGN.md §4.4, `planner.capacity`) and adds the predicted step
+time, TFLOPS, time per epoch and the cost model's lanes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import time
@@ -20,7 +23,18 @@ import psutil
 import torch
 
 from .config import ModelConfig
-from .planner import Capacity, Hardware, capacity, parse_hardware
+from .integrity import tensor_hash
+from .optim import AdamWHyper, adamw_chunk_
+from .planner import (
+    DEFAULT_CPU,
+    HARDWARE_PRESETS,
+    Capacity,
+    CpuSpec,
+    Hardware,
+    Profile,
+    capacity,
+    parse_hardware,
+)
 
 ASSUMED_SSD_GBPS = 2.0
 """Per-directory read and write GB/s assumed for a dry run on this machine (not measured: no writes)."""
@@ -103,6 +117,52 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repea
     return 2 * n**3 / best
 
 
+@functools.lru_cache(maxsize=8)
+def measure_cpu_adam(numel: int = 1 << 22, compute_dtype: str = "bf16", checksums: bool = True,
+                     repeats: int = 3) -> float:
+    """Parameters per second this machine's CPU updates the way the engine's optimizer does (offload.py):
+    the compute-dtype gradient upcast to fp32, torch's fused AdamW on P32, m, v, the P16 copy and, with
+    ``checksums``, the XXH3 of the record read and of the one written. Best of ``repeats`` on ``numel``
+    parameters (about 100 MB at the default, more than a CPU's last-level cache, as a record fresh
+    from the SSD is; a few tenths of a second, once per process).
+
+    Measured alone: in a run the optimizer shares the cores with the compute thread and the I/O, so
+    this is the rate's upper end.
+    """
+    p16_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32)
+    p32, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    grad16, grad = torch.randn(numel).to(p16_dtype), torch.empty(numel)
+    p16 = torch.empty(numel, dtype=p16_dtype)
+    hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.1)
+    best = float("inf")
+    for step in range(1, repeats + 2):  # the first call warms the kernel and the pages up
+        t0 = time.perf_counter()
+        if checksums:
+            tensor_hash(p32, m, v)
+        grad.copy_(grad16)
+        adamw_chunk_(p32, grad, m, v, p16, step, hyper)
+        if checksums:
+            tensor_hash(p32, m, v)
+            tensor_hash(p16)
+        if step > 1:
+            best = min(best, time.perf_counter() - t0)
+    return numel / best
+
+
+def _measured_ssd(nvme: tuple[str, ...], store_name: str) -> tuple[float, float, str] | None:
+    """(read, write) bytes/s the engine measured on these directories at a run's first step, if saved."""
+    if not nvme:
+        return None
+    path = os.path.join(nvme[0], f"{store_name}.profile.json")
+    try:
+        hw = Profile.load(path).hardware
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not hw.name.endswith(f"+{len(nvme)}ssd"):  # profiler.hardware_name: measured on another set of SSDs
+        return None
+    return hw.bw_s2m, hw.bw_m2s, path
+
+
 @dataclass(frozen=True)
 class Machine:
     hardware: Hardware
@@ -116,15 +176,30 @@ RUNTIME_BYTES = 2**30
 
 
 def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: str = "bf16",
-                    gpu_mem: int | None = None) -> Machine:
-    """This machine as a `Hardware` record, without writing anything."""
+                    gpu_mem: int | None = None, store_name: str = "lohan", checksums: bool = True) -> Machine:
+    """This machine as a `Hardware` record, without writing anything.
+
+    ``store_name`` finds the profile a previous run on these directories saved (its SSD bandwidths were
+    measured); ``checksums`` says whether the optimizer also hashes what it reads and writes.
+    """
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32) if use_cuda \
         else torch.float32
     ram = psutil.virtual_memory().total
-    notes = [f"SSD bandwidth assumed {ASSUMED_SSD_GBPS} GB/s per directory (read and write; measured at the "
-             "first step of a real run)"]
+    n = len(nvme)
+    measured = _measured_ssd(tuple(nvme), store_name)
+    if measured:
+        bw_s2m, bw_m2s, where = measured
+        notes = [f"SSD bandwidth as measured by a run's first step ({where}): read {bw_s2m / 1e9:.3g}, write "
+                 f"{bw_m2s / 1e9:.3g} GB/s (a short probe: a consumer drive's write cache can make it optimistic)"]
+    else:
+        bw_s2m = bw_m2s = n * ASSUMED_SSD_GBPS * 1e9
+        notes = [f"SSD bandwidth assumed {ASSUMED_SSD_GBPS} GB/s per directory (read and write; measured at the "
+                 "first step of a real run)"]
+    adam = measure_cpu_adam(compute_dtype=compute_dtype, checksums=checksums)
+    notes.append(f"CPU AdamW measured at {adam / 1e9:.3g} G params/s on this machine's cores, alone (a run shares "
+                 "them with compute and I/O)")
     if use_cuda:
         name = torch.cuda.get_device_name().replace(" ", "_")
         dev_mem = torch.cuda.get_device_properties(0).total_memory
@@ -134,19 +209,27 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
         name = f"cpu-{os.cpu_count()}c"
         dev_mem = ram  # the CPU stands in for the GPU: its "device memory" is main memory
         bw_g = 20e9
-        notes.append("device is the CPU: 'GPU' memory is main memory, host copies assumed 20 GB/s")
+        notes.append("device is the CPU: 'GPU' memory is main memory, host copies assumed 20 GB/s; compute and "
+                     "AdamW share the cores, so the gpu and cpu lanes add up more than the overlapped model says")
     if gpu_mem:
         dev_mem = int(gpu_mem)
-    n = len(nvme)
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
-                  bw_g=bw_g, bw_s2m=n * ASSUMED_SSD_GBPS * 1e9, bw_m2s=n * ASSUMED_SSD_GBPS * 1e9,
-                  mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem), ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme))
+                  bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem),
+                  ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme), cpu_adam_params_per_s=adam)
     return Machine(hw, tuple(notes), device_is_host=not use_cuda)
 
 
 def described_hardware(desc: str) -> Machine:
-    """A machine from a description such as ``rtx4090,12xP5510,256GB`` (datasheet numbers)."""
-    return Machine(parse_hardware(desc), ("datasheet peak FLOP/s and SSD bandwidths (measured runs are slower)",))
+    """A machine from a description such as ``rtx4090,12xP5510,256GB`` (see `planner.parse_hardware`)."""
+    hw = parse_hardware(desc)
+    notes = ["GPU FLOP/s and PCIe bandwidth are datasheet peaks (a real block runs below them); SSD bandwidths are "
+             "effective ones (datasheet x a per-model derating, sources in planner.HARDWARE_PRESETS)"]
+    cpus = [k for k, v in HARDWARE_PRESETS.items() if isinstance(v, CpuSpec)]
+    if not any(c in hw.name.lower() for c in cpus) and "adam=" not in hw.name:
+        sockets, model = DEFAULT_CPU
+        notes.append(f"no CPU given: AdamW priced at {hw.cpu_adam_params_per_s / 1e9:.3g} G params/s, the paper "
+                     f"testbed's {sockets}x{model.capitalize()} (add e.g. '2xGold5320' or 'adam=1.4e9' to the description)")
+    return Machine(hw, tuple(notes))
 
 
 @dataclass(frozen=True)
@@ -164,7 +247,7 @@ class FitReport:
 
     def format(self) -> str:
         c = self.capacity
-        lines = [c.format(), "", c.plan.format_table(), "",
+        lines = [c.format(), "", c.plan.format_table(), "", f"rates: {self.machine.hardware.describe()}",
                  f"predicted step {self.step_s:.4g} s | {self.tokens_per_s:,.3g} tokens/s | "
                  f"{self.tflops:.3g} TFLOPS (model FLOPs)"
                  + (f" | epoch {_duration(self.epoch_s)}" if self.epoch_s else "")]

@@ -14,18 +14,48 @@ Notation, per training step (bytes unless noted; the profile is for the whole st
 - ``FLOP_r(S) = n_blocks * sum(op.flops for op not in S)``: every block, the last included, recomputes.
 - ``alpha = max(0, A_G2M - mem_avail)``: what main memory cannot hold goes on to SSD.
 
-Lanes run fully overlapped, so each phase takes as long as its slowest lane. The device link is
-duplex (``g2m`` and ``m2g`` are separate lanes); an SSD is simplex (its reads and writes add)::
+The lanes, each a resource that works in parallel with the others (the time one step keeps it busy):
 
-    T_f = max(gpu: flop_f/thp_g,  g2m: A_G2M/bw_g,  m2g: p16/bw_g,  ssd: p16/bw_s2m + alpha/bw_m2s)
-    T_b = max(gpu: (2 flop_f + FLOP_r)/thp_g,  g2m: p16/bw_g,  m2g: (p16 + A_G2M)/bw_g,
-              ssd: (states + alpha)/bw_s2m + states/bw_m2s)
+- ``gpu``: forward ``flop_f / thp_g``; backward ``(2 flop_f + FLOP_r) / thp_g`` (backward is twice the
+  forward, plus the recomputation of every op not swapped).
+- ``m2g`` (PCIe host -> device; the link is duplex, so each direction is its own lane): the block
+  parameters P16 once in forward and once in backward (recomputation runs on the copy backward loads,
+  so it moves nothing more), plus the swapped activations coming back in backward.
+- ``g2m`` (PCIe device -> host): the swapped activations in forward; the G16 gradients in backward, which
+  active gradient offloading hands to the CPU optimizer block by block.
+- ``ssd`` (simplex: its reads and writes add): forward reads P16 and writes the activations main memory
+  cannot hold; backward reads P16 again, the optimizer's P32, m, v (``store.py``: one record per block,
+  ``P32 | m | v | P16``; the optimizer reads the first three and writes the whole record) and the
+  overflowed activations, and writes P32, m, v, P16. So per step the SSDs read ``(12 + 2 s) P`` and write
+  ``(12 + s) P`` bytes, at the *effective* bandwidths of :class:`Hardware` (see :class:`SsdSpec`).
+- ``cpu`` (backward only): the CPU AdamW, ``P / cpu_adam_params_per_s`` (the fp32 master, m and v
+  updated and the P16 copy made). Active gradient offloading (DESIGN §4.3) runs the optimizer of block i
+  while the GPU runs backward of block i-1, so it is one more lane of the backward phase. A rate of 0
+  (a measured profile that does not know it) leaves the lane out: it reads 0.
+
+Each phase is a pipeline over the ``n_blocks`` identical blocks: block i is on the SSD, then the link,
+then the GPU (then, in backward, the link, the CPU and the SSD again) while its neighbours are on the
+other lanes. ``n`` identical items through stages of per-item times ``L_k / n`` take
+``max_k L_k + (sum_k L_k - max_k L_k) / n`` (the flow-shop makespan): the slowest lane for the whole
+step plus one block's worth of every other lane to fill the pipeline and drain it (in backward: the first
+block's backward before any gradient exists, and the last block's AdamW and write after the GPU is
+done). That ``fill`` is the non-overlapped head and tail; the paper's equations (DESIGN §4.4) are the
+``n -> infinity`` limit. It slightly over-counts the SSD reads of backward, which can run ahead::
+
+    T_f = max(gpu, g2m, m2g, ssd)_f + fill_f
+    T_b = max(gpu, g2m, m2g, ssd, cpu)_b + fill_b
     T_iter = T_f + T_b
+
+``t_serial`` is the same step with the optimizer after backward instead of under it (ZeRO-Infinity's
+schedule, the engine's ``offload=serial``): backward without the optimizer's lanes, then a phase of
+``cpu`` and the optimizer's SSD traffic. ``t_serial / t_iter`` is the gain of active gradient offloading.
 
 Why Algorithm 1 may stop at the first op that does not help: taking ops by decreasing offload benefit
 ``OB = flops/bytes`` makes ``FLOP_r`` a convex decreasing piecewise-linear function of ``A_G2M``; every
 transfer lane is linear or (through ``alpha``) convex increasing in it, and sums and maxima of convex
-functions are convex. So ``T_iter`` along the walk falls, then rises: the first rise is the minimum.
+functions are convex; the ``cpu`` lane does not depend on it. ``max + (sum - max) / n`` is
+``(1 - 1/n) max + sum / n``, a positive combination of convex functions, so the pipeline fill keeps it
+convex. So ``T_iter`` along the walk falls, then rises: the first rise is the minimum.
 """
 
 from __future__ import annotations
@@ -44,14 +74,27 @@ from typing import Any
 from .config import PRESETS, ModelConfig, parse_bytes
 
 __all__ = [
-    "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec",
-    "POLICIES", "HARDWARE_PRESETS", "OS_RESERVE", "estimate", "walk_order", "walk", "algorithm1",
+    "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
+    "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE", "estimate",
+    "walk_order", "walk", "algorithm1",
     "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools",
     "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
 ]
 
 POLICIES = ("plan", "interblock", "swap-all", "recompute-all")
 LANES = ("gpu", "g2m", "m2g", "ssd")
+"""The forward lanes; backward has these and ``cpu`` (:data:`LANES_B`)."""
+LANES_B = (*LANES, "cpu")
+LANE_DOC = {
+    "gpu": "GPU compute: forward FLOP_f; backward 2 FLOP_f + recomputation, at THP_G",
+    "g2m": "PCIe device->host: swapped activations (f), G16 gradients to the CPU optimizer (b)",
+    "m2g": "PCIe host->device: block params P16 (f and b; recompute reuses them), activations back (b)",
+    "ssd": "SSD, reads + writes (simplex): P16 (f, b); P32,m,v read and P32,m,v,P16 written (b); "
+           "activation overflow; effective bandwidth",
+    "cpu": "CPU AdamW of every param (P32, m, v, P16 copy), under backward by active gradient offloading",
+    "fill": "pipeline head and tail: one block's worth of every lane but the slowest",
+}
+"""One line per term of the cost model, printed under the plan (see the module docstring)."""
 OS_RESERVE = 0.10
 """Fraction of main memory left to the OS, page cache and the Python process itself."""
 
@@ -88,13 +131,25 @@ class Hardware:
     gpu_mem: int = 0  # the capacity fields: 0 = unknown, not checked
     ram: int = 0
     ssd_bytes: int = 0
+    cpu_adam_params_per_s: float = 0.0
+    """Parameters per second the CPU AdamW updates (P32, m, v and the P16 copy), the ``cpu`` lane's rate.
+    0 = unknown: the lane is not priced (profiles measured before this field existed, engine profiles)."""
 
     def __post_init__(self) -> None:
         # A zero rate would turn every estimate into a ZeroDivisionError far from its cause.
         bad = [f"{f}={getattr(self, f)!r}" for f in ("thp_g", "bw_g", "bw_s2m", "bw_m2s")
                if not getattr(self, f) > 0]
+        if not self.cpu_adam_params_per_s >= 0:
+            bad.append(f"cpu_adam_params_per_s={self.cpu_adam_params_per_s!r}")
         if bad:
             raise ValueError(f"hardware {self.name!r}: rates must be positive ({', '.join(bad)})")
+
+    def describe(self) -> str:
+        """The rates the cost model uses, with units, on one line."""
+        cpu = (f"CPU AdamW {self.cpu_adam_params_per_s / 1e9:.3g} G params/s" if self.cpu_adam_params_per_s
+               else "CPU AdamW not priced (rate unknown)")
+        return (f"GPU {self.thp_g / 1e12:.4g} TFLOPS | PCIe {self.bw_g / 1e9:.3g} GB/s per direction | "
+                f"SSD read {self.bw_s2m / 1e9:.3g} GB/s, write {self.bw_m2s / 1e9:.3g} GB/s | {cpu}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -191,6 +246,14 @@ class Estimate:
     lanes_b: dict[str, float]
     bottleneck_f: str
     bottleneck_b: str
+    fill_f: float = 0.0
+    """Pipeline head and tail of forward, included in ``t_f`` (module docstring)."""
+    fill_b: float = 0.0
+    """Pipeline head and tail of backward, included in ``t_b``."""
+    t_serial: float = 0.0
+    """The step with the optimizer after backward (ZeRO-Infinity's schedule) instead of under it."""
+    traffic: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes per step: ``m2g``/``g2m`` over PCIe, ``ssd_read``/``ssd_write``; ``adam_params`` updated."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -199,18 +262,53 @@ class Estimate:
     def from_dict(d: Mapping[str, Any]) -> Estimate:
         return Estimate(**{**d, "swap": tuple(d["swap"])})
 
+    def format_lanes(self) -> str:
+        """Seconds each lane is busy per step, forward and backward, one line per term, and the bottleneck."""
+        lines = [f"{'lane':<6}{'forward':>10}{'backward':>10}  term"]
+        for lane in LANES_B:
+            f, b = self.lanes_f.get(lane), self.lanes_b.get(lane)
+            cell_f = "-" if f is None else _secs(f)
+            cell_b = "-" if b is None else _secs(b)
+            phases = "/".join(ph for ph, slow in (("f", self.bottleneck_f), ("b", self.bottleneck_b)) if slow == lane)
+            mark = f"  <- bottleneck ({phases})" if phases else ""
+            lines.append(f"{lane:<6}{cell_f:>10}{cell_b:>10}  {LANE_DOC[lane]}{mark}")
+        lines.append(f"{'fill':<6}{_secs(self.fill_f):>10}{_secs(self.fill_b):>10}  {LANE_DOC['fill']}")
+        lines.append(f"T_f = {_secs(self.t_f)} (bottleneck {self.bottleneck_f}), T_b = {_secs(self.t_b)} "
+                     f"(bottleneck {self.bottleneck_b}), T_iter = {_secs(self.t_iter)}"
+                     + (f"; optimizer after backward instead: {_secs(self.t_serial)} "
+                        f"({self.t_serial / self.t_iter:.2f}x)" if self.t_serial and self.t_iter else ""))
+        return "\n".join(lines)
+
+
+def _pipeline(lanes: Mapping[str, float], n_blocks: int) -> tuple[float, float]:
+    """(slowest lane, fill): ``n_blocks`` identical blocks through the lanes take ``max + (sum - max) / n``."""
+    slowest = max(lanes.values())
+    return slowest, (sum(lanes.values()) - slowest) / max(1, n_blocks)
+
 
 def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float) -> Estimate:
     hw = profile.hardware
-    p16, states = profile.p16, profile.states
+    p16, states, n = profile.p16, profile.states, profile.n_blocks
+    opt_read = 12 * profile.param_count  # P32, m, v: what the optimizer reads of each record
     alpha = max(0, a_g2m - hw.mem_avail)
+    cpu = profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
     lanes_f = {"gpu": profile.flop_f / hw.thp_g, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
                "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
     lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g, "g2m": p16 / hw.bw_g,
-               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (states + alpha) / hw.bw_s2m + states / hw.bw_m2s}
-    t_f, t_b = max(lanes_f.values()), max(lanes_b.values())
+               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (states + alpha) / hw.bw_s2m + states / hw.bw_m2s,
+               "cpu": cpu}
+    (slow_f, fill_f), (slow_b, fill_b) = _pipeline(lanes_f, n), _pipeline(lanes_b, n)
+    t_f, t_b = slow_f + fill_f, slow_b + fill_b
+    # The optimizer after backward: backward keeps its own traffic, then the optimizer's lanes run alone.
+    serial_b = {**lanes_b, "cpu": 0.0, "ssd": (p16 + alpha) / hw.bw_s2m}
+    serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
+    t_serial = t_f + sum(_pipeline(serial_b, n)) + sum(_pipeline(serial_opt, n))
+    traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + p16),
+               "ssd_read": float(p16 + states + alpha), "ssd_write": float(states + alpha),
+               "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
-                    max(LANES, key=lanes_f.__getitem__), max(LANES, key=lanes_b.__getitem__))
+                    max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
+                    fill_f, fill_b, t_serial, traffic)
 
 
 def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
@@ -303,6 +401,8 @@ class Plan:
         lines.append(f"swapped in every block: {swapped}; {_gb(self.block_bytes)} per block record")
         lines.append(f"{self.tier_summary()} (cpu {_gb(self.cpu_bytes)}, ssd {_gb(self.ssd_bytes)})")
         lines.append(_CASES.get(self.case, "") or f"forced policy {self.policy!r} (not chosen by Algorithm 1)")
+        lines.append("lanes of the chosen point (seconds each resource is busy per step):")
+        lines += ["  " + line for line in self.estimate.format_lanes().splitlines()]
         return "\n".join(lines)
 
 
@@ -443,20 +543,65 @@ class SsdSpec:
     write_bw: float
     capacity: int
     source: str
+    read_eff: float = 1.0
+    """Effective / datasheet read bandwidth under the engine's workload (large sequential requests,
+    reads and writes of a step interleaved, every step for hours); ``eff_source`` says where it comes from."""
+    write_eff: float = 1.0
+    """Effective / datasheet write bandwidth (e.g. what is left once an SLC write cache is full)."""
+    eff_source: str = ""
+
+    @property
+    def effective_read(self) -> float:
+        return self.read_bw * self.read_eff
+
+    @property
+    def effective_write(self) -> float:
+        return self.write_bw * self.write_eff
 
 
-HARDWARE_PRESETS: dict[str, GpuSpec | SsdSpec] = {
+@dataclass(frozen=True)
+class CpuSpec:
+    adam_params_per_s: float
+    """Parameters per second one socket of this CPU updates with a vectorized CPU AdamW."""
+    cores: int
+    source: str
+
+
+_P5510_EFF = (
+    "1.0: a datacenter TLC drive with no SLC write cache, so the datasheet's full-span 128 KiB sequential "
+    "figures are what it sustains; lohan's I/O path reaches fio on O_DIRECT (benchmarks/results/io_bench_quick.md: "
+    "engine/fio >= 1.0); reads and writes of a step are priced as adding up (simplex), and the engine's mixed "
+    "traffic on this project's disk moved more than that predicts (benchmarks/results/ago_bench.md). "
+    "Cross-check, not calibration: LoHan §V-F's 3 SSDs at 135 TFLOPS (13B, batch 64) need >= ~0.9 of it")
+
+HARDWARE_PRESETS: dict[str, GpuSpec | SsdSpec | CpuSpec] = {
     "rtx4090": GpuSpec(165.2e12, 24 * GiB, 25e9, "Ada whitepaper: 165.2 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16"),
     "rtx4080": GpuSpec(97.5e12, 16 * GiB, 25e9, "Ada whitepaper: 97.5 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16"),
     "rtx3090": GpuSpec(71e12, 24 * GiB, 25e9, "Ampere GA102 whitepaper: 71 TFLOPS FP16 FP32-acc dense; PCIe 4.0"),
     "a100-80g": GpuSpec(312e12, 80 * GiB, 25e9, "A100 datasheet: 312 TFLOPS BF16 dense; PCIe 4.0 x16 host link"),
     "h100": GpuSpec(989e12, 80 * GiB, 50e9, "H100 SXM datasheet: 989 TFLOPS BF16 dense; PCIe 5.0 x16"),
     "h200": GpuSpec(989e12, 141 * 10**9, 50e9, "H200 datasheet: 989 TFLOPS BF16 dense, 141 GB; PCIe 5.0 x16"),
-    "p5510": SsdSpec(6.5e9, 3.4e9, 3_840 * 10**9, "Intel D7-P5510 3.84 TB: 6500 MB/s seq read, 3400 MB/s write"),
+    "p5510": SsdSpec(6.5e9, 3.4e9, 3_840 * 10**9, "Intel D7-P5510 3.84 TB: 6500 MB/s seq read, 3400 MB/s write",
+                     1.0, 1.0, _P5510_EFF),
+    "980pro": SsdSpec(7.0e9, 5.0e9, 1_000 * 10**9, "Samsung 980 PRO 1 TB: 7000 MB/s seq read, 5000 MB/s write",
+                      1.0, 0.30, "write 0.30: TechPowerUp's 980 PRO 1 TB review (sustained write test) measured "
+                      "1.5 GB/s once the 113 GB SLC cache is full, and a step rewrites 14 bytes per parameter "
+                      "(far more than the cache for any model worth offloading); read: no derating found"),
+    # LoHan's testbed (seed 004, Table III): dual Xeon Gold 5320 (26 cores, AVX-512, 8 DDR4 channels per socket).
+    "gold5320": CpuSpec(0.707e9, 26, "DeepSpeed PR #735: DeepSpeed CPU-Adam updated an 11.6B-param GPT-2 in 8.2 s "
+                        "on a 2-socket AVX-512 Xeon server (1.41e9 params/s, 0.707e9 per socket): the "
+                        "vectorized CPU Adam of the paper's ZeRO baselines (the paper does not name LoHan's "
+                        "kernel); the nearest published rate, not one measured on a Gold 5320"),
 }
 
+DEFAULT_CPU = (2, "gold5320")
+"""The CPU a description without one is priced with: the paper testbed's (2 sockets of :data:`HARDWARE_PRESETS`
+``gold5320``), so described machines are compared on the same optimizer speed unless told otherwise."""
+
 _SSD_RE = re.compile(r"^(\d+)\s*[x×*]\s*(\S+)$")
-_EXAMPLE = 'e.g. "rtx4090, 12xP5510, 256GB" (a GPU, SSD count x model, RAM size; any order)'
+_ADAM_RE = re.compile(r"^adam=(\S+)$")
+_EXAMPLE = ('e.g. "rtx4090, 12xP5510, 256GB, 2xGold5320" (a GPU, SSD count x model, RAM size and optionally the '
+            'CPU as sockets x model or adam=PARAMS_PER_S; any order)')
 
 
 def _known(kind: type) -> str:
@@ -465,25 +610,42 @@ def _known(kind: type) -> str:
 
 def parse_hardware(desc: str) -> Hardware:
     """Describe a machine from its parts. SSD bandwidths and capacities add up (striped volume; no
-    host-side PCIe ceiling is modelled, so many SSDs are optimistic).
+    host-side PCIe ceiling is modelled, so many SSDs are optimistic); the bandwidths are the *effective*
+    ones (:class:`SsdSpec`: datasheet x a derating per model, each with its source).
 
+    The CPU (``2xGold5320``: sockets x preset, or ``adam=1.4e9``: a measured AdamW rate in params/s) sets the
+    ``cpu`` lane; without one, :data:`DEFAULT_CPU` is used and the name does not mention it.
     ``mem_avail`` is RAM minus :data:`OS_RESERVE`; the engine's own pools come off it later
     (:func:`reserve_engine_pools`), since they depend on the model.
     """
     parts = [p.strip() for p in str(desc).split(",") if p.strip()]
     gpus: list[tuple[str, GpuSpec]] = []
     ssds: list[tuple[int, str, SsdSpec]] = []
+    cpus: list[tuple[str, float]] = []
     rams: list[tuple[str, int]] = []
     problems: list[str] = []
     for part in parts:
         key = part.lower().replace(" ", "")
-        m = _SSD_RE.match(key)
+        m, adam = _SSD_RE.match(key), _ADAM_RE.match(key)
+        if adam:
+            try:
+                rate = float(adam.group(1))
+            except ValueError:
+                rate = 0.0
+            if rate > 0:
+                cpus.append((f"adam={adam.group(1)}", rate))
+            else:
+                problems.append(f"{part!r}: adam= takes the params/s a CPU AdamW updates, e.g. adam=1.4e9")
+            continue
         if m:
             spec = HARDWARE_PRESETS.get(m.group(2))
-            if not isinstance(spec, SsdSpec):
-                problems.append(f"unknown SSD {m.group(2)!r} (known: {_known(SsdSpec)})")
+            if not isinstance(spec, SsdSpec | CpuSpec):
+                problems.append(f"unknown SSD {m.group(2)!r} (known: {_known(SsdSpec)}; or, for the CPU, "
+                                f"sockets x one of: {_known(CpuSpec)})")
             elif int(m.group(1)) < 1:
-                problems.append(f"{part!r}: SSD count must be >= 1")
+                problems.append(f"{part!r}: the count must be >= 1")
+            elif isinstance(spec, CpuSpec):
+                cpus.append((f"{m.group(1)}x{m.group(2).capitalize()}", int(m.group(1)) * spec.adam_params_per_s))
             else:
                 ssds.append((int(m.group(1)), m.group(2), spec))
             continue
@@ -494,20 +656,30 @@ def parse_hardware(desc: str) -> Hardware:
         try:
             rams.append((part.replace(" ", ""), parse_bytes(key)))
         except ValueError:
-            problems.append(f"unknown component {part!r} (GPUs: {_known(GpuSpec)}; SSDs: {_known(SsdSpec)})")
+            problems.append(f"unknown component {part!r} (GPUs: {_known(GpuSpec)}; SSDs: {_known(SsdSpec)}; "
+                            f"CPUs: {_known(CpuSpec)})")
     if len(gpus) != 1:
         problems.append(f"give exactly one GPU, got {len(gpus)} (known: {_known(GpuSpec)})")
     if not ssds:
         problems.append("give the SSDs as COUNTxMODEL, e.g. 12xP5510")
     if len(rams) != 1 or rams[0][1] < 10**9:
         problems.append("give the RAM size once, with a unit, e.g. 256GB or 128GiB")
+    if len(cpus) > 1:
+        problems.append(f"give the CPU at most once, got {len(cpus)}")
     if problems:
         raise ValueError(f"cannot read hardware {desc!r}: " + "; ".join(problems) + f". Write {_EXAMPLE}")
     (gpu_name, gpu), (ram_text, ram) = gpus[0], rams[0]
-    name = ",".join([gpu_name, *(f"{n}x{m.upper()}" for n, m, _ in ssds), ram_text])
-    return Hardware(name, gpu.flops, gpu.link_bw, sum(n * s.read_bw for n, _, s in ssds),
-                    sum(n * s.write_bw for n, _, s in ssds), int(ram * (1 - OS_RESERVE)),
-                    gpu.mem, ram, sum(n * s.capacity for n, _, s in ssds))
+    cpu_name, adam = cpus[0] if cpus else ("", DEFAULT_CPU[0] * _cpu_preset(DEFAULT_CPU[1]).adam_params_per_s)
+    name = ",".join([gpu_name, *(f"{n}x{m.upper()}" for n, m, _ in ssds), ram_text, *([cpu_name] if cpu_name else [])])
+    return Hardware(name, gpu.flops, gpu.link_bw, sum(n * s.effective_read for n, _, s in ssds),
+                    sum(n * s.effective_write for n, _, s in ssds), int(ram * (1 - OS_RESERVE)),
+                    gpu.mem, ram, sum(n * s.capacity for n, _, s in ssds), adam)
+
+
+def _cpu_preset(name: str) -> CpuSpec:
+    spec = HARDWARE_PRESETS[name]
+    assert isinstance(spec, CpuSpec), f"{name} is not a CPU preset"
+    return spec
 
 
 # ------------------------------------------------------------------------------ capacity planner
@@ -697,3 +869,4 @@ def max_model(hw: Hardware, seq: int, batch: int = 1, presets: Mapping[str, Mapp
                     max_inflight=max_inflight).fits:
             return cfg.name
     return None
+

@@ -338,7 +338,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return fail("; ".join(problems))
     try:
         machine = (described_hardware(hardware) if hardware else
-                   detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem))
+                   detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem, store_name=e.name,
+                                   checksums=e.checksums))
         report = fit_report(mcfg, machine, run.batch_size, seq_len, e.compute_dtype, e.micro_batches,
                             e.prefetch_depth, per_epoch, slots=e.slots,
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1)

@@ -1,6 +1,6 @@
 """Tests for lohan.planner: cost model, Algorithm 1, tier placement, analytic profiles, capacity planner.
 
-Pure and fast: synthetic profiles built by hand, no torch.
+Pure and fast: synthetic profiles built by hand, no torch (but the last section, on lohan.fit).
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ import pytest
 
 from lohan.config import PRESETS, ModelConfig, get_model_config
 from lohan.planner import (
+    HARDWARE_PRESETS,
     OPT_CHUNK_BYTES,
     POLICIES,
+    CpuSpec,
     Hardware,
     OpProfile,
     Plan,
     Profile,
+    SsdSpec,
     activations_in_ram_capacity,
     algorithm1,
     analytic_profile,
@@ -41,15 +44,16 @@ PAPER_256 = "rtx4090,12xP5510,256GB"
 
 def make_profile(ops: list[tuple[str, float, int]], *, n_blocks: int = 4, input_bytes: int = 0,
                  param_count: int = 0, flop_f: float = 0.0, thp_g: float = 1.0, bw_g: float = 1.0,
-                 bw_s2m: float = 1.0, bw_m2s: float = 1.0, mem_avail: int = 10**18) -> Profile:
-    hw = Hardware("synthetic", thp_g, bw_g, bw_s2m, bw_m2s, mem_avail)
+                 bw_s2m: float = 1.0, bw_m2s: float = 1.0, mem_avail: int = 10**18, cpu_adam: float = 0.0) -> Profile:
+    hw = Hardware("synthetic", thp_g, bw_g, bw_s2m, bw_m2s, mem_avail, cpu_adam_params_per_s=cpu_adam)
     return Profile("synthetic", 1, 1, n_blocks, tuple(OpProfile(*op) for op in ops), input_bytes,
                    param_count, 2, flop_f, hw, "analytic")
 
 
 def interior_profile() -> Profile:
-    # n_blocks=2, no params: T = A/bw_g + max(FLOP_r, A/bw_g), A = swapped bytes, FLOP_r = 2 * unswapped flops.
-    # Walk a, b, c -> T = 30, 11, 6, 14: the minimum is after b.
+    # n_blocks=2, no params: T = A/bw_g + max(FLOP_r, A/bw_g) + min(FLOP_r, A/bw_g) / 2 (the pipeline fill of
+    # 2 blocks), A = swapped bytes, FLOP_r = 2 * unswapped flops. Walk a, b, c -> T = 30, 11.5, 7, 14: the
+    # minimum is after b.
     return make_profile([("c", 1.0, 4), ("a", 10.0, 1), ("b", 4.0, 2)], n_blocks=2)
 
 
@@ -67,17 +71,38 @@ def random_profile(rng: random.Random) -> Profile:
 
 def test_estimate_matches_the_equations() -> None:
     p = make_profile([("x", 100.0, 7), ("y", 50.0, 3)], n_blocks=5, input_bytes=2, param_count=10,
-                     flop_f=1000.0, thp_g=10.0, bw_g=2.0, bw_s2m=4.0, bw_m2s=8.0, mem_avail=20)
+                     flop_f=1000.0, thp_g=10.0, bw_g=2.0, bw_s2m=4.0, bw_m2s=8.0, mem_avail=20, cpu_adam=0.1)
     e = estimate(p, ["x"])
     a = 4 * (2 + 7)
     assert (e.a_g2m, e.flop_r, e.alpha_bytes) == (a, 5 * 50.0, a - 20)
     p16, states = 2 * 10, 14 * 10
     assert e.lanes_f == {"gpu": 100.0, "g2m": a / 2, "m2g": p16 / 2, "ssd": p16 / 4 + (a - 20) / 8}
     assert e.lanes_b == {"gpu": (2000 + 250) / 10, "g2m": p16 / 2, "m2g": (p16 + a) / 2,
-                         "ssd": (states + a - 20) / 4 + states / 8}
-    assert e.t_f == 100.0 and e.bottleneck_f == "gpu"
-    assert e.t_b == 225.0 and e.bottleneck_b == "gpu"
+                         "ssd": (states + a - 20) / 4 + states / 8, "cpu": 10 / 0.1}
+    # Each phase: its slowest lane, plus one block (of 5) of every other lane to fill and drain the pipeline.
+    assert e.fill_f == pytest.approx((a / 2 + p16 / 2 + 7) / 5)
+    assert e.fill_b == pytest.approx((p16 / 2 + (p16 + a) / 2 + 56.5 + 100) / 5)
+    assert e.t_f == pytest.approx(100.0 + e.fill_f) and e.bottleneck_f == "gpu"
+    assert e.t_b == pytest.approx(225.0 + e.fill_b) and e.bottleneck_b == "gpu"
     assert e.t_iter == e.t_f + e.t_b
+    # Optimizer after backward: backward reads P16 and overflow only; then AdamW and the optimizer's SSD traffic.
+    serial_b = {"gpu": 225.0, "g2m": 10.0, "m2g": 28.0, "ssd": (p16 + a - 20) / 4}
+    serial_opt = {"cpu": 100.0, "ssd": 12 * 10 / 4 + states / 8}
+    def phase(lanes: dict[str, float]) -> float:
+        return max(lanes.values()) + (sum(lanes.values()) - max(lanes.values())) / 5
+    assert e.t_serial == pytest.approx(e.t_f + phase(serial_b) + phase(serial_opt))
+    assert e.traffic == {"m2g": 2 * p16 + a, "g2m": a + p16, "ssd_read": p16 + states + a - 20,
+                         "ssd_write": states + a - 20, "adam_params": 10}
+
+
+def test_cpu_lane_can_bind_backward_and_unknown_rate_is_not_priced() -> None:
+    kw = dict(n_blocks=4, param_count=100, flop_f=10.0, thp_g=1.0, bw_g=1e9, bw_s2m=1e9, bw_m2s=1e9)
+    slow = estimate(make_profile([("x", 1.0, 1)], cpu_adam=1.0, **kw), [])
+    assert slow.lanes_b["cpu"] == 100.0 and slow.bottleneck_b == "cpu" and slow.t_b > 100.0
+    assert slow.t_serial > slow.t_iter  # the optimizer under backward saves the backward's GPU time
+    unknown = estimate(make_profile([("x", 1.0, 1)], **kw), [])
+    assert unknown.lanes_b["cpu"] == 0.0 and unknown.bottleneck_b == "gpu"
+    assert "bottleneck (b)" in slow.format_lanes() and "CPU AdamW" in slow.format_lanes()
 
 
 def test_alpha_is_the_overflow_and_feeds_the_ssd_lanes() -> None:
@@ -145,7 +170,7 @@ def test_case3_interior_optimum_is_the_walk_argmin() -> None:
     p = interior_profile()
     plan = algorithm1(p)
     t = [e.t_iter for e in plan.points]
-    assert t == [30.0, 11.0, 6.0, 14.0]
+    assert t == [30.0, 11.5, 7.0, 14.0]
     assert plan.case == 3 and plan.chosen == 2 and plan.swap == ("a", "b")
     assert plan.estimate == plan.points[t.index(min(t))]
 
@@ -256,6 +281,7 @@ def test_plan_round_trip_and_table() -> None:
     marked = [line for line in table.splitlines() if line.startswith("*")]
     assert len(marked) == 1 and marked[0].split()[1] == str(plan.chosen)
     assert "case 3" in table and "blocks 0: cpu, 1: keep" in table
+    assert "lanes of the chosen point" in table and "T_iter = 7s" in table  # the chosen point's lanes follow
     forced = forced_plan(interior_profile(), "recompute-all").format_table()
     assert "forced" in forced and "recompute-all" in forced and "swapped in every block: nothing" in forced
 
@@ -320,7 +346,36 @@ def test_parse_hardware_is_order_and_space_free() -> None:
     assert parse_hardware("rtx4080,2xP5510,64GB").gpu_mem == 16 * 2**30
 
 
+def test_parse_hardware_cpu_part() -> None:
+    default = parse_hardware(PAPER_256)
+    assert default.cpu_adam_params_per_s == pytest.approx(2 * 0.707e9)  # DEFAULT_CPU: the paper's 2x Gold 5320
+    named = parse_hardware(PAPER_256 + ", 2xGold5320")
+    assert named.cpu_adam_params_per_s == default.cpu_adam_params_per_s
+    assert named.name == PAPER_256 + ",2xGold5320"
+    assert parse_hardware("adam=3e9," + PAPER_256).cpu_adam_params_per_s == 3e9
+    assert parse_hardware(PAPER_256 + ",1xgold5320").cpu_adam_params_per_s == pytest.approx(0.707e9)
+
+
+def test_ssd_bandwidths_are_effective_and_every_derating_has_a_source() -> None:
+    consumer = parse_hardware("rtx4090,2x980PRO,128GB")
+    assert consumer.bw_s2m == pytest.approx(2 * 7.0e9) and consumer.bw_m2s == pytest.approx(2 * 5.0e9 * 0.30)
+    for name, spec in HARDWARE_PRESETS.items():
+        if isinstance(spec, SsdSpec):
+            assert 0 < spec.read_eff <= 1 and 0 < spec.write_eff <= 1 and len(spec.eff_source) > 40, name
+        if isinstance(spec, CpuSpec):
+            assert spec.adam_params_per_s > 0 and len(spec.source) > 40, name
+
+
+def test_hardware_without_the_cpu_rate_still_loads() -> None:
+    old = {k: v for k, v in parse_hardware(PAPER_256).to_dict().items() if k != "cpu_adam_params_per_s"}
+    assert Hardware.from_dict(old).cpu_adam_params_per_s == 0.0  # profiles saved before the field existed
+    with pytest.raises(ValueError, match="cpu_adam_params_per_s"):
+        Hardware("x", 1.0, 1.0, 1.0, 1.0, 0, cpu_adam_params_per_s=-1.0)
+
+
 @pytest.mark.parametrize("desc,match", [
+    ("rtx4090,1xP5510,64GB,adam=fast", "adam= takes"),
+    ("rtx4090,1xP5510,64GB,1xGold5320,adam=1e9", "CPU at most once"),
     ("rtx9999,1xP5510,128GB", r"unknown component 'rtx9999'.*rtx4090"),
     ("rtx4090,1xFOO,128GB", r"unknown SSD 'foo'.*p5510"),
     ("rtx4090,128GB", "COUNTxMODEL"),
@@ -449,3 +504,25 @@ def test_ssd_need_counts_the_store_slots() -> None:
     cfg, hw = get_model_config("13b"), parse_hardware(PAPER_256)
     two, one = capacity(cfg, hw, 1, 1024), capacity(cfg, hw, 1, 1024, slots=1)
     assert two.ssd_states_bytes == 2 * one.ssd_states_bytes == 2 * 14 * cfg.param_count()
+
+
+# --------------------------------------------------------------- this machine (lohan.fit, uses torch)
+
+def test_detect_hardware_measures_the_cpu_optimizer_and_reuses_a_measured_ssd(tmp_path) -> None:
+    from lohan.fit import detect_hardware
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    assumed = detect_hardware((str(nvme),), device="cpu")
+    assert assumed.hardware.cpu_adam_params_per_s > 0 and any("CPU AdamW measured" in n for n in assumed.notes)
+    assert any("assumed" in n for n in assumed.notes)
+    hw = Hardware("cpu-x86_64-2c+1ssd", 1e12, 1e10, 1.23e9, 0.45e9, 10**9)  # as profiler.measure_hardware names it
+    profile = analytic_profile(get_model_config("tiny"), 1, 64, hw)
+    profile.save(nvme / "lohan.profile.json")
+    measured = detect_hardware((str(nvme),), device="cpu")
+    assert (measured.hardware.bw_s2m, measured.hardware.bw_m2s) == (1.23e9, 0.45e9)
+    assert any("measured by a run's first step" in n for n in measured.notes)
+    other = tmp_path / "other"
+    other.mkdir()
+    two = detect_hardware((str(nvme), str(other)), device="cpu")  # measured on one SSD: not these two
+    assert two.hardware.bw_s2m == 2 * 2.0e9
