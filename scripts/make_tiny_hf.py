@@ -10,6 +10,7 @@ Usage::
     .venv/bin/python scripts/make_tiny_hf.py runs/tiny-llama                  # Llama family
     .venv/bin/python scripts/make_tiny_hf.py runs/tiny-qwen2 --family qwen2 --layers 6
     .venv/bin/python scripts/make_tiny_hf.py runs/llama-110m --size 110m      # ~110M params (benchmarks/soak.py)
+    .venv/bin/python scripts/make_tiny_hf.py runs/llama-350m --size 350m      # ~341M params (benchmarks/vs_deepspeed.py)
 
 ``--size`` picks a named shape (`SIZES`); explicit flags override its fields.
 """
@@ -24,10 +25,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Named shapes (flag defaults; explicit flags win). "110m": a Llama-2-style layout at GPT-2-small width,
 # the model of the memory soak (benchmarks/soak.py): 12 x 7.08M per layer + 24.6M tied embedding
-# = ~109.5M parameters. The BPE vocabulary trained on the corpus stays smaller than 32000; the model's
-# vocabulary is padded to it (`model_vocab`), as real checkpoints pad theirs.
+# = ~109.5M parameters. "350m": the same layout at GPT-2-medium width (24 layers x 12.85M + 32.8M tied
+# embedding = ~341.2M parameters; MLP 2816 = 8/3 x 1024 rounded to 256, as Llama sizes its MLP), the larger
+# model of benchmarks/vs_deepspeed.py. The BPE vocabulary trained on the corpus stays smaller than 32000;
+# the model's vocabulary is padded to it (`model_vocab`), as real checkpoints pad theirs.
 SIZES: dict[str, dict[str, int | bool]] = {
     "110m": dict(layers=12, hidden=768, heads=12, kv_heads=12, intermediate=2048, vocab=32000, model_vocab=32000,
+                 tie=True),
+    "350m": dict(layers=24, hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, model_vocab=32000,
                  tie=True),
 }
 
