@@ -10,6 +10,8 @@ release. Cached free buffers of the wrong size are evicted when room is needed.
 
 from __future__ import annotations
 
+import logging
+import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,14 +20,68 @@ import torch
 
 from .base import ALIGN, BudgetExceededError, align_up
 
+log = logging.getLogger(__name__)
+
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` whose address is ALIGN-aligned.
 
     torch CPU allocations are only 64-byte aligned, so over-allocate by one page and slice;
-    the slice keeps the base storage alive. `pin=True` page-locks it through CUDA.
+    the slice keeps the base storage alive. `pin=True` page-locks exactly these bytes through CUDA
+    for as long as the tensor lives (`pinned_empty`).
     """
+    if pin and nbytes > 0:
+        return pinned_empty(nbytes)
     base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-base.data_ptr()) % ALIGN
+    return base[skip:skip + nbytes]
+
+
+class _RegisteredPages(mmap.mmap):
+    """Anonymous pages that CUDA has page-locked (cudaHostRegister); unregistered when the last tensor
+    over them is gone (torch.frombuffer holds a reference to this object until then), before the unmap."""
+
+    registered = 0
+
+    def __del__(self) -> None:
+        if self.registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.registered)
+            except Exception:  # interpreter shutdown: the process is going away with its mappings
+                pass
+            self.registered = 0
+
+
+_register_fallback: list[str] = []
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-aligned host memory, page-locked through CUDA, that count exactly.
+
+    Not `torch.empty(pin_memory=True)`: torch's pinned allocator rounds every block up to the next power
+    of two (a 2.1 GiB buffer pins 4 GiB) and keeps freed blocks page-locked in its own cache, so a
+    BufferPool's budget would neither bound the memory pinned nor get any of it back when it evicts or
+    clears (PYTORCH_ALLOC_CONF pinned_max_round_threshold_mb / pinned_max_cached_size_mb, process-wide).
+    Here the pages are an anonymous mapping registered with cudaHostRegister and released with the tensor.
+    Falls back to torch's pinned allocator (with a warning) where registering fails.
+    """
+    if torch.cuda.is_available() and not _register_fallback:  # without CUDA, pin_memory=True below raises
+        try:
+            rt = torch.cuda.cudart()
+            pages = _RegisteredPages(-1, nbytes, flags=mmap.MAP_PRIVATE)
+            t = torch.frombuffer(pages, dtype=torch.uint8)
+            err = rt.cudaHostRegister(t.data_ptr(), nbytes, 0)
+            if err != rt.cudaError.success:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+            pages.registered = t.data_ptr()
+            if not t.is_pinned():  # torch must see it as page-locked, or copies and the aio op would not
+                raise RuntimeError("registered memory is not reported as pinned by torch")
+            return t
+        except (RuntimeError, AttributeError, OSError) as e:
+            _register_fallback.append(str(e))
+            log.warning("io_engine: cannot page-lock buffers with cudaHostRegister (%s); using torch's pinned "
+                        "allocator, which rounds sizes up to powers of two and caches freed blocks", e)
+    base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
     skip = (-base.data_ptr()) % ALIGN
     return base[skip:skip + nbytes]
 

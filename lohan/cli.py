@@ -274,6 +274,9 @@ def _main(args: argparse.Namespace) -> int:
             raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
         if args.resume and args.overwrite:
             raise ValueError("--resume continues the stored run and --overwrite discards it: pass one of them")
+        from .device import resolve_device  # imports torch: last, once everything else is known to be valid
+
+        resolve_device(run.engine.device)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

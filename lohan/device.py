@@ -8,18 +8,29 @@ same code paths copy on a side stream from page-locked buffers and order it with
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+
+
+def resolve_device(kind: str = "auto") -> str:
+    """``auto`` -> ``LOHAN_DEVICE`` when set (``cpu`` keeps a CUDA machine's runs on the CPU, as the test
+    suite's plain-PyTorch references run), else ``cuda`` when available, else ``cpu``."""
+    if kind == "auto":
+        kind = os.environ.get("LOHAN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"LOHAN_DEVICE={kind!r}: choose cpu or cuda (or unset it for auto)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device (a CPU-only torch build, "
+                           "no driver, or CUDA_VISIBLE_DEVICES hides it); use --device cpu or auto")
+    return kind
 
 
 class Device:
     """The compute device plus the copy machinery the engine needs."""
 
     def __init__(self, kind: str = "auto") -> None:
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' was asked for but CUDA is not available; use device='cpu' or 'auto'")
+        kind = resolve_device(kind)
         self.type = kind
         self.torch = torch.device(kind)
         self.is_cuda = kind == "cuda"
@@ -29,9 +40,14 @@ class Device:
         """The device copy of a host tensor; on CPU the tensor itself (zero copy)."""
         if not self.is_cuda:
             return host
+        current = torch.cuda.current_stream()
         with torch.cuda.stream(self.copy_stream):
             out = host.to(self.torch, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(self.copy_stream)
+        current.wait_stream(self.copy_stream)
+        # `out` was allocated on the copy stream, and the caching allocator would hand its block to the next
+        # copy as soon as it is freed, while kernels queued on the compute stream may still read it (the host
+        # runs ahead of the GPU): the next block's parameters would overwrite these under the kernels' feet.
+        out.record_stream(current)
         return out
 
     def autocast(self, dtype: torch.dtype | None):

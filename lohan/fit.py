@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from .config import ModelConfig
+from .device import resolve_device
 from .integrity import tensor_hash
 from .optim import AdamWHyper, adamw_chunk_
 from .planner import (
@@ -182,7 +183,7 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
     ``store_name`` finds the profile a previous run on these directories saved (its SSD bandwidths were
     measured); ``checksums`` says whether the optimizer also hashes what it reads and writes.
     """
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = resolve_device(device) == "cuda"
     dev = torch.device("cuda" if use_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32) if use_cuda \
         else torch.float32

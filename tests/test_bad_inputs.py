@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from lohan.cli import main
 
@@ -164,6 +165,10 @@ CASES = [
          r"--nvme names .*a twice: list each SSD directory once"),
     Case("nvme-listed-twice-other-spelling", lambda t, m: preset(t, "--nvme", str(t / "a"), f"{t}/b/../a"),
          r"names .*/b/\.\./a twice \(also as .*a\)"),
+    # ------------------------------------------------------------------ device
+    Case("device-cuda-without-cuda", lambda t, m: preset(t, "--device", "cuda"),
+         r"device 'cuda' was asked for but torch sees no CUDA device .*use --device cpu or auto",
+         marks=(pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),)),
     # ------------------------------------------------------------------ budgets
     Case("cpu-mem-below-one-block", lambda t, m: preset(t, "--cpu-mem", "1KiB"),
          r"cpu_mem=0\.00 GiB is too small .*Raise cpu_mem to at least \d+\.\d\d GiB"),
