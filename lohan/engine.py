@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import psutil
@@ -170,6 +170,8 @@ class Engine:
         self._broken: str | None = None
         self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
         self._deferred = False
+        # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
+        self._prepared: _Prepared | None = None
         self._scale: Tensor | None = None
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
@@ -182,29 +184,30 @@ class Engine:
         """Optimizer steps completed and committed."""
         return self.store.step
 
-    def step(self, batch: tuple[Tensor, Tensor]) -> float:
+    def step(self, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None = None) -> float:
         """One training step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss.
 
         Phases: forward (block inputs and swapped activations kept), backward (each block's gradient
         goes to the optimizer pipeline as soon as it is complete, and its norm is taken), then the
         settlement: the global norm gives the clip coefficient (a speculative update that guessed wrong is
-        redone from the previous slot), a step with a non-finite loss or gradient is skipped, and the new
-        slot is committed; on any failure, rollback to the last commit (which the step never touched with
-        two slots).
+        redone from the previous slot), a step with a non-finite loss or gradient is skipped, the optimizer
+        pass ends and the new slot is committed; on any failure, rollback to the last commit (which the step
+        never touched with two slots).
+
+        `next_batch`, the batch of the following step where the caller knows it: when this step's optimizer
+        pass runs after backward (an update deferred until the gradient norm was known, or a redone one), it
+        runs in forward order, and the next step's forward runs meanwhile on each block's new parameters as
+        soon as its update is done; `step(next_batch)` then starts at its backward. The same bits either
+        way, and this step is committed before `step` returns.
         """
         if self._broken:
             raise RuntimeError(self._broken)
-        idx, targets = batch
-        m_count = self.cfg.micro_batches
-        if idx.shape != targets.shape or idx.dim() != 2:
-            raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
-                             f"and {tuple(targets.shape)}")
-        if idx.shape[0] % m_count:
-            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
+        idx, targets = self._check_batch(batch)
         t_start = time.perf_counter()
         io0 = self.store.volume.stats()
         wait0, hash0 = self.streamer.wait_s, self.streamer.hash_s
         self.offloader.reset_stats()
+        prepared = self._take_prepared(idx)
         idx = idx.to(self.device.torch)
         targets = targets.to(self.device.torch)
 
@@ -215,50 +218,128 @@ class Engine:
         read_slot, write_slot = self.store.slot, self.store.next_slot()
         # forward visits blocks 0..n-2 (the head runs in backward), backward n-1..0
         visits = list(range(n - 1)) + list(range(n - 1, -1, -1))
-        order = list(range(n - 1, -1, -1))
         self._begin_loss_scale(commit)
         gate = self._gate()
         speculated = not gate.deferred and self.cfg.max_grad_norm > 0
         self._deferred = gate.deferred
+        nxt = self._overlappable(idx, next_batch)
+        follow = gate.deferred and nxt is not None  # the deferred pass in forward order, the next forward after it
+        order = list(range(n)) if follow else list(range(n - 1, -1, -1))
         self.store.begin_step()
         self.offloader.begin_step(commit.applied + 1, hyper, order, read_slot, write_slot, gate=gate,
-                                  keep=speculated)
+                                  keep=speculated, provide=self.streamer.offer if follow else None)
         settle: dict[str, Any] = {}
+        next_fwd_s = 0.0
         try:
-            acts, fwd_s = self._forward(visits, read_slot, idx)
-            loss, bwd_s, norms = self._backward(visits, read_slot, acts, targets.chunk(m_count))
-            t_tail = time.perf_counter()
-            settle = self._settle(loss, norms, gate, speculated)
-            if settle["skipped"]:
-                self.offloader.abort()
+            if prepared is not None:
+                acts, fwd_s = prepared.acts, 0.0
             else:
-                self.offloader.backward_done()
-                self.offloader.finish()
-                if settle["redone"]:
-                    self.offloader.redo(commit.applied + 1, hyper, order, read_slot, write_slot, settle["coef_t"])
-            tail_s = time.perf_counter() - t_tail
+                acts, fwd_s = self._forward(visits, read_slot, idx)
+            loss, bwd_s, norms = self._backward(visits, read_slot, acts, targets.chunk(self.cfg.micro_batches))
+            t_tail = time.perf_counter()
+            act_stats = self._end_backward()
+            if follow:
+                self.streamer.expect(list(range(n)), lambda: self.offloader.failure)
+            settle = self._settle(loss, norms, gate, speculated)
+            next_fwd_s = self._finish_updates(settle, commit.applied + 1, hyper, read_slot, write_slot, follow, nxt)
+            tail_s = max(0.0, time.perf_counter() - t_tail - next_fwd_s)
         except BaseException:
             self._rollback(step, read_slot)
             raise
         finally:
             self.offloader.release_kept()
-        self.streamer.release_all()
-        act_stats = self.activations.stats()
-        self.activations.end_step()
+        if self._prepared is None:
+            self.streamer.release_all()
         scaler = self._end_loss_scale()
         if settle["skipped"]:
             self._skip(step, commit, loss, settle, scaler)
         else:
-            self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written(), updates=commit.applied + 1,
-                              **scaler)
-        self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, fwd_s + bwd_s, tail_s,
-                             io0, wait0, hash0, hyper.lr, idx.shape[1])
+            try:
+                self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written(),
+                                  updates=commit.applied + 1, **scaler)
+            except BaseException:  # the next forward ran on this slot's parameters: not to be used uncommitted
+                self._drop_prepared()
+                raise
+        self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, fwd_s + bwd_s + next_fwd_s,
+                             tail_s, io0, wait0, hash0, hyper.lr, idx.shape[1])
         self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
         self.last_metrics["activations"] = act_stats
+        self.last_metrics["next_forward_overlapped"] = self._prepared is not None
         if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
             release_free_memory()
             self._trimmed = True
         return loss
+
+    def _check_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        idx, targets = batch
+        m_count = self.cfg.micro_batches
+        if idx.shape != targets.shape or idx.dim() != 2:
+            raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
+                             f"and {tuple(targets.shape)}")
+        if idx.shape[0] % m_count:
+            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
+        return idx, targets
+
+    def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
+        """The next batch's ids on the device when its forward may run during this step's optimizer pass:
+        two slots (the pass writes the other one), and the same shape (no new activation profile)."""
+        if next_batch is None or self.cfg.slots < 2:
+            return None
+        nxt, _ = self._check_batch(next_batch)
+        return nxt.to(self.device.torch) if nxt.shape == idx.shape else None
+
+    def _take_prepared(self, idx: Tensor) -> _Prepared | None:
+        """The forward the previous step ran for this batch, if it ran one for these very ids. Another batch
+        discards it (the resident parameters are the committed ones either way and stay)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        if prepared.idx.shape == idx.shape and torch.equal(prepared.idx.cpu(), idx.cpu()):
+            return prepared
+        self.activations.end_step()
+        return None
+
+    def _drop_prepared(self) -> None:
+        """Forget the next step's forward and what it holds (blocks, activations)."""
+        if self._prepared is not None:
+            self._prepared = None
+            self.streamer.release_all()
+            self.activations.end_step()
+
+    def _end_backward(self) -> dict[str, Any]:
+        """After backward: the blocks of the slot read this step and the step's activations are done with."""
+        self.streamer.release_all()
+        act_stats = self.activations.stats()
+        self.activations.end_step()
+        return act_stats
+
+    def _finish_updates(self, settle: dict[str, Any], update: int, hyper: AdamWHyper, read_slot: int,
+                        write_slot: int, follow: bool, nxt: Tensor | None) -> float:
+        """End the step's optimizer pass: discarded (skipped step), completed (its updates ran during
+        backward, or were deferred until now), or redone from the previous slot (speculated wrongly). A pass
+        that runs now, in forward order, has the next batch's forward (`nxt`) run beside it, on the blocks
+        it provides; returns that forward's compute seconds."""
+        n = len(self.program.modules)
+        if settle["skipped"]:
+            self.offloader.abort()
+            self.streamer.release_all()  # cancels what a deferred pass would have provided
+            return 0.0
+        self.offloader.backward_done()
+        if settle["redone"]:
+            self.offloader.finish()  # the speculative pass (coefficient 1) ends; its slot is rewritten below
+            follow = nxt is not None
+            order = list(range(n)) if follow else list(range(n - 1, -1, -1))
+            if follow:
+                self.streamer.expect(order, lambda: self.offloader.failure)
+            self.offloader.begin_redo(update, hyper, order, read_slot, write_slot, settle["coef_t"],
+                                      provide=self.streamer.offer if follow else None)
+        fwd_s = 0.0
+        if follow:
+            visits = list(range(n - 1)) + list(range(n - 1, -1, -1))
+            acts, fwd_s = self._forward(visits, write_slot, nxt)
+            self._prepared = _Prepared(nxt, acts)
+        self.offloader.finish()
+        return fwd_s
 
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` = (token ids, targets) under the committed weights, forward only.
@@ -272,13 +353,8 @@ class Engine:
         """
         if self._broken:
             raise RuntimeError(self._broken)
-        idx, targets = batch
+        idx, targets = self._check_batch(batch)
         m_count = self.cfg.micro_batches
-        if idx.shape != targets.shape or idx.dim() != 2:
-            raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
-                             f"and {tuple(targets.shape)}")
-        if idx.shape[0] % m_count:
-            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
         xs = list(idx.to(self.device.torch).chunk(m_count))
         tgt_mb = targets.to(self.device.torch).chunk(m_count)
         slot, last = self.store.slot, len(self.program.modules) - 1
@@ -475,6 +551,8 @@ class Engine:
 
     def _rollback(self, step: int, read_slot: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
+        self._prepared = None
+        self.streamer.release_all()  # first: a pass providing the next forward's blocks may wait for room
         self.offloader.abort()
         self.streamer.release_all()
         self.activations.end_step()
@@ -546,6 +624,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._prepared = None
         self.offloader.close()  # its worker thread lives as long as the engine
         self.streamer.release_all()
         self.activations.close()
@@ -563,6 +642,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class _Prepared:
+    """A step's forward, run during the previous step's optimizer pass: the ids and what backward needs."""
+
+    idx: Tensor
+    acts: list[list[Tensor | None]]
 
 
 def _param_norms(grads: list[Tensor]) -> list[Tensor]:

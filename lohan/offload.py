@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -42,6 +43,9 @@ from .store import RecordView, StateStore, StoreLayout
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 
 Unit = tuple[int, int, int]  # (block, first element, end element) of one READ / ADAM / WRITE
+Provide = Callable[[int, int, int, torch.Tensor], None]
+"""provide(block, lo, hi, p16): the new P16 of elements lo..hi of a block, handed over right after its update
+(before its WRITE completes); called on the worker thread, in pipeline order."""
 
 
 def chunk_record_bytes(n: int, p16_itemsize: int) -> int:
@@ -123,7 +127,9 @@ class GradOffloader:
         self.stash = stash  # where gradients are kept for a redo (clipping); cleared by `release_kept`
         self._gate = ClipGate()
         self._keep = False
+        self._provide: Provide | None = None
         self._upcast: torch.Tensor | None = None  # fp32 scratch for bf16 gradients, see `_fp32`
+        self.read_ahead = mode == "optimized"  # READs beyond the next unit while the pool has room
         # One worker thread for the engine's life, not one per step: glibc gives every new thread one of
         # its (up to 8 x cores) malloc arenas, and what a per-step thread allocated (record buffers the
         # pool allocates on first use, the optimizer's temporaries) stayed resident in a different arena
@@ -142,17 +148,21 @@ class GradOffloader:
         self.blocks_written = 0
 
     def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
-                   gate: ClipGate | None = None, keep: bool = False) -> None:
-        """Start the pipeline for optimizer step `step` (1-based); blocks arrive in `order`.
+                   gate: ClipGate | None = None, keep: bool = False, provide: Provide | None = None) -> None:
+        """Start the pipeline for optimizer step `step` (1-based); blocks are updated in `order`.
 
-        `gate` gives the gradient coefficient (default 1: no clipping); a deferred gate holds every update
-        (READs still go out) until it opens. With `keep` the gradient buffers are kept after use, for
-        `redo`, until `release_kept`.
+        Gradients may be submitted in any order: a block's update waits for its own. The backward order
+        lets each update follow its gradient at once; a deferred step (every gradient is in hand by the
+        time the gate opens) takes the forward order, so the next step's forward can follow the updates
+        (`provide`). `gate` gives the gradient coefficient (default 1: no clipping); a deferred gate holds
+        every update (READs still go out) until it opens. With `keep` the gradient buffers are kept after
+        use, for `redo`, until `release_kept`. `provide` receives each unit's new P16 after its update.
         """
         if self._thread is not None:
             raise RuntimeError("begin_step called while the previous step is still running")
         self._gate = gate or ClipGate()
         self._keep = keep
+        self._provide = provide
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._backward_done = threading.Event()
         self._error = None
@@ -189,19 +199,30 @@ class GradOffloader:
             raise RuntimeError(f"the optimizer step wrote no checksums for blocks {missing}")
         return [self._sums[i] for i in range(len(self.store.layout.blocks))]
 
-    def redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
-             coef: torch.Tensor) -> None:
-        """Run the step's optimizer pass again from `read_slot` (untouched: the speculative writes went to
-        `write_slot`) with the kept gradients and the step's true coefficient."""
+    def begin_redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
+                   coef: torch.Tensor, provide: Provide | None = None) -> None:
+        """Start the step's optimizer pass again from `read_slot` (untouched: the speculative writes went to
+        `write_slot`) with the kept gradients and the step's true coefficient; `finish` waits for it."""
         if self.stash is None:
             raise RuntimeError("redo needs a gradient stash")
         grads = [self.stash.get(i) for i in order]
         gate = ClipGate(None)
         gate.open(coef)
-        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=False)
+        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=False, provide=provide)
         for i, g in zip(order, grads):
             self._queue.put((i, g))
+        self._backward_done.set()
+
+    def redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
+             coef: torch.Tensor) -> None:
+        """`begin_redo`, then wait until every block is rewritten."""
+        self.begin_redo(step, hyper, order, read_slot, write_slot, coef)
         self.finish()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The running step's pipeline failure, if it failed (for threads waiting on what it provides)."""
+        return self._error
 
     def release_kept(self) -> None:
         """Give back the gradients kept for a redo (after the step is committed or discarded)."""
@@ -229,7 +250,10 @@ class GradOffloader:
         self._drain()  # gradients the pipeline never took (it stopped at a cancelled gate)
 
     def _drain(self) -> None:
-        """Give back the gradient buffers still queued."""
+        """Give back the gradient buffers still queued, or taken out of order and not yet used."""
+        for grad in getattr(self, "_arrived", {}).values():
+            grad.release()
+        self._arrived = {}
         while True:
             try:
                 _, grad = self._queue.get_nowait()
@@ -250,6 +274,7 @@ class GradOffloader:
         self._read_slot, self._write_slot = read_slot, write_slot
         self._reads: dict[int, tuple[AlignedBuffer, Handle]] = {}
         self._writes: deque[tuple[Handle, AlignedBuffer]] = deque()
+        self._arrived: dict[int, AlignedBuffer | StashedGrad] = {}  # gradients that came before their turn
         t_start = time.perf_counter()
         try:
             self._pipeline(step, hyper, order)
@@ -289,13 +314,13 @@ class GradOffloader:
                     if grad is not None:
                         self._done_with(current, grad)
                         grad = None
+                    if self.read_ahead:  # reads need no gradient: use the wait to fetch further ahead
+                        self._read_ahead(units, k)
                     t0 = time.perf_counter()
-                    got, grad = self._queue.get()
+                    grad = self._take_grad(i)
                     self.grad_wait_s += time.perf_counter() - t0
-                    if got is _ABORT:
+                    if grad is None:
                         return
-                    if got != i:
-                        raise RuntimeError(f"gradients of block {got} arrived where block {i} was expected")
                     current = i
                 if not prefetch:
                     self._issue_read(unit)
@@ -317,8 +342,10 @@ class GradOffloader:
                         buf.release()
                         raise
                     self.hash_s += time.perf_counter() - t0
-                if prefetch and k + 1 < len(units):
+                if prefetch and k + 1 < len(units) and units[k + 1] not in self._reads:
                     self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
+                if self.read_ahead and self._gate.deferred:  # a deferred update: read on meanwhile
+                    self._read_ahead(units, k + 1)
                 coef = self._gate.wait()  # deferred: until backward has ended and the norm is known
                 if coef is None:  # the step was discarded (non-finite gradients, or an abort)
                     buf.release()
@@ -336,6 +363,8 @@ class GradOffloader:
                     buf.release()
                     raise
                 self.adam_s += time.perf_counter() - t0
+                if self._provide is not None:
+                    self._provide(i, lo, hi, self._unit_views(buf, b, lo, hi)[3])
                 if self.store.checksums:  # hashed before the write goes out: the bytes that reach the SSD
                     t0 = time.perf_counter()
                     p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
@@ -350,6 +379,17 @@ class GradOffloader:
             if grad is not None:
                 self._done_with(current, grad)
         self._reap(wait=True)
+
+    def _take_grad(self, i: int) -> AlignedBuffer | StashedGrad | None:
+        """Block i's gradient, from what arrived early or from the queue (None: the step was aborted)."""
+        while i not in self._arrived:
+            got, grad = self._queue.get()
+            if got == _ABORT:
+                return None
+            if got in self._arrived or not 0 <= got < len(self.store.layout.blocks):
+                raise RuntimeError(f"gradients of block {got} arrived twice or for no block of this store")
+            self._arrived[got] = grad
+        return self._arrived.pop(i)
 
     def _done_with(self, block: int | None, grad: AlignedBuffer | StashedGrad) -> None:
         if self._keep and block is not None and not isinstance(grad, StashedGrad):
@@ -439,6 +479,23 @@ class GradOffloader:
             handle = _Handles([vol.read_into(buf.tensor[o:o + n], off)
                                for o, off, n in self._ranges(unit, self._read_slot, with_p16=False)])
         self._reads[unit] = (buf, handle)
+
+    def _read_ahead(self, units: list[Unit], k: int) -> None:
+        """Issue the READs of units[k], units[k+1], ... not yet issued while the record pool has a buffer
+        free without waiting (completed writes are reaped first). The pipeline otherwise reads one unit
+        ahead of the gradients; the last blocks of backward then wait on their reads after the device is
+        done (a tied embedding's record is the largest and comes last). Reads go out in unit order and
+        are consumed in that order, so the buffers they hold are always released."""
+        self._reap(wait=False)
+        for unit in units[k:]:
+            if unit in self._reads:
+                continue
+            i, lo, hi = unit
+            b = self.store.layout.blocks[i]
+            nbytes = b.record_bytes if self._whole(unit) else chunk_record_bytes(hi - lo, b.p16_itemsize)
+            if self.pool.budget_bytes - self.pool.in_use < align_up(nbytes):
+                return
+            self._issue_read(unit)
 
     def _retire_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()

@@ -6,12 +6,20 @@ n-1..0. Each block's P16 is one sequential read into a budgeted host buffer, the
 copy to the device; the module's parameters become views of that flat copy, and `release` puts
 the meta placeholders back and returns the buffer. The number of resident blocks is tracked and
 reported: it is bounded by the prefetch depth plus the blocks the engine keeps on purpose.
+
+Provisions: while the optimizer rewrites the blocks after a step (a deferred or redone update, in forward
+order), the next step's forward can run on the new parameters as each block's update is done, before they
+reach the SSDs: the engine `expect`s the blocks, the optimizer `offer`s each one's new P16 (copied into a
+buffer of this pool), and `acquire` waits for the offer instead of reading the SSDs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from io_engine import AlignedBuffer, BufferPool, Handle
@@ -38,15 +46,49 @@ class ParamStreamer:
                 entries.append((module, leaf, module._parameters[leaf]))  # the meta placeholder
             self._slots.append(entries)
         self._inflight: dict[int, tuple[AlignedBuffer, Handle]] = {}
+        self._lock = threading.Lock()  # provisions are filled on the optimizer's thread
+        self._provisions: dict[int, _Provision] = {}
+        self._failure: Callable[[], BaseException | None] = lambda: None
         self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter]]] = {}
         self.max_resident = 0
         self.wait_s = 0.0
         self.hash_s = 0.0
         self.bytes_read = 0
 
+    def expect(self, blocks: list[int], failure: Callable[[], BaseException | None]) -> None:
+        """Blocks whose new P16 the optimizer will `offer`: acquiring them waits for the offer (or raises
+        once `failure()` reports the optimizer's error). Nothing of them may be resident or in flight."""
+        with self._lock:
+            clash = [i for i in blocks if i in self._resident or i in self._inflight or i in self._provisions]
+            if clash:
+                raise RuntimeError(f"blocks {clash} are resident or on their way; release them before expecting them")
+            self._provisions.update({i: _Provision() for i in blocks})
+            self._failure = failure
+
+    def offer(self, i: int, lo: int, hi: int, p16: torch.Tensor) -> None:
+        """Elements lo..hi of block i's new P16 (the optimizer's thread); dropped if i is not expected."""
+        layout = self.store.layout.blocks[i]
+        with self._lock:
+            prov = self._provisions.get(i)
+            if prov is None:
+                return
+            prov.busy = True  # release_all leaves the buffer to this call from here on
+        if prov.buf is None:  # waits while the pool is full: the forward releases the blocks it is done with
+            prov.buf = self.pool.acquire(layout.p16_bytes)
+        flat = prov.buf.tensor[:layout.p16_itemsize * layout.numel].view(self.store.p16_dtype)
+        flat[lo:hi].copy_(p16)
+        with self._lock:
+            prov.busy = False
+            if prov.cancelled:
+                prov.buf.release()
+                return
+            prov.filled += hi - lo
+            if prov.filled == layout.numel:
+                prov.ready.set()
+
     def prefetch(self, i: int, slot: int) -> None:
-        """Start reading block i's P16 from `slot` unless it is already resident or on its way."""
-        if i in self._resident or i in self._inflight or not 0 <= i < len(self.blocks):
+        """Start reading block i's P16 from `slot` unless it is already resident, on its way or expected."""
+        if i in self._resident or i in self._inflight or i in self._provisions or not 0 <= i < len(self.blocks):
             return
         layout = self.store.layout.blocks[i]
         buf = self.pool.acquire(layout.p16_bytes)
@@ -58,14 +100,18 @@ class ParamStreamer:
         """Block i's parameters on the device (waits for its prefetch; reads now if none was issued)."""
         if i in self._resident:
             return self._resident[i][1]
-        self.prefetch(i, slot)
-        buf, handle = self._inflight.pop(i)
-        t0 = time.perf_counter()
-        handle.wait()
-        self.wait_s += time.perf_counter() - t0
         layout = self.store.layout.blocks[i]
+        from_ssd = i not in self._provisions
+        if from_ssd:
+            self.prefetch(i, slot)
+            buf, handle = self._inflight.pop(i)
+            t0 = time.perf_counter()
+            handle.wait()
+            self.wait_s += time.perf_counter() - t0
+        else:
+            buf = self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
         flat = buf.tensor[:layout.p16_itemsize * layout.numel].view(self.store.p16_dtype)
-        if self.store.checksums:
+        if self.store.checksums and from_ssd:
             t0 = time.perf_counter()
             try:
                 for lo, hi in unit_bounds(layout.numel, self.store.check_elems):
@@ -88,6 +134,19 @@ class ParamStreamer:
         self.max_resident = max(self.max_resident, len(self._resident))
         return params
 
+    def _take_provision(self, i: int) -> AlignedBuffer:
+        """Wait for block i's offer to be complete and take its buffer."""
+        prov = self._provisions[i]
+        t0 = time.perf_counter()
+        while not prov.ready.wait(0.05):
+            err = self._failure()
+            if err is not None:
+                raise RuntimeError(f"the optimizer failed before providing block {i}'s parameters") from err
+        self.wait_s += time.perf_counter() - t0
+        with self._lock:
+            del self._provisions[i]
+        return prov.buf
+
     def release(self, i: int) -> None:
         """Drop block i's device parameters (the module gets its meta placeholders back)."""
         buf, _ = self._resident.pop(i)
@@ -101,9 +160,27 @@ class ParamStreamer:
         return sorted(self._resident)
 
     def release_all(self) -> None:
+        """Drop every resident block, wait for reads in flight, and cancel the provisions not yet taken."""
+        with self._lock:
+            provisions, self._provisions = self._provisions, {}
+            for prov in provisions.values():
+                prov.cancelled = True
+                if prov.buf is not None and not prov.busy:  # a busy one is released by its offer
+                    prov.buf.release()
         for i in list(self._resident):
             self.release(i)
         for buf, handle in list(self._inflight.values()):
             handle.wait()
             buf.release()
         self._inflight.clear()
+
+
+class _Provision:
+    """A block's P16 as the optimizer fills it in (`ParamStreamer.offer`)."""
+
+    def __init__(self) -> None:
+        self.buf: AlignedBuffer | None = None
+        self.filled = 0
+        self.busy = False  # an offer is filling it
+        self.cancelled = False
+        self.ready = threading.Event()

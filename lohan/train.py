@@ -168,15 +168,16 @@ def _fingerprint(run: RunConfig, seq_len: int) -> dict[str, Any]:
     return fp
 
 
-def save_run_state(run: RunConfig, seq_len: int, engine: Engine, batches: Iterator[Batch]) -> None:
+def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict | None) -> None:
     """Atomically record what a resume needs beyond the store, for its committed version: the data
-    position and the RNG states."""
+    position (`iterator`: the batch iterator's state just after the committed step's batch; None for a
+    stream that is positioned by the step count) and the RNG states."""
     buf = io.BytesIO()
     torch.save(torch.get_rng_state(), buf)
     step = engine.step_count
     state = {"version": RUN_STATE_VERSION, "step": step, "run": _fingerprint(run, seq_len),
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
-             "iterator": batches.state_dict() if isinstance(batches, BatchIterator) else None,
+             "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
     write_json_atomic(run_state_path(run), state)
 
@@ -414,9 +415,15 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     code = 0
     try:
         with MetricsWriter(metrics_path) as writer, progress_bar(steps, console, completed=start) as bar:
-            for _ in range(start, steps):
-                loss = engine.step(next(batches))
-                save_run_state(run, seq_len, engine, batches)
+            # one batch ahead: a step whose optimizer pass runs after backward runs the next forward beside it
+            position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
+            batch = next(batches) if start < steps else None
+            for s in range(start, steps):
+                after = position()  # the data position once this step's batch is consumed
+                nxt = next(batches) if s + 1 < steps else None
+                loss = engine.step(batch, next_batch=nxt)
+                save_run_state(run, seq_len, engine, after)
+                batch = nxt
                 m = engine.last_metrics
                 # after the run state is saved: an evaluation reads the committed weights and nothing else
                 due = eval_set is not None and (m["step"] == steps

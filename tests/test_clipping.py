@@ -68,15 +68,18 @@ def reference(mcfg, ecfg: EngineConfig, data, poison: set[int] = frozenset()):
     return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def run_engine(mcfg, ecfg: EngineConfig, data, poison: set[int] = frozenset()):
+def run_engine(mcfg, ecfg: EngineConfig, data, poison: set[int] = frozenset(), lookahead: bool = False):
+    """`lookahead`: every step is told the next batch (its forward may run during a deferred or redone pass)."""
     losses, metrics = [], []
+    data = list(data)
     with lohan.init(mcfg, ecfg) as engine:
         real = engine.program.run
 
         for step, batch in enumerate(data):
             if step in poison:
                 engine.program.run = lambda i, x, t: real(i, x, t) * math.nan if i == 0 else real(i, x, t)
-            losses.append(engine.step(batch))
+            nxt = data[step + 1] if lookahead and step + 1 < len(data) else None
+            losses.append(engine.step(batch, next_batch=nxt))
             engine.program.run = real
             metrics.append(dict(engine.last_metrics))
         params = engine.state_dict_fp32()
@@ -93,9 +96,9 @@ def same_weights(ours: dict, ref: dict) -> None:
         assert torch.equal(v, ref[ref_name(k)]), f"{k}: max |diff| {(v - ref[ref_name(k)]).abs().max():.3e}"
 
 
-def check(mcfg, ecfg, data_args=(), poison=frozenset()):
+def check(mcfg, ecfg, data_args=(), poison=frozenset(), lookahead=False):
     ref_losses, ref_norms, ref_params = reference(mcfg, ecfg, batches(STEPS, *data_args), poison)
-    losses, metrics, params = run_engine(mcfg, ecfg, batches(STEPS, *data_args), poison)
+    losses, metrics, params = run_engine(mcfg, ecfg, batches(STEPS, *data_args), poison, lookahead)
     assert [str(x) for x in losses] == [str(x) for x in ref_losses]  # str: NaN == NaN
     assert [str(m["grad_norm"]) for m in metrics] == [str(x) for x in ref_norms]
     same_weights(params, ref_params)
@@ -121,6 +124,43 @@ def test_clipping_is_bit_exact(make_dirs, mode, clip_mode):
 def test_clipping_with_micro_batches_chunks_and_several_dirs(make_dirs, tied):
     ecfg = config(make_dirs(3), micro_batches=3, opt_chunk_bytes=4096 * 16, clip_mode="speculate")
     check(tiny_cfg(tie_embeddings=tied), ecfg, data_args=(6,))
+
+
+@pytest.mark.parametrize("clip_mode", ["speculate", "defer", "auto"])
+def test_next_forward_beside_the_deferred_or_redone_pass_is_bit_exact(make_dirs, clip_mode):
+    """Told the next batch, a step whose optimizer pass runs after backward (deferred, or a redo) runs it in
+    forward order with the next forward beside it, on each block's new parameters: the same bits."""
+    metrics = check(tiny_cfg(), config(make_dirs(2), clip_mode=clip_mode), lookahead=True)
+    coefs = [m["clip_coef"] for m in metrics]
+    deferred = [clip_mode == "defer" or (clip_mode == "auto" and (i == 0 or coefs[i - 1] < 1))
+                for i in range(len(metrics))]
+    tails = [d or m["redone"] for d, m in zip(deferred, metrics)]  # a pass after backward
+    follows = [m["next_forward_overlapped"] for m in metrics]
+    assert follows[:-1] == tails[:-1] and not follows[-1], (follows, tails)  # the last step has no next batch
+    assert any(tails[:-1]) and (clip_mode == "defer" or not all(tails)), tails
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_next_forward_with_micro_batches_chunks_dirs_and_spills(make_dirs, tied):
+    mcfg = tiny_cfg(tie_embeddings=tied)
+    ecfg = config(make_dirs(3), micro_batches=3, opt_chunk_bytes=4096 * 16, clip_mode="defer")
+    metrics = check(mcfg, ecfg, data_args=(6,), lookahead=True)
+    assert all(m["next_forward_overlapped"] for m in metrics[:-1])
+
+
+def test_next_forward_is_dropped_for_another_batch(make_dirs):
+    """A step given other ids than the batch it was told of runs its own forward: still exact."""
+    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), clip_mode="defer")
+    data = list(batches(STEPS))
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    decoy = (torch.flip(data[1][0], dims=[1]), data[1][1])
+    with lohan.init(mcfg, ecfg) as engine:
+        losses = [engine.step(data[0], next_batch=decoy)]
+        assert engine.last_metrics["next_forward_overlapped"]
+        losses += [engine.step(b, next_batch=n) for b, n in zip(data[1:], data[2:] + [None])]
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    same_weights(params, ref_params)
 
 
 def test_clipping_in_place_defers_every_update(make_dirs):
