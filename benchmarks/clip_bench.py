@@ -119,14 +119,14 @@ def measure(name: str, build, steps: int, root: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=None, help="make-run steps (default 150, quick 40)")
+    ap.add_argument("--steps", type=int, default=None, help="make-run steps (default 150, quick 40; 0 skips)")
     ap.add_argument("--llama-steps", type=int, default=None, help="llama-110m steps (default 30, quick 10; 0 skips)")
     ap.add_argument("--llama-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="compute dtype of the llama-110m run (default fp32: on CPUs without AVX-512, torch's bf16 "
                          "matmuls are ~5x slower than fp32 and a step takes ~40 s)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    steps = args.steps or (40 if args.quick else 150)
+    steps = args.steps if args.steps is not None else (40 if args.quick else 150)
     llama = args.llama_steps if args.llama_steps is not None else (10 if args.quick else 30)
     scratch = ROOT / "benchmarks" / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
