@@ -2,7 +2,7 @@
 
 What it does. For every SSD count N of ``--ssds`` (default 1 2 3 4 6) one engine is built whose model states
 are striped over the first N directories (store ``ssdscale-n<N>``), and it trains at every batch size of
-``--batch-sizes`` (default 1 4 16, seq 256). The (N, batch) points are interleaved in rounds whose order is
+``--batch-sizes`` (default 1 8 32, seq 256). The (N, batch) points are interleaved in rounds whose order is
 rotated every round, so noise from the rest of the machine hits them all alike; after each switch of batch
 size the engine re-plans its activations on the first step, which is discarded, and ``--steps`` steps are
 measured. Per point: median step time, tokens/s, TFLOPS (model FLOPs: 3 x forward; recomputation not
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--compute-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--max-grad-norm", type=float, default=0.0,
                    help="0 (default): no clipping, every block's update overlaps the backward (see the report)")
