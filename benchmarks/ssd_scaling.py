@@ -27,7 +27,8 @@ SSDs. Without ``--nvme`` the run is emulated on this machine's one disk: the dir
 reads and writes sharing one clock per directory, as io_bench's scaling part and as an SSD does), so N of
 them behave like N independent 0.1 GB/s SSDs while the disk sustains 6 x 0.1 GB/s easily. The default model
 (the 13b preset shrunk to 4 layers x d_model 512, vocab 1024: 13.3M parameters, 0.4 GB of SSD traffic per
-step) makes one SSD the bottleneck at every batch size and the largest batch compute-bound from ~3 SSDs on.
+step) makes one SSD the bottleneck at every batch size, batch 1 SSD-bound up to 6 SSDs and batch 32
+compute-bound from 3-4 SSDs on.
 Results measured so are labelled emulated.
 
 On your own SSDs (no emulation: ``--nvme`` turns it off unless ``--emulate-ssd-gbps`` is given), one
@@ -38,8 +39,8 @@ directory per SSD; N takes the first 1..N of them (default ``--ssds``: 1 .. the 
 
 ``--preset-dims`` keeps the preset's layers, width, heads and vocabulary (without it they are shrunk to
 ``--layers``/``--d-model``/``--heads``/``--vocab``). Every SSD count has its own store open at once (two slots
-of 16 bytes per parameter each, striped over its N directories: the first directory holds about
-2.3 x 32 bytes per parameter in all), deleted at the end (``--keep-store`` keeps them).
+of 16 bytes per parameter each, striped over its N directories: the first directory holds 1 + 1/2 + ... + 1/N
+times 32 bytes per parameter, about 2.1 x 32 for four), deleted at the end (``--keep-store`` keeps them).
 
 Headline keys: ``scaling_1_to_4`` (tokens/s at 4 SSDs / at 1, smallest batch: the SSD-bound setting; target
 >= 3.0) and ``mean_abs_prediction_error`` (mean over points of |predicted - measured| / measured step time;
@@ -49,7 +50,7 @@ machine lacks for that (``zero_infinity``).
 
 Run (from the repository root):
     .venv/bin/python benchmarks/ssd_scaling.py --quick     # ~3 min -> benchmarks/results/ssd_scaling_quick.{json,md,png}
-    .venv/bin/python benchmarks/ssd_scaling.py             # ~8 min -> benchmarks/results/ssd_scaling.{json,md,png}
+    .venv/bin/python benchmarks/ssd_scaling.py             # ~6 min -> benchmarks/results/ssd_scaling.{json,md,png}
 """
 
 from __future__ import annotations
