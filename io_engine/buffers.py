@@ -5,7 +5,10 @@ is accounted for, and a request that would cross the budget waits for a release 
 it never allocates past it.
 
 Buffer lifecycle: FREE (cached, counted in `allocated`) -> IN_USE (handed out) -> FREE on
-release. Cached free buffers of the wrong size are evicted when room is needed.
+release, or KEPT (`AlignedBuffer.keep(key)`: free, but its bytes retained under a key until
+`take_kept(key)` hands it out again). Kept buffers are a cache of content: any acquire that finds no
+plain free buffer takes the oldest kept one (its key is forgotten) before it would wait, so keeping
+never makes a request wait. Cached free buffers of the wrong size are evicted when room is needed.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections import defaultdict
-from collections.abc import Callable
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -107,6 +110,14 @@ class AlignedBuffer:
         self._released = True
         self._pool._release(self)
 
+    def keep(self, key: Hashable) -> None:
+        """Release the buffer but retain its bytes under `key` (`BufferPool.take_kept`), for as long as no
+        other request needs the room."""
+        if self._released:
+            raise RuntimeError("buffer released twice")
+        self._released = True
+        self._pool._keep(self, key)
+
     def __enter__(self) -> AlignedBuffer:
         return self
 
@@ -134,6 +145,7 @@ class BufferPool:
         self._free = free or (lambda t: None)
         self._cond = threading.Condition()
         self._cache: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._kept: OrderedDict[Hashable, tuple[torch.Tensor, int]] = OrderedDict()  # key -> (full, nbytes)
         self.allocated = 0
         self.in_use = 0
         self.peak_allocated = 0
@@ -170,6 +182,10 @@ class BufferPool:
                     if bigger is not None:
                         tensor = self._cache[bigger].pop()
                         break
+                    kept = self._oldest_kept(cap)  # content kept for later gives way before anyone waits
+                    if kept is not None:
+                        tensor = self._kept.pop(kept)[0]
+                        break
                 if self._make_room(cap):
                     self.allocated += cap
                     self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -193,8 +209,13 @@ class BufferPool:
             self.in_use += tensor.numel()  # the buffer's capacity: `cap`, or more when a larger one is lent
         return AlignedBuffer(tensor, nbytes, self)
 
+    def _oldest_kept(self, cap: int) -> Hashable | None:
+        """The key of the oldest kept buffer of at least `cap` bytes (lock held)."""
+        return next((k for k, (t, _) in self._kept.items() if t.numel() >= cap), None)
+
     def _make_room(self, cap: int) -> bool:
-        """Evict cached free buffers until `cap` more bytes fit in the budget (lock held)."""
+        """Evict cached free buffers, then kept ones (oldest first), until `cap` more bytes fit in the
+        budget (lock held)."""
         if self.allocated + cap <= self.budget_bytes:
             return True
         for size in list(self._cache):
@@ -204,6 +225,10 @@ class BufferPool:
                 self.allocated -= size
             if not bufs:
                 del self._cache[size]
+        while self._kept and self.allocated + cap > self.budget_bytes:
+            t, _ = self._kept.popitem(last=False)[1]
+            self._free(t)
+            self.allocated -= t.numel()
         return self.allocated + cap <= self.budget_bytes
 
     def _release(self, buf: AlignedBuffer) -> None:
@@ -213,9 +238,40 @@ class BufferPool:
             self._cache[cap].append(buf._full)
             self._cond.notify_all()
 
-    def clear(self) -> None:
-        """Free every cached buffer (buffers in use stay valid)."""
+    def _keep(self, buf: AlignedBuffer, key: Hashable) -> None:
         with self._cond:
+            self.in_use -= buf._full.numel()
+            old = self._kept.pop(key, None)
+            if old is not None:  # a newer copy replaces it: the old buffer is plain free memory again
+                self._cache[old[0].numel()].append(old[0])
+            self._kept[key] = (buf._full, buf.nbytes)
+            self._cond.notify_all()
+
+    def take_kept(self, key: Hashable) -> AlignedBuffer | None:
+        """The buffer kept under `key`, with the bytes it had, handed out again; None if it gave way."""
+        with self._cond:
+            hit = self._kept.pop(key, None)
+            if hit is None:
+                return None
+            self.in_use += hit[0].numel()
+        return AlignedBuffer(hit[0], hit[1], self)
+
+    def forget(self, keep: Callable[[Hashable], bool] | None = None) -> None:
+        """Turn kept buffers back into plain free ones: those whose key `keep` rejects, or all."""
+        with self._cond:
+            for key in [k for k in self._kept if keep is None or not keep(k)]:
+                t, _ = self._kept.pop(key)
+                self._cache[t.numel()].append(t)
+
+    @property
+    def kept_keys(self) -> list[Hashable]:
+        with self._cond:
+            return list(self._kept)
+
+    def clear(self) -> None:
+        """Free every cached and kept buffer (buffers in use stay valid)."""
+        with self._cond:
+            self.forget()
             for size, bufs in self._cache.items():
                 for t in bufs:
                     self._free(t)

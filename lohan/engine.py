@@ -226,6 +226,7 @@ class Engine:
         follow = gate.deferred and nxt is not None  # the deferred pass in forward order, the next forward after it
         order = list(range(n)) if follow else list(range(n - 1, -1, -1))
         self.store.begin_step()
+        self.streamer.invalidate(write_slot)  # this step rewrites that slot: its kept blocks go stale
         self.offloader.begin_step(commit.applied + 1, hyper, order, read_slot, write_slot, gate=gate,
                                   keep=speculated, provide=self.streamer.offer if follow else None)
         settle: dict[str, Any] = {}
@@ -237,7 +238,7 @@ class Engine:
                 acts, fwd_s = self._forward(visits, read_slot, idx)
             loss, bwd_s, norms = self._backward(visits, read_slot, acts, targets.chunk(self.cfg.micro_batches))
             t_tail = time.perf_counter()
-            act_stats = self._end_backward()
+            act_stats = self._end_backward(read_slot)
             if follow:
                 self.streamer.expect(list(range(n)), lambda: self.offloader.failure)
             settle = self._settle(loss, norms, gate, speculated)
@@ -304,11 +305,15 @@ class Engine:
         if self._prepared is not None:
             self._prepared = None
             self.streamer.release_all()
+            self.streamer.drop_kept()
             self.activations.end_step()
 
-    def _end_backward(self) -> dict[str, Any]:
-        """After backward: the blocks of the slot read this step and the step's activations are done with."""
+    def _end_backward(self, read_slot: int) -> dict[str, Any]:
+        """After backward: the blocks of the slot read this step and the step's activations are done with
+        (that slot is the next one written, so its blocks are not kept: they would take the room of the
+        blocks the optimizer provides for the next forward)."""
         self.streamer.release_all()
+        self.streamer.invalidate(read_slot)
         act_stats = self.activations.stats()
         self.activations.end_step()
         return act_stats
@@ -555,6 +560,7 @@ class Engine:
         self.streamer.release_all()  # first: a pass providing the next forward's blocks may wait for room
         self.offloader.abort()
         self.streamer.release_all()
+        self.streamer.drop_kept()
         self.activations.end_step()
         if self.store.layout.slots == 1 and self.offloader.blocks_written:
             self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "

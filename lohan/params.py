@@ -7,6 +7,12 @@ copy to the device; the module's parameters become views of that flat copy, and 
 the meta placeholders back and returns the buffer. The number of resident blocks is tracked and
 reported: it is bounded by the prefetch depth plus the blocks the engine keeps on purpose.
 
+Kept blocks: a released block's host buffer stays in the pool under (block, slot) while the pool has room
+(`AlignedBuffer.keep`), so backward finds the blocks forward used without reading them again (for a model
+whose P16 fits the pool, no P16 is read twice in a step), and the next step's forward finds the blocks
+provided by the optimizer. Any request for room takes the oldest kept buffer first; a slot's entries
+are dropped (`invalidate`) before the optimizer writes that slot. In place (one slot) nothing is kept.
+
 Provisions: while the optimizer rewrites the blocks after a step (a deferred or redone update, in forward
 order), the next step's forward can run on the new parameters as each block's update is done, before they
 reach the SSDs: the engine `expect`s the blocks, the optimizer `offer`s each one's new P16 (copied into a
@@ -35,6 +41,7 @@ class ParamStreamer:
     def __init__(self, store: StateStore, pool: BufferPool, device: Device, blocks: list[nn.Module]) -> None:
         self.store = store
         self.pool = pool
+        self.keeps = store.layout.slots > 1  # in place, a slot's bytes change while its blocks are read
         self.device = device
         self.blocks = blocks
         self._slots: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
@@ -49,11 +56,21 @@ class ParamStreamer:
         self._lock = threading.Lock()  # provisions are filled on the optimizer's thread
         self._provisions: dict[int, _Provision] = {}
         self._failure: Callable[[], BaseException | None] = lambda: None
-        self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter]]] = {}
+        # block -> (host buffer, or None once copied to a CUDA device; its parameters; the slot read)
+        self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter], int]] = {}
         self.max_resident = 0
         self.wait_s = 0.0
         self.hash_s = 0.0
         self.bytes_read = 0
+        self.kept_hits = 0
+
+    def invalidate(self, slot: int) -> None:
+        """Forget the kept blocks of `slot` (call before anything rewrites it)."""
+        self.pool.forget(lambda key: key[1] != slot)
+
+    def drop_kept(self) -> None:
+        """Forget every kept block (after a failed step, whose slots are no longer known to be what they were)."""
+        self.pool.forget()
 
     def expect(self, blocks: list[int], failure: Callable[[], BaseException | None]) -> None:
         """Blocks whose new P16 the optimizer will `offer`: acquiring them waits for the offer (or raises
@@ -74,7 +91,7 @@ class ParamStreamer:
                 return
             prov.busy = True  # release_all leaves the buffer to this call from here on
         if prov.buf is None:  # waits while the pool is full: the forward releases the blocks it is done with
-            prov.buf = self.pool.acquire(layout.p16_bytes)
+            prov.buf = self.pool.acquire(layout.p16_bytes)  # (kept blocks give way first)
         flat = prov.buf.tensor[:layout.p16_itemsize * layout.numel].view(self.store.p16_dtype)
         flat[lo:hi].copy_(p16)
         with self._lock:
@@ -90,6 +107,8 @@ class ParamStreamer:
         """Start reading block i's P16 from `slot` unless it is already resident, on its way or expected."""
         if i in self._resident or i in self._inflight or i in self._provisions or not 0 <= i < len(self.blocks):
             return
+        if self.keeps and (i, slot) in self.pool.kept_keys:
+            return
         layout = self.store.layout.blocks[i]
         buf = self.pool.acquire(layout.p16_bytes)
         handle = self.store.volume.read_into(buf.tensor, self.store.layout.p16_offset(i, slot))
@@ -101,8 +120,12 @@ class ParamStreamer:
         if i in self._resident:
             return self._resident[i][1]
         layout = self.store.layout.blocks[i]
-        from_ssd = i not in self._provisions
-        if from_ssd:
+        kept = None if i in self._provisions or i in self._inflight or not self.keeps else self.pool.take_kept((i, slot))
+        from_ssd = i not in self._provisions and kept is None
+        if kept is not None:  # checked when it was read (or the optimizer's own bytes)
+            buf = kept
+            self.kept_hits += 1
+        elif from_ssd:
             self.prefetch(i, slot)
             buf, handle = self._inflight.pop(i)
             t0 = time.perf_counter()
@@ -123,14 +146,14 @@ class ParamStreamer:
         dev = self.device.to_device(flat)
         if self.device.is_cuda:  # the device copy is independent of the host buffer once it completed
             self.device.copy_stream.synchronize()
-            buf.release()
+            self._give_back(buf, i, slot)
             buf = None
         params = []
         for spec, (module, leaf, _) in zip(layout.params, self._slots[i]):
             p = nn.Parameter(dev[spec.offset:spec.offset + spec.numel].view(spec.shape))
             module._parameters[leaf] = p
             params.append(p)
-        self._resident[i] = (buf, params)
+        self._resident[i] = (buf, params, slot)
         self.max_resident = max(self.max_resident, len(self._resident))
         return params
 
@@ -148,11 +171,18 @@ class ParamStreamer:
         return prov.buf
 
     def release(self, i: int) -> None:
-        """Drop block i's device parameters (the module gets its meta placeholders back)."""
-        buf, _ = self._resident.pop(i)
+        """Drop block i's device parameters (the module gets its meta placeholders back); its host bytes
+        are kept while the pool has room."""
+        buf, _, slot = self._resident.pop(i)
         for module, leaf, placeholder in self._slots[i]:
             module._parameters[leaf] = placeholder
         if buf is not None:
+            self._give_back(buf, i, slot)
+
+    def _give_back(self, buf: AlignedBuffer, i: int, slot: int) -> None:
+        if self.keeps:
+            buf.keep((i, slot))
+        else:
             buf.release()
 
     @property

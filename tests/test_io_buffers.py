@@ -106,3 +106,48 @@ def test_a_full_pool_lends_a_larger_cached_buffer_instead_of_reallocating():
         assert pool.in_use == 0
     assert allocs == [32 * KiB, 32 * KiB] and frees == []
     assert pool.allocated <= pool.budget_bytes
+
+
+def test_kept_buffers_return_their_bytes_and_give_way_before_anyone_waits():
+    pool = BufferPool(3 * 4 * KiB)
+    a, b = pool.acquire(4 * KiB), pool.acquire(4 * KiB)
+    a.tensor.fill_(7)
+    b.tensor.fill_(9)
+    a.keep(("a", 0))
+    b.keep(("b", 0))
+    assert pool.in_use == 0 and pool.kept_keys == [("a", 0), ("b", 0)]
+    again = pool.take_kept(("b", 0))
+    assert again is not None and int(again.tensor.min()) == int(again.tensor.max()) == 9
+    again.keep(("b", 0))
+    # room left for one more: allocated fresh, the kept ones stay
+    c = pool.acquire(4 * KiB, block=False)
+    assert pool.kept_keys == [("a", 0), ("b", 0)]
+    # full: the oldest kept buffer is handed out (its key forgotten) instead of waiting or raising
+    d = pool.acquire(4 * KiB, block=False)
+    assert pool.kept_keys == [("b", 0)] and pool.take_kept(("a", 0)) is None
+    assert pool.allocated <= pool.budget_bytes
+    for buf in (c, d):
+        buf.release()
+
+
+def test_a_waiting_request_is_served_by_a_buffer_kept_after_it_started_waiting():
+    pool = BufferPool(4 * KiB)
+    held = pool.acquire(4 * KiB)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(4 * KiB, timeout=5)))
+    t.start()
+    time.sleep(0.05)
+    held.keep("k")  # a keep wakes the waiter, which takes the kept buffer
+    t.join(5)
+    assert got and pool.kept_keys == []
+    got[0].release()
+
+
+def test_forget_turns_kept_buffers_into_free_ones_and_clear_frees_them():
+    pool = BufferPool(8 * KiB)
+    for key in ((1, 0), (2, 1)):
+        pool.acquire(4 * KiB).keep(key)
+    pool.forget(lambda key: key[1] != 1)  # forget slot 1's
+    assert pool.kept_keys == [(1, 0)] and pool.take_kept((2, 1)) is None
+    pool.clear()
+    assert pool.kept_keys == [] and pool.allocated == 0

@@ -1,0 +1,58 @@
+"""Kept blocks (params.py): a released block's P16 stays in the parameter pool while there is room, so
+backward does not read again what forward read, and the next forward uses what the optimizer provided.
+Exactness under every condition is the equivalence tests' job; here: the reads it saves, and exactness
+when the pool is too small to keep everything (kept blocks give way to prefetches)."""
+
+from __future__ import annotations
+
+import lohan
+from lohan.data import synthetic_batches
+from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, reference_run, tiny_cfg
+
+
+def _p16_read_per_step(engine, steps, follow: bool) -> list[int]:
+    data = synthetic_batches(256, 4, 32, seed=1)
+    bs = [next(data) for _ in range(steps + 1)]
+    out = []
+    for s in range(steps):
+        before = engine.streamer.bytes_read
+        engine.step(bs[s], next_batch=bs[s + 1] if follow else None)
+        out.append(engine.streamer.bytes_read - before)
+    return out
+
+
+def test_backward_reads_no_p16_that_forward_read(make_dirs):
+    mcfg = tiny_cfg(n_layer=3)
+    with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=0.0)) as engine:
+        # forward reads every block but the head, backward only the head (which forward does not visit)
+        once = sum(b.p16_bytes for b in engine.store.layout.blocks)
+        assert _p16_read_per_step(engine, 3, follow=False) == [once] * 3
+    # in place (one slot) nothing is kept: backward reads the blocks again
+    with lohan.init(mcfg, engine_config(make_dirs(1, "inplace"), max_grad_norm=0.0, slots=1)) as engine:
+        assert all(r > once for r in _p16_read_per_step(engine, 2, follow=False))
+
+
+def test_a_deferred_step_with_the_next_batch_reads_no_p16_after_the_first(make_dirs):
+    """Clipping deferred (clip_mode defer): the next forward runs on the P16 the optimizer provides, and
+    backward on the blocks kept from it, so from the second step on no P16 comes from the SSDs."""
+    mcfg = tiny_cfg(n_layer=3)
+    with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=1.0, clip_mode="defer")) as engine:
+        reads = _p16_read_per_step(engine, 4, follow=True)
+    assert reads[0] > 0 and reads[1:] == [0, 0, 0]
+
+
+def test_bit_exact_when_the_pool_cannot_keep_every_block(make_dirs):
+    mcfg = tiny_cfg(n_layer=6)
+    ecfg = engine_config(make_dirs(1), prefetch_depth=1, max_grad_norm=1.0)
+    with lohan.init(mcfg, ecfg.with_overrides(name="probe")) as engine:
+        total = sum(b.p16_bytes for b in engine.store.layout.blocks)
+        assert engine.params_pool.budget_bytes < total  # kept blocks must give way
+    ref_losses, ref_params = reference_run(mcfg, ecfg, batches(5, 4, 32, 256))
+    losses = []
+    with lohan.init(mcfg, ecfg) as engine:
+        data = list(batches(5, 4, 32, 256))
+        for s, b in enumerate(data):
+            losses.append(engine.step(b, next_batch=data[s + 1] if s + 1 < len(data) else None))
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    assert_params_equal(params, ref_params)
