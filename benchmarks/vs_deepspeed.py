@@ -185,8 +185,8 @@ def build_lohan(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
                        weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, compute_dtype=dtype, **s)
     eng = init_from_hf(model_dir, cfg, overwrite=True)
 
-    def step(idx: Any, targets: Any) -> tuple[float, dict[str, Any]]:
-        loss = eng.step((idx, targets))
+    def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
+        loss = eng.step((idx, targets), next_batch=nxt)  # told the next batch, as finetune.py's loop does
         m = eng.last_metrics
         return loss, {"engine_step_s": m["step_s"], "lanes": m.get("lanes"), "grad_norm": m.get("grad_norm"),
                       "ssd_read_bytes": m.get("ssd_read_bytes"), "ssd_write_bytes": m.get("ssd_write_bytes")}
@@ -210,7 +210,7 @@ def build_torch(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
         opt = torch.optim.AdamW(_decay_groups(list(model.named_parameters())), lr=LR, betas=BETAS, eps=EPS, **kw)
         params = [p for p in model.parameters()]
 
-        def step(idx: Any, targets: Any) -> tuple[float, dict[str, Any]]:
+        def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
                 loss = _loss(model(input_ids=idx).logits, targets)
@@ -234,7 +234,7 @@ def build_torch(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
         params = [p for _, p in named]
         grads = [m.grad for m in master]
 
-        def step(idx: Any, targets: Any) -> tuple[float, dict[str, Any]]:
+        def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
             t0 = time.perf_counter()
             loss = _loss(model(input_ids=idx).logits, targets)
             t1 = time.perf_counter()
@@ -315,6 +315,14 @@ def build_deepspeed(system: str, model_dir: Path, work: Path, s: dict[str, Any],
         from safetensors import safe_open
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
+        # zero.Init replaces torch.Tensor.__new__ while it is open; torch._dynamo, first imported by
+        # transformers' masking utilities when the model class loads, refuses to import under that
+        # ("Signature mismatch ... tensor_pynew"): import both before
+        import torch._dynamo  # noqa: F401
+        import transformers.masking_utils  # noqa: F401
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_cfg)]  # loads the model's module now
         with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=cfg):
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch_dtype)
         files = sorted(model_dir.glob("*.safetensors"))
@@ -330,7 +338,7 @@ def build_deepspeed(system: str, model_dir: Path, work: Path, s: dict[str, Any],
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_decay_groups(list(model.named_parameters())),
                                            config=cfg)
 
-    def step(idx: Any, targets: Any) -> tuple[float, dict[str, Any]]:
+    def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
         loss = _loss(engine(input_ids=idx).logits, targets)
         t1 = time.perf_counter()
@@ -373,11 +381,14 @@ def child(args: argparse.Namespace) -> int:
     reset = _reset_peak_rss()
     t_steps = time.monotonic()
     records = []
-    for k in range(args.warmup + args.steps):
-        idx, targets = next(data)
+    total = args.warmup + args.steps
+    pending = next(data)
+    for k in range(total):
+        idx, targets = pending
+        pending = next(data) if k + 1 < total else None
         io0 = _proc_io()
         t0 = time.perf_counter()
-        loss, parts = step(idx, targets)
+        loss, parts = step(idx, targets, pending)
         dt_s = time.perf_counter() - t0
         io1 = _proc_io()
         records.append({"step": k + 1, "warmup": k < args.warmup, "step_s": dt_s, "loss": loss,
