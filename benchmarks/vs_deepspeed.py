@@ -312,14 +312,13 @@ def build_deepspeed(system: str, model_dir: Path, work: Path, s: dict[str, Any],
         # What from_pretrained does under transformers' HfDeepSpeedConfig (which needs accelerate, not installed
         # here): build the model partitioned under zero.Init (parameters go to the NVMe swap files as they are
         # made) with RoPE's arange left alone, then load each parameter gathered (DeepSpeed's documented way).
-        from safetensors import safe_open
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
-
         # zero.Init replaces torch.Tensor.__new__ while it is open; torch._dynamo, first imported by
         # transformers' masking utilities when the model class loads, refuses to import under that
         # ("Signature mismatch ... tensor_pynew"): import both before
         import torch._dynamo  # noqa: F401
         import transformers.masking_utils  # noqa: F401
+        from safetensors import safe_open
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_cfg)]  # loads the model's module now
