@@ -71,6 +71,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
 from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,14 +88,15 @@ TARGETS = {"speedup_vs_zero_infinity": (">=", 2.0), "speed_vs_torch": (">=", 0.8
            "rss_ratio_vs_zero_infinity": ("<=", 0.75)}
 
 # Settings of each system (what `--tune` starts from and, without it, what is measured). The DeepSpeed
-# ones are the winners of `--tune` on the development VM (see benchmarks/README.md). lohan: finetune.py's
-# defaults, not tuned.
+# ones are the winners of `--tune` for the 110m model on the development VM (results/vs_deepspeed.md,
+# "Tuning": aio queue depth 32 for ZeRO-Infinity, 5e7-element buckets for ZeRO-Offload; the 350m model's
+# ZeRO-Infinity winner differs: sub_group_size 1e9, max_in_cpu 0). lohan: finetune.py's defaults, not tuned.
 SETTINGS: dict[str, dict[str, Any]] = {
     "lohan": {},
     "zero-infinity": {
         "sub_group_size": 10_000_000,    # elements per optimizer swap unit (DeepSpeed default 1e9)
         "aio_block_size": 1 << 20,       # aio: block_size, queue_depth, intra_op_parallelism (DeepSpeed's docs)
-        "aio_queue_depth": 8,
+        "aio_queue_depth": 32,
         "aio_intra_op_parallelism": 1,
         "param_buffer_count": 5,         # offload_param.buffer_count
         "param_buffer_size": None,       # None: the largest parameter's element count (the embedding)
@@ -103,7 +105,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "pipeline": False,               # offload_optimizer.pipeline_read / pipeline_write (with >= 16 buffers)
     },
     "zero-offload": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
-                     "reduce_bucket_size": 500_000_000},
+                     "reduce_bucket_size": 50_000_000},
     "torch": {"variant": "bf16-master", "fused": True},
 }
 
@@ -760,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
                         "see bf16_matmul in the report), then fp32. fp32 reports get a _fp32 suffix")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: cores)")
     p.add_argument("--tune", action="store_true", help="tune each peer's knobs first (TUNE_GRID)")
+    p.add_argument("--lohan-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig field for lohan (e.g. opt_chunk_bytes=128MiB, to trade speed for memory); "
+                        "repeatable; the value is read as YAML")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between outside RSS samples")
     p.add_argument("--scratch", type=Path, default=REPO / "benchmarks" / "scratch" / "vs_deepspeed")
     p.add_argument("--keep-models", action="store_true", help="keep the generated HF models for the next run")
@@ -775,6 +780,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown system or model: {', '.join(bad)} (systems: {', '.join(SYSTEMS)}; models: "
                 f"{', '.join(MODELS)})")
+    try:
+        lohan_set = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.lohan_set)}
+    except yaml.YAMLError as e:
+        p.error(f"--lohan-set: {e}")
+    if any(not k for k in lohan_set) or any("=" not in kv for kv in a.lohan_set):
+        p.error("--lohan-set takes KEY=VALUE")
     warmup = a.warmup if a.warmup is not None else base["warmup"]
     steps = a.steps if a.steps is not None else base["steps"]
     a.scratch.mkdir(parents=True, exist_ok=True)
@@ -825,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
             rows: dict[str, dict[str, Any]] = {}
             for system in systems:
                 settings = settings_for(system, a.dtype)
+                if system == "lohan":
+                    settings.update(lohan_set)
                 if system == "torch":
                     fits, need, avail = torch_fits(params, a.batch, a.seq, vocab)
                     if not fits:
