@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,15 @@ def portable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [portable(v) for v in value]
     return value
+
+
+def save_report(report: dict, out: Path, markdown: Callable[[dict, Path], Any],
+                plot: Callable[[dict, Path], Any]) -> dict:
+    """Write `report` made portable as `out` (JSON), with its markdown summary and plot beside it (same
+    stem, .md and .png); returns the portable report."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    markdown(report, out.with_suffix(".md"))
+    plot(report, out.with_suffix(".png"))
+    return report

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import shutil
@@ -42,7 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    cpu_model,
+    package_version,
+    save_report,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -241,11 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     report = run(args)
     report["wall_s"] = time.perf_counter() - t0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = portable(report)  # no path of this machine in a committed report
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(report, out.with_suffix(".md"))
-    write_plot(report, out.with_suffix(".png"))
+    report = save_report(report, out, write_markdown, write_plot)
     print(f"choice_over_best {report['choice_over_best']:.3f}  mean_abs_prediction_error "
           f"{report['mean_abs_prediction_error']:.3f}  ({report['wall_s']:.0f} s) -> {out}")
     if all(not any(Path(d).iterdir()) for d in args.nvme if Path(d).exists()):

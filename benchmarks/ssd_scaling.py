@@ -59,7 +59,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
-import json
 import os
 import platform
 import resource
@@ -72,7 +71,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    cpu_model,
+    package_version,
+    save_report,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -557,11 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     report = run(args)
     report["wall_s"] = time.perf_counter() - t0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = portable(report)  # no path of this machine in a committed report
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(report, out.with_suffix(".md"))
-    write_plot(report, out.with_suffix(".png"))
+    report = save_report(report, out, write_markdown, write_plot)
     sc = report["scaling_1_to_4"]
     print(f"scaling_1_to_4 {sc if sc is None else round(sc, 3)}  mean_abs_prediction_error "
           f"{report['mean_abs_prediction_error']:.3f}  ({report['wall_s']:.0f} s) -> {out}")
