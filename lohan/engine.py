@@ -30,8 +30,10 @@ from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from io_engine import AlignedBuffer
 from io_engine.base import align_up
 
 from .config import EngineConfig, ModelConfig, get_model_config
@@ -39,12 +41,13 @@ from .crashpoints import crashpoint
 from .device import Device
 from .dirlock import DirLock
 from .gradstash import GradStash
-from .integrity import unit_bounds
+from .integrity import StoreCorruptError, unit_bounds
 from .memory import release_free_memory
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
 from .offload import ClipGate, GradOffloader, chunk_record_bytes, upcast_bytes
 from .optim import AdamWHyper, decay_mask, lr_at
+from .parallel import DataParallel, read_decision, shard_bounds, shard_decays, shard_layout
 from .params import ParamStreamer
 from .store import DTYPES, StateStore, StoreLayout, StoreStatus, block_views, plan_layout
 from .swap import ActivationManager
@@ -66,11 +69,11 @@ def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
     return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
 
 
-def grad_dtype(cfg: EngineConfig) -> torch.dtype:
+def grad_dtype(cfg: EngineConfig, world: int = 1) -> torch.dtype:
     """dtype of the host gradient buffers. With one micro-batch nothing is accumulated, and the bf16
     gradients of bf16 parameters are kept as they are (half the memory of fp32; the optimizer upcasts
-    them exactly, chunk by chunk). Accumulation over micro-batches, and fp32 compute, use fp32."""
-    return torch.bfloat16 if cfg.compute_dtype == "bf16" and cfg.micro_batches == 1 else torch.float32
+    them exactly, chunk by chunk). Accumulation over micro-batches or ranks, and fp32 compute, use fp32."""
+    return torch.bfloat16 if cfg.compute_dtype == "bf16" and cfg.micro_batches * world == 1 else torch.float32
 
 
 def keeps_all_grads(cfg: EngineConfig) -> bool:
@@ -78,23 +81,32 @@ def keeps_all_grads(cfg: EngineConfig) -> bool:
     return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
 
 
-def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int) -> dict[str, int]:
-    """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget."""
-    max_p16 = max(b.p16_bytes for b in layout.blocks)
-    chunk = optimizer_chunk_elems(layout, cfg)
+def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int,
+                     local: StoreLayout | None = None, p16_bytes: list[int] | None = None,
+                     world: int = 1) -> dict[str, int]:
+    """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget.
+
+    Data parallel: `local` is the rank's store (its shards), `p16_bytes` the size of each block's gathered
+    P16 buffer; whole-block gradients are reduced, then the rank's shard of each is kept for its optimizer."""
+    local = local or layout
+    p16 = p16_bytes or [b.p16_bytes for b in layout.blocks]
+    chunk = optimizer_chunk_elems(local, cfg)
     max_rec = max(b.record_bytes if b.numel <= chunk else chunk_record_bytes(chunk, b.p16_itemsize)
-                  for b in layout.blocks)
-    gsize = grad_dtype(cfg).itemsize
-    grads = [align_up(gsize * b.numel) for b in layout.blocks]
+                  for b in local.blocks)
+    gdtype = grad_dtype(cfg, world)
+    grads = [align_up(gdtype.itemsize * b.numel) for b in layout.blocks]
+    shards = [align_up(gdtype.itemsize * b.numel) for b in local.blocks]
+    # one filling, one queued (serial mode: every block's gradient until backward ends); data parallel:
+    # one filling, one being reduced, and the shards of them as above
+    kept = sum(shards) if cfg.mode == "serial" else min(2 * max(shards), sum(shards))
     need = {
         # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks,
         # but never more than every block at once (small models)
-        "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max_p16, sum(b.p16_bytes for b in layout.blocks)),
-        # one filling, one queued (serial mode: every block's gradient until backward ends)
-        "grads": (sum(grads) if cfg.mode == "serial" else min(2 * max(grads), sum(grads)))
+        "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max(p16), sum(p16)),
+        "grads": (kept if local is layout else min(2 * max(grads), sum(grads)) + kept)
         + cfg.micro_batches * tied_bytes,
         # records in flight, plus the fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
-        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(layout, chunk, grad_dtype(cfg),
+        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(local, chunk, gdtype,
                                                                       clip=cfg.max_grad_norm > 0),
     }
     total = sum(need.values())
@@ -102,7 +114,7 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         # Clipping (a deferred or redone update) and in-place updates (slots=1: nothing is written before the
         # step is known to be finite) keep the step's gradients: in main memory as far as cpu_mem allows,
         # the rest on the SSDs (gradstash.py)
-        need["grad_stash"] = min(sum(grads), max(0, cfg.cpu_mem - total))
+        need["grad_stash"] = min(sum(shards), max(0, cfg.cpu_mem - total))
         total += need["grad_stash"]
     if total > cfg.cpu_mem:
         parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
@@ -122,7 +134,17 @@ class Engine:
                  init_block: Callable[[int], list[Tensor]],
                  flops_per_token: Callable[[int], float] | None = None,
                  resume: bool = False, overwrite: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, dp: DataParallel | None = None) -> None:
+        # data parallel (torchrun): the rank's own directories and share of the machine (parallel.py)
+        self.dp = dp if dp is not None else DataParallel.detect()
+        self.world = self.dp.world if self.dp else 1
+        self._base_dirs = tuple(cfg.nvme)
+        if self.dp:
+            local = self.dp.local_world
+            cfg = cfg.with_overrides(
+                nvme=self.dp.rank_dirs(cfg.nvme), cpu_mem=cfg.cpu_mem // local,
+                emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None,
+                device=f"cuda:{self.dp.local_rank}" if cfg.device == "cuda" else cfg.device)
         self.cfg = cfg
         self.program = program
         self.device = Device(cfg.device)
@@ -130,17 +152,30 @@ class Engine:
         self.flops_per_token = flops_per_token
         n = len(program.modules)
         self._owners = sorted({owner for i in range(n) for owner, _ in program.external_params(i)})
-        layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots)
-        tied = sum(align_up(grad_dtype(cfg).itemsize * layout.blocks[o].params[p].numel)
+        self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots)  # whole blocks
+        self.bounds = [shard_bounds(b, self.world) for b in self.layout.blocks]
+        layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
+        self.grad_dtype = grad_dtype(cfg, self.world)
+        tied = sum(align_up(self.grad_dtype.itemsize * self.layout.blocks[o].params[p].numel)
                    for i in range(n) for o, p in program.external_params(i))
-        self.memory_plan = plan_host_memory(layout, cfg, len(self._owners), tied)
+        p16_bytes = [b.p16_bytes if bd is None else self.world * (bd[1] - bd[0]) * b.p16_itemsize
+                     for b, bd in zip(self.layout.blocks, self.bounds)]
+        self.memory_plan = plan_host_memory(self.layout, cfg, len(self._owners), tied, layout if self.dp else None,
+                                            p16_bytes, self.world)
         dirs = list(cfg.nvme)
         for d in dirs:
             os.makedirs(d, exist_ok=True)
         self._lock = DirLock(dirs)  # before anything in the directories is read or written
         try:
+            if self.dp:
+                init_block = _shard_init(init_block, self.layout, layout, self.bounds, self.dp.rank)
+                decision = self._check_group(resume)
             self.store = _open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress)
+            if self.dp:
+                self._join_group(decision)
         except BaseException:
+            if hasattr(self, "store"):
+                self.store.close()
             self._lock.release()
             raise
         volume = self.store.volume
@@ -150,9 +185,10 @@ class Engine:
         # allocates itself: the record pool gets the rest, so the two together stay within the plan
         upcast = upcast_bytes(layout, optimizer_chunk_elems(layout, cfg), grad_dtype(cfg), clip=cfg.max_grad_norm > 0)
         self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"] - upcast)
-        self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules)
-        self.grad_dtype = grad_dtype(cfg)
-        self.decays = [decay_mask(m, cfg.no_decay) for m in program.modules]
+        self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
+                                      self.dp, self.bounds)
+        self.decays = [shard_decays(full, own, decay_mask(m, cfg.no_decay))
+                       for full, own, m in zip(self.layout.blocks, layout.blocks, program.modules)]
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers
         stash_ram = sum(align_up(g) for g in grad_bytes) if cfg.mode == "serial" else self.memory_plan.get("grad_stash")
@@ -164,7 +200,7 @@ class Engine:
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),
             model_label=str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))),
-            param_count=sum(b.numel for b in layout.blocks), p16_itemsize=self.store.p16_dtype.itemsize,
+            param_count=self.layout.param_count, p16_itemsize=self.store.p16_dtype.itemsize,
             flops_per_token=flops_per_token)
         self.last_metrics: dict[str, Any] = {}
         self._broken: str | None = None
@@ -205,7 +241,8 @@ class Engine:
         idx, targets = self._check_batch(batch)
         t_start = time.perf_counter()
         io0 = self.store.volume.stats()
-        wait0, hash0 = self.streamer.wait_s, self.streamer.hash_s
+        wait0, hash0, gather0 = self.streamer.wait_s, self.streamer.hash_s, self.streamer.gather_s
+        self._reduce_wait_s = 0.0
         self.offloader.reset_stats()
         prepared = self._take_prepared(idx)
         idx = idx.to(self.device.torch)
@@ -256,13 +293,13 @@ class Engine:
             self._skip(step, commit, loss, settle, scaler)
         else:
             try:
-                self.store.commit(step + 1, write_slot, sums=self.offloader.sums_written(),
-                                  updates=commit.applied + 1, **scaler)
+                self._commit(step + 1, write_slot, sums=self.offloader.sums_written(), updates=commit.applied + 1,
+                             **scaler)
             except BaseException:  # the next forward ran on this slot's parameters: not to be used uncommitted
                 self._drop_prepared()
                 raise
-        self._record_metrics(step + 1, loss, idx.numel(), time.perf_counter() - t_start, fwd_s + bwd_s + next_fwd_s,
-                             tail_s, io0, wait0, hash0, hyper.lr, idx.shape[1])
+        self._record_metrics(step + 1, loss, idx.numel() * self.world, time.perf_counter() - t_start,
+                             fwd_s + bwd_s + next_fwd_s, tail_s, io0, wait0, hash0, gather0, hyper.lr, idx.shape[1])
         self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
         self.last_metrics["activations"] = act_stats
         self.last_metrics["next_forward_overlapped"] = self._prepared is not None
@@ -272,14 +309,29 @@ class Engine:
         return loss
 
     def _check_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """The rank's part of a batch: all of it in one process; data parallel, every rank is given the same
+        (global) batch and takes its slice, rows [r*B/N, (r+1)*B/N), as one process's micro-batches are cut."""
         idx, targets = batch
         m_count = self.cfg.micro_batches
         if idx.shape != targets.shape or idx.dim() != 2:
             raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
                              f"and {tuple(targets.shape)}")
+        if self.world > 1 and idx.shape[0] % (m_count * self.world):
+            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count} x "
+                             f"{self.world} ranks; every rank gets batch / {self.world} sequences")
         if idx.shape[0] % m_count:
             raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
+        if self.world > 1:
+            rows = idx.shape[0] // self.world
+            idx, targets = (t[self.dp.rank * rows:(self.dp.rank + 1) * rows] for t in (idx, targets))
         return idx, targets
+
+    def _commit(self, step: int, slot: int, **kw: Any) -> None:
+        """Commit `step` (data parallel: locally, keeping the previous commit, then the group decides)."""
+        self.store.commit(step, slot, keep_prev=self.dp is not None, **kw)
+        if self.dp:
+            crashpoint("engine.dp_local_commit")
+            self.dp.decide(self._base_dirs, self.cfg.name, step)
 
     def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
         """The next batch's ids on the device when its forward may run during this step's optimizer pass:
@@ -373,13 +425,13 @@ class Engine:
                         self.streamer.acquire(o, slot)
                     for m in range(m_count):
                         if i == last:  # as step sums the loss: each micro-batch's mean / their count
-                            loss += float(self.program.run(i, xs[m], tgt_mb[m]) / m_count)
+                            loss += float(self.program.run(i, xs[m], tgt_mb[m]) / (m_count * self.world))
                         else:
                             xs[m] = self.program.run(i, xs[m], None)
                     self._leave(visits, p)
         finally:
             self.streamer.release_all()
-        return loss
+        return self.dp.sum(loss) if self.dp else loss
 
     def _gate(self) -> ClipGate:
         """The step's coefficient gate: open at 1 (no clipping, or a speculated update), or deferred until
@@ -438,13 +490,13 @@ class Engine:
         fp16 overflow (finite loss, gradients too large for the scale) is GradScaler's ordinary skip: the
         scale was lowered, and it does not count as a bad step."""
         if settle.get("overflow"):
-            self.store.commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied,
-                              bad_streak=commit.bad_streak, **scaler)
+            self._commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied,
+                         bad_streak=commit.bad_streak, **scaler)
             log.info("step %d: fp16 gradients overflowed; skipped, loss scale lowered to %s", step + 1,
                      scaler["loss_scale"])
             return
         streak = commit.bad_streak + 1
-        self.store.commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied, bad_streak=streak, **scaler)
+        self._commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied, bad_streak=streak, **scaler)
         log.warning("step %d skipped: loss %s, gradient norm %s are not finite (%d in a row); the states of the "
                     "last good update stand", step + 1, loss, settle["grad_norm"], streak)
         if streak >= self.cfg.max_bad_steps:
@@ -486,73 +538,130 @@ class Engine:
         """Blocks n-1..0: recompute each with grad, accumulate its gradient over micro-batches into a host
         buffer and hand it to the optimizer pipeline. Returns the mean loss, the compute seconds and each
         block's per-parameter gradient norms (block order)."""
-        m_count = self.cfg.micro_batches
         last = len(self.program.modules) - 1
-        grad_out: list[Tensor | None] = [None] * m_count
+        grad_out: list[Tensor | None] = [None] * self.cfg.micro_batches
         borrowed: dict[tuple[int, int, int], Tensor] = {}
         loss = 0.0
-        compute_s = 0.0
+        self._compute_s = 0.0
         norms: list[list[Tensor]] = [[] for _ in range(last + 1)]
-        for p in range(last, len(visits)):
-            i = visits[p]
-            params = self._visit(visits, p, read_slot)
-            layout = self.store.layout.blocks[i]
-            gsize = self.grad_dtype.itemsize
-            gbuf = self.grads_pool.acquire(gsize * layout.numel)
-            acc = block_views(gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype), layout)
-            ext = self.program.external_params(i)
-            ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
-            self.activations.prefetch(i - 1)
-            inner = i in self.activations.inner
-            t0 = time.perf_counter()
-            for m in range(m_count):
-                if inner:
-                    x, run = self.activations.backward_block(i, m)
+        pending: list[tuple[int, AlignedBuffer, list[Tensor], Any]] = []  # data parallel: gradients being summed
+        try:
+            for p in range(last, len(visits)):
+                loss += self._backward_block(visits, p, read_slot, acts, tgt_mb, grad_out, borrowed, norms, pending)
+            while pending:
+                self._hand_over(*pending.pop(0), norms)
+        except BaseException:
+            for _, gbuf, _, work in pending:  # the reductions still use them
+                try:
+                    work.wait()
+                finally:
+                    gbuf.release()
+            raise
+        if self.dp:
+            loss = self.dp.sum(loss)
+        return loss, self._compute_s, norms
+
+    def _backward_block(self, visits: list[int], p: int, read_slot: int, acts: list[list[Tensor | None]],
+                        tgt_mb: tuple[Tensor, ...], grad_out: list[Tensor | None],
+                        borrowed: dict[tuple[int, int, int], Tensor], norms: list[list[Tensor]],
+                        pending: list) -> float:
+        """Backward of the block at visit position p over the micro-batches; its gradient goes to the optimizer
+        (data parallel: once summed over the ranks, which runs beside the next blocks' backward). Returns the
+        block's contribution to the loss."""
+        m_count = self.cfg.micro_batches
+        last = len(self.program.modules) - 1
+        loss = 0.0
+        i = visits[p]
+        params = self._visit(visits, p, read_slot)
+        layout = self.layout.blocks[i]
+        gsize = self.grad_dtype.itemsize
+        gbuf = self.grads_pool.acquire(gsize * layout.numel)
+        acc = block_views(gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype), layout)
+        ext = self.program.external_params(i)
+        ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
+        self.activations.prefetch(i - 1)
+        inner = i in self.activations.inner
+        t0 = time.perf_counter()
+        for m in range(m_count):
+            if inner:
+                x, run = self.activations.backward_block(i, m)
+            else:
+                x, run = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
+            if i > 0:
+                x = x.detach().requires_grad_()
+            with torch.enable_grad(), self.device.autocast(self.compute_dtype):
+                out = run(x)
+                if i == last:  # the mean over every micro-batch of every rank
+                    out = out / (m_count * self.world)
+            inputs = ([x] if i > 0 else []) + list(params) + ext_params
+            # fp16: backward runs on loss x scale (GradScaler.scale), the gradients are unscaled below
+            target = out * self._scale if i == last and self._scale is not None else out
+            grads = torch.autograd.grad(target, inputs, grad_outputs=None if i == last else grad_out[m],
+                                        allow_unused=True)
+            if i == last:
+                loss += float(out.detach())
+            off = 1 if i > 0 else 0
+            for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
+                other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
+                if g is None:                             # as autograd sums a leaf's inputs
+                    g = torch.zeros_like(view)
+                if other is not None:
+                    # fp16 gradients carry the loss scale: summed in fp32, as autograd sums the fp32 .grad
+                    # of an autocast model (an fp16 sum could overflow where GradScaler's does not)
+                    g = g.float() + other.float() if g.dtype == torch.float16 else g + other
+                if m == 0:
+                    view.copy_(g)
                 else:
-                    x, run = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
-                if i > 0:
-                    x = x.detach().requires_grad_()
-                with torch.enable_grad(), self.device.autocast(self.compute_dtype):
-                    out = run(x)
-                    if i == last:
-                        out = out / m_count
-                inputs = ([x] if i > 0 else []) + list(params) + ext_params
-                # fp16: backward runs on loss x scale (GradScaler.scale), the gradients are unscaled below
-                target = out * self._scale if i == last and self._scale is not None else out
-                grads = torch.autograd.grad(target, inputs, grad_outputs=None if i == last else grad_out[m],
-                                            allow_unused=True)
-                if i == last:
-                    loss += float(out.detach())
-                off = 1 if i > 0 else 0
-                for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
-                    other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
-                    if g is None:                             # as autograd sums a leaf's inputs
-                        g = torch.zeros_like(view)
-                    if other is not None:
-                        # fp16 gradients carry the loss scale: summed in fp32, as autograd sums the fp32 .grad
-                        # of an autocast model (an fp16 sum could overflow where GradScaler's does not)
-                        g = g.float() + other.float() if g.dtype == torch.float16 else g + other
-                    if m == 0:
-                        view.copy_(g)
-                    else:
-                        view.add_(g)
-                for (o, k), g in zip(ext, grads[off + len(params):]):
-                    if g is not None:
-                        borrowed[(o, k, m)] = g.detach()
-                grad_out[m] = grads[0] if i > 0 else None
-                acts[i][m] = None
-                if inner:
-                    del x, out, grads
-                    self.activations.release(i, m)
-            if self._scale is not None:  # GradScaler.unscale_: the same op, so the same bits and inf check
-                torch._amp_foreach_non_finite_check_and_unscale_(acc, self._found_inf, self._inv_scale)
-            norms[i] = _param_norms(acc)
-            compute_s += time.perf_counter() - t0
-            # a deferred update keeps the gradient in the stash (RAM, or the SSDs past the budget)
-            self.offloader.submit(i, self.stash.put(i, gbuf) if self._deferred and self.stash else gbuf)
-            crashpoint("engine.backward")
-            self._leave(visits, p)
-        return loss, compute_s, norms
+                    view.add_(g)
+            for (o, k), g in zip(ext, grads[off + len(params):]):
+                if g is not None:
+                    borrowed[(o, k, m)] = g.detach()
+            grad_out[m] = grads[0] if i > 0 else None
+            acts[i][m] = None
+            if inner:
+                del x, out, grads
+                self.activations.release(i, m)
+        self._compute_s += time.perf_counter() - t0
+        if self.dp:
+            flat = gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype)
+            pending.append((i, gbuf, acc, self.dp.all_reduce_async(flat)))
+            while len(pending) > 1:  # the previous block's sum ran beside this block's backward
+                self._hand_over(*pending.pop(0), norms)
+        else:
+            self._hand_over(i, gbuf, acc, None, norms)
+        crashpoint("engine.backward")
+        self._leave(visits, p)
+        return loss
+
+    def _hand_over(self, i: int, gbuf: AlignedBuffer, acc: list[Tensor], work: Any,
+                   norms: list[list[Tensor]]) -> None:
+        """Block i's complete gradient (data parallel: summed over the ranks once `work` is done) is unscaled
+        (fp16), its per-parameter norms are taken, and it goes to the optimizer pipeline: the rank's shard of
+        it, or all of it for a replicated block."""
+        if work is not None:
+            t0 = time.perf_counter()
+            try:
+                work.wait()
+            except BaseException:
+                gbuf.release()
+                raise
+            self._reduce_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self._scale is not None:  # GradScaler.unscale_: the same op, so the same bits and inf check
+            torch._amp_foreach_non_finite_check_and_unscale_(acc, self._found_inf, self._inv_scale)
+        norms[i] = _param_norms(acc)
+        bd = self.bounds[i]
+        if bd is not None:
+            gsize, lo, hi = self.grad_dtype.itemsize, bd[self.dp.rank], bd[self.dp.rank + 1]
+            try:
+                shard = self.grads_pool.acquire(gsize * (hi - lo))
+                shard.tensor[:gsize * (hi - lo)].copy_(gbuf.tensor[gsize * lo:gsize * hi])
+            finally:
+                gbuf.release()
+            gbuf = shard
+        self._compute_s += time.perf_counter() - t0
+        # a deferred update keeps the gradient in the stash (RAM, or the SSDs past the budget)
+        self.offloader.submit(i, self.stash.put(i, gbuf) if self._deferred and self.stash else gbuf)
 
     def _rollback(self, step: int, read_slot: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
@@ -568,7 +677,8 @@ class Engine:
             return
         try:  # nothing current was touched: the last commit stands
             c = self.store.commit_state
-            self.store.commit(step, read_slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak)
+            self.store.commit(step, read_slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
+                              keep_prev=self.dp is not None)  # (the other ranks may be gone: no decision)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
                         "points at it", step, e)
@@ -590,7 +700,7 @@ class Engine:
         self.streamer.release(i)
 
     def _record_metrics(self, step: int, loss: float, tokens: int, step_s: float, compute_s: float, tail_s: float,
-                        io0: dict, wait0: float, hash0: float, lr: float, seq_len: int) -> None:
+                        io0: dict, wait0: float, hash0: float, gather0: float, lr: float, seq_len: int) -> None:
         io1 = self.store.volume.stats()
 
         def lane(direction: str) -> tuple[float, int]:
@@ -603,6 +713,8 @@ class Engine:
                  "param_wait": self.streamer.wait_s - wait0, "optimizer_tail": tail_s,
                  # checksums: hashing on the optimizer thread (reads and writes) and of streamed P16
                  "checksum": ago.hash_s + self.streamer.hash_s - hash0}
+        if self.dp:  # waits on the other ranks: P16 all-gathers, and gradient sums not done when needed
+            lanes.update(gather=self.streamer.gather_s - gather0, reduce_wait=self._reduce_wait_s)
         bottleneck = max(lanes["compute"], lanes["ssd_read"], lanes["ssd_write"], lanes["cpu_adam"])
         # Model FLOPs (forward + backward = 3x forward); the recomputation is extra work, not counted.
         flops = 3 * self.flops_per_token(seq_len) * tokens if self.flops_per_token else None
@@ -619,12 +731,70 @@ class Engine:
 
     # -------------------------------------------------------------- access
     def state_dict_fp32(self) -> dict[str, Tensor]:
-        """The current fp32 master weights as `{block_name.param_name: tensor}` (reads every block)."""
+        """The current fp32 master weights as `{block_name.param_name: tensor}` (reads every block; data
+        parallel: every rank calls it, and gets the whole model from the ranks' shards)."""
         out = {}
-        for b in self.store.layout.blocks:
-            for spec, t in zip(b.params, self.store.read_params(b.index)):
+        for b in self.layout.blocks:
+            own = self.store.read_params(b.index)
+            bd = self.bounds[b.index]
+            if bd is not None:
+                size = bd[1] - bd[0]
+                whole = torch.zeros(self.world * size, dtype=torch.float32)
+                whole[self.dp.rank * size:self.dp.rank * size + sum(t.numel() for t in own)] = torch.cat(own)
+                self.dp.all_gather_(whole, size)
+                own = block_views(whole, b)
+            for spec, t in zip(b.params, own):
                 out[f"{b.name}.{spec.name}"] = t
         return out
+
+    # -------------------------------------------------------- data parallel
+    def _check_group(self, resume: bool) -> dict | None:
+        """Before the rank opens its store: the group's commit decision (rank 0 reads it, every rank gets
+        it), and what cannot be resumed by this group refused alike on every rank."""
+        dp, base, name = self.dp, self._base_dirs, self.cfg.name
+        problem, decision = None, None
+        if dp.is_main:
+            try:
+                decision = read_decision(base, name)
+                single = StateStore.status(list(base), name).state != "none"
+            except (StoreCorruptError, ValueError, OSError) as e:
+                problem = str(e)
+            else:
+                if resume and decision is not None and decision["world"] != dp.world:
+                    problem = (f"{base[0]} holds the states of a run on {decision['world']} ranks, and this run has "
+                               f"{dp.world}: resume it with {decision['world']} ranks in all (torchrun "
+                               f"--nproc-per-node ...). Another world size would need the optimizer states re-sharded, "
+                               "which lohan does not do; export the model and start a new run to change it")
+                elif resume and decision is None and single:
+                    problem = (f"{base[0]} holds the states of a single-process run; resume it without torchrun (one "
+                               "process), or start a new run in another directory")
+        problem, decision = dp.broadcast((problem, decision))
+        if problem:
+            raise ValueError(problem)
+        return decision if resume else None
+
+    def _join_group(self, decision: dict | None) -> None:
+        """After the rank opened (or created) its store: bring it to the group's decided step, then record
+        the decision for this group. A rank killed between the two phases of a commit is one step ahead:
+        it goes back to its previous commit (that slot was not written since). Anything else is refused on
+        every rank."""
+        dp, commit = self.dp, self.store.commit_state
+        target = decision["step"] if decision else 0
+        problem = None
+        if commit.step == target + 1 and commit.prev is not None and commit.prev["step"] == target:
+            log.info("rank %d: going back from step %d to the group's committed step %d", dp.rank, commit.step, target)
+            self.store.revert()
+        elif commit.step != target:
+            problem = (f"rank {dp.rank}'s store in {self.cfg.nvme[0]} is committed at step {commit.step}, the group's "
+                       f"commit record ({self._base_dirs[0]}) at step {target}: the directories do not belong to "
+                       "one run (another run's rank directories, or restored from different backups). Restore them "
+                       "together, or start over with --overwrite")
+        problems = [None] * dp.world
+        dist.all_gather_object(problems, problem, group=dp.group)
+        bad = [p for p in problems if p]
+        if bad:
+            raise StoreCorruptError("; ".join(bad))
+        dp.decide(self._base_dirs, self.cfg.name, target)
 
     def close(self) -> None:
         if self._closed:
@@ -656,6 +826,19 @@ class _Prepared:
 
     idx: Tensor
     acts: list[list[Tensor | None]]
+
+
+def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, local: StoreLayout,
+                bounds: list[tuple[int, ...] | None], rank: int) -> Callable[[int], list[Tensor]]:
+    """`init_block` for a rank's store: the pieces of block i's parameters inside the rank's shard."""
+    def init(i: int) -> list[Tensor]:
+        params = init_block(i)
+        if bounds[i] is None:
+            return params
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        lo = bounds[i][rank]
+        return [flat[lo + s.offset:lo + s.offset + s.numel].clone() for s in local.blocks[i].params]
+    return init
 
 
 def _param_norms(grads: list[Tensor]) -> list[Tensor]:
@@ -711,7 +894,7 @@ def _open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mod
                              emulate_ssd_gbps=cfg.emulate_ssd_gbps, check_elems=check_elems, checksums=cfg.checksums)
 
 
-STORE_SUFFIXES = (".slab", ".volume.json", ".volume.json.tmp", ".store.json", ".store.json.tmp", ".commit.json",
+STORE_SUFFIXES = (".dp.json", ".dp.json.tmp", ".slab", ".volume.json", ".volume.json.tmp", ".store.json", ".store.json.tmp", ".commit.json",
                   ".commit.json.tmp", ".init.json", ".init.json.tmp", ".run.json", ".run.json.tmp", ".profile.json",
                   "-act.slab", "-act.volume.json", "-grad.slab", "-grad.volume.json")
 

@@ -13,6 +13,10 @@ whose P16 fits the pool, no P16 is read twice in a step), and the next step's fo
 provided by the optimizer. Any request for room takes the oldest kept buffer first; a slot's entries
 are dropped (`invalidate`) before the optimizer writes that slot. In place (one slot) nothing is kept.
 
+Data parallel (parallel.py): the rank's store holds its shard of each block; the shard is read into its
+place in a buffer of the whole (padded) block and the ranks all-gather the rest in `acquire`, every time
+(a kept block too: the ranks' kept blocks may differ, their collectives may not).
+
 Provisions: while the optimizer rewrites the blocks after a step (a deferred or redone update, in forward
 order), the next step's forward can run on the new parameters as each block's update is done, before they
 reach the SSDs: the engine `expect`s the blocks, the optimizer `offer`s each one's new P16 (copied into a
@@ -32,20 +36,26 @@ from io_engine import AlignedBuffer, BufferPool, Handle
 
 from .device import Device
 from .integrity import tensor_hash, unit_bounds
-from .store import StateStore
+from .parallel import DataParallel
+from .store import StateStore, StoreLayout
 
 
 class ParamStreamer:
     """Moves P16 of blocks between the store and the device's module parameters."""
 
-    def __init__(self, store: StateStore, pool: BufferPool, device: Device, blocks: list[nn.Module]) -> None:
+    def __init__(self, store: StateStore, pool: BufferPool, device: Device, blocks: list[nn.Module],
+                 layout: StoreLayout | None = None, dp: DataParallel | None = None,
+                 bounds: list[tuple[int, ...] | None] | None = None) -> None:
         self.store = store
+        self.layout = layout or store.layout  # the whole blocks (the store's are the rank's shards of them)
+        self.dp = dp
+        self.bounds = bounds or [None] * len(blocks)
         self.pool = pool
         self.keeps = store.layout.slots > 1  # in place, a slot's bytes change while its blocks are read
         self.device = device
         self.blocks = blocks
         self._slots: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
-        for layout, block in zip(store.layout.blocks, blocks):
+        for layout, block in zip(self.layout.blocks, blocks):
             entries = []
             for spec in layout.params:
                 owner, _, leaf = spec.name.rpartition(".")
@@ -63,6 +73,17 @@ class ParamStreamer:
         self.hash_s = 0.0
         self.bytes_read = 0
         self.kept_hits = 0
+        self.gather_s = 0.0
+
+    def buffer_bytes(self, i: int) -> int:
+        """Host bytes of block i's P16 buffer: the block, or (sharded) the ranks' equal shards end to end."""
+        bd, b = self.bounds[i], self.layout.blocks[i]
+        return b.p16_bytes if bd is None else len(bd[:-1]) * (bd[1] - bd[0]) * b.p16_itemsize
+
+    def _own(self, i: int) -> tuple[int, int]:
+        """(first element, elements) of this rank's part of block i inside the buffer."""
+        bd = self.bounds[i]
+        return (0 if bd is None else bd[self.dp.rank]), self.store.layout.blocks[i].numel
 
     def invalidate(self, slot: int) -> None:
         """Forget the kept blocks of `slot` (call before anything rewrites it)."""
@@ -84,23 +105,23 @@ class ParamStreamer:
 
     def offer(self, i: int, lo: int, hi: int, p16: torch.Tensor) -> None:
         """Elements lo..hi of block i's new P16 (the optimizer's thread); dropped if i is not expected."""
-        layout = self.store.layout.blocks[i]
+        start, numel = self._own(i)  # lo..hi count in the rank's shard
         with self._lock:
             prov = self._provisions.get(i)
             if prov is None:
                 return
             prov.busy = True  # release_all leaves the buffer to this call from here on
         if prov.buf is None:  # waits while the pool is full: the forward releases the blocks it is done with
-            prov.buf = self.pool.acquire(layout.p16_bytes)  # (kept blocks give way first)
-        flat = prov.buf.tensor[:layout.p16_itemsize * layout.numel].view(self.store.p16_dtype)
-        flat[lo:hi].copy_(p16)
+            prov.buf = self.pool.acquire(self.buffer_bytes(i))  # (kept blocks give way first)
+        flat = prov.buf.tensor.view(self.store.p16_dtype)
+        flat[start + lo:start + hi].copy_(p16)
         with self._lock:
             prov.busy = False
             if prov.cancelled:
                 prov.buf.release()
                 return
             prov.filled += hi - lo
-            if prov.filled == layout.numel:
+            if prov.filled == numel:
                 prov.ready.set()
 
     def prefetch(self, i: int, slot: int) -> None:
@@ -109,17 +130,18 @@ class ParamStreamer:
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
-        layout = self.store.layout.blocks[i]
-        buf = self.pool.acquire(layout.p16_bytes)
-        handle = self.store.volume.read_into(buf.tensor, self.store.layout.p16_offset(i, slot))
+        own = self.store.layout.blocks[i]
+        buf = self.pool.acquire(self.buffer_bytes(i))
+        at = self._own(i)[0] * own.p16_itemsize
+        handle = self.store.volume.read_into(buf.tensor[at:at + own.p16_bytes], self.store.layout.p16_offset(i, slot))
         self._inflight[i] = (buf, handle)
-        self.bytes_read += layout.p16_bytes
+        self.bytes_read += own.p16_bytes
 
     def acquire(self, i: int, slot: int) -> list[nn.Parameter]:
         """Block i's parameters on the device (waits for its prefetch; reads now if none was issued)."""
         if i in self._resident:
             return self._resident[i][1]
-        layout = self.store.layout.blocks[i]
+        layout = self.layout.blocks[i]
         kept = None if i in self._provisions or i in self._inflight or not self.keeps else self.pool.take_kept((i, slot))
         from_ssd = i not in self._provisions and kept is None
         if kept is not None:  # checked when it was read (or the optimizer's own bytes)
@@ -133,16 +155,27 @@ class ParamStreamer:
             self.wait_s += time.perf_counter() - t0
         else:
             buf = self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
-        flat = buf.tensor[:layout.p16_itemsize * layout.numel].view(self.store.p16_dtype)
+        padded = buf.tensor[:self.buffer_bytes(i)].view(self.store.p16_dtype)
         if self.store.checksums and from_ssd:
+            start, numel = self._own(i)
             t0 = time.perf_counter()
             try:
-                for lo, hi in unit_bounds(layout.numel, self.store.check_elems):
-                    self.store.check_unit(i, lo, "p16", tensor_hash(flat[lo:hi]), slot=slot)
+                for lo, hi in unit_bounds(numel, self.store.check_elems):
+                    self.store.check_unit(i, lo, "p16", tensor_hash(padded[start + lo:start + hi]), slot=slot)
             except BaseException:
                 buf.release()
                 raise
             self.hash_s += time.perf_counter() - t0
+        bd = self.bounds[i]
+        if bd is not None:  # the other ranks' shards (the same collectives on every rank, kept or not)
+            t0 = time.perf_counter()
+            try:
+                self.dp.all_gather_(padded, bd[1] - bd[0])
+            except BaseException:
+                buf.release()
+                raise
+            self.gather_s += time.perf_counter() - t0
+        flat = padded[:layout.numel]
         dev = self.device.to_device(flat)
         if self.device.is_cuda:  # the device copy is independent of the host buffer once it completed
             self.device.copy_stream.synchronize()

@@ -186,6 +186,7 @@ class Commit:
     bad_streak: int = 0          # consecutive steps skipped for non-finite loss or gradients
     loss_scale: float | None = None   # fp16: the dynamic loss scale and its growth tracker (GradScaler's state)
     growth_tracker: int = 0
+    prev: dict | None = None   # data parallel: the commit before this one, until the group has decided (parallel.py)
 
     @property
     def applied(self) -> int:
@@ -444,17 +445,32 @@ class StateStore:
             write_json_atomic(self.commit_path, asdict(self.commit_state))
 
     def commit(self, step: int, slot: int, sums: Sums | None = None, updates: int | None = None,
-               bad_streak: int = 0, loss_scale: float | None = None, growth_tracker: int = 0) -> None:
+               bad_streak: int = 0, loss_scale: float | None = None, growth_tracker: int = 0,
+               keep_prev: bool = False) -> None:
         """Make `slot` current at training step `step`, durably (all writes must be complete).
         `sums` are the checksums of every record in `slot` (required when the store keeps checksums);
-        `updates` the optimizer updates the slot's states have seen (default: `step`)."""
+        `updates` the optimizer updates the slot's states have seen (default: `step`). `keep_prev` keeps the
+        last commit of an earlier step in the record, so `revert` can go back to it (data parallel)."""
         if self.checksums and (sums is None or len(sums) != len(self.layout.blocks)):
             raise RuntimeError(f"commit of step {step} without the checksums of every block")
         self.volume.sync()
         crashpoint("store.commit.synced")
+        old = self.commit_state
+        prev = None
+        if keep_prev:
+            prev = {**asdict(old), "prev": None} if old.step < step else old.prev
         self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums,
                                    updates=None if updates == step else updates, bad_streak=bad_streak,
-                                   loss_scale=loss_scale, growth_tracker=growth_tracker)
+                                   loss_scale=loss_scale, growth_tracker=growth_tracker, prev=prev)
+        write_json_atomic(self.commit_path, asdict(self.commit_state))
+
+    def revert(self) -> None:
+        """Make the commit before the current one current again (its slot must be untouched since: the
+        data-parallel group never decided the current one, so no step after it ran)."""
+        if self.commit_state.prev is None:
+            raise RuntimeError(f"{self.commit_path} keeps no previous commit to go back to")
+        self.volume.sync()
+        self.commit_state = Commit(**self.commit_state.prev)
         write_json_atomic(self.commit_path, asdict(self.commit_state))
 
     # ------------------------------------------------------------ integrity

@@ -184,7 +184,7 @@ def test_bf16_gradient_buffers_change_nothing(make_dirs, monkeypatch):
     runs = []
     for name, dtype in (("bf16-grads", None), ("fp32-grads", torch.float32)):
         if dtype is not None:
-            monkeypatch.setattr(lohan.engine, "grad_dtype", lambda cfg: torch.float32)
+            monkeypatch.setattr(lohan.engine, "grad_dtype", lambda cfg, world=1: torch.float32)
         ecfg = engine_config(make_dirs(1, name), compute_dtype="bf16", name=name, opt_chunk_bytes=4096 * 14)
         with lohan.init(mcfg, ecfg) as engine:
             assert engine.grad_dtype == (dtype or torch.bfloat16)

@@ -1,0 +1,181 @@
+"""Data parallelism on torch.distributed: each rank trains its slice of every batch, stores and updates
+1/N of every block's optimizer record, and the ranks commit each step together.
+
+Launch with `torchrun --nproc-per-node N finetune.py ...` (or build an Engine in a process group of your
+own). Per step and block:
+
+- Forward and backward need the whole block's P16. Rank r holds only its piece of it (its shard of the
+  block's flat vector, elements [r*S, (r+1)*S)); the pieces are read from each rank's own SSD directories
+  and all-gathered into a padded buffer of N*S elements before the block runs (`ParamStreamer`).
+- A block's gradient, accumulated over the rank's micro-batches, is all-reduced (summed) asynchronously
+  while backward goes on with the blocks before it. Every rank then holds the complete gradient, takes
+  the per-parameter norms from it exactly as one process would (clipping's global norm is bit-identical),
+  and hands its own shard of it to its CPU optimizer, which updates the shard's P32, m, v and P16 on its
+  own SSDs. SSD traffic and CPU AdamW work per rank fall by N.
+- Why all-reduce and not reduce-scatter (half the bytes): `clip_grad_norm_` takes each parameter's norm
+  over its whole gradient, and a parameter straddles shards; with shards only, the norm would have to be
+  assembled from partial sums in another order, and clipped training would no longer match one process
+  bit for bit. The extra bytes buy exactness (the cost model counts them: `network_bytes_per_step`).
+- Blocks too small to split (fewer than N*N*4096 elements: norms, biases) are replicated: every rank
+  updates the whole block, identically, and nothing of them is gathered.
+
+Consistent checkpoints (two-phase): each rank makes its step durable and commits it locally, keeping the
+previous commit beside it (`Commit.prev`); after a barrier rank 0 writes the group's decision
+(`<name>.dp.json`: world size and step) and a second barrier lets the ranks go on. On resume the decision
+is the truth: a rank whose local commit is one step ahead (killed between the two phases) goes back to
+its previous commit, whose slot nothing has written since.
+
+Host buffers are reduced and gathered over gloo (a gloo group is created when the default group is NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from io_engine.base import align_up
+
+from .integrity import read_json_checked, write_json_atomic
+from .store import BlockLayout, ParamSpec, StoreLayout
+
+SHARD_ALIGN = 4096  # elements: every shard starts 4 KiB-aligned in fp32, bf16 and fp16 buffers alike
+PIECE_GRID = 64  # elements: where a shard may cut a parameter (see shard_bounds)
+
+_FIX_DECISION = ("The group's commit record cannot be trusted; restore the directories from a backup, or start "
+                 "over with --overwrite")
+
+
+def decision_path(base_dirs: Sequence[str], name: str) -> str:
+    """Where rank 0 keeps the group's commit decision: beside rank 0's store."""
+    return os.path.join(rank_dir(base_dirs[0], 0), f"{name}.dp.json")
+
+
+def rank_dir(base: str, rank: int) -> str:
+    return os.path.join(base, f"rank{rank}")
+
+
+def read_decision(base_dirs: Sequence[str], name: str) -> dict | None:
+    """The group's last committed step and world size (None: no data-parallel store there)."""
+    path = decision_path(base_dirs, name)
+    if not os.path.exists(path):
+        return None
+    data = read_json_checked(path, "data-parallel commit record", _FIX_DECISION)
+    return {"world": int(data["world"]), "step": int(data["step"])}
+
+
+def shard_bounds(block: BlockLayout, world: int) -> tuple[int, ...] | None:
+    """Element boundaries [0, S, 2S, ..., numel] of the ranks' shards of a block (S a multiple of
+    SHARD_ALIGN), or None when the block is replicated:
+    - too small for every rank to get a non-empty shard (numel >= N^2 * SHARD_ALIGN guarantees (N - 1) * S
+      < numel), or
+    - a boundary would cut a parameter off its 64-element grid: torch's fused AdamW runs each tensor as
+      64-byte units with a vector loop and a scalar tail, which round differently, so a piece starting
+      off the grid would not update bit for bit as the whole parameter does (hidden sizes that are
+      multiples of 64 never hit this)."""
+    numel = block.numel
+    if world == 1 or numel < world * world * SHARD_ALIGN:
+        return None
+    s = align_up(math.ceil(numel / world), SHARD_ALIGN)
+    bounds = tuple(min(r * s, numel) for r in range(world)) + (numel,)
+    for cut in bounds[1:-1]:
+        if any(p.offset < cut < p.offset + p.numel and (cut - p.offset) % PIECE_GRID for p in block.params):
+            return None
+    return bounds
+
+
+def shard_layout(full: StoreLayout, bounds: Sequence[tuple[int, ...] | None], rank: int) -> StoreLayout:
+    """The layout of rank `rank`'s store: per block its shard [lo, hi) as a block of its own, whose
+    parameters are the pieces of the block's parameters inside the shard (flat, named `name[a:z]`)."""
+    blocks, offset = [], 0
+    for b, bd in zip(full.blocks, bounds):
+        if bd is None:
+            shard = replace(b, offset=offset)
+        else:
+            lo, hi = bd[rank], bd[rank + 1]
+            specs = []
+            for s in b.params:
+                a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < z:
+                    specs.append(ParamSpec(f"{s.name}[{a - s.offset}:{z - s.offset}]", (z - a,), a - lo, z - a))
+            shard = BlockLayout(b.index, b.name, tuple(specs), hi - lo, b.p16_itemsize, offset)
+        blocks.append(shard)
+        offset += shard.record_bytes
+    return StoreLayout(tuple(blocks), full.p16_dtype, full.slots)
+
+
+def shard_decays(full: BlockLayout, shard: BlockLayout, decays: Sequence[bool]) -> list[bool]:
+    """Weight-decay flags of a shard's parameter pieces (each piece decays as its parameter does)."""
+    by_name = {s.name: d for s, d in zip(full.params, decays)}
+    return [by_name[s.name] if s.name in by_name else by_name[s.name.rpartition("[")[0]] for s in shard.params]
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in the data-parallel group."""
+
+    rank: int
+    world: int
+    local_rank: int = 0
+    local_world: int = 1
+    group: Any = None  # the gloo group host buffers are reduced over (None: the default group)
+
+    @staticmethod
+    def detect() -> DataParallel | None:
+        """The group torch.distributed was initialized with (torchrun sets the environment), or None for a
+        single process. A default group of another backend than gloo gets a gloo group for host buffers."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return DataParallel(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def rank_dirs(self, dirs: Sequence[str]) -> tuple[str, ...]:
+        """The rank's own NVMe directories: `DIR/rank<r>` under each of the run's."""
+        return tuple(rank_dir(d, self.rank) for d in dirs)
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce_async(self, t: torch.Tensor) -> Any:
+        """Start summing `t` over the ranks in place; returns the work to `wait()` on."""
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def all_gather_(self, padded: torch.Tensor, shard: int) -> None:
+        """In place: rank q's `shard` elements at [q*shard, (q+1)*shard) of `padded` go to every rank. The
+        bytes are moved as integers (a pure copy, whatever the float dtype)."""
+        flat = padded[:self.world * shard]
+        if flat.dtype.itemsize == 2:
+            flat = flat.view(torch.int16)
+        dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group)
+
+    def sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return float(t)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    # ----------------------------------------------------------------- commits
+    def decide(self, base_dirs: Sequence[str], name: str, step: int) -> None:
+        """Second phase of a step's commit: every rank has committed `step` locally; rank 0 records the
+        group's decision, and no rank goes on (to write the slot the previous step lives in) before it is
+        durable."""
+        self.barrier()
+        if self.is_main:
+            write_json_atomic(decision_path(base_dirs, name), {"world": self.world, "step": step})
+        self.barrier()

@@ -1,0 +1,199 @@
+"""Data parallelism (lohan/parallel.py): N ranks on gloo over loopback, launched as torchrun would (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT), each a `tests/dp_worker.py` process.
+
+Exactness: two ranks on a global batch B equal one process with batch B and micro_batches=2 bit for bit
+(fp32, every offloading mode, clipping on), because the one-process engine sums the two micro-batches'
+gradients as g0 + g1 and the all-reduce of two ranks computes the same sum. Both sides run one intra-op
+thread (torchrun's default): the reductions inside autograd depend on the thread count. Three ranks sum
+three gradients in gloo's order, which may differ from ((g0 + g1) + g2): see `test_three_ranks...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import lohan
+from lohan.config import EngineConfig, get_model_config
+from lohan.parallel import SHARD_ALIGN, read_decision, shard_bounds, shard_layout
+from lohan.store import BlockLayout, ParamSpec, StoreLayout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dp_worker import batches  # noqa: E402
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+MODEL = dict(vocab_size=256, n_layer=2, d_model=64, n_head=4, seq_len=32)
+STEPS = 6
+
+
+def engine_kw(nvme: str, **kw) -> dict:
+    base = dict(nvme=[nvme], cpu_mem=512 << 20, compute_dtype="fp32", lr=1e-2, warmup_steps=3, total_steps=STEPS,
+                weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, seed=5, backend="threads", max_grad_norm=1.0)
+    base.update(kw)
+    return base
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp: Path, world: int, engine: dict, steps: int = STEPS, batch: int = 4, resume: bool = False,
+           next_batch: bool = False, crash: dict[int, str] | None = None, tag: str = "run") -> tuple[list[int], str]:
+    """Run `world` worker processes; when one fails the others are killed (as torchrun does). Returns the
+    exit codes and the workers' stderr."""
+    spec = dict(model=MODEL, engine=engine, steps=steps, batch=batch, resume=resume, next_batch=next_batch,
+                out=str(tmp / f"{tag}.pt"), timeout=60)
+    path = tmp / f"{tag}.json"
+    path.write_text(json.dumps(spec))
+    port = _free_port()
+    procs, logs = [], []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", LOHAN_DEVICE="cpu")
+        env.pop("LOHAN_CRASH_AT", None)
+        if crash and r in crash:
+            env["LOHAN_CRASH_AT"] = crash[r]
+        log = open(tmp / f"{tag}.rank{r}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], env=env, stdout=log, stderr=log))
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    out = ""
+    for log in logs:
+        log.seek(0)
+        out += log.read()
+        log.close()
+    return [p.returncode for p in procs], out
+
+
+def single_process(nvme: str, engine: dict, steps: int = STEPS, batch: int = 4, micro_batches: int = 2):
+    """One process, micro_batches = the ranks' count, one intra-op thread: losses and fp32 weights."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = EngineConfig(**{**engine, "nvme": (nvme,), "betas": tuple(engine["betas"]), "micro_batches": micro_batches})
+        with lohan.init(get_model_config("tiny", **MODEL), cfg) as e:
+            losses = [e.step(b) for b in batches(steps, batch, MODEL["seq_len"], MODEL["vocab_size"])]
+            return losses, e.state_dict_fp32()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same(result: dict, losses: list[float], weights: dict) -> None:
+    assert result["losses"] == losses
+    bad = [k for k in weights if not torch.equal(weights[k], result["weights"][k])]
+    assert not bad, f"weights differ: {bad}"
+
+
+# --------------------------------------------------------------- layout
+def _block(sizes: list[int]) -> BlockLayout:
+    specs, off = [], 0
+    for k, n in enumerate(sizes):
+        specs.append(ParamSpec(f"p{k}", (n,), off, n))
+        off += n
+    return BlockLayout(0, "b", tuple(specs), off, 2, 0)
+
+
+def test_shards_cover_each_block_once_aligned_and_small_blocks_are_replicated():
+    block = _block([40960, 64, 24576, 128])
+    for world in (2, 3, 4):
+        bounds = shard_bounds(block, world)
+        assert bounds is not None and bounds[0] == 0 and bounds[-1] == block.numel
+        assert all(b % SHARD_ALIGN == 0 for b in bounds[:-1]) and all(a < b for a, b in zip(bounds, bounds[1:]))
+        full = StoreLayout((block,), "bf16", 2)
+        pieces = [shard_layout(full, [bounds], r).blocks[0] for r in range(world)]
+        assert sum(p.numel for p in pieces) == block.numel
+        for r, p in enumerate(pieces):  # pieces tile the shard, and name where they come from
+            assert sum(s.numel for s in p.params) == p.numel == bounds[r + 1] - bounds[r]
+            assert all(s.name.split("[")[0] in {"p0", "p1", "p2", "p3"} for s in p.params)
+    assert shard_bounds(_block([1000]), 2) is None  # too small for two non-empty shards
+    assert shard_bounds(block, 1) is None
+    # a cut off a parameter's 64-element grid would change fused AdamW's rounding: replicated instead
+    assert shard_bounds(_block([33, 40960]), 2) is None
+
+
+# --------------------------------------------------------------- exactness
+@pytest.mark.parametrize("mode", ["serial", "naive", "optimized"])
+def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, mode):
+    engine = engine_kw(str(tmp_path / "dp"), mode=mode)
+    codes, out = launch(tmp_path, 2, engine)
+    assert codes == [0, 0], out
+    result = torch.load(tmp_path / "run.pt")
+    assert_same(result, *single_process(str(tmp_path / "one"), engine))
+    assert result["tokens"] == 4 * MODEL["seq_len"]  # metrics count the global batch
+    assert {"gather", "reduce_wait"} <= set(result["lanes"])
+
+
+def test_two_ranks_deferred_updates_with_the_next_forward_beside_them(tmp_path):
+    """Clipping deferred to the end of backward, the next step's forward run during the optimizer pass on
+    the blocks it provides (each rank provides its shard; the forward gathers them)."""
+    engine = engine_kw(str(tmp_path / "dp"), clip_mode="defer", max_grad_norm=0.5)
+    codes, out = launch(tmp_path, 2, engine, next_batch=True)
+    assert codes == [0, 0], out
+    assert_same(torch.load(tmp_path / "run.pt"), *single_process(str(tmp_path / "one"), engine))
+
+
+def test_three_ranks_match_within_reduction_order_tolerance(tmp_path):
+    """Three ranks sum three gradients in gloo's order; one process sums (g0 + g1) + g2. The sums differ by
+    a rounding (|error| <= 2 x 2^-24 x (|g0| + |g1| + |g2|) per element). AdamW divides by sqrt(v), so where
+    a gradient nearly cancels out the rounding can move that element's update by up to its size (lr per
+    step); elsewhere it stays at fp32 resolution. Bounds, in units of the largest possible change
+    (lr x steps): the worst element within 1e-2, the mean within 1e-5 (measured here: 5e-4 and 2e-7). A
+    rank's gradient lost or counted twice moves most elements by ~1 of that unit. Losses agree to 1e-6."""
+    lr, steps = 1e-2, 4
+    engine = engine_kw(str(tmp_path / "dp"), max_grad_norm=0.0, lr=lr)
+    codes, out = launch(tmp_path, 3, engine, steps=steps, batch=6)
+    assert codes == [0, 0, 0], out
+    result = torch.load(tmp_path / "run.pt")
+    losses, weights = single_process(str(tmp_path / "one"), engine, steps=steps, batch=6, micro_batches=3)
+    assert result["losses"] == pytest.approx(losses, rel=1e-6)
+    diffs = torch.cat([(result["weights"][k] - w).abs().reshape(-1) for k, w in weights.items()]) / (lr * steps)
+    print(f"3 ranks vs one process, in units of lr x steps: worst {float(diffs.max()):.2e}, "
+          f"mean {float(diffs.mean()):.2e}")
+    assert 0 < float(diffs.max()) <= 1e-2  # (0 would mean the three-way sums were not exercised)
+    assert float(diffs.mean()) <= 1e-5
+
+
+# --------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("crash", [
+    {1: "engine.dp_local_commit:3"},    # rank 1 committed step 3 locally, the group had not decided it
+    {0: "json.rename:lohan.dp.json:3"},  # rank 0 dies writing the decision of step 2 (the 3rd, after step 0's)
+    {1: "engine.backward:9"},            # rank 1 dies inside a backward
+])
+def test_a_killed_rank_resumes_bit_identically(tmp_path, crash):
+    engine = engine_kw(str(tmp_path / "dp"))
+    codes, _ = launch(tmp_path, 2, engine, crash=crash, tag="killed")
+    assert any(c != 0 for c in codes)
+    decided = read_decision([str(tmp_path / "dp")], "lohan")
+    assert decided is not None and decided["world"] == 2 and decided["step"] < STEPS
+    codes, out = launch(tmp_path, 2, engine, resume=True)
+    assert codes == [0, 0], out
+    result = torch.load(tmp_path / "run.pt")
+    assert result["start"] == decided["step"]
+    losses, weights = single_process(str(tmp_path / "one"), engine)
+    assert_same(result, losses[decided["step"]:], weights)
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    engine = engine_kw(str(tmp_path / "dp"))
+    codes, out = launch(tmp_path, 2, engine, steps=2)
+    assert codes == [0, 0], out
+    codes, out = launch(tmp_path, 3, engine, steps=3, batch=6, resume=True, tag="three")
+    assert all(c != 0 for c in codes)
+    assert "run on 2 ranks, and this run has 3" in out
+    assert read_decision([str(tmp_path / "dp")], "lohan") == {"world": 2, "step": 2}  # nothing was touched
