@@ -242,6 +242,7 @@ class Engine:
         t_start = time.perf_counter()
         io0 = self.store.volume.stats()
         wait0, hash0, gather0 = self.streamer.wait_s, self.streamer.hash_s, self.streamer.gather_s
+        net0 = (self.dp.reduced_bytes, self.dp.gathered_bytes) if self.dp else (0, 0)
         self._reduce_wait_s = 0.0
         self.offloader.reset_stats()
         prepared = self._take_prepared(idx)
@@ -302,6 +303,9 @@ class Engine:
                              fwd_s + bwd_s + next_fwd_s, tail_s, io0, wait0, hash0, gather0, hyper.lr, idx.shape[1])
         self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
         self.last_metrics["activations"] = act_stats
+        if self.dp:  # what the ring collectives sent this step (and received as much)
+            self.last_metrics["network_bytes"] = self.dp.network_bytes(self.dp.reduced_bytes - net0[0],
+                                                                       self.dp.gathered_bytes - net0[1])
         self.last_metrics["next_forward_overlapped"] = self._prepared is not None
         if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
             release_free_memory()
@@ -735,17 +739,28 @@ class Engine:
         parallel: every rank calls it, and gets the whole model from the ranks' shards)."""
         out = {}
         for b in self.layout.blocks:
-            own = self.store.read_params(b.index)
-            bd = self.bounds[b.index]
-            if bd is not None:
-                size = bd[1] - bd[0]
-                whole = torch.zeros(self.world * size, dtype=torch.float32)
-                whole[self.dp.rank * size:self.dp.rank * size + sum(t.numel() for t in own)] = torch.cat(own)
-                self.dp.all_gather_(whole, size)
-                own = block_views(whole, b)
-            for spec, t in zip(b.params, own):
+            for spec, t in zip(b.params, self.read_params(b.index)):
                 out[f"{b.name}.{spec.name}"] = t
         return out
+
+    def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+        """Block `block`'s fp32 master weights of the committed slot, whole (data parallel: gathered from
+        the ranks' shards; every rank calls it for the same blocks in the same order)."""
+        own = self.store.read_params(block)
+        bd = self.bounds[block]
+        if bd is not None:
+            size = bd[1] - bd[0]
+            whole = torch.zeros(self.world * size, dtype=torch.float32)
+            whole[self.dp.rank * size:self.dp.rank * size + sum(t.numel() for t in own)] = torch.cat(own)
+            self.dp.all_gather_(whole, size)
+            own = block_views(whole, self.layout.blocks[block])
+        return [t.to(dtype) for t in own]
+
+    @property
+    def whole(self) -> Any:
+        """What the exporters read (`.store.layout`, `.store.read_params(i)`, `.step_count`): the store
+        itself in one process, the whole model gathered from the ranks' shards under data parallelism."""
+        return self if self.dp is None else _Whole(self)
 
     # -------------------------------------------------------- data parallel
     def _check_group(self, resume: bool) -> dict | None:
@@ -818,6 +833,16 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Whole:
+    """A data-parallel engine seen as one store of the whole model (for export: collective reads)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.store = self
+        self.layout = engine.layout
+        self.read_params = engine.read_params
+        self.step_count = engine.step_count
 
 
 @dataclass

@@ -263,6 +263,26 @@ def _duration(seconds: float) -> str:
     return (f"{d}d " if d else "") + f"{h}:{m:02d}:{s:02d}"
 
 
+def data_parallel_machine(machine: Machine, world: int, local_world: int) -> Machine:
+    """One rank's view of its machine, in whole-model terms, so that `fit_report` of the whole model prices
+    one rank (its batch slice, passed separately): a rank moves and updates 1/N of the optimizer states and
+    reads 1/N of the P16 from the SSDs, over the SSDs, CPU cores and RAM it shares with the other
+    `local_world` ranks of its machine. So its SSD bandwidths, SSD space and CPU AdamW rate count N /
+    local_world times (1/N of the work at 1/local_world of the rate), its main memory 1/local_world (its
+    host pools hold whole blocks' P16), and a CPU that computes is shared too. Network time is not priced:
+    `parallel.network_bytes_per_step` gives the bytes."""
+    if world <= 1:
+        return machine
+    hw, k = machine.hardware, world / local_world
+    shared = dataclasses.replace(
+        hw, name=f"{hw.name}, 1 of {world} ranks", bw_s2m=hw.bw_s2m * k, bw_m2s=hw.bw_m2s * k,
+        ssd_bytes=int(hw.ssd_bytes * k), cpu_adam_params_per_s=hw.cpu_adam_params_per_s * k,
+        ram=hw.ram // local_world, mem_avail=hw.mem_avail // local_world,
+        thp_g=hw.thp_g / local_world if machine.device_is_host else hw.thp_g)
+    return dataclasses.replace(machine, hardware=shared,
+                               notes=machine.notes + (f"data parallel: one rank of {world}, {local_world} per machine",))
+
+
 def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
                slots: int = 2, keep_grads: bool = False) -> FitReport:

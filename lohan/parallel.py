@@ -115,15 +115,48 @@ def shard_decays(full: BlockLayout, shard: BlockLayout, decays: Sequence[bool]) 
     return [by_name[s.name] if s.name in by_name else by_name[s.name.rpartition("[")[0]] for s in shard.params]
 
 
-@dataclass(frozen=True)
+def network_bytes_per_step(param_count: int, world: int, p16_itemsize: int, gathers: float = 2.0,
+                           grad_itemsize: int = 4) -> int:
+    """Bytes each rank sends (and as many it receives) per step, with ring collectives (what gloo and NCCL
+    run for large buffers): the gradient all-reduce moves 2 (N - 1) / N of the gradient (fp32 whenever
+    N > 1), and each all-gather of the P16 (N - 1) / N of it, `gathers` times per step (forward and
+    backward: 2; blocks that stay in memory from forward to backward are still gathered again)."""
+    if world <= 1:
+        return 0
+    share = (world - 1) / world
+    return int(2 * share * grad_itemsize * param_count + gathers * share * p16_itemsize * param_count)
+
+
+def launched_world() -> int:
+    """The world size torchrun (or another launcher) set for this process (1: not launched as a group)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def init_from_env(device: str = "cpu") -> bool:
+    """Join the process group a launcher described in the environment (torchrun: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT); returns whether this call created it. gloo: lohan reduces host buffers."""
+    if launched_world() <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group("gloo")
+    return True
+
+
+@dataclass
 class DataParallel:
-    """This process's place in the data-parallel group."""
+    """This process's place in the data-parallel group, and the payload bytes it has reduced and gathered."""
 
     rank: int
     world: int
     local_rank: int = 0
     local_world: int = 1
     group: Any = None  # the gloo group host buffers are reduced over (None: the default group)
+    reduced_bytes: int = 0
+    gathered_bytes: int = 0
+
+    def network_bytes(self, reduced: int, gathered: int) -> int:
+        """What ring collectives send for these payloads (see network_bytes_per_step)."""
+        share = (self.world - 1) / self.world
+        return int(2 * share * reduced + share * gathered)
 
     @staticmethod
     def detect() -> DataParallel | None:
@@ -146,14 +179,14 @@ class DataParallel:
     # ------------------------------------------------------------ collectives
     def all_reduce_async(self, t: torch.Tensor) -> Any:
         """Start summing `t` over the ranks in place; returns the work to `wait()` on."""
+        self.reduced_bytes += t.numel() * t.element_size()
         return dist.all_reduce(t, group=self.group, async_op=True)
 
     def all_gather_(self, padded: torch.Tensor, shard: int) -> None:
-        """In place: rank q's `shard` elements at [q*shard, (q+1)*shard) of `padded` go to every rank. The
-        bytes are moved as integers (a pure copy, whatever the float dtype)."""
+        """In place: rank q's `shard` elements at [q*shard, (q+1)*shard) of `padded` go to every rank (a
+        copy: no arithmetic touches the bits)."""
         flat = padded[:self.world * shard]
-        if flat.dtype.itemsize == 2:
-            flat = flat.view(torch.int16)
+        self.gathered_bytes += flat.numel() * flat.element_size()
         dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group)
 
     def sum(self, x: float) -> float:

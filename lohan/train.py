@@ -7,12 +7,14 @@ capacity plan are all checked before the engine creates anything on the NVMe dir
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import io
 import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -39,9 +42,10 @@ from .data import (
 )
 from .dirlock import DirectoryInUseError, DirLock
 from .engine import Engine, MemoryPlanError, NonFiniteError, init
-from .fit import described_hardware, detect_hardware, fit_report, local_problems
+from .fit import data_parallel_machine, described_hardware, detect_hardware, fit_report, local_problems
 from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
+from .parallel import DataParallel, init_from_env, network_bytes_per_step, read_decision
 from .store import StateStore
 
 log = logging.getLogger(__name__)
@@ -237,14 +241,16 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
     e = run.engine
     layout = engine.store.layout
     plan = engine.memory_plan
-    n_params = sum(b.numel for b in layout.blocks)
+    n_params = engine.layout.param_count  # the whole model (a rank's store holds its shards)
+    ranks = f" (rank {engine.dp.rank}'s shards; every rank holds as much)" if engine.dp else ""
     console.print(
         f"[bold]lohan[/bold] {label}: {n_params / 1e6:,.1f}M params, {mcfg.n_layer} layers, "
         f"d_model {mcfg.d_model}, vocab {mcfg.vocab_size} | batch {run.batch_size} x {seq_len} tokens, "
         f"{e.micro_batches} micro-batch(es)")
     console.print(
-        f"  states on NVMe: {layout.total_bytes / 2**30:.2f} GiB in {len(layout.blocks)} blocks x {layout.slots} "
-        f"slot(s) over {len(e.nvme)} dir(s) {list(e.nvme)}, backend {engine.store.volume.backend.name}")
+        f"  states on NVMe: {layout.total_bytes / 2**30:.2f} GiB{ranks} in {len(layout.blocks)} blocks x "
+        f"{layout.slots} slot(s) over {len(e.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
+        f"{engine.store.volume.backend.name}")
     console.print(
         f"  main memory: {sum(plan.values()) / 2**30:.2f} of {e.cpu_mem / 2**30:.2f} GiB budgeted "
         f"(params {plan['params'] / 2**20:.0f} MiB, grads {plan['grads'] / 2**20:.0f} MiB, optimizer "
@@ -274,21 +280,32 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     `overwrite` discards it. Without either, a directory that holds a store is refused. SIGTERM stops
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands.
     """
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    joined = init_from_env()  # launched by torchrun: one process per rank (lohan/parallel.py)
     try:
-        return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if joined:
+            dist.destroy_process_group()
 
 
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
            overwrite: bool, export_dtype: str | None = None) -> int:
-    console = Console(soft_wrap=True)  # never re-wrap the fixed-width lines, also when piped
+    dp = DataParallel.detect()
+    world = dp.world if dp else 1
+    # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
+    console = Console(soft_wrap=True, quiet=bool(dp and not dp.is_main))
 
     def fail(msg: str) -> int:
-        console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
+        if dp and not dp.is_main:  # a rank's own trouble (its disk, its memory) must be seen too
+            print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
+        else:
+            console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
         return 2
 
     try:
@@ -311,6 +328,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     f"{model.max_seq_len} or less{more}")
     if run.batch_size % run.engine.micro_batches:
         return fail(f"batch_size {run.batch_size} is not divisible by micro_batches {run.engine.micro_batches}")
+    if run.batch_size % (run.engine.micro_batches * world):
+        return fail(f"batch_size {run.batch_size} does not split over {world} ranks x {run.engine.micro_batches} "
+                    f"micro-batch(es): each rank trains batch_size / {world} sequences; use a multiple of "
+                    f"{world * run.engine.micro_batches}")
     try:
         dataset = load_dataset(run, model, seq_len)
         dataset, eval_set = load_eval_set(run, model, dataset, seq_len)
@@ -341,11 +362,20 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem, store_name=e.name,
                                    checksums=e.checksums))
-        report = fit_report(mcfg, machine, run.batch_size, seq_len, e.compute_dtype, e.micro_batches,
+        if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
+            machine = data_parallel_machine(machine, world, dp.local_world)
+        report = fit_report(mcfg, machine, run.batch_size // world, seq_len, e.compute_dtype, e.micro_batches,
                             e.prefetch_depth, per_epoch, slots=e.slots,
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1)
     except ValueError as err:
         return fail(str(err))
+    if dp:
+        net = network_bytes_per_step(mcfg.param_count(), world, 4 if e.compute_dtype == "fp32" else 2)
+        console.print(f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains "
+                      f"{run.batch_size // world} of the {run.batch_size} sequences of a batch and stores and updates "
+                      f"1/{world} of every block's optimizer states under its own rank<r> directory; the plan below "
+                      f"is one rank's. Network per step and rank: {net / 1e9:.2f} GB sent and as much received "
+                      "(gradient all-reduce in fp32, P16 all-gathers in forward and backward)")
     if dry_run:
         console.print(report.format())
         console.print(f"dry run: {steps} steps would take about {report.step_s * steps / 3600:.3g} h; nothing "
@@ -360,10 +390,20 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     "'rtx4090,12xP5510,256GB'")
 
     # ---- the engine: refuse what would discard or misread a store, then open, continue or create it
+    store_dirs = dp.rank_dirs(e.nvme) if dp else e.nvme  # where this process's store lives
     try:
-        status = StateStore.status(e.nvme, e.name)
+        status = StateStore.status(store_dirs, e.name)
+        decided = read_decision(e.nvme, e.name)
     except (StoreCorruptError, ValueError) as err:
         return fail(str(err))
+    if resume and dp and decided is not None and decided["world"] != world:
+        return fail(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks, and this run has {world}: "
+                    f"resume it with {decided['world']} ranks in all. Another world size would need the optimizer "
+                    "states re-sharded, which lohan does not do; export the model and start a new run to change it")
+    if decided is not None and not dp and StateStore.status(e.nvme, e.name).state == "none":
+        return fail(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks (under rank0 .. "
+                    f"rank{decided['world'] - 1}); launch it as it was: torchrun --nproc-per-node ... with "
+                    f"{decided['world']} ranks in all, and the same command line")
     if resume and status.state == "none":
         return fail(f"nothing to resume in {e.nvme[0]}: it holds no lohan store named {e.name!r}. Check the --nvme "
                     "path (and engine.name), or drop --resume to start a new run")
@@ -377,7 +417,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         except (StoreCorruptError, ValueError) as err:
             return fail(str(err))
     engine_cfg = e.with_overrides(total_steps=e.total_steps or steps)
-    saved_profile = Path(e.nvme[0]) / f"{e.name}.profile.json"
+    saved_profile = Path(store_dirs[0]) / f"{e.name}.profile.json"
     if resume and not e.profile_from and saved_profile.exists():
         # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
         engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
@@ -396,15 +436,19 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     start = engine.step_count
     metrics_path = Path(run.metrics) if run.metrics else Path(e.nvme[0]).parent / "metrics.jsonl"
     try:
-        data_state = load_run_state(run, seq_len, engine) if resume else None
+        data_state = load_run_state(run, seq_len, engine) if resume and not (dp and not dp.is_main) else None
+        if dp:  # rank 0's data position and RNG: every rank must cut the same global batches
+            data_state, rng = dp.broadcast((data_state, torch.get_rng_state()))
+            torch.set_rng_state(rng)
         batches = make_batches(run, model, dataset, seq_len, start, data_state)
     except (OSError, ValueError) as err:
         engine.close()
         return fail(str(err))
     if resume:
         console.print(f"resuming from the state committed at step {start}")
-    elif metrics_path.exists():
+    elif metrics_path.exists() and not (dp and not dp.is_main):
         metrics_path.unlink()  # a fresh run: the store was started over, so are its metrics
+    main_rank = not dp or dp.is_main  # writes the metrics, the run state and the export
     label = os.path.basename(os.path.normpath(run.model)) if model.hf_program is not None else mcfg.name
     _header(console, run, mcfg, engine, seq_len, label)
     if eval_set is not None:
@@ -414,7 +458,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     history: list[StepMetrics] = []
     code = 0
     try:
-        with MetricsWriter(metrics_path) as writer, progress_bar(steps, console, completed=start) as bar:
+        writer_cm = MetricsWriter(metrics_path) if main_rank else contextlib.nullcontext(None)
+        with writer_cm as writer, progress_bar(steps, console, completed=start) as bar:
             # one batch ahead: a step whose optimizer pass runs after backward runs the next forward beside it
             position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
             batch = next(batches) if start < steps else None
@@ -422,7 +467,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                 after = position()  # the data position once this step's batch is consumed
                 nxt = next(batches) if s + 1 < steps else None
                 loss = engine.step(batch, next_batch=nxt)
-                save_run_state(run, seq_len, engine, after)
+                if main_rank:
+                    save_run_state(run, seq_len, engine, after)
                 batch = nxt
                 m = engine.last_metrics
                 # after the run state is saved: an evaluation reads the committed weights and nothing else
@@ -438,10 +484,15 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
                     loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s)
                 history.append(sm)
-                writer.write(sm)
+                if writer is not None:
+                    writer.write(sm)
                 report_step(bar, sm, steps)
         if export:
-            _export(console, run, model, engine, export, export_dtype)
+            if main_rank:
+                _export(console, run, model, engine, export, export_dtype)
+            else:  # the same reads, in the same order: each one gathers a block from every rank
+                for b in engine.layout.blocks:
+                    engine.read_params(b.index)
     except KeyboardInterrupt as err:
         console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.step_count} is on NVMe with "
                       "its data position (continue with --resume)")
@@ -462,7 +513,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             engine.close()
         except (OSError, RuntimeError) as err:  # a failing disk may fail the close too; the commit stands
             log.warning("closing the engine failed: %s", err)
-    if history:
+    if history and main_rank:
         console.print(format_summary(history))
         clipped = sum(h.clip_coef is not None and h.clip_coef < 1 for h in history)
         redone, skipped = sum(h.redone for h in history), sum(h.skipped for h in history)
@@ -529,11 +580,11 @@ def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out:
     if model.hf_program is not None:
         from .models.hf import export_hf
 
-        dtype = export_hf(engine, model.hf_program, run.model, tmp, dtype)
+        dtype = export_hf(engine.whole, model.hf_program, run.model, tmp, dtype)
     else:
         from .models.gpt_export import export_gpt2
 
-        export_gpt2(engine, model.config, tmp)
+        export_gpt2(engine.whole, model.config, tmp)
         dtype = "float32"
     for f in tmp.iterdir():  # durable before it replaces anything
         with open(f, "rb") as fh:

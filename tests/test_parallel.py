@@ -197,3 +197,40 @@ def test_resume_with_another_world_size_is_refused(tmp_path):
     assert all(c != 0 for c in codes)
     assert "run on 2 ranks, and this run has 3" in out
     assert read_decision([str(tmp_path / "dp")], "lohan") == {"world": 2, "step": 2}  # nothing was touched
+
+
+# --------------------------------------------------------------- the CLI under torchrun
+def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_exports(tmp_path):
+    """`torchrun --nproc-per-node 2 finetune.py ...` with the same flags as one process with micro_batches=2
+    (fp32, one intra-op thread each, as torchrun sets): the exported weights are the same bytes, rank 0
+    alone writes the metrics and the export, and each rank's store is under DIR/rank<r>."""
+    from safetensors.torch import load_file
+
+    def cli(nvme: Path, export: Path, extra: list[str]) -> list[str]:
+        return ["finetune.py", "--config", "configs/tiny.yaml", "--nvme", str(nvme), "--steps", "3", "--batch-size",
+                "4", "--seq-len", "64", "--export", str(export), "--set", "engine.compute_dtype=fp32",
+                "--set", "engine.total_steps=3", "--set", "engine.cpu_mem=1GiB", *extra]
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOHAN_DEVICE="cpu")
+    env.pop("LOHAN_CRASH_AT", None)
+    dp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                         "--master-port", str(_free_port()), *cli(tmp_path / "dp", tmp_path / "dp-out", [])],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert dp.returncode == 0, dp.stdout + dp.stderr
+    assert dp.stdout.count("run summary") == 1  # rank 0 speaks for the group
+    assert "data parallel: 2 ranks" in dp.stdout
+    assert (tmp_path / "dp" / "rank0" / "lohan.store.json").exists()
+    assert (tmp_path / "dp" / "rank1" / "lohan.store.json").exists()
+    # the metrics: one file, one record per step, counting the group's tokens
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and {r["tokens"] for r in records} == {4 * 64}
+    one = subprocess.run([sys.executable, *cli(tmp_path / "one", tmp_path / "one-out",
+                                               ["--set", "engine.micro_batches=2"])],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stdout + one.stderr
+    shards = sorted(p.name for p in (tmp_path / "one-out").glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in (tmp_path / "dp-out").glob("*.safetensors"))
+    for name in shards:
+        a, b = load_file(tmp_path / "one-out" / name), load_file(tmp_path / "dp-out" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
