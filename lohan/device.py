@@ -30,10 +30,15 @@ class Device:
     """The compute device plus the copy machinery the engine needs."""
 
     def __init__(self, kind: str = "auto") -> None:
+        # "cuda:N": one GPU of several (a data-parallel rank's, parallel.py); it becomes the current device,
+        # so the streams, the caching allocator and the copies all use it
+        kind, _, index = kind.partition(":")
         kind = resolve_device(kind)
         self.type = kind
-        self.torch = torch.device(kind)
+        self.torch = torch.device(f"{kind}:{index}" if index and kind == "cuda" else kind)
         self.is_cuda = kind == "cuda"
+        if self.is_cuda and index:
+            torch.cuda.set_device(self.torch)
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from io_engine.base import align_up
 
 from .config import EngineConfig, ModelConfig, get_model_config
 from .crashpoints import crashpoint
-from .device import Device
+from .device import Device, resolve_device
 from .dirlock import DirLock
 from .gradstash import GradStash
 from .integrity import StoreCorruptError, unit_bounds
@@ -143,11 +143,11 @@ class Engine:
             local = self.dp.local_world
             cfg = cfg.with_overrides(
                 nvme=self.dp.rank_dirs(cfg.nvme), cpu_mem=cfg.cpu_mem // local,
-                emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None,
-                device=f"cuda:{self.dp.local_rank}" if cfg.device == "cuda" else cfg.device)
+                emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None)
         self.cfg = cfg
         self.program = program
-        self.device = Device(cfg.device)
+        gpu = self.dp is not None and resolve_device(cfg.device) == "cuda"
+        self.device = Device(f"cuda:{self.dp.local_rank}" if gpu else cfg.device)  # a rank's own GPU
         self.compute_dtype = DTYPES[cfg.compute_dtype]
         self.flops_per_token = flops_per_token
         n = len(program.modules)

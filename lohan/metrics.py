@@ -60,7 +60,7 @@ GB = 10**9
 GIB = 2**30
 """Bytes in a gibibyte (memory: GiB)."""
 
-IDLE_LANES = ("wait",)
+IDLE_LANES = ("wait", "gather", "reduce_wait")
 """Lane names that record waiting, not work; :func:`overlap_percent` leaves them out."""
 
 
@@ -181,6 +181,9 @@ class StepMetrics:
     """Perplexity on the eval set, ``exp(eval_loss)``."""
     eval_s: float | None = None
     """Wall-clock seconds of the evaluation (not part of :attr:`step_s`)."""
+    network_bytes: int | None = None
+    """Data parallel: bytes this rank sent over the network during the step (ring collectives; it received as
+    many); None in one process."""
 
     @classmethod
     def from_counters(
@@ -205,6 +208,7 @@ class StepMetrics:
         loss_scale: float | None = None,
         eval_loss: float | None = None,
         eval_s: float | None = None,
+        network_bytes: int | None = None,
     ) -> StepMetrics:
         """Derive the rates of a step from raw counters (bytes, FLOPs, seconds).
 
@@ -252,15 +256,19 @@ class StepMetrics:
             eval_loss=None if eval_loss is None else float(eval_loss),
             eval_ppl=None if eval_loss is None else perplexity(eval_loss),
             eval_s=eval_s,
+            network_bytes=network_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``.
-        The ``eval_*`` fields appear only on the records of steps that evaluated."""
+        The ``eval_*`` fields appear only on the records of steps that evaluated, ``network_bytes`` only in
+        data-parallel runs."""
         record = dataclasses.asdict(self)
         if self.eval_loss is None:
             for name in EVAL_FIELDS:
                 del record[name]
+        if self.network_bytes is None:
+            del record["network_bytes"]
         return _json_safe(record)
 
 

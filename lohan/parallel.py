@@ -30,6 +30,8 @@ Host buffers are reduced and gathered over gloo (a gloo group is created when th
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import math
 import os
 from collections.abc import Sequence
@@ -139,6 +141,16 @@ def init_from_env(device: str = "cpu") -> bool:
         return False
     dist.init_process_group("gloo")
     return True
+
+
+def leave_group(done: bool) -> None:
+    """Destroy the process group `init_from_env` joined. After a run that ended well on this rank, the ranks
+    leave together (a barrier that gives up after a minute): a rank tearing its gloo connections down while
+    another still finishes its last collective was seen to abort (std::terminate) at exit now and then."""
+    if done:
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    dist.destroy_process_group()
 
 
 @dataclass

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -45,7 +44,7 @@ from .engine import Engine, MemoryPlanError, NonFiniteError, init
 from .fit import data_parallel_machine, described_hardware, detect_hardware, fit_report, local_problems
 from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
-from .parallel import DataParallel, init_from_env, network_bytes_per_step, read_decision
+from .parallel import DataParallel, init_from_env, leave_group, network_bytes_per_step, read_decision
 from .store import StateStore
 
 log = logging.getLogger(__name__)
@@ -281,17 +280,20 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands.
     """
     joined = init_from_env()  # launched by torchrun: one process per rank (lohan/parallel.py)
+    code = 2
     try:
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-            return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+            return code
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            return _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+            return code
         finally:
             signal.signal(signal.SIGTERM, previous)
     finally:
         if joined:
-            dist.destroy_process_group()
+            leave_group(code == 0)
 
 
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
@@ -482,7 +484,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                     gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
                     lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
                     clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
-                    loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s)
+                    loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s,
+                    network_bytes=m.get("network_bytes"))
                 history.append(sm)
                 if writer is not None:
                     writer.write(sm)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import lohan
 from lohan.config import EngineConfig, get_model_config
+from lohan.parallel import leave_group
 
 
 def batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 123):
@@ -41,7 +42,7 @@ def main(spec_path: str) -> None:
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "weights": weights, "start": start,
                     "lanes": metrics.get("lanes"), "tokens": metrics.get("tokens")}, spec["out"])
-    dist.destroy_process_group()
+    leave_group(True)
 
 
 if __name__ == "__main__":

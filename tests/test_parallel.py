@@ -225,6 +225,7 @@ def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_expor
     # the metrics: one file, one record per step, counting the group's tokens
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and {r["tokens"] for r in records} == {4 * 64}
+    assert all(r["network_bytes"] > 0 for r in records)
     one = subprocess.run([sys.executable, *cli(tmp_path / "one", tmp_path / "one-out",
                                                ["--set", "engine.micro_batches=2"])],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
