@@ -159,7 +159,8 @@ def write_markdown(report: dict, path: Path) -> None:
             f"{report['rounds']} round(s) of {report['steps']} measured steps after {report['warmup']} warm-up, rank "
             f"counts interleaved. Threads per rank: cores / ranks. Machine: {env['cpu']}, {env['cores']} cores; "
             f"torch {env['torch']}.", "", *rows, "",
-            f"`scaling_2_ranks` = {report['scaling_2_ranks']}" if report.get("scaling_2_ranks") else "", "",
+            f"`scaling_2_ranks` = {report['scaling_2_ranks']:.3f} (tokens/s of 2 ranks / of 1)"
+            if report.get("scaling_2_ranks") else "", "",
             report["note"], ""]
     path.write_text("\n".join(text))
 
