@@ -602,17 +602,32 @@ def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out:
 
 def verify_store(run: RunConfig) -> int:
     """`finetune.py --verify`: read every record of the store in the run's NVMe directories and check it
-    against the committed checksums. Exit code 0: intact; 1: damaged (each damaged unit is listed); 2: no
-    store, or its metadata is unreadable."""
+    against the committed checksums (a data-parallel run's: every rank's store, one after the other, in
+    one process). Exit code 0: intact; 1: damaged (each damaged unit is listed); 2: no store, or its
+    metadata is unreadable."""
     console = Console(soft_wrap=True)
     e = run.engine
     try:
-        status = StateStore.status(e.nvme, e.name)
+        decided = read_decision(e.nvme, e.name)
+    except StoreCorruptError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 2
+    stores = ([tuple(os.path.join(d, f"rank{r}") for d in e.nvme) for r in range(decided["world"])]
+              if decided is not None and StateStore.status(e.nvme, e.name).state == "none" else [e.nvme])
+    worst = 0
+    for dirs in stores:
+        worst = max(worst, _verify_one(console, e, dirs, named=len(stores) > 1))
+    return worst
+
+
+def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named: bool) -> int:
+    try:
+        status = StateStore.status(dirs, e.name)
         if status.state != "complete":
-            console.print(f"[red]error:[/red] {escape(e.nvme[0])} holds {status.describe()}: nothing to verify")
+            console.print(f"[red]error:[/red] {escape(dirs[0])} holds {status.describe()}: nothing to verify")
             return 2
-        with DirLock(list(e.nvme)):
-            store = StateStore.open(list(e.nvme), e.backend, e.chunk_bytes, e.name)
+        with DirLock(list(dirs)):
+            store = StateStore.open(list(dirs), e.backend, e.chunk_bytes, e.name)
             try:
                 with Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TextColumn("blocks"),
                               TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -627,8 +642,10 @@ def verify_store(run: RunConfig) -> int:
     if problems:
         for p in problems:
             console.print(f"[red]damaged:[/red] {escape(p)}")
-        console.print(f"{len(problems)} damaged unit(s) in {escape(', '.join(e.nvme))}: restore the directories from a "
+        console.print(f"{len(problems)} damaged unit(s) in {escape(', '.join(dirs))}: restore the directories from a "
                       "backup, or start over with --overwrite")
         return 1
-    console.print(f"{status.describe()}: all {len(store.layout.blocks)} blocks ({gib:.2f} GiB) match their checksums")
+    where = f" in {dirs[0]}" if named else ""
+    console.print(f"{status.describe()}{where}: all {len(store.layout.blocks)} blocks ({gib:.2f} GiB) match their "
+                  "checksums")
     return 0

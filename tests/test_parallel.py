@@ -23,7 +23,9 @@ import torch
 
 import lohan
 from lohan.config import EngineConfig, get_model_config
-from lohan.parallel import SHARD_ALIGN, read_decision, shard_bounds, shard_layout
+from lohan.fit import Machine, data_parallel_machine
+from lohan.parallel import SHARD_ALIGN, network_bytes_per_step, read_decision, shard_bounds, shard_layout
+from lohan.planner import Hardware
 from lohan.store import BlockLayout, ParamSpec, StoreLayout
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -81,15 +83,19 @@ def launch(tmp: Path, world: int, engine: dict, steps: int = STEPS, batch: int =
     return [p.returncode for p in procs], out
 
 
-def single_process(nvme: str, engine: dict, steps: int = STEPS, batch: int = 4, micro_batches: int = 2):
-    """One process, micro_batches = the ranks' count, one intra-op thread: losses and fp32 weights."""
+def single_process(nvme: str, engine: dict, steps: int = STEPS, batch: int = 4, micro_batches: int = 2,
+                   evaluate: bool = False):
+    """One process, micro_batches = the ranks' count, one intra-op thread: losses and fp32 weights (and the
+    evaluation loss of the first batch after training, as the workers take it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cfg = EngineConfig(**{**engine, "nvme": (nvme,), "betas": tuple(engine["betas"]), "micro_batches": micro_batches})
         with lohan.init(get_model_config("tiny", **MODEL), cfg) as e:
-            losses = [e.step(b) for b in batches(steps, batch, MODEL["seq_len"], MODEL["vocab_size"])]
-            return losses, e.state_dict_fp32()
+            data = list(batches(steps, batch, MODEL["seq_len"], MODEL["vocab_size"]))
+            losses = [e.step(b) for b in data]
+            out = (losses, e.state_dict_fp32())
+            return (*out, e.evaluate(data[0])) if evaluate else out
     finally:
         torch.set_num_threads(threads)
 
@@ -127,6 +133,21 @@ def test_shards_cover_each_block_once_aligned_and_small_blocks_are_replicated():
     assert shard_bounds(_block([33, 40960]), 2) is None
 
 
+def test_one_ranks_plan_prices_its_share_of_the_machine():
+    """fit_report of the whole model on `data_parallel_machine` prices one rank: 1/N of the states' traffic and
+    AdamW work over 1/L of the machine's SSDs, CPU and RAM (L ranks per machine)."""
+    hw = Hardware("box", thp_g=1e12, bw_g=1e10, bw_s2m=4e9, bw_m2s=3e9, mem_avail=2**34, ram=2**36,
+                  ssd_bytes=10**12, cpu_adam_params_per_s=1e9)
+    one = data_parallel_machine(Machine(hw, ()), 4, 4).hardware  # one machine, 4 GPUs: SSDs shared 4 ways
+    assert (one.bw_s2m, one.bw_m2s, one.ssd_bytes, one.cpu_adam_params_per_s) == (4e9, 3e9, 10**12, 1e9)
+    assert (one.ram, one.mem_avail, one.thp_g) == (2**34, 2**32, 1e12)
+    two = data_parallel_machine(Machine(hw, (), device_is_host=True), 4, 2).hardware  # 2 machines x 2 ranks
+    assert (two.bw_s2m, two.cpu_adam_params_per_s, two.ram, two.thp_g) == (8e9, 2e9, 2**35, 5e11)
+    assert data_parallel_machine(Machine(hw, ()), 1, 1).hardware == hw
+    p = 10**9  # 2 ranks: 4 bytes (fp32 gradient, all-reduced) + 2 bytes (bf16 P16, gathered twice) per parameter
+    assert network_bytes_per_step(p, 2, 2) == 6 * p and network_bytes_per_step(p, 1, 2) == 0
+
+
 # --------------------------------------------------------------- exactness
 @pytest.mark.parametrize("mode", ["serial", "naive", "optimized"])
 def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, mode):
@@ -134,9 +155,15 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, mode):
     codes, out = launch(tmp_path, 2, engine)
     assert codes == [0, 0], out
     result = torch.load(tmp_path / "run.pt")
-    assert_same(result, *single_process(str(tmp_path / "one"), engine))
+    losses, weights, eval_loss = single_process(str(tmp_path / "one"), engine, evaluate=True)
+    assert_same(result, losses, weights)
+    assert result["eval"] == eval_loss  # evaluate: each rank its slice, the mean over both
     assert result["tokens"] == 4 * MODEL["seq_len"]  # metrics count the global batch
     assert {"gather", "reduce_wait"} <= set(result["lanes"])
+    # the cost model's network bytes: every block gathered in forward and backward; blocks that stay resident
+    # across the turn (the last layers, the tied embedding) are gathered once, and small ones never
+    model = network_bytes_per_step(sum(w.numel() for w in weights.values()), 2, 4)
+    assert 0.6 * model <= result["network_bytes"] <= model
 
 
 def test_two_ranks_deferred_updates_with_the_next_forward_beside_them(tmp_path):
@@ -222,6 +249,9 @@ def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_expor
     assert "data parallel: 2 ranks" in dp.stdout
     assert (tmp_path / "dp" / "rank0" / "lohan.store.json").exists()
     assert (tmp_path / "dp" / "rank1" / "lohan.store.json").exists()
+    verify = subprocess.run([sys.executable, "finetune.py", "--config", "configs/tiny.yaml", "--nvme",
+                             str(tmp_path / "dp"), "--verify"], cwd=root, env=env, capture_output=True, text=True)
+    assert verify.returncode == 0 and verify.stdout.count("match their checksums") == 2, verify.stdout
     # the metrics: one file, one record per step, counting the group's tokens
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and {r["tokens"] for r in records} == {4 * 64}
