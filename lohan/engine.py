@@ -692,6 +692,10 @@ class Engine:
         params = self.streamer.acquire(visits[p], slot)
         for nxt in visits[p + 1:p + 1 + self.cfg.prefetch_depth]:
             self.streamer.prefetch(nxt, slot)
+        # data parallel: the next block's shards gather beside this block's compute (it was prefetched just
+        # now, so its buffer exists: without prefetching, taking one could wait for this block's)
+        if self.dp and self.cfg.prefetch_depth and p + 1 < len(visits):
+            self.streamer.gather_ahead(visits[p + 1], slot)
         return params
 
     def _leave(self, visits: list[int], p: int) -> None:

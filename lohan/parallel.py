@@ -194,12 +194,13 @@ class DataParallel:
         self.reduced_bytes += t.numel() * t.element_size()
         return dist.all_reduce(t, group=self.group, async_op=True)
 
-    def all_gather_(self, padded: torch.Tensor, shard: int) -> None:
+    def all_gather_(self, padded: torch.Tensor, shard: int, async_op: bool = False) -> Any:
         """In place: rank q's `shard` elements at [q*shard, (q+1)*shard) of `padded` go to every rank (a
-        copy: no arithmetic touches the bits)."""
+        copy: no arithmetic touches the bits). With `async_op`, returns the work to `wait()` on."""
         flat = padded[:self.world * shard]
         self.gathered_bytes += flat.numel() * flat.element_size()
-        dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group)
+        return dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group,
+                                           async_op=async_op)
 
     def sum(self, x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)

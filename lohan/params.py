@@ -74,6 +74,7 @@ class ParamStreamer:
         self.bytes_read = 0
         self.kept_hits = 0
         self.gather_s = 0.0
+        self._gathering: dict[int, tuple[AlignedBuffer, object, int]] = {}  # block -> (buffer, gather work, slot)
 
     def buffer_bytes(self, i: int) -> int:
         """Host bytes of block i's P16 buffer: the block, or (sharded) the ranks' equal shards end to end."""
@@ -126,7 +127,8 @@ class ParamStreamer:
 
     def prefetch(self, i: int, slot: int) -> None:
         """Start reading block i's P16 from `slot` unless it is already resident, on its way or expected."""
-        if i in self._resident or i in self._inflight or i in self._provisions or not 0 <= i < len(self.blocks):
+        if (i in self._resident or i in self._inflight or i in self._provisions or i in self._gathering
+                or not 0 <= i < len(self.blocks)):
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
@@ -142,40 +144,27 @@ class ParamStreamer:
         if i in self._resident:
             return self._resident[i][1]
         layout = self.layout.blocks[i]
-        kept = None if i in self._provisions or i in self._inflight or not self.keeps else self.pool.take_kept((i, slot))
-        from_ssd = i not in self._provisions and kept is None
-        if kept is not None:  # checked when it was read (or the optimizer's own bytes)
-            buf = kept
-            self.kept_hits += 1
-        elif from_ssd:
-            self.prefetch(i, slot)
-            buf, handle = self._inflight.pop(i)
-            t0 = time.perf_counter()
-            handle.wait()
-            self.wait_s += time.perf_counter() - t0
-        else:
-            buf = self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
-        padded = buf.tensor[:self.buffer_bytes(i)].view(self.store.p16_dtype)
-        if self.store.checksums and from_ssd:
-            start, numel = self._own(i)
+        if i in self._gathering:  # data parallel: started by gather_ahead
+            buf, work, _ = self._gathering.pop(i)
             t0 = time.perf_counter()
             try:
-                for lo, hi in unit_bounds(numel, self.store.check_elems):
-                    self.store.check_unit(i, lo, "p16", tensor_hash(padded[start + lo:start + hi]), slot=slot)
-            except BaseException:
-                buf.release()
-                raise
-            self.hash_s += time.perf_counter() - t0
-        bd = self.bounds[i]
-        if bd is not None:  # the other ranks' shards (the same collectives on every rank, kept or not)
-            t0 = time.perf_counter()
-            try:
-                self.dp.all_gather_(padded, bd[1] - bd[0])
+                work.wait()
             except BaseException:
                 buf.release()
                 raise
             self.gather_s += time.perf_counter() - t0
-        flat = padded[:layout.numel]
+        else:
+            buf = self._host(i, slot)
+            bd = self.bounds[i]
+            if bd is not None:  # the other ranks' shards (the same collectives on every rank, kept or not)
+                t0 = time.perf_counter()
+                try:
+                    self.dp.all_gather_(self._padded(buf, i), bd[1] - bd[0])
+                except BaseException:
+                    buf.release()
+                    raise
+                self.gather_s += time.perf_counter() - t0
+        flat = self._padded(buf, i)[:layout.numel]
         dev = self.device.to_device(flat)
         if self.device.is_cuda:  # the device copy is independent of the host buffer once it completed
             self.device.copy_stream.synchronize()
@@ -189,6 +178,57 @@ class ParamStreamer:
         self._resident[i] = (buf, params, slot)
         self.max_resident = max(self.max_resident, len(self._resident))
         return params
+
+    def gather_ahead(self, i: int, slot: int) -> None:
+        """Data parallel: start all-gathering block i's shards now, so the gather runs beside the compute of
+        the block before it; `acquire(i)` then only waits for it. The engine calls it at the same point on
+        every rank, and whether a gather starts depends on nothing that differs between ranks (not on kept
+        blocks, nor on reads' progress: the read of block i, prefetched a block earlier, is waited for).
+        Blocks the optimizer provides are gathered when acquired (waiting for them here would hold up the
+        block before)."""
+        if (self.dp is None or self.bounds[i] is None or i in self._resident or i in self._gathering
+                or i in self._provisions or not 0 <= i < len(self.blocks)):
+            return
+        buf = self._host(i, slot)
+        bd = self.bounds[i]
+        try:
+            work = self.dp.all_gather_(self._padded(buf, i), bd[1] - bd[0], async_op=True)
+        except BaseException:
+            buf.release()
+            raise
+        self._gathering[i] = (buf, work, slot)
+
+    def _padded(self, buf: AlignedBuffer, i: int) -> torch.Tensor:
+        return buf.tensor[:self.buffer_bytes(i)].view(self.store.p16_dtype)
+
+    def _host(self, i: int, slot: int) -> AlignedBuffer:
+        """Block i's host buffer with this rank's part in place: kept from earlier, read from the SSDs (its
+        checksums verified), or provided by the optimizer."""
+        kept = None if i in self._provisions or i in self._inflight or not self.keeps else self.pool.take_kept((i, slot))
+        from_ssd = i not in self._provisions and kept is None
+        if kept is not None:  # checked when it was read (or the optimizer's own bytes)
+            buf = kept
+            self.kept_hits += 1
+        elif from_ssd:
+            self.prefetch(i, slot)
+            buf, handle = self._inflight.pop(i)
+            t0 = time.perf_counter()
+            handle.wait()
+            self.wait_s += time.perf_counter() - t0
+        else:
+            return self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
+        if self.store.checksums and from_ssd:
+            start, numel = self._own(i)
+            padded = self._padded(buf, i)
+            t0 = time.perf_counter()
+            try:
+                for lo, hi in unit_bounds(numel, self.store.check_elems):
+                    self.store.check_unit(i, lo, "p16", tensor_hash(padded[start + lo:start + hi]), slot=slot)
+            except BaseException:
+                buf.release()
+                raise
+            self.hash_s += time.perf_counter() - t0
+        return buf
 
     def _take_provision(self, i: int) -> AlignedBuffer:
         """Wait for block i's offer to be complete and take its buffer."""
@@ -236,6 +276,12 @@ class ParamStreamer:
             handle.wait()
             buf.release()
         self._inflight.clear()
+        for buf, work, _ in list(self._gathering.values()):  # the collective still writes into the buffer
+            try:
+                work.wait()
+            finally:
+                buf.release()
+        self._gathering.clear()
 
 
 class _Provision:

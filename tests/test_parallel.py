@@ -69,7 +69,7 @@ def launch(tmp: Path, world: int, engine: dict, steps: int = STEPS, batch: int =
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], env=env, stdout=log, stderr=log))
     deadline = time.monotonic() + 300
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # (poll every process: returncode is set by poll)
         if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
