@@ -40,7 +40,10 @@ model loading and store creation are not counted; the whole-life VmHWM and an ou
 are kept too), disk bytes read and written per step (the child's /proc/self/io read_bytes/write_bytes around
 each timed step: what reached the block layer, O_DIRECT included), the losses (equal weights and data: the
 first step's loss matches across systems), and where the time goes (forward / backward / optimizer for the
-DeepSpeed and torch loops, the engine's lanes for lohan).
+DeepSpeed and torch loops, the engine's lanes for lohan), and the CPU the process used per step (user +
+system seconds of all its threads, getrusage) and the share of the machine's cores that is: on a box whose
+cores also do the model's compute, the work beside it (optimizer, checksums, I/O in the kernel) and the
+cores left idle show there.
 
 Tuning (`--tune`): for each peer, coordinate descent over `TUNE_GRID` (declared below): start from the
 settings in `SETTINGS`, try each other value of one knob at a time with short runs (1 warm-up + 2 timed
@@ -61,6 +64,7 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import socket
@@ -388,13 +392,16 @@ def child(args: argparse.Namespace) -> int:
         idx, targets = pending
         pending = next(data) if k + 1 < total else None
         io0 = _proc_io()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         loss, parts = step(idx, targets, pending)
         dt_s = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         io1 = _proc_io()
         records.append({"step": k + 1, "warmup": k < args.warmup, "step_s": dt_s, "loss": loss,
                         "disk_read_bytes": io1["read_bytes"] - io0["read_bytes"],
                         "disk_write_bytes": io1["write_bytes"] - io0["write_bytes"],
+                        "cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
                         "rss_end_bytes": _status_bytes("VmRSS"), "t_end": time.monotonic(), **parts})
         print(f"[{args.child}] step {k + 1}{' (warm-up)' if k < args.warmup else ''}: {dt_s:.3f} s, loss "
               f"{loss:.4f}", flush=True)
@@ -534,6 +541,10 @@ def _has_cuda() -> bool:
 def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     timed = [r for r in res["records"] if not r["warmup"]]
     med = statistics.median(r["step_s"] for r in timed)
+    for r in timed:  # (records of reports made before these were measured have none)
+        if r.get("cpu_user_s") is not None:
+            r["cpu_s"] = r["cpu_user_s"] + r["cpu_sys_s"]
+            r["cpu_busy"] = r["cpu_s"] / (r["step_s"] * (os.cpu_count() or 1))
     tokens = a.batch * a.seq
 
     def med_of(key: str) -> float | None:
@@ -547,6 +558,8 @@ def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                                       res["sampled_peak_rss_bytes"] or 0),
         disk_read_bytes_per_step=med_of("disk_read_bytes"), disk_write_bytes_per_step=med_of("disk_write_bytes"),
         losses=[r["loss"] for r in res["records"]],
+        cpu_s_per_step=med_of("cpu_s"), cpu_user_s_per_step=med_of("cpu_user_s"),
+        cpu_sys_s_per_step=med_of("cpu_sys_s"), cpu_busy=med_of("cpu_busy"),
         breakdown={k: med_of(k) for k in ("forward_s", "backward_s", "optimizer_s", "engine_step_s") if med_of(k)},
     )
     lanes = [r["lanes"] for r in timed if r.get("lanes")]
@@ -644,6 +657,7 @@ def environment() -> dict[str, Any]:
 
 
 ROW_KEYS = ("system", "s_per_step", "tokens_per_s", "peak_rss_bytes", "peak_rss_whole_life_bytes",
+            "cpu_s_per_step", "cpu_user_s_per_step", "cpu_sys_s_per_step", "cpu_busy",
             "disk_read_bytes_per_step", "disk_write_bytes_per_step", "settings")
 
 
@@ -658,6 +672,13 @@ def row_of(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _cpu_cell(r: dict[str, Any]) -> str:
+    if r.get("cpu_s_per_step") is None:
+        return "-"
+    return (f"{r['cpu_s_per_step']:.2f} ({r['cpu_user_s_per_step']:.2f} + {r['cpu_sys_s_per_step']:.2f}), "
+            f"{100 * r['cpu_busy']:.0f}%")
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# lohan vs DeepSpeed ZeRO-Infinity / ZeRO-Offload / PyTorch — {report['timestamp']}", "",
              f"`{report['command']}`", "",
@@ -670,13 +691,14 @@ def markdown(report: dict[str, Any]) -> str:
     for size, m in report["models"].items():
         lines += [f"## {size} ({m['params'] / 1e6:.1f}M parameters)", "",
                   "| system | s/step | tokens/s | peak RSS (steps) GiB | peak RSS (whole life) GiB | disk read GB/step | "
-                  "disk write GB/step | first loss | where the time goes | settings |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "disk write GB/step | CPU s/step (user + sys), cores busy | first loss | where the time goes | "
+                  "settings |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in m["rows"]:
             if r.get("skipped") or r.get("failed"):
                 why = r.get("reason") or "failed (see log_tail in the JSON)"
                 lines.append(f"| {r['system']} | {'skipped' if r.get('skipped') else 'failed'}: {why} |"
-                             + " |" * 8)
+                             + " |" * 9)
                 continue
             b = r["breakdown"]
             if "lanes" in b:
@@ -687,7 +709,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['system']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
                          f"{r['peak_rss_bytes'] / GiB:.2f} | {r['peak_rss_whole_life_bytes'] / GiB:.2f} | "
                          f"{r['disk_read_bytes_per_step'] / 1e9:.2f} | {r['disk_write_bytes_per_step'] / 1e9:.2f} | "
-                         f"{r['first_loss']:.4f} | {where} | {sets} |")
+                         f"{_cpu_cell(r)} | {r['first_loss']:.4f} | {where} | {sets} |")
         k, ok = m["keys"], m["pass"]
         lines += ["", "| key | value | target | met |", "|---|---|---|---|"]
         for name, (op, target) in TARGETS.items():
@@ -860,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{max(r['step_s_all']):.3f}), {r['tokens_per_s']:.0f} tok/s, peak RSS "
                         f"{r['peak_rss_bytes'] / GiB:.2f} GiB (whole life {r['peak_rss_whole_life_bytes'] / GiB:.2f}), "
                         f"disk {r['disk_read_bytes_per_step'] / 1e9:.2f} GB read + "
-                        f"{r['disk_write_bytes_per_step'] / 1e9:.2f} GB written per step, loss "
+                        f"{r['disk_write_bytes_per_step'] / 1e9:.2f} GB written per step, CPU {_cpu_cell(r)}, loss "
                         f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, {r['wall_s']:.0f} s | "
                         + json.dumps({k: v for k, v in b.items() if k != "lanes"}, default=lambda x: round(x, 3)))
             k = keys(rows)
