@@ -682,6 +682,7 @@ class Engine:
         try:  # nothing current was touched: the last commit stands
             c = self.store.commit_state
             self.store.commit(step, read_slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
+                              loss_scale=c.loss_scale, growth_tracker=c.growth_tracker,  # fp16: as committed
                               keep_prev=self.dp is not None)  # (the other ranks may be gone: no decision)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "

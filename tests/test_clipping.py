@@ -318,3 +318,35 @@ def test_fp16_scale_survives_a_resume(make_dirs):
                                        loss_scale_growth_interval=3), resume=True) as engine:
         assert engine.store.commit_state.loss_scale == scale < 2.0**30
         assert [engine.step(b) for b in data[3:]] == rest
+
+
+def test_fp16_scale_survives_a_failed_step(make_dirs, monkeypatch):
+    """A step that fails (here: the optimizer pipeline refuses a gradient) rolls back to the last commit,
+    loss scale and growth tracker included, so the next step runs on the scale GradScaler would have."""
+    dirs = make_dirs(1)
+    ecfg = config(dirs, compute_dtype="fp16", loss_scale=2.0**24, loss_scale_growth_interval=100)
+    data = list(batches(20))
+    with lohan.init(tiny_cfg(), ecfg) as engine:
+        for b in data[:-1]:  # overflows halve the scale, then clean steps are counted
+            engine.step(b)
+            before = engine.store.commit_state
+            if before.growth_tracker >= 2:
+                break
+        assert before.loss_scale < 2.0**24 and before.growth_tracker >= 2
+
+        def refuse(i, grad):
+            grad.release()
+            raise RuntimeError("injected: the pipeline is gone")
+        with monkeypatch.context() as m:
+            m.setattr(engine.offloader, "submit", refuse)
+            with pytest.raises(RuntimeError, match="injected"):
+                engine.step(data[-1])
+        after = engine.store.commit_state
+        assert (after.step, after.slot, after.loss_scale, after.growth_tracker) == (
+            before.step, before.slot, before.loss_scale, before.growth_tracker)
+    store = StateStore.open(dirs, backend="threads")  # what a resume reads: the commit record on disk
+    try:
+        assert (store.commit_state.loss_scale, store.commit_state.growth_tracker) == (
+            before.loss_scale, before.growth_tracker)
+    finally:
+        store.close()
