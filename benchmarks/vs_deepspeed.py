@@ -187,8 +187,9 @@ def build_lohan(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
     from lohan.config import EngineConfig
     from lohan.hf_engine import init_from_hf
 
-    cfg = EngineConfig(nvme=(str(work / "nvme"),), lr=LR, warmup_steps=0, total_steps=None, betas=BETAS, eps=EPS,
-                       weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, compute_dtype=dtype, **s)
+    base = dict(lr=LR, warmup_steps=0, total_steps=None, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                max_grad_norm=MAX_GRAD_NORM, compute_dtype=dtype)
+    cfg = EngineConfig(nvme=(str(work / "nvme"),), **{**base, **s})  # --lohan-set may override (ablations)
     eng = init_from_hf(model_dir, cfg, overwrite=True)
 
     def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
