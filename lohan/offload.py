@@ -37,7 +37,7 @@ from io_engine.base import align_up, wait_all_handles
 from .crashpoints import crashpoint
 from .gradstash import GradStash, StashedGrad
 from .integrity import Sums, tensor_hash
-from .optim import AdamWHyper, adamw_block_, adamw_chunk_
+from .optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
 from .store import RecordView, StateStore, StoreLayout
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
@@ -53,13 +53,18 @@ def chunk_record_bytes(n: int, p16_itemsize: int) -> int:
     return 3 * align_up(4 * n) + align_up(p16_itemsize * n)
 
 
+UPCAST_ELEMS = 1 << 22
+"""Most elements of gradient the optimizer upcasts (bf16) or scales (clipping) at once: 16 MiB of fp32."""
+
+
 def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype, clip: bool = False) -> int:
     """Bytes of the fp32 scratch the optimizer upcasts bf16 gradients (and scales clipped ones) into
-    (`GradOffloader._fp32`): the largest pipeline unit (a whole block, or a chunk); 0 when the gradients
-    are fp32 already and never scaled."""
+    (`GradOffloader._fp32`): UPCAST_ELEMS, or the largest pipeline unit (a whole block, or a chunk) if
+    smaller; 0 when the gradients are fp32 already and never scaled."""
     if grad_dtype == torch.float32 and not clip:
         return 0
-    return 4 * max(b.numel if chunk_elems is None else min(b.numel, chunk_elems) for b in layout.blocks)
+    return 4 * min(UPCAST_ELEMS, max(b.numel if chunk_elems is None else min(b.numel, chunk_elems)
+                                      for b in layout.blocks))
 
 
 class ClipGate:
@@ -353,12 +358,16 @@ class GradOffloader:
                 g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
                 t0 = time.perf_counter()
                 try:
-                    if (lo, hi) == (0, b.numel):
-                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), self._fp32(g, coef), b, step,
-                                     hyper, self.decays[i])
+                    if g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
+                        p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
+                        adamw_upcast_(p32, g[lo:hi], m, v, p16, step, hyper, b, lo, self.decays[i],
+                                      lambda piece: self._fp32(piece, coef), UPCAST_ELEMS)
+                    elif (lo, hi) == (0, b.numel):
+                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g, b, step, hyper,
+                                     self.decays[i])
                     else:
                         p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
-                        adamw_chunk_(p32, self._fp32(g[lo:hi], coef), m, v, p16, step, hyper, b, lo, self.decays[i])
+                        adamw_chunk_(p32, g[lo:hi], m, v, p16, step, hyper, b, lo, self.decays[i])
                 except BaseException:
                     buf.release()
                     raise
@@ -412,14 +421,18 @@ class GradOffloader:
         scale = coef is not None and float(coef) != 1.0  # x * 1 == x: the unclipped case needs no copy
         if g.dtype == torch.float32 and not scale:
             return g
-        if self._upcast is None:
-            self._upcast = torch.empty(upcast_bytes(self.store.layout, self.chunk_elems, g.dtype, clip=True) // 4,
-                                       dtype=torch.float32)
-        out = self._upcast[:g.numel()]
+        out = self._scratch()[:g.numel()]
         out.copy_(g)
         if scale:  # as clip_grad_norm_ scales: fp32 gradient times the fp32 0-d coefficient
             out.mul_(coef)
         return out
+
+    def _scratch(self) -> torch.Tensor:
+        """The fp32 upcast scratch (`upcast_bytes`), allocated on first use and kept."""
+        if self._upcast is None:
+            self._upcast = torch.empty(upcast_bytes(self.store.layout, self.chunk_elems, torch.bfloat16) // 4,
+                                       dtype=torch.float32)
+        return self._upcast
 
     def _unit_views(self, buf: AlignedBuffer, b, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
         """(P32, m, v, P16) element views of a unit held in a record or chunk buffer."""

@@ -38,16 +38,7 @@ def test_crash_mid_step_leaves_last_commit_intact(make_dirs, monkeypatch):
         engine.step(batch(0))
         engine.step(batch(1))
         before = engine.state_dict_fp32()
-        real = lohan.offload.adamw_block_
-        calls = []
-
-        def failing(*args, **kwargs):  # the process "dies" after two blocks were updated and written
-            calls.append(1)
-            if len(calls) == 3:
-                raise OSError("simulated power loss")
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(lohan.offload, "adamw_block_", failing)
+        fail_on_call(monkeypatch, 3)  # the process "dies" after two blocks were updated and written
         with pytest.raises(RuntimeError, match="optimizer pipeline failed"):
             engine.step(batch(2))
     store = StateStore.open(dirs, backend="threads")
@@ -67,17 +58,20 @@ def test_crash_mid_step_leaves_last_commit_intact(make_dirs, monkeypatch):
 
 
 def fail_on_call(monkeypatch, n: int) -> None:
-    """Make the n-th AdamW block update (1-based) raise, as a crash in the optimizer would."""
-    real = lohan.offload.adamw_block_
+    """Make the n-th AdamW block update (1-based) raise, as a crash in the optimizer would (whichever update
+    function the pipeline calls: fp32 gradients, or bf16 / clipped ones through the upcast scratch)."""
     calls = []
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise OSError("simulated failure")
-        return real(*args, **kwargs)
+    def failing(real):
+        def update(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise OSError("simulated failure")
+            return real(*args, **kwargs)
+        return update
 
-    monkeypatch.setattr(lohan.offload, "adamw_block_", failing)
+    for name in ("adamw_block_", "adamw_chunk_", "adamw_upcast_"):
+        monkeypatch.setattr(lohan.offload, name, failing(getattr(lohan.offload, name)))
 
 
 def test_in_place_store_detects_interrupted_step(make_dirs, monkeypatch):
