@@ -104,6 +104,15 @@ class AlignedBuffer:
     def nbytes(self) -> int:
         return self.tensor.numel()
 
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer takes from its pool's budget (at least `nbytes`)."""
+        return self._full.numel()
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         if self._released:
             raise RuntimeError("buffer released twice")

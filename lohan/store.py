@@ -235,6 +235,7 @@ class StateStore:
         self.commit_path = os.path.join(meta_dir, f"{name}.commit.json")
         self.init_path = os.path.join(meta_dir, f"{name}.init.json")
         self.commit_state = commit
+        self._staged: Commit | None = None  # the durable commit while a newer one is staged
         self.p16_dtype = DTYPES[layout.p16_dtype]
         self.check_elems = check_elems
         self.checksums = checksums
@@ -446,15 +447,23 @@ class StateStore:
 
     def commit(self, step: int, slot: int, sums: Sums | None = None, updates: int | None = None,
                bad_streak: int = 0, loss_scale: float | None = None, growth_tracker: int = 0,
-               keep_prev: bool = False) -> None:
+               keep_prev: bool = False, durable: bool = True) -> None:
         """Make `slot` current at training step `step`, durably (all writes must be complete).
         `sums` are the checksums of every record in `slot` (required when the store keeps checksums);
         `updates` the optimizer updates the slot's states have seen (default: `step`). `keep_prev` keeps the
-        last commit of an earlier step in the record, so `revert` can go back to it (data parallel)."""
+        last commit of an earlier step in the record, so `revert` can go back to it (data parallel).
+
+        `durable=False` stages the commit: it is current for this process at once (reads of `slot` check
+        against its checksums), while the record on disk still names the previous one until `persist`, which
+        is called once the slot's last writes are complete (or `discard_staged` if they failed)."""
         if self.checksums and (sums is None or len(sums) != len(self.layout.blocks)):
             raise RuntimeError(f"commit of step {step} without the checksums of every block")
-        self.volume.sync()
-        crashpoint("store.commit.synced")
+        if self._staged is not None:
+            raise RuntimeError(f"commit of step {step} while the commit of step {self.commit_state.step} is "
+                               "staged: persist or discard it first")
+        if durable:
+            self.volume.sync()
+            crashpoint("store.commit.synced")
         old = self.commit_state
         prev = None
         if keep_prev:
@@ -462,7 +471,34 @@ class StateStore:
         self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums,
                                    updates=None if updates == step else updates, bad_streak=bad_streak,
                                    loss_scale=loss_scale, growth_tracker=growth_tracker, prev=prev)
+        if durable:
+            write_json_atomic(self.commit_path, asdict(self.commit_state))
+        else:
+            self._staged = old
+
+    @property
+    def staged(self) -> bool:
+        """A commit is current in this process but not yet durable (see `commit(durable=False)`)."""
+        return self._staged is not None
+
+    @property
+    def durable_step(self) -> int:
+        """The step the commit record on disk names (a staged commit's step once it is persisted)."""
+        return self._staged.step if self._staged is not None else self.step
+
+    def persist(self) -> None:
+        """Make the staged commit durable: every write to its slot must be complete."""
+        if self._staged is None:
+            return
+        self.volume.sync()
+        crashpoint("store.commit.synced")
         write_json_atomic(self.commit_path, asdict(self.commit_state))
+        self._staged = None
+
+    def discard_staged(self) -> None:
+        """Forget the staged commit (its slot's writes failed): the durable one is current again."""
+        if self._staged is not None:
+            self.commit_state, self._staged = self._staged, None
 
     def revert(self) -> None:
         """Make the commit before the current one current again (its slot must be untouched since: the
@@ -504,6 +540,7 @@ class StateStore:
         one line per damaged unit (empty: the store is intact). Reads unit by unit (bounded memory)."""
         if self.sums is None:
             return ["this store keeps no checksums (created with checksums off): nothing to verify"]
+        self._check_not_staged("verify")
         problems = []
         for b in self.layout.blocks:
             rec = self.layout.record_offset(b.index, self.slot)
@@ -528,6 +565,7 @@ class StateStore:
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Synchronously read block `block`'s fp32 master weights of the current slot (for export/tests);
         the P32, m and v sections are read so their checksums can be verified."""
+        self._check_not_staged("read_params")
         b = self.layout.blocks[block]
         buf = torch.empty(3 * b.state_bytes, dtype=torch.uint8)
         self.volume.read_into(buf, self.layout.record_offset(block, self.slot)).wait()
@@ -537,6 +575,11 @@ class StateStore:
         for lo, hi in unit_bounds(n, self.check_elems):
             self.check_unit(block, lo, "state", tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]))
         return [t.to(dtype).clone() for t in block_views(p32, b)]
+
+    def _check_not_staged(self, what: str) -> None:
+        if self._staged is not None:  # the staged slot's last writes may still be in flight
+            raise RuntimeError(f"{what}: the commit of step {self.step} is staged, not yet durable; the engine's "
+                               "flush() makes it durable first")
 
     def close(self) -> None:
         self.volume.close()
