@@ -340,6 +340,14 @@ class EngineConfig:
     Blocks with bigger records (a 175B layer's is 25 GB) are updated in chunks, so the optimizer's
     memory is ``max_inflight_blocks`` chunks, not whole records."""
 
+    write_behind: bool = True
+    """When a step's optimizer pass runs after backward with the next step's forward beside it (a deferred
+    update, two slots, one process), hold each updated record's WRITE back until the READs that forward
+    waits for are done, and let the writes still held at the end, and the step's commit, complete during
+    the next step's backward (where the SSDs are otherwise idle once its read-ahead is done). A step is then
+    durable once the next step's backward has begun, or at `flush()` / `close()`; a crash in between
+    resumes from the step before. False: every step is committed before `step` returns."""
+
     slots: int = 2
     """2: a step's states go to the alternate slot and become current with an atomic commit record
     (crash-consistent, 2x SSD space). 1: in place (needs periodic checkpoints to survive a crash)."""
@@ -421,6 +429,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.write_behind, bool):
+            problems.append(f"write_behind={self.write_behind!r} must be true or false")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:

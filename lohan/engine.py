@@ -196,6 +196,7 @@ class Engine:
                                 cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays,
                                        self.stash)
+        self.streamer.before_read = self._await_tail
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=sum(self.memory_plan.values()),
@@ -217,8 +218,45 @@ class Engine:
     # ------------------------------------------------------------------ step
     @property
     def step_count(self) -> int:
-        """Optimizer steps completed and committed."""
+        """Optimizer steps completed and committed (with write-behind, the last one's commit may not be durable
+        yet: see `committed_step` and `flush`)."""
         return self.store.step
+
+    @property
+    def committed_step(self) -> int:
+        """The step a process killed now would resume from."""
+        return self.store.durable_step
+
+    def flush(self) -> None:
+        """Make the last step durable: with write-behind its last writes and its commit may still be pending
+        (they complete during the next step's backward otherwise). If one of those writes failed, the step is
+        dropped (the one before it stays current and durable) and the error raised."""
+        if not self.store.staged:
+            return
+        lost = self.store.step
+        try:
+            self.offloader.drain_tail()
+            self.store.persist()
+        except BaseException:
+            self.store.discard_staged()
+            self.offloader.forget_tail_error()
+            self._drop_prepared()
+            log.error("step %d could not be made durable; the state committed at step %d stands", lost,
+                      self.store.step)
+            raise
+
+    def _await_tail(self, slot: int) -> None:
+        """Before the SSDs are read: a staged slot's last writes may still be in flight (write-behind)."""
+        if not self.store.staged or slot != self.store.slot or self.offloader.tail_done.is_set():
+            if self.offloader.tail_error is not None and self.store.staged and slot == self.store.slot:
+                raise RuntimeError("a write of the last step's optimizer pass failed") from self.offloader.tail_error
+            return
+        if self.offloader.busy:  # the worker completes the tail before its pass
+            self.offloader.tail_done.wait()
+            if self.offloader.tail_error is not None:
+                raise RuntimeError("a write of the last step's optimizer pass failed") from self.offloader.tail_error
+        else:
+            self.flush()
 
     def step(self, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None = None) -> float:
         """One training step on `batch` = (token ids, targets), both [batch, seq]; returns the mean loss.
@@ -234,7 +272,9 @@ class Engine:
         pass runs after backward (an update deferred until the gradient norm was known, or a redone one), it
         runs in forward order, and the next step's forward runs meanwhile on each block's new parameters as
         soon as its update is done; `step(next_batch)` then starts at its backward. The same bits either
-        way, and this step is committed before `step` returns.
+        way, and this step is committed before `step` returns; with `write_behind` (such a pass, one process)
+        the commit is staged and becomes durable during the next step's backward, once the pass's last
+        writes are complete (or at `flush` / `close`).
         """
         if self._broken:
             raise RuntimeError(self._broken)
@@ -263,10 +303,14 @@ class Engine:
         nxt = self._overlappable(idx, next_batch)
         follow = gate.deferred and nxt is not None  # the deferred pass in forward order, the next forward after it
         order = list(range(n)) if follow else list(range(n - 1, -1, -1))
+        # write-behind: this step's last writes and commit complete during the next step's backward
+        lazy = follow and self.cfg.write_behind and self.dp is None
         self.store.begin_step()
         self.streamer.invalidate(write_slot)  # this step rewrites that slot: its kept blocks go stale
+        # the last step's staged commit is made durable on the worker, after its writes and before this pass's
         self.offloader.begin_step(commit.applied + 1, hyper, order, read_slot, write_slot, gate=gate,
-                                  keep=speculated, provide=self.streamer.offer if follow else None)
+                                  keep=speculated, provide=self.streamer.offer if follow else None, lazy=lazy,
+                                  before=self.store.persist if self.store.staged else None)
         settle: dict[str, Any] = {}
         next_fwd_s = 0.0
         try:
@@ -295,21 +339,28 @@ class Engine:
         else:
             try:
                 self._commit(step + 1, write_slot, sums=self.offloader.sums_written(), updates=commit.applied + 1,
-                             **scaler)
+                             durable=not lazy, **scaler)
             except BaseException:  # the next forward ran on this slot's parameters: not to be used uncommitted
                 self._drop_prepared()
                 raise
-        self._record_metrics(step + 1, loss, idx.numel() * self.world, time.perf_counter() - t_start,
-                             fwd_s + bwd_s + next_fwd_s, tail_s, io0, wait0, hash0, gather0, hyper.lr, idx.shape[1])
-        self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
-        self.last_metrics["activations"] = act_stats
-        if self.dp:  # what the ring collectives sent this step (and received as much)
-            self.last_metrics["network_bytes"] = self.dp.network_bytes(self.dp.reduced_bytes - net0[0],
-                                                                       self.dp.gathered_bytes - net0[1])
-        self.last_metrics["next_forward_overlapped"] = self._prepared is not None
-        if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
-            release_free_memory()
-            self._trimmed = True
+        try:
+            self._record_metrics(step + 1, loss, idx.numel() * self.world, time.perf_counter() - t_start,
+                                 fwd_s + bwd_s + next_fwd_s, tail_s, io0, wait0, hash0, gather0, hyper.lr,
+                                 idx.shape[1])
+            self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
+            self.last_metrics["activations"] = act_stats
+            if self.dp:  # what the ring collectives sent this step (and received as much)
+                self.last_metrics["network_bytes"] = self.dp.network_bytes(self.dp.reduced_bytes - net0[0],
+                                                                           self.dp.gathered_bytes - net0[1])
+            self.last_metrics["next_forward_overlapped"] = self._prepared is not None
+            if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
+                release_free_memory()
+                self._trimmed = True
+        except BaseException:  # (a Ctrl-C) a step that raises is not committed: a staged commit is taken back
+            if lazy and self.store.staged:
+                self.store.discard_staged()
+                self._drop_prepared()
+            raise
         return loss
 
     def _check_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -414,6 +465,7 @@ class Engine:
         """
         if self._broken:
             raise RuntimeError(self._broken)
+        self.flush()  # it reads the committed slot, whose last writes may still be in flight
         idx, targets = self._check_batch(batch)
         m_count = self.cfg.micro_batches
         xs = list(idx.to(self.device.torch).chunk(m_count))
@@ -493,6 +545,7 @@ class Engine:
         """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were. An
         fp16 overflow (finite loss, gradients too large for the scale) is GradScaler's ordinary skip: the
         scale was lowered, and it does not count as a bad step."""
+        self.flush()  # the last step's staged commit (its pass ran, or failed, on the worker before this one)
         if settle.get("overflow"):
             self._commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied,
                          bad_streak=commit.bad_streak, **scaler)
@@ -675,13 +728,17 @@ class Engine:
         self.streamer.release_all()
         self.streamer.drop_kept()
         self.activations.end_step()
+        try:  # the last step's staged commit: durable if its writes completed, else dropped
+            self.flush()
+        except BaseException as e:
+            log.warning("the step before the failed one was dropped too: %s", e)
         if self.store.layout.slots == 1 and self.offloader.blocks_written:
             self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
                             "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
             return
         try:  # nothing current was touched: the last commit stands
             c = self.store.commit_state
-            self.store.commit(step, read_slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
+            self.store.commit(c.step, c.slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
                               loss_scale=c.loss_scale, growth_tracker=c.growth_tracker,  # fp16: as committed
                               keep_prev=self.dp is not None)  # (the other ranks may be gone: no decision)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
@@ -742,6 +799,7 @@ class Engine:
     def state_dict_fp32(self) -> dict[str, Tensor]:
         """The current fp32 master weights as `{block_name.param_name: tensor}` (reads every block; data
         parallel: every rank calls it, and gets the whole model from the ranks' shards)."""
+        self.flush()
         out = {}
         for b in self.layout.blocks:
             for spec, t in zip(b.params, self.read_params(b.index)):
@@ -751,6 +809,7 @@ class Engine:
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
         """Block `block`'s fp32 master weights of the committed slot, whole (data parallel: gathered from
         the ranks' shards; every rank calls it for the same blocks in the same order)."""
+        self.flush()
         own = self.store.read_params(block)
         bd = self.bounds[block]
         if bd is not None:
@@ -765,6 +824,7 @@ class Engine:
     def whole(self) -> Any:
         """What the exporters read (`.store.layout`, `.store.read_params(i)`, `.step_count`): the store
         itself in one process, the whole model gathered from the ranks' shards under data parallelism."""
+        self.flush()
         return self if self.dp is None else _Whole(self)
 
     # -------------------------------------------------------- data parallel
@@ -819,6 +879,12 @@ class Engine:
     def close(self) -> None:
         if self._closed:
             return
+        try:
+            self.flush()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._closed = True
         self._prepared = None
         self.offloader.close()  # its worker thread lives as long as the engine

@@ -15,6 +15,12 @@ A worker thread runs the pipeline; the fused AdamW kernel and the I/O release th
 bounded by the record pool (`max_inflight_blocks` records): a READ waits for a buffer when the
 pipeline is full, which also bounds the writes in flight.
 
+Write-behind (`begin_step(lazy=True)`, a deferred pass the next forward follows): once the gate is open, an
+updated record's WRITE is held back until its buffer is needed for a READ, so the READs the next forward
+waits for have the SSDs first, and the writes still held when the pass ends form the *tail*: they complete
+while the next step's backward runs, and the next pass starts only after them (its `before` hook then makes
+the step's staged commit durable). `tail_done` tells readers of that slot when its bytes are all written.
+
 A block whose record is larger than `chunk_elems` elements (a 175B layer's is 25 GB) goes through the
 pipeline in chunks: the same READ / ADAM / WRITE per chunk, on the P32, m, v and P16 sub-ranges of the
 record, so the optimizer's memory is bounded by chunks, not by the largest block.
@@ -140,6 +146,12 @@ class GradOffloader:
         # pool allocates on first use, the optimizer's temporaries) stayed resident in a different arena
         # each step (RSS crept up by ~50 MiB on the tiny preset over 30 steps; benchmarks/soak.py).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lohan-ago")
+        self._lazy = False
+        self._held: deque[tuple[Unit, AlignedBuffer]] = deque()  # updated records whose WRITE is held back
+        self._tail: list[tuple[Handle | _Handles, AlignedBuffer]] = []  # a lazy pass's last writes
+        self.tail_done = threading.Event()  # set while no tail is in flight
+        self.tail_done.set()
+        self.tail_error: BaseException | None = None  # a tail write failed: that slot is not what was staged
         self._thread: Future | None = None  # the running step's pipeline
         self._error: BaseException | None = None
         self.reset_stats()
@@ -153,7 +165,8 @@ class GradOffloader:
         self.blocks_written = 0
 
     def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
-                   gate: ClipGate | None = None, keep: bool = False, provide: Provide | None = None) -> None:
+                   gate: ClipGate | None = None, keep: bool = False, provide: Provide | None = None,
+                   lazy: bool = False, before: Callable[[], None] | None = None) -> None:
         """Start the pipeline for optimizer step `step` (1-based); blocks are updated in `order`.
 
         Gradients may be submitted in any order: a block's update waits for its own. The backward order
@@ -162,18 +175,21 @@ class GradOffloader:
         (`provide`). `gate` gives the gradient coefficient (default 1: no clipping); a deferred gate holds
         every update (READs still go out) until it opens. With `keep` the gradient buffers are kept after
         use, for `redo`, until `release_kept`. `provide` receives each unit's new P16 after its update.
+        `lazy`: write-behind (module docstring); `finish` then returns with the tail in flight. The worker
+        first completes the previous pass's tail, then calls `before` (if any), then runs this pass.
         """
         if self._thread is not None:
             raise RuntimeError("begin_step called while the previous step is still running")
         self._gate = gate or ClipGate()
         self._keep = keep
         self._provide = provide
+        self._lazy = lazy
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._backward_done = threading.Event()
         self._error = None
         self._sums: dict[int, list[list[int]]] = {}
         args = (step, hyper, list(order), read_slot, write_slot)
-        self._thread = self._executor.submit(self._run_guarded, *args)
+        self._thread = self._executor.submit(self._run_guarded, args, before)
 
     def submit(self, block: int, grad: AlignedBuffer | StashedGrad) -> None:
         """Hand over block `block`'s complete gradient (the pipeline releases the buffer), or its place in
@@ -225,6 +241,11 @@ class GradOffloader:
         self.finish()
 
     @property
+    def busy(self) -> bool:
+        """A step's pipeline is running on the worker."""
+        return self._thread is not None
+
+    @property
     def failure(self) -> BaseException | None:
         """The running step's pipeline failure, if it failed (for threads waiting on what it provides)."""
         return self._error
@@ -234,9 +255,25 @@ class GradOffloader:
         if self.stash is not None:
             self.stash.clear()
 
+    def drain_tail(self) -> None:
+        """Wait for the last lazy pass's tail (between steps, on the caller's thread); raises if one of its
+        writes failed, here or on the worker (`tail_error`, until `forget_tail_error`)."""
+        if self._thread is not None:
+            raise RuntimeError("drain_tail() while a step's pipeline is running")
+        self._finish_tail()
+        if self.tail_error is not None:
+            raise RuntimeError("a write of the last step's optimizer pass failed") from self.tail_error
+
+    def forget_tail_error(self) -> None:
+        self.tail_error = None
+
     def close(self) -> None:
         """Stop the worker thread (after `finish` or `abort`); the offloader cannot run steps afterwards."""
         self._executor.shutdown(wait=True)
+        try:
+            self._finish_tail()  # no buffer goes back to the pool while a write still reads it
+        except BaseException:  # the engine decided about this tail (flushed or discarded) before closing
+            pass
 
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.
@@ -268,8 +305,33 @@ class GradOffloader:
                 grad.release()
 
     # ----------------------------------------------------------------- worker
-    def _run_guarded(self, *args) -> None:
+    def _finish_tail(self) -> None:
+        """Wait for every write of the tail and give its buffers back (all of them, even when one failed)."""
+        tail, self._tail = self._tail, []
         try:
+            for handle, buf in tail:
+                try:
+                    handle.wait()
+                finally:
+                    buf.release()
+        except BaseException as e:
+            self.tail_error = e
+            for handle, buf in tail:
+                if not buf.released:
+                    try:
+                        handle.wait()
+                    except BaseException:
+                        pass
+                    buf.release()
+            raise
+        finally:
+            self.tail_done.set()
+
+    def _run_guarded(self, args: tuple, before: Callable[[], None] | None) -> None:
+        try:
+            self._finish_tail()
+            if before is not None:
+                before()
             self._run(*args)
         except BaseException as e:  # surfaced to the compute thread by submit()/finish()
             self._error = e
@@ -279,11 +341,19 @@ class GradOffloader:
         self._read_slot, self._write_slot = read_slot, write_slot
         self._reads: dict[int, tuple[AlignedBuffer, Handle]] = {}
         self._writes: deque[tuple[Handle, AlignedBuffer]] = deque()
+        self._held.clear()
         self._arrived: dict[int, AlignedBuffer | StashedGrad] = {}  # gradients that came before their turn
         t_start = time.perf_counter()
         try:
-            self._pipeline(step, hyper, order)
+            # write-behind: the writes still in flight complete beside the next step's backward
+            if self._pipeline(step, hyper, order) and self._lazy:
+                self._tail, self._writes = list(self._writes), deque()
+                if self._tail:
+                    self.tail_done.clear()
         finally:  # also after an abort or a failure: no buffer goes back while I/O still uses it
+            for _, buf in self._held:  # never written (a failure or an abort): nothing reads them
+                buf.release()
+            self._held.clear()
             pending = [(h, b) for b, h in self._reads.values()] + list(self._writes)
             self._reads.clear()
             self._writes.clear()
@@ -302,7 +372,8 @@ class GradOffloader:
             return [(i, 0, n)]
         return [(i, lo, min(lo + c, n)) for lo in range(0, n, c)]
 
-    def _pipeline(self, step: int, hyper: AdamWHyper, order: list[int]) -> None:
+    def _pipeline(self, step: int, hyper: AdamWHyper, order: list[int]) -> bool:
+        """Run the pass; False if it stopped early (an aborted or discarded step)."""
         layout = self.store.layout
         if self.mode == "serial":
             self._backward_done.wait()
@@ -325,10 +396,10 @@ class GradOffloader:
                     grad = self._take_grad(i)
                     self.grad_wait_s += time.perf_counter() - t0
                     if grad is None:
-                        return
+                        return False
                     current = i
-                if not prefetch:
-                    self._issue_read(unit)
+                if not prefetch or unit not in self._reads:  # (a prefetch finds no room when the pool is
+                    self._issue_read(unit)                    # one record, held by the unit before)
                 buf, handle = self._reads.pop(unit)
                 t0 = time.perf_counter()
                 try:
@@ -348,13 +419,13 @@ class GradOffloader:
                         raise
                     self.hash_s += time.perf_counter() - t0
                 if prefetch and k + 1 < len(units) and units[k + 1] not in self._reads:
-                    self._issue_read(units[k + 1])  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
+                    self._issue_read(units[k + 1], wait=False)  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
                 if self.read_ahead and self._gate.deferred:  # a deferred update: read on meanwhile
                     self._read_ahead(units, k + 1)
                 coef = self._gate.wait()  # deferred: until backward has ended and the norm is known
                 if coef is None:  # the step was discarded (non-finite gradients, or an abort)
                     buf.release()
-                    return
+                    return False
                 g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
                 t0 = time.perf_counter()
                 try:
@@ -379,15 +450,21 @@ class GradOffloader:
                     p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
                     self._sums.setdefault(i, []).append([tensor_hash(p32, m, v), tensor_hash(p16)])
                     self.hash_s += time.perf_counter() - t0
-                self._writes.append((self._write(unit, buf), buf))
-                crashpoint("offload.write_issued")
+                if self._lazy:
+                    self._held.append((unit, buf))
+                else:
+                    self._writes.append((self._write(unit, buf), buf))
+                    crashpoint("offload.write_issued")
                 if lo == 0:
                     self.blocks_written += 1
                 self._reap(wait=self.mode == "naive")
         finally:
             if grad is not None:
                 self._done_with(current, grad)
-        self._reap(wait=True)
+        while self._held:
+            self._release_held(smallest=False)
+        self._reap(wait=not self._lazy)
+        return True
 
     def _take_grad(self, i: int) -> AlignedBuffer | StashedGrad | None:
         """Block i's gradient, from what arrived early or from the queue (None: the step was aborted)."""
@@ -472,8 +549,9 @@ class GradOffloader:
         return _Handles([vol.write(buf.tensor[o:o + n], off)
                          for o, off, n in self._ranges(unit, self._write_slot, with_p16=True)])
 
-    def _issue_read(self, unit: Unit) -> None:
-        """READ: P32, m, v of a block (or chunk) into a record buffer."""
+    def _issue_read(self, unit: Unit, wait: bool = True) -> None:
+        """READ: P32, m, v of a block (or chunk) into a record buffer. Without `wait` it is skipped when no
+        write of this thread would free the room (the only other buffer is the one this thread updates)."""
         i, lo, hi = unit
         b = self.store.layout.blocks[i]
         nbytes = b.record_bytes if self._whole(unit) else chunk_record_bytes(hi - lo, b.p16_itemsize)
@@ -481,9 +559,13 @@ class GradOffloader:
         # is full, retire the oldest write instead of blocking on buffers only this thread releases.
         while True:
             try:
-                buf = self.pool.acquire(nbytes, block=not self._writes)
+                buf = self.pool.acquire(nbytes, block=wait and not self._writes and not self._held)
                 break
             except BudgetExceededError:
+                if not self._writes and not self._held:
+                    return
+                if not self._writes:  # write-behind: the oldest held update goes out to make room
+                    self._release_held()
                 self._retire_oldest_write()
         vol = self.store.volume
         if self._whole(unit):
@@ -506,9 +588,30 @@ class GradOffloader:
             i, lo, hi = unit
             b = self.store.layout.blocks[i]
             nbytes = b.record_bytes if self._whole(unit) else chunk_record_bytes(hi - lo, b.p16_itemsize)
-            if self.pool.budget_bytes - self.pool.in_use < align_up(nbytes):
+            room = self.pool.budget_bytes - self.pool.in_use
+            if room < align_up(nbytes):
+                # write-behind, gate open: send out held updates until their buffers make room for this READ;
+                # not one much larger than the READ (a tied embedding's record), which would hold up the READ
+                # longer than waiting for the next block's update does (the unit's own READ takes any)
+                coming = sum(buf.capacity for _, buf in self._writes)
+                while (not self._gate.deferred and room + coming < align_up(nbytes)
+                       and any(buf.capacity <= 2 * align_up(nbytes) for _, buf in self._held)):
+                    coming += self._release_held(limit=2 * align_up(nbytes))
                 return
             self._issue_read(unit)
+
+    def _release_held(self, smallest: bool = True, limit: int | None = None) -> int:
+        """Issue the WRITE of a held update: the smallest (its room comes soonest), the oldest, or (`limit`) the
+        oldest of at most `limit` bytes. Returns its buffer's bytes."""
+        if limit is not None:
+            k = next(j for j, (_, buf) in enumerate(self._held) if buf.capacity <= limit)
+        else:
+            k = min(range(len(self._held)), key=lambda j: self._held[j][1].capacity) if smallest else 0
+        unit, buf = self._held[k]
+        del self._held[k]
+        self._writes.append((self._write(unit, buf), buf))
+        crashpoint("offload.write_issued")
+        return buf.capacity
 
     def _retire_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()

@@ -75,6 +75,9 @@ class ParamStreamer:
         self.kept_hits = 0
         self.gather_s = 0.0
         self._gathering: dict[int, tuple[AlignedBuffer, object, int]] = {}  # block -> (buffer, gather work, slot)
+        # called with the slot before any read from the SSDs: the engine waits there while the last step's
+        # writes to that slot may still be in flight (write-behind)
+        self.before_read: Callable[[int], None] | None = None
 
     def buffer_bytes(self, i: int) -> int:
         """Host bytes of block i's P16 buffer: the block, or (sharded) the ranks' equal shards end to end."""
@@ -132,6 +135,8 @@ class ParamStreamer:
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
+        if self.before_read is not None:
+            self.before_read(slot)
         own = self.store.layout.blocks[i]
         buf = self.pool.acquire(self.buffer_bytes(i))
         at = self._own(i)[0] * own.p16_itemsize

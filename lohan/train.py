@@ -171,10 +171,13 @@ def _fingerprint(run: RunConfig, seq_len: int) -> dict[str, Any]:
     return fp
 
 
-def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict | None) -> None:
+def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict | None,
+                   prev: dict | None = None) -> dict:
     """Atomically record what a resume needs beyond the store, for its committed version: the data
     position (`iterator`: the batch iterator's state just after the committed step's batch; None for a
-    stream that is positioned by the step count) and the RNG states."""
+    stream that is positioned by the step count) and the RNG states. `prev`, the state this call returned
+    for the step before, is kept beside it: with write-behind the store's durable commit can trail the
+    step count by one (`Engine.committed_step`), and a resume then takes that one."""
     buf = io.BytesIO()
     torch.save(torch.get_rng_state(), buf)
     step = engine.step_count
@@ -182,7 +185,9 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
-    write_json_atomic(run_state_path(run), state)
+    keep = prev if prev is not None and prev["step"] == step - 1 else None
+    write_json_atomic(run_state_path(run), {**state, "prev": keep})
+    return state
 
 
 def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: dict | None) -> None:
@@ -214,7 +219,8 @@ def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: di
 
 def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
     """The saved run state if it belongs to this run, to this store and to its committed step (or the
-    one before: a Ctrl-C between a commit and the state's write)."""
+    one before: a Ctrl-C between a commit and the state's write; or the state kept for the step before
+    when the last step's commit never became durable)."""
     path = run_state_path(run)
     if not path.exists():
         return None
@@ -229,6 +235,8 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
     if state["run"] != _fingerprint(run, seq_len):
         diff = {k: (state["run"].get(k), v) for k, v in _fingerprint(run, seq_len).items() if state["run"].get(k) != v}
         raise ValueError(f"--resume with other settings than the run being resumed: {diff} (saved, now)")
+    if state["step"] == store_step + 1 and state.get("prev"):  # the last step was not durable yet
+        state = state["prev"]
     if not 0 <= store_step - state["step"] <= 1:
         return None  # a state from another point in time: position from the step count instead
     torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(state["torch_rng"]))))
@@ -465,12 +473,13 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             # one batch ahead: a step whose optimizer pass runs after backward runs the next forward beside it
             position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
             batch = next(batches) if start < steps else None
+            run_state = None
             for s in range(start, steps):
                 after = position()  # the data position once this step's batch is consumed
                 nxt = next(batches) if s + 1 < steps else None
                 loss = engine.step(batch, next_batch=nxt)
                 if main_rank:
-                    save_run_state(run, seq_len, engine, after)
+                    run_state = save_run_state(run, seq_len, engine, after, run_state)
                 batch = nxt
                 m = engine.last_metrics
                 # after the run state is saved: an evaluation reads the committed weights and nothing else
@@ -497,7 +506,9 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                 for b in engine.layout.blocks:
                     engine.read_params(b.index)
     except KeyboardInterrupt as err:
-        console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.step_count} is on NVMe with "
+        with contextlib.suppress(Exception):  # the last step's commit, if still staged (write-behind)
+            engine.flush()
+        console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.committed_step} is on NVMe with "
                       "its data position (continue with --resume)")
         code = _interrupt_code(err)
     except NonFiniteError as err:
@@ -508,7 +519,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             code = fail(f"{cause}. Training stopped before using the damaged bytes")
         else:
             code = fail(f"{cause}. The step in flight was abandoned; the state committed at step "
-                        f"{engine.step_count} is intact. Fix the cause, then continue with --resume")
+                        f"{engine.committed_step} is intact. Fix the cause, then continue with --resume")
     except (OSError, ValueError) as err:
         code = fail(str(err))
     finally:
