@@ -391,7 +391,9 @@ def child(args: argparse.Namespace) -> int:
     pending = next(data)
     for k in range(total):
         idx, targets = pending
-        pending = next(data) if k + 1 < total else None
+        # every timed step is told the next batch, the last one too, as in a long run (finetune.py's loop
+        # leaves only the run's final step without one): each timed step then runs one forward and one backward
+        pending = next(data)
         io0 = _proc_io()
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
