@@ -743,7 +743,7 @@ class Engine:
                               keep_prev=self.dp is not None)  # (the other ranks may be gone: no decision)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
-                        "points at it", step, e)
+                        "points at it", self.store.step, e)
 
     def _visit(self, visits: list[int], p: int, slot: int) -> list[torch.nn.Parameter]:
         """Acquire the block at visit position p and prefetch the next `prefetch_depth` visits."""

@@ -463,7 +463,8 @@ class GradOffloader:
                 self._done_with(current, grad)
         while self._held:
             self._release_held(smallest=False)
-        self._reap(wait=not self._lazy)
+        if not self._lazy:  # (a lazy pass leaves all of its writes in flight to the tail, failed ones too)
+            self._reap(wait=True)
         return True
 
     def _take_grad(self, i: int) -> AlignedBuffer | StashedGrad | None:
