@@ -185,7 +185,7 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
-    keep = prev if prev is not None and prev["step"] == step - 1 else None
+    keep = {k: v for k, v in prev.items() if k != "prev"} if prev is not None and prev["step"] == step - 1 else None
     write_json_atomic(run_state_path(run), {**state, "prev": keep})
     return state
 
@@ -473,7 +473,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             # one batch ahead: a step whose optimizer pass runs after backward runs the next forward beside it
             position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
             batch = next(batches) if start < steps else None
-            run_state = None
+            run_state = data_state if data_state is not None and data_state.get("step") == start else None
             for s in range(start, steps):
                 after = position()  # the data position once this step's batch is consumed
                 nxt = next(batches) if s + 1 < steps else None
