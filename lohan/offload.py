@@ -432,7 +432,7 @@ class GradOffloader:
                     if g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
                         p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
                         adamw_upcast_(p32, g[lo:hi], m, v, p16, step, hyper, b, lo, self.decays[i],
-                                      lambda piece: self._fp32(piece, coef), UPCAST_ELEMS)
+                                      lambda piece, coef=coef: self._fp32(piece, coef), UPCAST_ELEMS)
                     elif (lo, hi) == (0, b.numel):
                         adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g, b, step, hyper,
                                      self.decays[i])

@@ -10,15 +10,13 @@ import os
 import time
 
 import pytest
-import torch
+from test_clipping import STEPS, batches, config, reference, same_weights, tiny_cfg
 
 import lohan
 from io_engine.faults import inject_faults
 from lohan.engine import Engine
 from lohan.offload import GradOffloader
 from lohan.store import StateStore
-
-from test_clipping import STEPS, batches, config, reference, same_weights, tiny_cfg
 
 
 def _commit_on_disk(dirs) -> int:
