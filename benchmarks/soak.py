@@ -168,8 +168,8 @@ def child(argv: list[str]) -> int:
     trim_mode = os.environ.get(TRIM_ENV, "") if libc is not None else ""  # "", "every" or "first"
     last_faults = [resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
 
-    def step(self: Any, batch: Any) -> float:
-        loss = orig_step(self, batch)
+    def step(self: Any, batch: Any, *args: Any, **kwargs: Any) -> float:  # next_batch passes through
+        loss = orig_step(self, batch, *args, **kwargs)
         t_trim = time.perf_counter()
         trim = trim_mode == "every" or (trim_mode == "first" and self.step_count == 1)
         if trim:  # diagnosis: give the allocator's free pages back, so retention shows apart from growth

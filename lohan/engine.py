@@ -42,7 +42,7 @@ from .device import Device, resolve_device
 from .dirlock import DirLock
 from .gradstash import GradStash
 from .integrity import StoreCorruptError, unit_bounds
-from .memory import release_free_memory
+from .memory import release_free_memory, reuse_heap
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
 from .offload import ClipGate, GradOffloader, chunk_record_bytes, upcast_bytes
@@ -146,6 +146,8 @@ class Engine:
                 emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None)
         self.cfg = cfg
         self.program = program
+        if cfg.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
+            reuse_heap()
         gpu = self.dp is not None and resolve_device(cfg.device) == "cuda"
         self.device = Device(f"cuda:{self.dp.local_rank}" if gpu else cfg.device)  # a rank's own GPU
         self.compute_dtype = DTYPES[cfg.compute_dtype]

@@ -60,15 +60,37 @@ def rss_overhead(process_rss: int, mcfg: ModelConfig, batch: int, seq: int, micr
     return {"process": int(process_rss), "device working set": ws, "allocator slack": int(SLACK_BYTES + SLACK_FACTOR * ws)}
 
 
-def _libc_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library is not glibc (musl, macOS)."""
+def _libc(name: str) -> Callable[..., int] | None:
+    """A glibc malloc function, or None where the C library is not glibc (musl, macOS)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
 
-_MALLOC_TRIM = _libc_malloc_trim()
+_MALLOC_TRIM = _libc("malloc_trim")
+_MALLOPT = _libc("mallopt")
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # malloc.h
+_TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
+
+
+def reuse_heap() -> bool:
+    """Have glibc's malloc serve every allocation from its heap and keep freed memory there (mallopt
+    M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB); False where that does not exist.
+
+    By default glibc maps each allocation over its mmap threshold (at most 32 MiB, however it is set) with
+    its own mmap and unmaps it when it is freed, so a tensor that big is page-faulted in, page by page with
+    the kernel zeroing each one, every time it is made. A training step makes the same big temporaries every
+    step (the logits and their gradient, the embedding's gradient and its fp32 upcast). On the 110M Llama at
+    batch 1 x seq 512 that cost ~0.3 s of kernel time per step on 2 cores; from the heap they reuse pages
+    already resident: 1.22 s against 1.37 s per step, peak RSS unchanged (2.34 GiB; see README
+    "Performance"). What is freed stays resident for reuse instead of going back to the kernel; the engine's
+    `release_free_memory` after the first step still returns what store building left. Process-wide and
+    not undone.
+    """
+    if _MALLOPT is None:
+        return False
+    return bool(_MALLOPT(_M_MMAP_MAX, 0)) and bool(_MALLOPT(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX))
 
 
 def release_free_memory() -> bool:
