@@ -32,7 +32,8 @@ Numbers per run (benchmarks/README.md has the key table):
 - threads and open fds at the end of the warm-up step vs the last step (step-end values: the first
   step's profiling and SSD probe start threads and open files that are gone by then), and the maximum
   the outside sampler saw.
-- checks: |drift| < 2 %, threads and fds flat, VmHWM <= the `peak RSS at most` the run's header states
+- checks: |drift| < 2 % (RSS; and RSS minus what glibc holds free, the memory in use), threads and fds
+  not growing, VmHWM <= the `peak RSS at most` the run's header states
   (`lohan/memory.py`), the run completed.
 
 Diagnosis flags: `--legacy-upcast` brings back what made a 110M Llama grow (a new optimizer thread per
@@ -330,6 +331,12 @@ def analyze(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     outside = [r["rss"] - sum(p["allocated"] for p in r["pools"].values()) - r.get("upcast_bytes", 0)
                for r in per_step]
     out_after, out_end = _median(outside[warmup:warmup + window]), _median(outside[-window:])
+    # what glibc holds free inside its arenas stays resident (with engine.heap_reuse, all that a step frees,
+    # and a heap grown once by fragmentation keeps its size): RSS minus those free bytes is what is in use,
+    # and its drift is what a leak shows
+    in_use = ([r["rss"] - r["malloc"]["arena_free_bytes"] for r in per_step]
+              if per_step and all(r.get("malloc") for r in per_step) else [])
+    use_after, use_end = (_median(in_use[warmup:warmup + window]), _median(in_use[-window:])) if in_use else (0, 0)
     post = per_step[warmup:]
     samples = raw["samples"]
     peak = max([r["vm_hwm"] for r in recs if "vm_hwm" in r] + [s.get("vm_hwm", 0) for s in samples] + [0])
@@ -349,6 +356,8 @@ def analyze(raw: dict[str, Any], steps: int) -> dict[str, Any]:
             "drift_pct": 100 * (rss_end - rss_after) / rss_after if after else None,
             "outside_pools_after_warmup_bytes": out_after, "outside_pools_end_bytes": out_end,
             "drift_outside_pools_pct": 100 * (out_end - out_after) / out_after if after else None,
+            "in_use_after_warmup_bytes": use_after or None, "in_use_end_bytes": use_end or None,
+            "drift_in_use_pct": 100 * (use_end - use_after) / use_after if use_after else None,
             "growth_after_warmup_max_bytes": (max(r["rss"] for r in post) - rss_after) if post else None,
             "slope_bytes_per_step": {"post_warmup": _slope(xs, [r["rss"] for r in post]),
                                      "first_half": _slope(xs[:half], [r["rss"] for r in post[:half]]),
@@ -384,8 +393,11 @@ def analyze(raw: dict[str, Any], steps: int) -> dict[str, Any]:
         "drift_below_2pct": out["rss"]["drift_pct"] is not None and abs(out["rss"]["drift_pct"]) < 2.0,
         "drift_outside_pools_below_2pct": (out["rss"]["drift_outside_pools_pct"] is not None
                                            and abs(out["rss"]["drift_outside_pools_pct"]) < 2.0),
-        "threads_flat": out["threads"]["end"] == out["threads"]["after_warmup"],
-        "fds_flat": out["fds"]["end"] == out["fds"]["after_warmup"],
+        "drift_in_use_below_2pct": (None if out["rss"]["drift_in_use_pct"] is None
+                                    else abs(out["rss"]["drift_in_use_pct"]) < 2.0),
+        # not growing: a step can end with write-behind's tail writes (their files open) still in flight
+        "threads_flat": out["threads"]["end"] <= out["threads"]["after_warmup"],
+        "fds_flat": out["fds"]["end"] <= out["fds"]["after_warmup"],
         "peak_within_expected": (None if out["expected_peak_bytes"] is None
                                  else peak <= out["expected_peak_bytes"]),
         "completed": raw["returncode"] == 0 and n == steps,
@@ -445,6 +457,9 @@ def markdown(report: dict[str, Any]) -> str:
         ("RSS outside the engine pools after warm-up / end / drift (pools fill lazily up to their plan)",
          f"{_g(r['outside_pools_after_warmup_bytes'])} / {_g(r['outside_pools_end_bytes'])} GiB / "
          + ("n/a" if r["drift_outside_pools_pct"] is None else f"{r['drift_outside_pools_pct']:+.2f} %")),
+        ("RSS minus glibc's free bytes (in use) after warm-up / end / drift",
+         "n/a" if r.get("drift_in_use_pct") is None else
+         f"{_g(r['in_use_after_warmup_bytes'])} / {_g(r['in_use_end_bytes'])} GiB / {r['drift_in_use_pct']:+.2f} %"),
         ("largest step-end RSS above the after-warm-up median", f"{(r['growth_after_warmup_max_bytes'] or 0) / MiB:.1f} MiB"),
         ("RSS slope after warm-up (first half / second half)",
          f"{slope['first_half'] / 1024:+.1f} / {slope['second_half'] / 1024:+.1f} KiB/step"),

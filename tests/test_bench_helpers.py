@@ -1,4 +1,5 @@
-"""benchmarks/duplex.py end to end on a few MiB, and vs_deepspeed.py's CPU accounting (no DeepSpeed run)."""
+"""benchmarks/duplex.py end to end on a few MiB, vs_deepspeed.py's CPU accounting (no DeepSpeed run), and
+step_timeline.py's phase windows over synthetic /proc samples."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import duplex  # noqa: E402
+import step_timeline as stl  # noqa: E402
 import vs_deepspeed as vd  # noqa: E402
 
 
@@ -50,3 +52,32 @@ def test_vs_deepspeed_cpu_seconds_and_busy_share(monkeypatch):
     old = vd.summarize({**res, "records": [{k: v for k, v in r.items() if not k.startswith("cpu")} for r in recs]},
                        argparse.Namespace(batch=1, seq=8, threads=2))
     assert old["cpu_s_per_step"] is None and vd._cpu_cell(old) == "-"
+
+
+def test_step_timeline_splits_a_step_into_phases_and_attributes_threads():
+    """Counters that grow at known rates: each phase's window gives back those rates over its span."""
+    import os
+    hz, ncpu, pid = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1, 4242
+    samples = []
+    for k in range(101):  # every 10 ms for 1 s
+        t = k / 100
+        threads = {str(pid): ("python3", k, 0, 0),        # main: one tick per sample
+                   "4243": ("python3", 2 * k, 0, 0),      # an unnamed (intra-op) thread
+                   "4244": ("lohan-ago_0", 0, k, 10 * k)}  # the optimizer worker: system time, faults
+        samples.append({"t": t, "disk": (int(t * 2e9), int(t * 1e9), t / 2),
+                        "cpu": [k, 0, k, 2 * k, 0, 0, 0, 0], "threads": threads})
+    run = {"samples": samples, "pid": pid,
+           "marks": [["_backward", 0.1, 0.5], ["_finish_updates", 0.55, 0.85], ["step", 0.1, 0.9]]}
+    (step,) = stl.analyze(run)
+    assert step["seconds"] == pytest.approx(0.8)
+    bwd, gate, rest = step["backward"], step["after_gate"], step["rest"]
+    assert (bwd["seconds"], gate["seconds"], rest["seconds"]) == pytest.approx((0.4, 0.3, 0.05))
+    assert bwd["read_gb"] == pytest.approx(0.8) and bwd["write_gb"] == pytest.approx(0.4)
+    assert bwd["disk_busy_s"] == pytest.approx(0.2)
+    assert bwd["cores_user"] == pytest.approx(ncpu / 4) and bwd["cores_system"] == pytest.approx(ncpu / 4)
+    assert bwd["thread_cpu_s"] == pytest.approx({"intra-op": 80 / hz, "main": 40 / hz, "lohan-ago": 40 / hz})
+    assert bwd["process_system_cpu_s"] == pytest.approx(40 / hz) and bwd["minor_faults"] == 400
+    summary = stl.summarize([step, step])
+    assert summary["s_per_step"] == pytest.approx(0.8)
+    assert summary["after_gate"]["read_gb"] == pytest.approx(0.6)
+    assert summary["backward"]["thread_cpu_s"]["main"] == pytest.approx(40 / hz)
