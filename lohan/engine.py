@@ -664,6 +664,9 @@ class Engine:
                 other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
                 if g is None:                             # as autograd sums a leaf's inputs
                     g = torch.zeros_like(view)
+                if other is not None and m == 0 and g.dtype == other.dtype == view.dtype != torch.float16:
+                    torch.add(g, other, out=view)  # the same sum, without a temporary the size of the embedding
+                    continue
                 if other is not None:
                     # fp16 gradients carry the loss scale: summed in fp32, as autograd sums the fp32 .grad
                     # of an autocast model (an fp16 sum could overflow where GradScaler's does not)

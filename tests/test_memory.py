@@ -121,3 +121,20 @@ def test_reuse_heap_serves_a_repeated_big_tensor_from_resident_pages() -> None:
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert int(reused) < pages // 16, f"{reused} page faults for a reused 64 MiB tensor ({pages} pages)"
     assert int(faults("off")) > pages // 2  # what it avoids: without it, every page faults again
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_engine_sets_heap_reuse_only_when_asked(tmp_path: Path, monkeypatch, on: bool) -> None:
+    import lohan.engine as engine_mod
+    calls: list[int] = []
+    monkeypatch.setattr(engine_mod, "reuse_heap", lambda: calls.append(1) or True)  # process-wide: not for real
+    mcfg = get_model_config("tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, seq_len=32)
+    with lohan.init(mcfg, {"nvme": [str(tmp_path / "nvme")], "cpu_mem": "256MiB", "heap_reuse": on}):
+        pass
+    assert calls == ([1] if on else [])
+
+
+def test_config_refuses_a_non_boolean_heap_reuse() -> None:
+    from lohan.config import EngineConfig
+    with pytest.raises(ValueError, match="heap_reuse"):
+        EngineConfig(heap_reuse="yes")
