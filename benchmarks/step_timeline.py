@@ -47,6 +47,7 @@ from bench_env import cpu_model, portable
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("backward", "after_gate", "rest")
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 # ------------------------------------------------------------------------------------------ child
@@ -117,6 +118,8 @@ def _sample(pid: int, disk: tuple[int, int] | None) -> dict[str, Any] | None:
         cpu = [int(v) for v in f.readline().split()[1:9]]
     threads: dict[str, tuple[str, int, int, int]] = {}
     try:
+        with open(f"/proc/{pid}/statm") as f:
+            rss = int(f.read().split()[1]) * PAGE
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
@@ -127,7 +130,7 @@ def _sample(pid: int, disk: tuple[int, int] | None) -> dict[str, Any] | None:
             threads[tid] = (s[s.index("(") + 1:s.rindex(")")], int(rest[11]), int(rest[12]), int(rest[7]))
     except OSError:
         return None
-    return {"t": t, "disk": d, "cpu": cpu, "threads": threads}
+    return {"t": t, "disk": d, "cpu": cpu, "threads": threads, "rss": rss}
 
 
 def _role(tid: str, comm: str, pid: int, main_comm: str) -> str:
@@ -216,6 +219,7 @@ def analyze(run: dict[str, Any]) -> list[dict[str, Any]]:
             row[ph] = window(s0, s1, pid, main_comm, hz) if s1["t"] > s0["t"] else {"seconds": y - x}
             row[ph]["seconds"] = y - x  # the marks' span; the samples' own span is within an interval of it
         row["step"] = window(at(a), at(b), pid, main_comm, hz)
+        row["peak_rss_bytes"] = max((s["rss"] for s in samples if a <= s["t"] <= b and "rss" in s), default=None)
         steps.append(row)
     return steps
 
@@ -226,7 +230,9 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
 
-    out: dict[str, Any] = {"s_per_step": med([s["seconds"] for s in steps])}
+    peaks = [s["peak_rss_bytes"] for s in steps if s.get("peak_rss_bytes")]
+    out: dict[str, Any] = {"s_per_step": med([s["seconds"] for s in steps]),
+                           "peak_rss_bytes": max(peaks) if peaks else None}  # sampled every interval
     for ph in (*PHASES, "step"):
         keys = {k for s in steps for k in s[ph] if k != "thread_cpu_s"}
         out[ph] = {k: med([s[ph].get(k) for s in steps]) for k in sorted(keys)}
@@ -249,7 +255,9 @@ def markdown(report: dict[str, Any]) -> str:
              f"medians over the steps of every run of a variant.", ""]
     for name, v in report["variants"].items():
         runs = " / ".join(_fmt(r, " s") for r in v["s_per_step_per_round"])
-        lines += [f"## {name}: {_fmt(v['summary']['s_per_step'], ' s')} per step (rounds: {runs})", "",
+        peak = v["summary"].get("peak_rss_bytes")
+        lines += [f"## {name}: {_fmt(v['summary']['s_per_step'], ' s')} per step (rounds: {runs}), peak RSS "
+                  f"{_fmt(peak / 2**30 if peak else None, ' GiB', 2)} (sampled in the timed steps)", "",
                   "| phase | s | cores user | cores system | read GB | write GB | disk busy s | minor faults "
                   "| CPU s by thread |", "|---|---|---|---|---|---|---|---|---|"]
         for ph in (*PHASES, "step"):

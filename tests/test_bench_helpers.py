@@ -65,11 +65,11 @@ def test_step_timeline_splits_a_step_into_phases_and_attributes_threads():
                    "4243": ("python3", 2 * k, 0, 0),      # an unnamed (intra-op) thread
                    "4244": ("lohan-ago_0", 0, k, 10 * k)}  # the optimizer worker: system time, faults
         samples.append({"t": t, "disk": (int(t * 2e9), int(t * 1e9), t / 2),
-                        "cpu": [k, 0, k, 2 * k, 0, 0, 0, 0], "threads": threads})
+                        "cpu": [k, 0, k, 2 * k, 0, 0, 0, 0], "threads": threads, "rss": 1000 + k})
     run = {"samples": samples, "pid": pid,
            "marks": [["_backward", 0.1, 0.5], ["_finish_updates", 0.55, 0.85], ["step", 0.1, 0.9]]}
     (step,) = stl.analyze(run)
-    assert step["seconds"] == pytest.approx(0.8)
+    assert step["seconds"] == pytest.approx(0.8) and step["peak_rss_bytes"] == 1090
     bwd, gate, rest = step["backward"], step["after_gate"], step["rest"]
     assert (bwd["seconds"], gate["seconds"], rest["seconds"]) == pytest.approx((0.4, 0.3, 0.05))
     assert bwd["read_gb"] == pytest.approx(0.8) and bwd["write_gb"] == pytest.approx(0.4)
