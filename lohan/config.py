@@ -348,6 +348,13 @@ class EngineConfig:
     durable once the next step's backward has begun, or at `flush()` / `close()`; a crash in between
     resumes from the step before. False: every step is committed before `step` returns."""
 
+    resident_records: bool = True
+    """Keep the optimizer records (P32, m, v, P16) of some blocks in the record pool from one step to the next,
+    so that only the others are read from the SSDs each step (every record is still written: the commit
+    needs it there). The pool stays the size `max_inflight_blocks` gives it: once the largest record (a
+    tied embedding's) stays, the streamed ones need less room, and the rest of the pool keeps more blocks.
+    The 110M Llama reads 0.8 instead of 1.3 GB per step. False: every record is read every step."""
+
     heap_reuse: bool = True
     """Have glibc's malloc serve every allocation from its heap and keep what is freed there for reuse
     (`memory.reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
@@ -437,7 +444,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
-        for name in ("write_behind", "heap_reuse"):
+        for name in ("write_behind", "heap_reuse", "resident_records"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if self.slots not in (1, 2):

@@ -45,7 +45,7 @@ from .integrity import StoreCorruptError, unit_bounds
 from .memory import release_free_memory, reuse_heap
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
-from .offload import ClipGate, GradOffloader, chunk_record_bytes, upcast_bytes
+from .offload import ClipGate, GradOffloader, chunk_record_bytes, plan_resident, upcast_bytes
 from .optim import AdamWHyper, decay_mask, lr_at
 from .parallel import DataParallel, read_decision, shard_bounds, shard_decays, shard_layout
 from .params import ParamStreamer
@@ -196,8 +196,10 @@ class Engine:
         stash_ram = sum(align_up(g) for g in grad_bytes) if cfg.mode == "serial" else self.memory_plan.get("grad_stash")
         self.stash = (GradStash(dirs, grad_bytes, self.grads_pool, stash_ram, cfg.name, cfg.backend, cfg.chunk_bytes,
                                 cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
+        resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
+                                  self.store.check_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays,
-                                       self.stash)
+                                       self.stash, resident)
         self.streamer.before_read = self._await_tail
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
@@ -798,6 +800,8 @@ class Engine:
             "cpu_mem_gib": psutil.Process().memory_info().rss / 2**30,
             "gpu_mem_gib": (self.device.memory_allocated() or 0) / 2**30 if self.device.is_cuda else None,
             "max_resident_blocks": self.streamer.max_resident,
+            # optimizer records kept in memory across steps, and the READs they saved this step
+            "resident_records": len(ago.resident), "resident_record_hits": ago.resident_hits,
         }
 
     # -------------------------------------------------------------- access

@@ -21,6 +21,14 @@ waits for have the SSDs first, and the writes still held when the pass ends form
 while the next step's backward runs, and the next pass starts only after them (its `before` hook then makes
 the step's staged commit durable). `tail_done` tells readers of that slot when its bytes are all written.
 
+Resident records (`plan_resident`): the record buffers of some blocks stay in the pool from one step to the
+next. Each step still WRITEs them (the commit needs every record on the SSDs), but the next step finds their
+bytes in memory and skips their READ. The pool is sized for `max_inflight_blocks` of the largest record (the
+tied embedding's, three times that of a layer); once that record is resident, the streamed ones need far less
+room, and the rest holds more resident blocks. A buffer is tagged with the (slot, update) whose bytes it holds;
+the next pass uses it only when its read slot and update follow that tag, so a skipped, redone, rolled-back
+or dropped step makes its buffers read from the SSDs again.
+
 A block whose record is larger than `chunk_elems` elements (a 175B layer's is 25 GB) goes through the
 pipeline in chunks: the same READ / ADAM / WRITE per chunk, on the P32, m, v and P16 sub-ranges of the
 record, so the optimizer's memory is bounded by chunks, not by the largest block.
@@ -73,6 +81,54 @@ def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch
                                       for b in layout.blocks))
 
 
+def plan_resident(layout: StoreLayout, budget: int, inflight: int, chunk_elems: int) -> list[int]:
+    """Blocks whose records stay resident in a record pool of `budget` bytes (module docstring): the most bytes
+    that fit beside `inflight` buffers of the largest record still streamed, lowest blocks first (the deferred
+    pass and the next forward start there). Blocks updated in chunks are always streamed. Pure."""
+    def cap(b) -> int:
+        return align_up(b.record_bytes if b.numel <= chunk_elems else chunk_record_bytes(chunk_elems, b.p16_itemsize))
+
+    whole = [b.numel <= chunk_elems for b in layout.blocks]
+    caps = [cap(b) for b in layout.blocks]
+    best: list[int] = []
+    # t: the largest record still streamed (0: none); every record larger than t must be resident
+    for t in sorted({0, *caps}):
+        if any(c > t and not w for c, w in zip(caps, whole)):
+            continue
+        chosen = [i for i, c in enumerate(caps) if c > t]
+        room = budget - sum(caps[i] for i in chosen) - (inflight * t if t else 0)
+        if room < 0:
+            continue
+        for i, c in enumerate(caps):
+            if c <= t and whole[i] and c <= room:
+                chosen.append(i)
+                room -= c
+        if sum(caps[i] for i in chosen) > sum(caps[i] for i in best):
+            best = sorted(chosen)
+    return best
+
+
+class _Resident:
+    """A record buffer kept across steps, and the (slot, update) whose committed bytes it holds (None: not
+    known to match any slot; its next READ goes to the SSDs)."""
+
+    __slots__ = ("buf", "tag")
+
+    def __init__(self, buf: AlignedBuffer) -> None:
+        self.buf = buf
+        self.tag: tuple[int, int] | None = None
+
+
+class _Done:
+    """The handle of a READ a resident record made unnecessary."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
 class ClipGate:
     """The coefficient the optimizer multiplies this step's gradients by (`clip_grad_norm_`'s clamped
     coefficient, a 0-d fp32 tensor): given at once (clipping off, or speculated), or once backward has
@@ -121,7 +177,7 @@ class GradOffloader:
 
     def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None,
                  grad_dtype: torch.dtype = torch.float32, decays: list[list[bool]] | None = None,
-                 stash: GradStash | None = None) -> None:
+                 stash: GradStash | None = None, resident: list[int] | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
@@ -148,12 +204,20 @@ class GradOffloader:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lohan-ago")
         self._lazy = False
         self._held: deque[tuple[Unit, AlignedBuffer]] = deque()  # updated records whose WRITE is held back
+        self._held_res: list[tuple[Unit, AlignedBuffer]] = []  # the same for resident ones: they free no room
         self._tail: list[tuple[Handle | _Handles, AlignedBuffer]] = []  # a lazy pass's last writes
         self.tail_done = threading.Event()  # set while no tail is in flight
         self.tail_done.set()
         self.tail_error: BaseException | None = None  # a tail write failed: that slot is not what was staged
         self._thread: Future | None = None  # the running step's pipeline
         self._error: BaseException | None = None
+        # resident records (plan_resident): taken from the pool for the offloader's life
+        self._res: dict[int, _Resident] = {}
+        for i in resident or []:
+            if self.units(i) != [(i, 0, store.layout.blocks[i].numel)]:
+                raise ValueError(f"block {i} is updated in chunks: its record cannot stay resident")
+            self._res[i] = _Resident(pool.acquire(store.layout.blocks[i].record_bytes, block=False))
+        self._res_bufs = {id(r.buf) for r in self._res.values()}
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -163,6 +227,12 @@ class GradOffloader:
         self.busy_s = 0.0
         self.hash_s = 0.0
         self.blocks_written = 0
+        self.resident_hits = 0  # READs a resident record made unnecessary
+
+    @property
+    def resident(self) -> list[int]:
+        """Blocks whose records stay in memory across steps (`plan_resident`)."""
+        return sorted(self._res)
 
     def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
                    gate: ClipGate | None = None, keep: bool = False, provide: Provide | None = None,
@@ -274,6 +344,10 @@ class GradOffloader:
             self._finish_tail()  # no buffer goes back to the pool while a write still reads it
         except BaseException:  # the engine decided about this tail (flushed or discarded) before closing
             pass
+        for r in self._res.values():
+            r.buf.release()
+        self._res.clear()
+        self._res_bufs.clear()
 
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.
@@ -308,21 +382,25 @@ class GradOffloader:
     def _finish_tail(self) -> None:
         """Wait for every write of the tail and give its buffers back (all of them, even when one failed)."""
         tail, self._tail = self._tail, []
+        done: set[int] = set()
         try:
             for handle, buf in tail:
                 try:
                     handle.wait()
                 finally:
-                    buf.release()
+                    done.add(id(buf))
+                    self._give_back(buf)
         except BaseException as e:
             self.tail_error = e
+            for r in self._res.values():  # (their step is dropped: the tags no longer say so)
+                r.tag = None
             for handle, buf in tail:
-                if not buf.released:
+                if id(buf) not in done:
                     try:
                         handle.wait()
                     except BaseException:
                         pass
-                    buf.release()
+                    self._give_back(buf)
             raise
         finally:
             self.tail_done.set()
@@ -338,10 +416,11 @@ class GradOffloader:
             self._drain()  # the compute thread may keep handing buffers over until it sees the error
 
     def _run(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int) -> None:
-        self._read_slot, self._write_slot = read_slot, write_slot
+        self._read_slot, self._write_slot, self._update = read_slot, write_slot, step
         self._reads: dict[int, tuple[AlignedBuffer, Handle]] = {}
         self._writes: deque[tuple[Handle, AlignedBuffer]] = deque()
         self._held.clear()
+        self._held_res.clear()
         self._arrived: dict[int, AlignedBuffer | StashedGrad] = {}  # gradients that came before their turn
         t_start = time.perf_counter()
         try:
@@ -351,9 +430,10 @@ class GradOffloader:
                 if self._tail:
                     self.tail_done.clear()
         finally:  # also after an abort or a failure: no buffer goes back while I/O still uses it
-            for _, buf in self._held:  # never written (a failure or an abort): nothing reads them
-                buf.release()
+            for _, buf in [*self._held, *self._held_res]:  # never written (a failure or an abort)
+                self._give_back(buf)
             self._held.clear()
+            self._held_res.clear()
             pending = [(h, b) for b, h in self._reads.values()] + list(self._writes)
             self._reads.clear()
             self._writes.clear()
@@ -361,7 +441,7 @@ class GradOffloader:
                 try:
                     handle.wait()
                 finally:
-                    buf.release()
+                    self._give_back(buf)
             self.busy_s += time.perf_counter() - t_start
 
     def units(self, i: int) -> list[Unit]:
@@ -405,17 +485,17 @@ class GradOffloader:
                 try:
                     handle.wait()
                 except BaseException:
-                    buf.release()
+                    self._give_back(buf)
                     raise
                 self.read_wait_s += time.perf_counter() - t0
                 b = layout.blocks[i]
-                if self.store.checksums:
+                if self.store.checksums and not isinstance(handle, _Done):  # (bytes that never left memory)
                     t0 = time.perf_counter()
                     try:
                         p32, m, v, _ = self._unit_views(buf, b, lo, hi)
                         self.store.check_unit(i, lo, "state", tensor_hash(p32, m, v), slot=self._read_slot)
                     except BaseException:
-                        buf.release()
+                        self._give_back(buf)
                         raise
                     self.hash_s += time.perf_counter() - t0
                 if prefetch and k + 1 < len(units) and units[k + 1] not in self._reads:
@@ -424,9 +504,11 @@ class GradOffloader:
                     self._read_ahead(units, k + 1)
                 coef = self._gate.wait()  # deferred: until backward has ended and the norm is known
                 if coef is None:  # the step was discarded (non-finite gradients, or an abort)
-                    buf.release()
+                    self._give_back(buf)
                     return False
                 g = grad.tensor[:self.grad_dtype.itemsize * b.numel].view(self.grad_dtype)
+                if i in self._res:  # updated in place: it holds no slot's bytes until its WRITE goes out
+                    self._res[i].tag = None
                 t0 = time.perf_counter()
                 try:
                     if g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
@@ -440,7 +522,7 @@ class GradOffloader:
                         p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
                         adamw_chunk_(p32, g[lo:hi], m, v, p16, step, hyper, b, lo, self.decays[i])
                 except BaseException:
-                    buf.release()
+                    self._give_back(buf)
                     raise
                 self.adam_s += time.perf_counter() - t0
                 if self._provide is not None:
@@ -451,10 +533,9 @@ class GradOffloader:
                     self._sums.setdefault(i, []).append([tensor_hash(p32, m, v), tensor_hash(p16)])
                     self.hash_s += time.perf_counter() - t0
                 if self._lazy:
-                    self._held.append((unit, buf))
+                    (self._held_res if i in self._res else self._held).append((unit, buf))
                 else:
-                    self._writes.append((self._write(unit, buf), buf))
-                    crashpoint("offload.write_issued")
+                    self._issue_write(unit, buf)
                 if lo == 0:
                     self.blocks_written += 1
                 self._reap(wait=self.mode == "naive")
@@ -463,6 +544,9 @@ class GradOffloader:
                 self._done_with(current, grad)
         while self._held:
             self._release_held(smallest=False)
+        for unit, buf in self._held_res:
+            self._issue_write(unit, buf)
+        self._held_res.clear()
         if not self._lazy:  # (a lazy pass leaves all of its writes in flight to the tail, failed ones too)
             self._reap(wait=True)
         return True
@@ -555,6 +639,16 @@ class GradOffloader:
         write of this thread would free the room (the only other buffer is the one this thread updates)."""
         i, lo, hi = unit
         b = self.store.layout.blocks[i]
+        res = self._res.get(i)
+        if res is not None:  # its own buffer: no room needed, and no READ when it holds the slot's bytes
+            if res.tag == (self._read_slot, self._update - 1):
+                self._reads[unit] = (res.buf, _Done())
+                self.resident_hits += 1
+                return
+            res.tag = None
+            self._reads[unit] = (res.buf, self.store.volume.read_into(
+                res.buf.tensor[:3 * b.state_bytes], self.store.layout.record_offset(i, self._read_slot)))
+            return
         nbytes = b.record_bytes if self._whole(unit) else chunk_record_bytes(hi - lo, b.p16_itemsize)
         # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
         # is full, retire the oldest write instead of blocking on buffers only this thread releases.
@@ -586,6 +680,9 @@ class GradOffloader:
         for unit in units[k:]:
             if unit in self._reads:
                 continue
+            if unit[0] in self._res:
+                self._issue_read(unit)
+                continue
             i, lo, hi = unit
             b = self.store.layout.blocks[i]
             nbytes = b.record_bytes if self._whole(unit) else chunk_record_bytes(hi - lo, b.p16_itemsize)
@@ -610,16 +707,26 @@ class GradOffloader:
             k = min(range(len(self._held)), key=lambda j: self._held[j][1].capacity) if smallest else 0
         unit, buf = self._held[k]
         del self._held[k]
-        self._writes.append((self._write(unit, buf), buf))
-        crashpoint("offload.write_issued")
+        self._issue_write(unit, buf)
         return buf.capacity
+
+    def _issue_write(self, unit: Unit, buf: AlignedBuffer) -> None:
+        self._writes.append((self._write(unit, buf), buf))
+        if unit[0] in self._res:  # its bytes are the ones of the slot written, once that step is committed
+            self._res[unit[0]].tag = (self._write_slot, self._update)
+        crashpoint("offload.write_issued")
+
+    def _give_back(self, buf: AlignedBuffer) -> None:
+        """Release a record buffer to the pool, unless it is a resident one."""
+        if id(buf) not in self._res_bufs:
+            buf.release()
 
     def _retire_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()
         try:
             handle.wait()
         finally:
-            buf.release()
+            self._give_back(buf)
 
     def _reap(self, wait: bool) -> None:
         """Give back the buffers of completed writes (all of them, waiting, when `wait`)."""

@@ -1,0 +1,138 @@
+"""Resident records: the optimizer records of some blocks stay in the record pool from one step to the next, and
+the next step skips their READ. The same bits as plain PyTorch in every way a step can end (committed, skipped,
+redone, dropped with its tail, rolled back), fewer bytes read, and the pool's budget unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from test_clipping import STEPS, batches, check, config, reference, same_weights, tiny_cfg
+
+import lohan
+from io_engine.base import align_up
+from io_engine.faults import inject_faults
+from lohan.offload import chunk_record_bytes, plan_resident
+from lohan.store import BlockLayout, ParamSpec, StoreLayout
+
+
+def _layout(sizes: list[int]) -> StoreLayout:
+    blocks, off = [], 0
+    for i, n in enumerate(sizes):
+        b = BlockLayout(i, f"block{i}", (ParamSpec("w", (n,), 0, n),), n, 2, off)
+        blocks.append(b)
+        off += b.record_bytes
+    return StoreLayout(tuple(blocks), "bf16", 2)
+
+
+def _caps(layout: StoreLayout, chosen: list[int]) -> int:
+    return sum(align_up(layout.blocks[i].record_bytes) for i in chosen)
+
+
+def test_the_plan_keeps_the_largest_record_and_the_lowest_blocks_beside_the_streamed_ones():
+    # a tied embedding (3.6x a layer), twelve layers, a final norm; the pool holds three embedding records
+    layout = _layout([3_600_000] + [1_000_000] * 12 + [4096])
+    big, layer, norm = (align_up(layout.blocks[i].record_bytes) for i in (0, 1, 13))
+    chosen = plan_resident(layout, 3 * big, 3, chunk_elems=1 << 30)
+    # the embedding stays; three layer buffers stream; what is left keeps the lowest layers (and the norm)
+    fit, left = divmod(3 * big - big - 3 * layer, layer)
+    assert fit == 4
+    assert chosen == [0, *range(1, 1 + fit)] + ([13] if left >= norm else [])
+    assert _caps(layout, chosen) + 3 * layer <= 3 * big
+    # one record in flight: a pool of one embedding record cannot keep anything beside it
+    assert plan_resident(layout, big, 1, chunk_elems=1 << 30) == []
+    # a pool that holds the whole model keeps all of it
+    assert plan_resident(layout, _caps(layout, list(range(14))), 3, chunk_elems=1 << 30) == list(range(14))
+
+
+def test_blocks_updated_in_chunks_are_always_streamed():
+    layout = _layout([3_500_000] + [1_000_000] * 6)
+    chunk = 1 << 20  # every block is chunked but the layers
+    unit = align_up(chunk_record_bytes(chunk, 2))
+    chosen = plan_resident(layout, 10 * unit, 3, chunk_elems=chunk)
+    assert 0 not in chosen and chosen  # the layers (under one chunk each) may stay
+    assert _caps(layout, chosen) + 3 * unit <= 10 * unit
+    assert plan_resident(layout, 10 * unit, 3, chunk_elems=4096) == []  # everything chunked
+
+
+def _run(mcfg, ecfg, data, lookahead=True):
+    losses, metrics = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        resident = engine.offloader.resident
+        for k, batch in enumerate(data):
+            nxt = data[k + 1] if lookahead and k + 1 < len(data) else None
+            losses.append(engine.step(batch, next_batch=nxt))
+            metrics.append(dict(engine.last_metrics))
+        params = engine.state_dict_fp32()
+    return losses, metrics, params, resident
+
+
+@pytest.mark.parametrize("mode,clip_mode", [("optimized", "defer"), ("optimized", "speculate"),
+                                            ("optimized", "auto"), ("serial", "auto"), ("naive", "auto")])
+def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, clip_mode):
+    mcfg = tiny_cfg(n_layer=12, vocab_size=4096)  # an embedding 5x a layer: it and 7 layers stay, 5 stream
+    data = list(batches(STEPS))
+    ecfg = config(make_dirs(2), mode=mode, clip_mode=clip_mode)
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    losses, metrics, params, resident = _run(mcfg, ecfg, data)
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+    assert resident == [0, 1, 2, 3, 4, 5, 6, 7, 13]
+    hits = [m["resident_record_hits"] for m in metrics]
+    assert hits[0] == 0 and max(hits) == len(resident)  # nothing in memory before the first step
+    # a redone step reads its resident records again (the speculative pass changed them): fewer hits there
+    redone = [m["redone"] for m in metrics]
+    assert all(h == len(resident) for h, r in zip(hits[1:], redone[1:]) if not r)
+    off = _run(mcfg, config(make_dirs(2, "off"), mode=mode, clip_mode=clip_mode, resident_records=False), data)
+    assert off[0] == losses and off[3] == []
+    assert all(m["resident_record_hits"] == 0 for m in off[1])
+    saved = sum(o["ssd_read_bytes"] - m["ssd_read_bytes"] for o, m in zip(off[1][1:], metrics[1:]))
+    assert saved > 0
+
+
+def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_records(make_dirs):
+    """Speculation updates the records in place during backward; a non-finite step then discards them, and a
+    whole-model pool keeps every block resident: the next step must read them all back from the SSDs."""
+    mcfg = tiny_cfg()
+    ecfg = config(make_dirs(1), clip_mode="speculate", max_inflight_blocks=8)
+    metrics = check(mcfg, ecfg, poison={2, 3, 5})
+    n = metrics[0]["resident_records"]
+    assert n == 4  # embedding, two layers, head: the whole model
+    hits = [m["resident_record_hits"] for m in metrics]
+    # after a discarded pass, the blocks it updated (those whose gradients came before the norm was known)
+    # are read again; the others still hold the committed bytes
+    assert hits[1] == hits[2] == hits[7] == n, hits
+    assert all(hits[k] <= n for k in (3, 4, 6)) and sum(hits[k] for k in (3, 4, 6)) < 3 * n, hits
+
+
+def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs):
+    """The pool holds the model, so every record is resident: when the tail of a step fails and the step is
+    dropped, and when a later step fails in its backward, what follows reads the committed slot's bytes."""
+    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), clip_mode="defer", max_inflight_blocks=8)
+    data = list(batches(STEPS))
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data[:1] + data[2:])  # batch 1 never trained on
+    with lohan.init(mcfg, ecfg) as engine:
+        n = len(engine.offloader.resident)
+        assert n == len(engine.layout.blocks)
+        losses = [engine.step(data[0], next_batch=data[1])]
+        engine.flush()
+        faulty = inject_faults(engine.store.volume, "write#1+:EIO")
+        engine.step(data[1], next_batch=data[2])
+        with pytest.raises(RuntimeError, match="optimizer pipeline failed"):
+            engine.step(data[2], next_batch=data[3])
+        engine.store.volume.backend = faulty.inner
+        losses.append(engine.step(data[2], next_batch=data[3]))
+        assert engine.last_metrics["resident_record_hits"] == 0  # the dropped step's bytes were not used
+        real = engine.program.run
+        engine.program.run = lambda i, x, t: (_ for _ in ()).throw(OSError("boom")) if i == 1 else real(i, x, t)
+        with pytest.raises(OSError, match="boom"):
+            engine.step(data[3], next_batch=data[4])
+        engine.program.run = real
+        for k in range(3, len(data)):
+            losses.append(engine.step(data[k], next_batch=data[k + 1] if k + 1 < len(data) else None))
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+
+
+def test_config_refuses_a_non_boolean_resident_records():
+    with pytest.raises(ValueError, match="resident_records"):
+        config(["d"], resident_records="yes")
