@@ -355,6 +355,12 @@ class EngineConfig:
     tied embedding's) stays, the streamed ones need less room, and the rest of the pool keeps more blocks.
     The 110M Llama reads 0.8 instead of 1.3 GB per step. False: every record is read every step."""
 
+    resident_mem: int | str = 0
+    """Main memory beyond the record pool for more resident records (part of ``cpu_mem``; never more than
+    all of them take). Fewer bytes are read, and the update after a deferred gate waits for fewer READs:
+    the 110M Llama, whose records are 1.53 GB, keeps them all with ``0.5GiB`` and steps ~10% faster, for
+    0.55 GiB more peak RSS. Needs ``resident_records``."""
+
     heap_reuse: bool = True
     """Have glibc's malloc serve every allocation from its heap and keep what is freed there for reuse
     (`memory.reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
@@ -430,7 +436,7 @@ class EngineConfig:
         if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
                                                       and self.emulate_ssd_gbps > 0):
             problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
-        for name in ("cpu_mem", "chunk_bytes", "opt_chunk_bytes"):
+        for name in ("cpu_mem", "chunk_bytes", "opt_chunk_bytes", "resident_mem"):
             try:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))
             except ValueError as e:
@@ -447,6 +453,10 @@ class EngineConfig:
         for name in ("write_behind", "heap_reuse", "resident_records"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        if _is_int(self.resident_mem) and self.resident_mem < 0:
+            problems.append(f"resident_mem={self.resident_mem} must be >= 0")
+        elif _is_int(self.resident_mem) and self.resident_mem and not self.resident_records:
+            problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:

@@ -105,9 +105,12 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max(p16), sum(p16)),
         "grads": (kept if local is layout else min(2 * max(grads), sum(grads)) + kept)
         + cfg.micro_batches * tied_bytes,
-        # records in flight, plus the fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
-        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(local, chunk, gdtype,
-                                                                      clip=cfg.max_grad_norm > 0),
+        # records in flight, more resident ones (offload.plan_resident: no more than all of them), plus the
+        # fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
+        "optimizer": cfg.max_inflight_blocks * max_rec
+        + min(cfg.resident_mem, max(0, sum(align_up(b.record_bytes) for b in local.blocks)
+                                    - cfg.max_inflight_blocks * max_rec))
+        + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
     }
     total = sum(need.values())
     if keeps_all_grads(cfg) and cfg.mode != "serial":
@@ -123,7 +126,7 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
             f"{total / 2**30:.2f} GiB ({parts}). Raise cpu_mem to at least {total / 2**30:.2f} GiB"
             + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
 
-            + ", or lower prefetch_depth / max_inflight_blocks")
+            + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if cfg.resident_mem else ""))
     return need
 
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import math
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from io_engine import IOEngineError, VolumeConfigError
+from io_engine.base import align_up
 
 from .config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
 from .crashpoints import crashpoint
@@ -244,6 +246,21 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------- loop
+def _resident_line(engine: Engine) -> str:
+    """How many blocks' optimizer records stay in memory (offload.plan_resident), and what keeps them all."""
+    blocks = engine.store.layout.blocks
+    resident = engine.offloader.resident
+    if not engine.cfg.resident_records:
+        return "none (engine.resident_records=false)"
+    line = f"{len(resident)} of {len(blocks)} blocks"
+    if len(resident) < len(blocks):
+        missing = sum(align_up(b.record_bytes) for b in blocks) - engine.records_pool.budget_bytes
+        if all(b.numel <= engine.store.check_elems for b in blocks) and missing > 0:
+            need = math.ceil((engine.cfg.resident_mem + missing) / 2**20)
+            line += f"; --set engine.resident_mem={need}MiB keeps all of them (within cpu_mem)"
+    return line
+
+
 def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str) -> None:
     e = run.engine
     layout = engine.store.layout
@@ -263,6 +280,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"(params {plan['params'] / 2**20:.0f} MiB, grads {plan['grads'] / 2**20:.0f} MiB, optimizer "
         f"{plan['optimizer'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
         f"activations {e.act_policy}")
+    console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
     # The RSS bound (lohan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
     # the overhead is this process as measured now, before the first step, plus what no budget covers.
     import psutil

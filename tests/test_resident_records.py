@@ -136,3 +136,32 @@ def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs
 def test_config_refuses_a_non_boolean_resident_records():
     with pytest.raises(ValueError, match="resident_records"):
         config(["d"], resident_records="yes")
+
+
+def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
+    """resident_mem widens the record pool, never beyond all records; with room for all, the model's states
+    are read once and then only written, with the same bits."""
+    mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
+    data = list(batches(4))
+    base = config(make_dirs(1), clip_mode="defer")
+    ref_losses, _, ref_params = reference(mcfg, base, data)
+    with lohan.init(mcfg, base) as engine:
+        pool, some = engine.memory_plan["optimizer"], engine.offloader.resident
+        records = sum(align_up(b.record_bytes) for b in engine.layout.blocks)
+    ecfg = config(make_dirs(1, "more"), clip_mode="defer", resident_mem="64MiB")
+    losses, metrics, params, resident = _run(mcfg, ecfg, data)
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+    assert len(some) < len(resident) == 14
+    assert [m["resident_record_hits"] for m in metrics] == [0, 14, 14, 14]
+    with lohan.init(mcfg, ecfg, overwrite=True) as engine:  # the plan takes what all records need, not 64 MiB
+        assert engine.records_pool.budget_bytes == records
+        assert pool < engine.memory_plan["optimizer"] < pool + records
+
+
+@pytest.mark.parametrize("kw,match", [({"resident_mem": "-1MiB"}, "resident_mem=.* must be >= 0"),
+                                      ({"resident_mem": "1GiB", "resident_records": False},
+                                       "resident_mem=.* needs resident_records=true")])
+def test_config_refuses_a_bad_resident_mem(kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(["d"], **kw)
