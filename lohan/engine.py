@@ -81,6 +81,16 @@ def keeps_all_grads(cfg: EngineConfig) -> bool:
     return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
 
 
+def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, max_rec: int) -> int:
+    """Bytes `resident_mem` adds to the record pool: at most what keeps every record resident that can be
+    (offload.plan_resident: not those updated in chunks, which keep their streaming buffers)."""
+    whole = sum(align_up(b.record_bytes) for b in local.blocks if b.numel <= chunk)
+    streamed = max((align_up(chunk_record_bytes(chunk, b.p16_itemsize)) for b in local.blocks if b.numel > chunk),
+                   default=0)
+    every = max(0, whole + cfg.max_inflight_blocks * streamed - cfg.max_inflight_blocks * max_rec)
+    return every if cfg.resident_mem == "all" else min(cfg.resident_mem, every)
+
+
 def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int,
                      local: StoreLayout | None = None, p16_bytes: list[int] | None = None,
                      world: int = 1) -> dict[str, int]:
@@ -107,9 +117,7 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         + cfg.micro_batches * tied_bytes,
         # records in flight, more resident ones (offload.plan_resident: no more than all of them), plus the
         # fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
-        "optimizer": cfg.max_inflight_blocks * max_rec
-        + min(cfg.resident_mem, max(0, sum(align_up(b.record_bytes) for b in local.blocks)
-                                    - cfg.max_inflight_blocks * max_rec))
+        "optimizer": cfg.max_inflight_blocks * max_rec + resident_extra(local, cfg, chunk, max_rec)
         + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
     }
     total = sum(need.values())

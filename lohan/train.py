@@ -255,7 +255,7 @@ def _resident_line(engine: Engine) -> str:
     line = f"{len(resident)} of {len(blocks)} blocks"
     if len(resident) < len(blocks):
         missing = sum(align_up(b.record_bytes) for b in blocks) - engine.records_pool.budget_bytes
-        if all(b.numel <= engine.store.check_elems for b in blocks) and missing > 0:
+        if all(b.numel <= engine.store.check_elems for b in blocks) and missing > 0 and engine.cfg.resident_mem != "all":
             need = math.ceil((engine.cfg.resident_mem + missing) / 2**20)
             line += f"; --set engine.resident_mem={need}MiB keeps all of them (within cpu_mem)"
     return line

@@ -4,6 +4,8 @@ redone, dropped with its tail, rolled back), fewer bytes read, and the pool's bu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_clipping import STEPS, batches, check, config, reference, same_weights, tiny_cfg
 
@@ -157,9 +159,30 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
     with lohan.init(mcfg, ecfg, overwrite=True) as engine:  # the plan takes what all records need, not 64 MiB
         assert engine.records_pool.budget_bytes == records
         assert pool < engine.memory_plan["optimizer"] < pool + records
+    with lohan.init(mcfg, ecfg.with_overrides(resident_mem="all"), overwrite=True) as engine:
+        assert engine.records_pool.budget_bytes == records and len(engine.offloader.resident) == 14
+
+
+def test_resident_mem_all_reserves_nothing_for_records_updated_in_chunks(make_dirs):
+    """Blocks bigger than a chunk keep streaming: `all` keeps every other record and adds no more."""
+    ecfg = config(make_dirs(1), clip_mode="defer", opt_chunk_bytes=4096 * 16 * 4, resident_mem="all")
+    with lohan.init(tiny_cfg(n_layer=3, vocab_size=4096), ecfg) as engine:
+        blocks, chunk = engine.layout.blocks, engine.store.check_elems
+        chunked = [b.index for b in blocks if b.numel > chunk]
+        assert chunked and set(engine.offloader.resident) == {b.index for b in blocks} - set(chunked)
+        whole = sum(align_up(b.record_bytes) for b in blocks if b.numel <= chunk)
+        assert engine.records_pool.budget_bytes == whole + 3 * align_up(chunk_record_bytes(chunk, 4))
+        losses = [engine.step(b) for b in batches(3)]
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_config_takes_resident_mem_sizes_and_all():
+    assert config(["d"], resident_mem="1GiB").resident_mem == 2**30
+    assert config(["d"], resident_mem="all").resident_mem == "all"
 
 
 @pytest.mark.parametrize("kw,match", [({"resident_mem": "-1MiB"}, "resident_mem=.* must be >= 0"),
+                                      ({"resident_mem": "lots"}, "resident_mem: cannot read 'lots' as a size"),
                                       ({"resident_mem": "1GiB", "resident_records": False},
                                        "resident_mem=.* needs resident_records=true")])
 def test_config_refuses_a_bad_resident_mem(kw, match):
