@@ -3,6 +3,7 @@ bit-identical to an uninterrupted run.
 
     python scripts/kill_harness.py                      # 24 trials (a few minutes), writes benchmarks/results/
     python scripts/kill_harness.py --trials 6 --seed 3  # a quicker look
+    python scripts/kill_harness.py --set engine.resident_mem=all  # every optimizer record kept in RAM too
 
 Each trial runs the same small fine-tune (the tiny preset on the shipped corpus, seq 64, batch 4, 6 steps,
 export at the end) and kills it one to three times: at named crash points (`lohan/crashpoints.py`: a block
@@ -53,10 +54,13 @@ POINTS: list[tuple[str, str]] = [
 ]
 
 
+SETS: list[str] = []  # --set KEY=VALUE given to every finetune.py run (main's --set)
+
+
 def base_args(work: Path, steps: int = STEPS) -> list[str]:
     return [sys.executable, str(ROOT / "finetune.py"), "--steps", str(steps), "--seq-len", "64", "--batch-size", "4",
             "--nvme", str(work / "nvme"), "--metrics", str(work / "metrics.jsonl"), "--export", str(work / "export"),
-            "--backend", "threads"]
+            "--backend", "threads", *(a for kv in SETS for a in ("--set", kv))]
 
 
 @dataclass
@@ -205,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kill_harness.json"))
     ap.add_argument("--keep", action="store_true", help="keep the trials' directories")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, e.g. engine.resident_mem=all (repeatable)")
     args = ap.parse_args(argv)
+    SETS[:] = args.set
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="lohan-kill-"))
     try:
