@@ -65,6 +65,7 @@ gives the peers the same malloc setting through the environment, which makes the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -477,6 +478,15 @@ def torch_fits(params: int, batch: int, seq: int, vocab: int) -> tuple[bool, int
     return need <= 0.9 * avail, need, avail
 
 
+def _remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's shm_comm op leaves its all-reduce buffer (67 MB at the default size) in /dev/shm when a
+    process exits; left there they hold main memory until reboot (117 runs had pinned 7.6 GiB). The name
+    carries the child's MASTER_PORT, so only that child's files are removed."""
+    for f in Path("/dev/shm").glob(f"deepspeed_*_127.0.0.1_{port}_*"):
+        with contextlib.suppress(OSError):
+            f.unlink()
+
+
 def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any], a: argparse.Namespace,
               warmup: int, steps: int, log: Any) -> dict[str, Any]:
     """One system in a child process, sampled from outside; returns the child's result plus the samples."""
@@ -486,7 +496,8 @@ def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any]
         shutil.rmtree(work)
     work.mkdir(parents=True)
     result_path = work / "result.json"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     env.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # as io_engine's aio op
@@ -515,6 +526,7 @@ def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any]
             time.sleep(a.interval)
         rc = proc.wait()
     wall = time.monotonic() - t0
+    _remove_shm_buffers(port)
     text = log_path.read_text(errors="replace")
     if rc != 0 or not result_path.exists():
         return {"system": system, "settings": settings, "failed": True, "returncode": rc, "wall_s": wall,
