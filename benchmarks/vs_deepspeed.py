@@ -19,9 +19,11 @@ optimizer, every SSD transfer it waits for); the median of the timed steps is re
 
 - ``lohan``: `lohan.hf_engine.init_from_hf` with `finetune.py`'s defaults (`EngineConfig()`: the activation
   planner, optimized offloading, 8 GiB `cpu_mem`, aio backend when built), states on `--scratch`. Not tuned.
-- ``lohan-resident``: the same with `resident_mem: all`: every block's optimizer record stays in RAM from
-  one step to the next (ZeRO-Offload's memory for the states), and is still written to the SSD every step.
-  Its keys are reported beside the defaults' with a `_resident` suffix (information, not the targets).
+  The defaults keep as many optimizer records in RAM from step to step as half of what `cpu_mem` leaves
+  allows (`resident_mem: auto`; all of them for these models), still writing them to the SSD every step.
+- ``lohan-lean``: the same with `resident_mem: 0`: only the record pool, lohan's leanest setting (its
+  memory against ZeRO-Infinity's leanest). Its keys are reported beside the defaults' with a `_lean`
+  suffix (information, not the targets).
 - ``zero-infinity``: ZeRO-3 with `offload_param` and `offload_optimizer` on NVMe (libaio), the model built
   partitioned under `zero.Init` and its weights loaded parameter by parameter under `GatheredParameters`
   (what `from_pretrained` does with transformers' `HfDeepSpeedConfig`, which needs accelerate),
@@ -87,8 +89,8 @@ from bench_env import cpu_model, package_version, portable  # sibling module (th
 REPO = Path(__file__).resolve().parent.parent
 GiB, MiB = 1 << 30, 1 << 20
 
-SYSTEMS = ("lohan", "lohan-resident", "zero-infinity", "zero-offload", "torch")
-LOHANS = ("lohan", "lohan-resident")  # lohan-resident: every optimizer record kept in RAM (engine.resident_mem)
+SYSTEMS = ("lohan", "lohan-lean", "zero-infinity", "zero-offload", "torch")
+LOHANS = ("lohan", "lohan-lean")  # lohan-lean: no optimizer records kept in RAM beyond the pool (resident_mem: 0)
 MODELS = ("110m", "350m")  # scripts/make_tiny_hf.py --size
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
 QUICK = {"models": ["110m"], "warmup": 2, "steps": 4}
@@ -104,7 +106,7 @@ TARGETS = {"speedup_vs_zero_infinity": (">=", 2.0), "speed_vs_torch": (">=", 0.8
 # ZeRO-Infinity winner differs: sub_group_size 1e9, max_in_cpu 0). lohan: finetune.py's defaults, not tuned.
 SETTINGS: dict[str, dict[str, Any]] = {
     "lohan": {},
-    "lohan-resident": {"resident_mem": "all"},  # the states in RAM as well as on the SSD (ZeRO-Offload's memory)
+    "lohan-lean": {"resident_mem": 0},  # the record pool only: lohan's leanest memory
     "zero-infinity": {
         "sub_group_size": 10_000_000,    # elements per optimizer swap unit (DeepSpeed default 1e9)
         "aio_block_size": 1 << 20,       # aio: block_size, queue_depth, intra_op_parallelism (DeepSpeed's docs)
@@ -124,7 +126,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 # Knobs tried by `--tune`, one at a time, in this order (coordinate descent from SETTINGS).
 TUNE_GRID: dict[str, list[tuple[str, list[Any]]]] = {
     "lohan": [],
-    "lohan-resident": [],
+    "lohan-lean": [],
     "zero-infinity": [
         ("sub_group_size", [10_000_000, 100_000_000, 1_000_000_000]),
         ("max_in_cpu", [1_000_000_000, 0]),
@@ -213,7 +215,9 @@ def build_lohan(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
 
     vol = eng.store.volume
     info = {"io_backend": f"{vol.backend.name} ({vol.backend_reason})", "cpu_mem_bytes": int(eng.cfg.cpu_mem),
-            "act_policy": eng.cfg.act_policy, "mode": eng.cfg.mode}
+            "act_policy": eng.cfg.act_policy, "mode": eng.cfg.mode, "resident_mem": eng.cfg.resident_mem,
+            "resident_records": f"{len(eng.offloader.resident)} of {len(eng.store.layout.blocks)} blocks",
+            "resident_bytes": eng.memory_plan["resident"]}
     return step, eng.close, info
 
 
@@ -651,15 +655,15 @@ def keys(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         r = rows.get(name)
         return r if r and not r.get("failed") and not r.get("skipped") else None
 
-    lo, zi, th, lr = ok("lohan"), ok("zero-infinity"), ok("torch"), ok("lohan-resident")
+    lo, zi, th, lr = ok("lohan"), ok("zero-infinity"), ok("torch"), ok("lohan-lean")
     return {
         "speedup_vs_zero_infinity": zi["s_per_step"] / lo["s_per_step"] if lo and zi else None,
         "speed_vs_torch": th["s_per_step"] / lo["s_per_step"] if lo and th else None,
         "rss_ratio_vs_zero_infinity": lo["peak_rss_bytes"] / zi["peak_rss_bytes"] if lo and zi else None,
         "rss_ratio_vs_zero_infinity_whole_life": (lo["peak_rss_whole_life_bytes"] / zi["peak_rss_whole_life_bytes"]
                                                   if lo and zi else None),
-        # the same keys for lohan with its optimizer records in RAM (info: the targets are for the defaults)
-        **{f"{name}_resident": f(lr) if lr and other else None for name, other, f in (
+        # the same keys for lohan's leanest setting (info: the targets are for the defaults)
+        **{f"{name}_lean": f(lr) if lr and other else None for name, other, f in (
             ("speedup_vs_zero_infinity", zi, lambda r: zi["s_per_step"] / r["s_per_step"]),
             ("speed_vs_torch", th, lambda r: th["s_per_step"] / r["s_per_step"]),
             ("rss_ratio_vs_zero_infinity", zi, lambda r: r["peak_rss_bytes"] / zi["peak_rss_bytes"]))},
@@ -750,7 +754,7 @@ def markdown(report: dict[str, Any]) -> str:
             v = k.get(name)
             lines.append(f"| `{name}` | {'n/a' if v is None else f'{v:.2f}'} | {op} {target} | "
                          f"{ {True: 'yes', False: 'NO', None: 'n/a'}[ok.get(name)] } |")
-        for name in ("rss_ratio_vs_zero_infinity_whole_life", *(f"{t}_resident" for t in TARGETS)):
+        for name in ("rss_ratio_vs_zero_infinity_whole_life", *(f"{t}_lean" for t in TARGETS)):
             v = k.get(name)
             lines.append(f"| `{name}` | {'n/a' if v is None else f'{v:.2f}'} | (info) | |")
         lines.append("")
@@ -782,7 +786,7 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
               ("disk_write_bytes_per_step", "disk written (GB / step)", 1e9)]
     models = list(report["models"])
     fig, axes = plt.subplots(len(models), len(panels), figsize=(4.2 * len(panels), 3.2 * len(models)), squeeze=False)
-    colors = {"lohan": "tab:green", "lohan-resident": "tab:olive", "zero-infinity": "tab:red", "zero-offload": "tab:orange", "torch": "tab:blue"}
+    colors = {"lohan": "tab:green", "lohan-lean": "tab:olive", "zero-infinity": "tab:red", "zero-offload": "tab:orange", "torch": "tab:blue"}
     for i, size in enumerate(models):
         rows = [r for r in report["models"][size]["rows"] if r.get("s_per_step")]
         for j, (key, label, scale) in enumerate(panels):

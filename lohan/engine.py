@@ -81,20 +81,29 @@ def keeps_all_grads(cfg: EngineConfig) -> bool:
     return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
 
 
-def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, max_rec: int) -> int:
+def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, max_rec: int, room: int = 0) -> int:
     """Bytes `resident_mem` adds to the record pool: at most what keeps every record resident that can be
-    (offload.plan_resident: not those updated in chunks, which keep their streaming buffers)."""
+    (offload.plan_resident: not those updated in chunks, which keep their streaming buffers); `auto` takes
+    up to `room`."""
+    if not cfg.resident_records:
+        return 0
     whole = sum(align_up(b.record_bytes) for b in local.blocks if b.numel <= chunk)
     streamed = max((align_up(chunk_record_bytes(chunk, b.p16_itemsize)) for b in local.blocks if b.numel > chunk),
                    default=0)
     every = max(0, whole + cfg.max_inflight_blocks * streamed - cfg.max_inflight_blocks * max_rec)
-    return every if cfg.resident_mem == "all" else min(cfg.resident_mem, every)
+    if cfg.resident_mem == "all":
+        return every
+    return min(max(0, room) if cfg.resident_mem == "auto" else cfg.resident_mem, every)
 
 
 def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int,
                      local: StoreLayout | None = None, p16_bytes: list[int] | None = None,
-                     world: int = 1) -> dict[str, int]:
+                     world: int = 1, free: int | None = None) -> dict[str, int]:
     """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget.
+
+    `resident_mem: auto` takes half of what cpu_mem leaves after the other pools and the gradient stash, and
+    of what `free` (this process's share of the machine's available memory) leaves after them: the other
+    half stays for swapped activations (swap.ActivationManager.mem_avail) and the rest of the process.
 
     Data parallel: `local` is the rank's store (its shards), `p16_bytes` the size of each block's gathered
     P16 buffer; whole-block gradients are reduced, then the rank's shard of each is kept for its optimizer."""
@@ -115,10 +124,10 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max(p16), sum(p16)),
         "grads": (kept if local is layout else min(2 * max(grads), sum(grads)) + kept)
         + cfg.micro_batches * tied_bytes,
-        # records in flight, more resident ones (offload.plan_resident: no more than all of them), plus the
-        # fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
-        "optimizer": cfg.max_inflight_blocks * max_rec + resident_extra(local, cfg, chunk, max_rec)
-        + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
+        # records in flight, plus the fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
+        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
+        # more records kept from step to step (offload.plan_resident: no more than all of them); auto: below
+        "resident": 0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, max_rec),
     }
     total = sum(need.values())
     if keeps_all_grads(cfg) and cfg.mode != "serial":
@@ -127,6 +136,10 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         # the rest on the SSDs (gradstash.py)
         need["grad_stash"] = min(sum(shards), max(0, cfg.cpu_mem - total))
         total += need["grad_stash"]
+    if cfg.resident_mem == "auto":
+        left = cfg.cpu_mem - total if free is None else min(cfg.cpu_mem, free) - total
+        need["resident"] = resident_extra(local, cfg, chunk, max_rec, room=left // 2)
+        total += need["resident"]
     if total > cfg.cpu_mem:
         parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
         raise MemoryPlanError(
@@ -134,7 +147,7 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
             f"{total / 2**30:.2f} GiB ({parts}). Raise cpu_mem to at least {total / 2**30:.2f} GiB"
             + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
 
-            + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if cfg.resident_mem else ""))
+            + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if need["resident"] else ""))
     return need
 
 
@@ -173,8 +186,10 @@ class Engine:
                    for i in range(n) for o, p in program.external_params(i))
         p16_bytes = [b.p16_bytes if bd is None else self.world * (bd[1] - bd[0]) * b.p16_itemsize
                      for b, bd in zip(self.layout.blocks, self.bounds)]
+        # the machine's available memory, shared by the ranks on this host (resident_mem: auto)
+        free = psutil.virtual_memory().available // (self.dp.local_world if self.dp else 1)
         self.memory_plan = plan_host_memory(self.layout, cfg, len(self._owners), tied, layout if self.dp else None,
-                                            p16_bytes, self.world)
+                                            p16_bytes, self.world, free)
         dirs = list(cfg.nvme)
         for d in dirs:
             os.makedirs(d, exist_ok=True)
@@ -197,7 +212,7 @@ class Engine:
         # the optimizer's share of the plan also holds the fp32 upcast scratch, which the offloader
         # allocates itself: the record pool gets the rest, so the two together stay within the plan
         upcast = upcast_bytes(layout, optimizer_chunk_elems(layout, cfg), grad_dtype(cfg), clip=cfg.max_grad_norm > 0)
-        self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"] - upcast)
+        self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"] + self.memory_plan["resident"] - upcast)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
                                       self.dp, self.bounds)
         self.decays = [shard_decays(full, own, decay_mask(m, cfg.no_decay))

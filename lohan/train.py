@@ -256,7 +256,7 @@ def _resident_line(engine: Engine) -> str:
     if len(resident) < len(blocks):
         missing = sum(align_up(b.record_bytes) for b in blocks) - engine.records_pool.budget_bytes
         if all(b.numel <= engine.store.check_elems for b in blocks) and missing > 0 and engine.cfg.resident_mem != "all":
-            need = math.ceil((engine.cfg.resident_mem + missing) / 2**20)
+            need = math.ceil((engine.memory_plan["resident"] + missing) / 2**20)
             line += f"; --set engine.resident_mem={need}MiB keeps all of them (within cpu_mem)"
     return line
 
@@ -278,7 +278,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
     console.print(
         f"  main memory: {sum(plan.values()) / 2**30:.2f} of {e.cpu_mem / 2**30:.2f} GiB budgeted "
         f"(params {plan['params'] / 2**20:.0f} MiB, grads {plan['grads'] / 2**20:.0f} MiB, optimizer "
-        f"{plan['optimizer'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
+        f"{plan['optimizer'] / 2**20:.0f} MiB, resident records {plan['resident'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
         f"activations {e.act_policy}")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
     # The RSS bound (lohan/memory.py): cpu_mem covers the pools and the activations kept in main memory;

@@ -12,6 +12,7 @@ from test_clipping import STEPS, batches, check, config, reference, same_weights
 import lohan
 from io_engine.base import align_up
 from io_engine.faults import inject_faults
+from lohan.engine import plan_host_memory
 from lohan.offload import chunk_record_bytes, plan_resident
 from lohan.store import BlockLayout, ParamSpec, StoreLayout
 
@@ -72,7 +73,7 @@ def _run(mcfg, ecfg, data, lookahead=True):
 def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, clip_mode):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)  # an embedding 5x a layer: it and 7 layers stay, 5 stream
     data = list(batches(STEPS))
-    ecfg = config(make_dirs(2), mode=mode, clip_mode=clip_mode)
+    ecfg = config(make_dirs(2), mode=mode, clip_mode=clip_mode, resident_mem=0)  # the pool alone
     ref_losses, _, ref_params = reference(mcfg, ecfg, data)
     losses, metrics, params, resident = _run(mcfg, ecfg, data)
     assert losses == ref_losses
@@ -145,10 +146,11 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
     are read once and then only written, with the same bits."""
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
     data = list(batches(4))
-    base = config(make_dirs(1), clip_mode="defer")
+    base = config(make_dirs(1), clip_mode="defer", resident_mem=0)
     ref_losses, _, ref_params = reference(mcfg, base, data)
     with lohan.init(mcfg, base) as engine:
-        pool, some = engine.memory_plan["optimizer"], engine.offloader.resident
+        pool, some = engine.records_pool.budget_bytes, engine.offloader.resident
+        assert engine.memory_plan["resident"] == 0
         records = sum(align_up(b.record_bytes) for b in engine.layout.blocks)
     ecfg = config(make_dirs(1, "more"), clip_mode="defer", resident_mem="64MiB")
     losses, metrics, params, resident = _run(mcfg, ecfg, data)
@@ -158,7 +160,7 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
     assert [m["resident_record_hits"] for m in metrics] == [0, 14, 14, 14]
     with lohan.init(mcfg, ecfg, overwrite=True) as engine:  # the plan takes what all records need, not 64 MiB
         assert engine.records_pool.budget_bytes == records
-        assert pool < engine.memory_plan["optimizer"] < pool + records
+        assert engine.memory_plan["resident"] == records - pool
     with lohan.init(mcfg, ecfg.with_overrides(resident_mem="all"), overwrite=True) as engine:
         assert engine.records_pool.budget_bytes == records and len(engine.offloader.resident) == 14
 
@@ -176,9 +178,48 @@ def test_resident_mem_all_reserves_nothing_for_records_updated_in_chunks(make_di
     assert all(math.isfinite(x) for x in losses)
 
 
-def test_config_takes_resident_mem_sizes_and_all():
+def test_config_takes_resident_mem_sizes_all_and_auto():
     assert config(["d"], resident_mem="1GiB").resident_mem == 2**30
     assert config(["d"], resident_mem="all").resident_mem == "all"
+    assert config(["d"]).resident_mem == "auto"  # the default
+    assert config(["d"], resident_records=False).resident_mem == "auto"  # (then keeps nothing)
+
+
+def _plan(**kw):
+    """plan_host_memory of a synthetic model (an embedding 3.6x a layer, twelve layers, a norm)."""
+    layout = _layout([3_600_000] + [1_000_000] * 12 + [4096])
+    ecfg = config(["d"], **kw)
+    return ecfg, lambda free=None: plan_host_memory(layout, ecfg, 1, 0, free=free)
+
+
+def test_resident_mem_auto_takes_half_of_what_cpu_mem_and_free_memory_leave():
+    """auto: every record when the budget has room, half of what is left when it has less, nothing when
+    nothing is left (or resident_records is off); the machine's free memory bounds it as cpu_mem does."""
+    ecfg, plan = _plan(cpu_mem="1GiB")
+    roomy = plan()
+    others = sum(v for k, v in roomy.items() if k != "resident")
+    assert 0 < roomy["resident"] < ecfg.cpu_mem - others  # all of them: capped at what keeps every record
+    every = roomy["resident"]
+    tight = plan(free=others + every)  # half of the rest
+    assert tight["resident"] == every // 2
+    assert plan(free=others)["resident"] == 0
+    assert {k: v for k, v in tight.items() if k != "resident"} == {k: v for k, v in roomy.items() if k != "resident"}
+    _, plan_small = _plan(cpu_mem=others + every // 3)
+    assert plan_small()["resident"] == (every // 3) // 2
+    _, plan_off = _plan(cpu_mem="1GiB", resident_records=False)
+    assert plan_off()["resident"] == 0
+
+
+def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(make_dirs):
+    mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
+    data = list(batches(4))
+    ecfg = config(make_dirs(1), clip_mode="defer", cpu_mem="1GiB")
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    losses, metrics, params, resident = _run(mcfg, ecfg, data)
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+    assert len(resident) == 14 and [m["resident_record_hits"] for m in metrics] == [0, 14, 14, 14]
+    assert all(m["ssd_read_bytes"] == 0 for m in metrics[1:])
 
 
 @pytest.mark.parametrize("kw,match", [({"resident_mem": "-1MiB"}, "resident_mem=.* must be >= 0"),
