@@ -519,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = EngineConfig(nvme=tuple(args.nvme), cpu_mem=64 * GiB, compute_dtype=args.compute_dtype,
                         micro_batches=args.micro_batches, backend=args.backend, prefetch_depth=args.prefetch_depth,
-                        max_inflight_blocks=args.max_inflight_blocks, name=STORE_NAME)
+                        max_inflight_blocks=args.max_inflight_blocks, name=STORE_NAME,
+                        resident_mem=0)  # the modes are compared on the records they stream, not on RAM
     # What each mode's buffer pools need (lohan.engine.plan_host_memory), for cpu_mem=auto and the report.
     program = GPTBlocks(build_model(mcfg, device="meta"))
     layout = plan_layout(program.modules, program.names, args.compute_dtype, base.slots)

@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             n_head=args.heads, seq_len=args.seq_len)
     ecfg = EngineConfig(nvme=tuple(args.nvme), cpu_mem="8GiB", compute_dtype=args.compute_dtype,
                         act_policy="interblock", act_mem=args.act_mem, backend=args.backend, name=STORE_NAME,
-                        emulate_ssd_gbps=args.emulate_ssd_gbps or None, lr=1e-4)
+                        emulate_ssd_gbps=args.emulate_ssd_gbps or None, lr=1e-4,
+                        resident_mem=0)  # the states stream through the SSDs, as the planner prices them
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
     batch = (ids[:, :-1], ids[:, 1:])

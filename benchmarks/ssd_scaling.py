@@ -322,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.ssds:
             ecfg = EngineConfig(nvme=tuple(args.nvme[:n]), name=f"{STORE_PREFIX}{n}", cpu_mem=args.cpu_mem,
                                 compute_dtype=args.compute_dtype, backend=args.backend,
-                                emulate_ssd_gbps=args.emulate_ssd_gbps, max_grad_norm=args.max_grad_norm, lr=1e-4)
+                                emulate_ssd_gbps=args.emulate_ssd_gbps, max_grad_norm=args.max_grad_norm, lr=1e-4,
+                                resident_mem=0)  # the states stream through the SSDs, as the planner prices them
             t0 = time.perf_counter()
             engines[n] = lohan.init(mcfg, ecfg, overwrite=True)
             init_s[n] = time.perf_counter() - t0
