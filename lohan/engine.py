@@ -45,7 +45,14 @@ from .integrity import StoreCorruptError, unit_bounds
 from .memory import release_free_memory, reuse_heap
 from .models.adapter import BlockProgram, GPTBlocks
 from .models.gpt import GPT, block_generator, build_model, init_block_
-from .offload import ClipGate, GradOffloader, chunk_record_bytes, plan_resident, upcast_bytes
+from .offload import (
+    ClipGate,
+    GradOffloader,
+    chunk_record_bytes,
+    plan_resident,
+    record_pool_bytes,
+    upcast_bytes,
+)
 from .optim import AdamWHyper, decay_mask, lr_at
 from .parallel import DataParallel, read_decision, shard_bounds, shard_decays, shard_layout
 from .params import ParamStreamer
@@ -81,16 +88,16 @@ def keeps_all_grads(cfg: EngineConfig) -> bool:
     return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
 
 
-def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, max_rec: int, room: int = 0) -> int:
-    """Bytes `resident_mem` adds to the record pool: at most what keeps every record resident that can be
-    (offload.plan_resident: not those updated in chunks, which keep their streaming buffers); `auto` takes
-    up to `room`."""
+def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int, room: int = 0) -> int:
+    """Bytes `resident_mem` adds to a record pool of `pool` bytes: at most what keeps every record resident that
+    can be (offload.plan_resident: not those updated in chunks, which keep their streaming buffers); `auto`
+    takes up to `room`."""
     if not cfg.resident_records:
         return 0
     whole = sum(align_up(b.record_bytes) for b in local.blocks if b.numel <= chunk)
     streamed = max((align_up(chunk_record_bytes(chunk, b.p16_itemsize)) for b in local.blocks if b.numel > chunk),
                    default=0)
-    every = max(0, whole + cfg.max_inflight_blocks * streamed - cfg.max_inflight_blocks * max_rec)
+    every = max(0, whole + cfg.max_inflight_blocks * streamed - pool)
     if cfg.resident_mem == "all":
         return every
     return min(max(0, room) if cfg.resident_mem == "auto" else cfg.resident_mem, every)
@@ -110,8 +117,7 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
     local = local or layout
     p16 = p16_bytes or [b.p16_bytes for b in layout.blocks]
     chunk = optimizer_chunk_elems(local, cfg)
-    max_rec = max(b.record_bytes if b.numel <= chunk else chunk_record_bytes(chunk, b.p16_itemsize)
-                  for b in local.blocks)
+    pool = record_pool_bytes(local, cfg.max_inflight_blocks, chunk, cfg.resident_records)
     gdtype = grad_dtype(cfg, world)
     grads = [align_up(gdtype.itemsize * b.numel) for b in layout.blocks]
     shards = [align_up(gdtype.itemsize * b.numel) for b in local.blocks]
@@ -124,10 +130,11 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max(p16), sum(p16)),
         "grads": (kept if local is layout else min(2 * max(grads), sum(grads)) + kept)
         + cfg.micro_batches * tied_bytes,
-        # records in flight, plus the fp32 scratch gradients are upcast / scaled into (offload.upcast_bytes)
-        "optimizer": cfg.max_inflight_blocks * max_rec + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
+        # records in flight (offload.record_pool_bytes), plus the fp32 scratch gradients are upcast / scaled
+        # into (offload.upcast_bytes)
+        "optimizer": pool + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
         # more records kept from step to step (offload.plan_resident: no more than all of them); auto: below
-        "resident": 0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, max_rec),
+        "resident": 0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, pool),
     }
     total = sum(need.values())
     if keeps_all_grads(cfg) and cfg.mode != "serial":
@@ -138,7 +145,7 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         total += need["grad_stash"]
     if cfg.resident_mem == "auto":
         left = cfg.cpu_mem - total if free is None else min(cfg.cpu_mem, free) - total
-        need["resident"] = resident_extra(local, cfg, chunk, max_rec, room=left // 2)
+        need["resident"] = resident_extra(local, cfg, chunk, pool, room=left // 2)
         total += need["resident"]
     if total > cfg.cpu_mem:
         parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
@@ -232,7 +239,10 @@ class Engine:
             engine_pool_bytes=sum(self.memory_plan.values()),
             model_label=str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))),
             param_count=self.layout.param_count, p16_itemsize=self.store.p16_dtype.itemsize,
-            flops_per_token=flops_per_token)
+            flops_per_token=flops_per_token,
+            # the share of the states kept in memory (a rank's of its shards: the same share of the model)
+            resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
+            // max(1, sum(b.numel for b in layout.blocks)))
         self.last_metrics: dict[str, Any] = {}
         self._broken: str | None = None
         self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)

@@ -23,9 +23,11 @@ the step's staged commit durable). `tail_done` tells readers of that slot when i
 
 Resident records (`plan_resident`): the record buffers of some blocks stay in the pool from one step to the
 next. Each step still WRITEs them (the commit needs every record on the SSDs), but the next step finds their
-bytes in memory and skips their READ. The pool is sized for `max_inflight_blocks` of the largest record (the
-tied embedding's, three times that of a layer); once that record is resident, the streamed ones need far less
-room, and the rest holds more resident blocks. A buffer is tagged with the (slot, update) whose bytes it holds;
+bytes in memory and skips their READ. The pool (`record_pool_bytes`) is the least that streams the other
+records through `max_inflight_blocks` buffers while the records bigger than those stay (a tied embedding's,
+3.5x a layer's: one buffer for it instead of `max_inflight_blocks`), never more than `max_inflight_blocks` of
+the largest; `resident_mem` gives it more, and the room beyond the streaming buffers holds more resident
+blocks. A buffer is tagged with the (slot, update) whose bytes it holds;
 the next pass uses it only when its read slot and update follow that tag, so a skipped, redone, rolled-back
 or dropped step makes its buffers read from the SSDs again.
 
@@ -79,6 +81,23 @@ def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch
         return 0
     return 4 * min(UPCAST_ELEMS, max(b.numel if chunk_elems is None else min(b.numel, chunk_elems)
                                       for b in layout.blocks))
+
+
+def record_pool_bytes(layout: StoreLayout, inflight: int, chunk_elems: int, resident: bool) -> int:
+    """The record pool's size before `resident_mem`: `inflight` buffers of the largest record (or chunk). With
+    resident records, no more than the least pool that streams the rest through `inflight` buffers while every
+    record bigger than them stays: min over t of (records above t) + inflight x t. A tied embedding's record,
+    3.5x a layer's, then takes one buffer instead of three (the 110M Llama's pool: 0.64 instead of 1.03 GB),
+    and plan_resident keeps it. Pure."""
+    whole = [b.numel <= chunk_elems for b in layout.blocks]
+    caps = [align_up(b.record_bytes if w else chunk_record_bytes(chunk_elems, b.p16_itemsize))
+            for b, w in zip(layout.blocks, whole)]
+    top = inflight * max(b.record_bytes if w else chunk_record_bytes(chunk_elems, b.p16_itemsize)
+                         for b, w in zip(layout.blocks, whole))
+    if not resident:
+        return top
+    return min([top] + [sum(c for c in caps if c > t) + inflight * t for t in sorted({0, *caps})
+                        if not any(c > t and not w for c, w in zip(caps, whole))])
 
 
 def plan_resident(layout: StoreLayout, budget: int, inflight: int, chunk_elems: int) -> list[int]:

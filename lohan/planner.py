@@ -27,7 +27,9 @@ The lanes, each a resource that works in parallel with the others (the time one 
   cannot hold; backward reads P16 again, the optimizer's P32, m, v (``store.py``: one record per block,
   ``P32 | m | v | P16``; the optimizer reads the first three and writes the whole record) and the
   overflowed activations, and writes P32, m, v, P16. So per step the SSDs read ``(12 + 2 s) P`` and write
-  ``(12 + s) P`` bytes, at the *effective* bandwidths of :class:`Hardware` (see :class:`SsdSpec`).
+  ``(12 + s) P`` bytes, at the *effective* bandwidths of :class:`Hardware` (see :class:`SsdSpec`); the
+  records kept in main memory across steps (``Profile.resident_params``, ``offload.plan_resident``) are
+  written but not read: ``12 R`` bytes less.
 - ``cpu`` (backward only): the CPU AdamW, ``P / cpu_adam_params_per_s`` (the fp32 master, m and v
   updated and the P16 copy made). Active gradient offloading (DESIGN §4.3) runs the optimizer of block i
   while the GPU runs backward of block i-1, so it is one more lane of the backward phase. A rate of 0
@@ -89,8 +91,8 @@ LANE_DOC = {
     "gpu": "GPU compute: forward FLOP_f; backward 2 FLOP_f + recomputation, at THP_G",
     "g2m": "PCIe device->host: swapped activations (f), G16 gradients to the CPU optimizer (b)",
     "m2g": "PCIe host->device: block params P16 (f and b; recompute reuses them), activations back (b)",
-    "ssd": "SSD, reads + writes (simplex): P16 (f, b); P32,m,v read and P32,m,v,P16 written (b); "
-           "activation overflow; effective bandwidth",
+    "ssd": "SSD, reads + writes (simplex): P16 (f, b); P32,m,v read (but resident records') and P32,m,v,P16 "
+           "written (b); activation overflow; effective bandwidth",
     "cpu": "CPU AdamW of every param (P32, m, v, P16 copy), under backward by active gradient offloading",
     "fill": "pipeline head and tail: one block's worth of every lane but the slowest",
 }
@@ -183,6 +185,7 @@ class Profile:
     flop_f: float  # forward FLOPs of the whole model per step, embeddings and head included
     hardware: Hardware
     source: str  # "measured" | "analytic"
+    resident_params: int = 0  # params whose optimizer records stay in main memory (P32, m, v not read)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -192,6 +195,8 @@ class Profile:
             problems.append(f"op names must be unique (swap sets are named): {names}")
         if self.n_blocks < 1:
             problems.append(f"n_blocks={self.n_blocks} must be >= 1")
+        if not 0 <= self.resident_params <= self.param_count:
+            problems.append(f"resident_params={self.resident_params} must be in [0, param_count]")
         if any(op.flops < 0 or op.bytes < 0 for op in self.ops) or self.input_bytes < 0:
             problems.append("op flops/bytes and input_bytes must be >= 0")
         if problems:
@@ -289,13 +294,14 @@ def _pipeline(lanes: Mapping[str, float], n_blocks: int) -> tuple[float, float]:
 def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float) -> Estimate:
     hw = profile.hardware
     p16, states, n = profile.p16, profile.states, profile.n_blocks
-    opt_read = 12 * profile.param_count  # P32, m, v: what the optimizer reads of each record
+    # P32, m, v: what the optimizer reads of each record, but of those kept in memory across steps
+    opt_read = 12 * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
     cpu = profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
     lanes_f = {"gpu": profile.flop_f / hw.thp_g, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
                "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
     lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g, "g2m": p16 / hw.bw_g,
-               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (states + alpha) / hw.bw_s2m + states / hw.bw_m2s,
+               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (p16 + opt_read + alpha) / hw.bw_s2m + states / hw.bw_m2s,
                "cpu": cpu}
     (slow_f, fill_f), (slow_b, fill_b) = _pipeline(lanes_f, n), _pipeline(lanes_b, n)
     t_f, t_b = slow_f + fill_f, slow_b + fill_b
@@ -304,7 +310,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
     t_serial = t_f + sum(_pipeline(serial_b, n)) + sum(_pipeline(serial_opt, n))
     traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + p16),
-               "ssd_read": float(p16 + states + alpha), "ssd_write": float(states + alpha),
+               "ssd_read": float(2 * p16 + opt_read + alpha), "ssd_write": float(states + alpha),
                "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
@@ -690,13 +696,15 @@ OPT_CHUNK_BYTES = 512 * 2**20
 
 def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: int = 2,
                  max_inflight: int = 3, micro_batches: int = 1, grad_buffers: int = 2,
-                 opt_chunk_bytes: int = OPT_CHUNK_BYTES) -> dict[str, int]:
+                 opt_chunk_bytes: int = OPT_CHUNK_BYTES, resident: bool = True) -> dict[str, int]:
     """Main-memory pools of the engine, mirroring ``engine.plan_host_memory`` (without alignment).
 
     params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block,
     at most every block; grads: ``grad_buffers`` fp32 block buffers (one filling, one queued) plus the
     tied weight's per micro-batch copies; optimizer: ``max_inflight`` records of P32, m, v, P16 of the
-    largest block, or of a chunk of ``opt_chunk_bytes`` when records are bigger.
+    largest block, or of a chunk of ``opt_chunk_bytes`` when records are bigger; with ``resident`` records
+    (``offload.record_pool_bytes``) no more than the records bigger than the streamed ones plus
+    ``max_inflight`` of those (a tied embedding stays: one buffer for it instead of ``max_inflight``).
     """
     s = _itemsize(compute_dtype)
     # engine.grad_dtype: bf16 gradients are kept as they are unless accumulated; fp16 ones are scaled: fp32
@@ -707,7 +715,19 @@ def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: 
     return {"params": min((2 * prefetch_depth + 1 + (1 if tied else 0)) * big, total) * s,
             "grads": (grad_buffers * g * big if grad_buffers < 2 else min(grad_buffers * big, total) * g)
             + micro_batches * g * tied,
-            "optimizer": max_inflight * min((12 + s) * big, opt_chunk_bytes)}
+            "optimizer": _record_pool(cfg, s, max_inflight, opt_chunk_bytes, resident)}
+
+
+def _record_pool(cfg: ModelConfig, s: int, inflight: int, chunk: int, resident: bool) -> int:
+    """``offload.record_pool_bytes`` on the model's blocks (embedding, layers, head), without alignment."""
+    recs = [(12 + s) * n for n in (cfg.embed_param_count(), cfg.head_param_count())] \
+        + [(12 + s) * cfg.block_param_count()] * cfg.n_layer
+    caps = [min(r, chunk) for r in recs]
+    top = inflight * max(caps)
+    if not resident:
+        return top
+    return min([top] + [sum(c for c in caps if c > t) + inflight * t for t in sorted({0, *caps})
+                        if not any(c > t and r > chunk for c, r in zip(caps, recs))])
 
 
 def _ram_budget(hw: Hardware) -> int:
@@ -827,7 +847,8 @@ def activations_in_ram_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq:
     """
     s = _itemsize(compute_dtype)
     grads = (s + 4 if grad_bytes_per_param is None else grad_bytes_per_param) * cfg.param_count()
-    pools = engine_pools(cfg, compute_dtype, prefetch_depth, max_inflight, micro_batches, grad_buffers=0)
+    pools = engine_pools(cfg, compute_dtype, prefetch_depth, max_inflight, micro_batches, grad_buffers=0,
+                         resident=False)
     profile = analytic_profile(cfg, batch, seq, hw, compute_dtype)
     # Activations never go to SSD in this design: plan as if main memory held them, then check it does.
     everything = dataclasses.replace(hw, mem_avail=cfg.n_layer * profile.input_bytes)

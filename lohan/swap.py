@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class ActivationManager:
     def __init__(self, cfg: EngineConfig, program: Any, device: Device, autocast: Callable[[], Any],
                  engine_pool_bytes: int, model_label: str, param_count: int, p16_itemsize: int,
-                 flops_per_token: Callable[[int], float] | None) -> None:
+                 flops_per_token: Callable[[int], float] | None, resident_params: int = 0) -> None:
         self.cfg = cfg
         self.program = program
         self.device = device
@@ -45,6 +45,7 @@ class ActivationManager:
         self.param_count = param_count
         self.p16_itemsize = p16_itemsize
         self.flops_per_token = flops_per_token
+        self.resident_params = resident_params  # whose records are not read each step (the planner's SSD lane)
         n = len(program.modules)
         self.inner = range(1, n - 1)
         self.tracker = OpTracker(program.modules[i] for i in self.inner)
@@ -102,7 +103,8 @@ class ActivationManager:
             # Its costs and hardware are kept; the bytes the tiers must hold are the ones just measured.
             profile = dataclasses.replace(
                 profile, ops=tuple(dataclasses.replace(p, bytes=o.bytes * m) for p, o in zip(profile.ops, ops)),
-                input_bytes=in_bytes * m, hardware=dataclasses.replace(profile.hardware, mem_avail=mem))
+                input_bytes=in_bytes * m, hardware=dataclasses.replace(profile.hardware, mem_avail=mem),
+                resident_params=min(self.resident_params, profile.param_count))
         else:
             if self._hardware is None:
                 self._hardware = measure_hardware(self.device, list(self.cfg.nvme), self.cfg.backend,
@@ -115,7 +117,8 @@ class ActivationManager:
             profile = Profile(model=self.model_label, batch=batch, seq=seq, n_blocks=len(self.inner),
                               ops=tuple(OpProfile(o.name, o.flops * m, o.bytes * m) for o in ops),
                               input_bytes=in_bytes * m, param_count=self.param_count,
-                              p16_itemsize=self.p16_itemsize, flop_f=float(flop_f), hardware=hw, source="measured")
+                              p16_itemsize=self.p16_itemsize, flop_f=float(flop_f), hardware=hw, source="measured",
+                              resident_params=self.resident_params)
             crashpoint("profile.measured")
             with contextlib.suppress(OSError):
                 profile.save(os.path.join(self.cfg.nvme[0], f"{self.cfg.name}.profile.json"))
