@@ -285,9 +285,10 @@ def data_parallel_machine(machine: Machine, world: int, local_world: int) -> Mac
 
 def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
-               slots: int = 2, keep_grads: bool = False) -> FitReport:
+               slots: int = 2, keep_grads: bool = False, resident_mem: int | str = 0,
+               cpu_mem: int | None = None) -> FitReport:
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
-                   keep_grads=keep_grads)
+                   keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, mcfg, machine.hardware, compute_dtype)
     step_s = cap.plan.estimate.t_iter

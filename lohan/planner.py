@@ -79,7 +79,7 @@ __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
     "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE", "estimate",
     "walk_order", "walk", "algorithm1",
-    "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools",
+    "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools", "resident_records",
     "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
 ]
 
@@ -814,22 +814,57 @@ def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, pl
                     ssd_states, ssd_act, plan, gpu_parts, cpu_parts, limits)
 
 
+def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, pool: int, extra: int | str,
+                     opt_chunk_bytes: int = OPT_CHUNK_BYTES) -> tuple[int, int]:
+    """(bytes `resident_mem` adds to a record pool of `pool` bytes, parameters whose records then stay in
+    memory): ``engine.resident_extra`` and ``offload.plan_resident`` in whole-model terms, without alignment.
+    `extra`: bytes, or ``all``. Records bigger than ``opt_chunk_bytes`` are updated in chunks and never stay."""
+    s = _itemsize(compute_dtype)
+    recs = [(12 + s) * n for n in (cfg.embed_param_count(), cfg.head_param_count())] \
+        + [(12 + s) * cfg.block_param_count()] * cfg.n_layer
+    whole = sum(r for r in recs if r <= opt_chunk_bytes)
+    streamed = max((opt_chunk_bytes for r in recs if r > opt_chunk_bytes), default=0)
+    every = max(0, whole + max_inflight * streamed - pool)
+    add = every if extra == "all" else min(int(extra), every)
+    if pool + add >= whole + max_inflight * streamed:  # every record that can stay does
+        return add, whole // (12 + s)
+    # else the pool streams the largest records that fit `max_inflight` times and keeps what is left beside them
+    t = max([streamed] + [r for r in recs if r <= opt_chunk_bytes and r * max_inflight <= pool])
+    return add, min(whole, max(0, pool + add - max_inflight * t)) // (12 + s)
+
+
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
-             keep_grads: bool = False) -> Capacity:
+             keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None) -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping, or in-place slots) the step's
-    gradients are also kept: in the main memory left over, the rest on the SSDs (the engine's stash)."""
+    gradients are also kept: in the main memory left over, the rest on the SSDs (the engine's stash).
+
+    ``resident_mem`` (the engine's setting: bytes, ``all`` or ``auto``, then bounded by ``cpu_mem`` as the
+    engine bounds it) keeps optimizer records in memory across steps: they are written each step but not
+    read (``Profile.resident_params``). 0 (the default, and the paper's method) keeps only what the record
+    pool holds beside its streaming buffers."""
     pool_args = dict(compute_dtype=compute_dtype, prefetch_depth=prefetch_depth,
                      max_inflight=max_inflight, micro_batches=micro_batches)
     pools = engine_pools(cfg, **pool_args)
+    g = _itemsize(compute_dtype) if micro_batches == 1 else 4
+    if resident_mem == "auto":  # engine.plan_host_memory: half of what the budget leaves after pools and stash
+        budget = min(cpu_mem, _ram_budget(hw)) if cpu_mem else _ram_budget(hw)
+        left = budget - sum(pools.values())
+        left -= min(g * cfg.param_count(), max(0, left)) if keep_grads else 0
+        resident_mem = max(0, left) // 2
+    extra, resident_params = resident_records(cfg, compute_dtype, max_inflight, pools["optimizer"], resident_mem)
+    if extra:
+        pools["resident"] = extra
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
-    plan = algorithm1(analytic_profile(cfg, batch, seq, reserve_engine_pools(hw, cfg, **pool_args), compute_dtype))
+    reserved = reserve_engine_pools(hw, cfg, **pool_args)
+    reserved = dataclasses.replace(reserved, mem_avail=max(0, reserved.mem_avail - extra))
+    profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
+    plan = algorithm1(dataclasses.replace(profile, resident_params=min(resident_params, profile.param_count)))
     gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
     if keep_grads:  # what the RAM left after the pools and activations cannot keep goes to the SSDs
-        g = _itemsize(compute_dtype) if micro_batches == 1 else 4
         states += max(0, g * cfg.param_count() - max(0, _ram_budget(hw) - sum(pools.values()) - plan.cpu_bytes))
     return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
                   {**pools, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)

@@ -394,7 +394,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             machine = data_parallel_machine(machine, world, dp.local_world)
         report = fit_report(mcfg, machine, run.batch_size // world, seq_len, e.compute_dtype, e.micro_batches,
                             e.prefetch_depth, per_epoch, slots=e.slots,
-                            keep_grads=e.max_grad_norm > 0 or e.slots == 1)
+                            keep_grads=e.max_grad_norm > 0 or e.slots == 1,
+                            resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem)
     except ValueError as err:
         return fail(str(err))
     if dp:

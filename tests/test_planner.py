@@ -36,6 +36,7 @@ from lohan.planner import (
     parse_hardware,
     place_tiers,
     reserve_engine_pools,
+    resident_records,
     walk,
     walk_order,
 )
@@ -546,3 +547,28 @@ def test_resident_records_are_written_but_not_read() -> None:
     with pytest.raises(ValueError, match="resident_params"):
         dataclasses.replace(base, resident_params=base.param_count + 1)
     assert Profile.from_dict(half.to_dict()) == half
+
+
+def test_capacity_prices_the_resident_records_the_engine_keeps() -> None:
+    """The dry run's plan: records kept in memory across steps are written but not read. 0 keeps what the pool
+    holds beside its streaming buffers (the embedding here), `all` every record, `auto` half of what cpu_mem
+    leaves after the pools; the memory they take is a part of main memory's."""
+    cfg, hw = get_model_config("tiny", n_layer=12), parse_hardware("rtx4090,1xP5510,64GB")
+    s, n = 2, cfg.param_count()
+
+    def read(cap):  # the states' part of the step's SSD reads
+        t = cap.plan.estimate.traffic
+        return t["ssd_read"] - 2 * s * n - cap.plan.estimate.alpha_bytes
+
+    lean, every = capacity(cfg, hw, 4, 256), capacity(cfg, hw, 4, 256, resident_mem="all")
+    assert read(lean) == 12 * (n - cfg.embed_param_count()) and "resident" not in lean.cpu_parts
+    assert read(every) == 0 and every.cpu_parts["resident"] > 0
+    assert every.cpu_bytes == lean.cpu_bytes + every.cpu_parts["resident"]
+    roomy = capacity(cfg, hw, 4, 256, resident_mem="auto", cpu_mem=8 * 2**30)
+    assert read(roomy) == 0 and roomy.cpu_parts["resident"] == every.cpu_parts["resident"]
+    pools = sum(engine_pools(cfg).values())
+    tight = capacity(cfg, hw, 4, 256, resident_mem="auto", cpu_mem=pools + every.cpu_parts["resident"])
+    assert tight.cpu_parts["resident"] == every.cpu_parts["resident"] // 2
+    assert 0 < read(tight) < read(lean)
+    add, kept = resident_records(cfg, "bf16", 3, engine_pools(cfg)["optimizer"], 0)
+    assert add == 0 and kept == cfg.embed_param_count()
