@@ -256,8 +256,14 @@ def _resident_line(engine: Engine) -> str:
     if len(resident) < len(blocks):
         missing = sum(align_up(b.record_bytes) for b in blocks) - engine.records_pool.budget_bytes
         if all(b.numel <= engine.store.check_elems for b in blocks) and missing > 0 and engine.cfg.resident_mem != "all":
-            need = math.ceil((engine.memory_plan["resident"] + missing) / 2**20)
-            line += f"; --set engine.resident_mem={need}MiB keeps all of them (within cpu_mem)"
+            plan = engine.memory_plan
+            need = plan["resident"] + missing
+            if engine.cfg.resident_mem == "auto":  # auto takes half of what cpu_mem leaves after the other pools
+                others = sum(plan.values()) - plan["resident"]
+                cpu = math.ceil((others + 2 * need) / 2**28) / 4
+                line += f"; --cpu-mem {cpu:g}GiB keeps all of them (resident_mem auto takes half of what it leaves)"
+            else:
+                line += f"; --set engine.resident_mem={math.ceil(need / 2**20)}MiB keeps all of them (within cpu_mem)"
     return line
 
 

@@ -5,6 +5,7 @@ redone, dropped with its tail, rolled back), fewer bytes read, and the pool's bu
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from test_clipping import STEPS, batches, check, config, reference, same_weights, tiny_cfg
@@ -248,3 +249,21 @@ def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(m
 def test_config_refuses_a_bad_resident_mem(kw, match):
     with pytest.raises(ValueError, match=match):
         config(["d"], **kw)
+
+
+def test_the_run_header_says_how_many_records_stay_and_what_keeps_them_all(make_dirs):
+    from lohan.train import _resident_line
+
+    mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
+    with lohan.init(mcfg, config(make_dirs(1), resident_mem=0)) as engine:
+        others = sum(v for k, v in engine.memory_plan.items() if k != "resident")
+        line = _resident_line(engine)
+    assert re.fullmatch(r"\d+ of 14 blocks; --set engine.resident_mem=\d+MiB keeps all of them \(within cpu_mem\)",
+                        line), line
+    with lohan.init(mcfg, config(make_dirs(1, "tight"), cpu_mem=others + 2**20)) as engine:  # auto: half a MiB
+        assert 0 < engine.memory_plan["resident"] <= 2**19
+        line = _resident_line(engine)
+    cpu = re.search(r"^\d+ of 14 blocks; --cpu-mem ([0-9.]+)GiB keeps all of them", line)
+    assert cpu, line
+    with lohan.init(mcfg, config(make_dirs(1, "roomy"), cpu_mem=f"{cpu.group(1)}GiB")) as engine:
+        assert _resident_line(engine) == "14 of 14 blocks"
