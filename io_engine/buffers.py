@@ -89,6 +89,18 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return base[skip:skip + nbytes]
 
 
+_release_hooks: list[Callable[[torch.Tensor, bool], None]] = []
+
+
+def add_release_hook(hook: Callable[[torch.Tensor, bool], None]) -> None:
+    """Call `hook(memory, poison)` whenever a pool buffer is given back: `poison` is True on `release` (its
+    bytes are garbage from then on) and False on `keep` (they are retained). The hook may raise to refuse the
+    release. A test harness uses it to catch buffers given back while an asynchronous copy still uses them
+    (lohan's simulated device)."""
+    if hook not in _release_hooks:
+        _release_hooks.append(hook)
+
+
 class AlignedBuffer:
     """A buffer handed out by a BufferPool; call `release()` (or use as a context manager) when done."""
 
@@ -116,6 +128,8 @@ class AlignedBuffer:
     def release(self) -> None:
         if self._released:
             raise RuntimeError("buffer released twice")
+        for hook in _release_hooks:
+            hook(self._full, True)
         self._released = True
         self._pool._release(self)
 
@@ -124,6 +138,8 @@ class AlignedBuffer:
         other request needs the room."""
         if self._released:
             raise RuntimeError("buffer released twice")
+        for hook in _release_hooks:
+            hook(self._full, False)
         self._released = True
         self._pool._keep(self, key)
 

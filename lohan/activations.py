@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError, align_up
 
-from .device import Device
+from .device import Device, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,8 @@ class _Entry:
     buf: AlignedBuffer | None = None
     offset: int = -1
     handle: Handle | None = None
+    event: Any = None  # a separate device: the copy from the device into `buf` (until it is written to the SSDs)
+    transfer: Transfer | None = None  # a separate device: the record's copy back to the device (stage)
 
 
 class ActivationStore:
@@ -223,6 +225,8 @@ class ActivationStore:
         self.volume = volume
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._writes: list[tuple[AlignedBuffer, Handle]] = []
+        self._outgoing: list[_Entry] = []  # ssd records whose copy from the device is not yet known complete
+        self._draining: list[tuple[AlignedBuffer, Any]] = []  # host buffers a device copy may still use
         self._ssd_next = 0
         self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}
         self.peak_cpu_bytes = 0
@@ -235,7 +239,7 @@ class ActivationStore:
         entry = _Entry(tier, records)
         if tier not in ("keep", "cpu", "ssd"):
             raise ValueError(f"unknown activation tier {tier!r} (keep, cpu or ssd)")
-        if tier == "keep" or (tier == "cpu" and not self.device.is_cuda):
+        if tier == "keep" or (tier == "cpu" and self.device.is_host):
             # On a CPU device the tensors already are in main memory: a `cpu` record holds them as they are
             # (within the pool's budget) instead of packing a copy (~0.3 GB a step for a 110M Llama)
             entry.tensors = tensors
@@ -251,8 +255,9 @@ class ActivationStore:
                 self._count_cpu(entry.buf.tensor.numel())
             else:
                 entry.buf = self._staging(entry.nbytes)
+            # on the copy stream, in order: the last copy's event completes them all
             for view, t in zip(_views(entry.buf.tensor, entry.slots), tensors):
-                view.copy_(t)
+                entry.event = self.device.to_host(t, view)
             if tier == "ssd":
                 size = align_up(entry.nbytes)
                 if self.volume is None or self._ssd_next + size > self.volume.capacity_bytes:
@@ -261,8 +266,8 @@ class ActivationStore:
                                        f"{cap}; the plan under-estimated this step's SSD bytes")
                 entry.offset = self._ssd_next
                 self._ssd_next += size
-                self._writes.append((entry.buf, self.volume.write(entry.buf.tensor[:size], entry.offset)))
-                entry.buf = None
+                self._outgoing.append(entry)  # written once its copy from the device is complete
+                self._write_out(wait=False)
             for r in records:  # the record keeps metadata only; values live in the packed buffer
                 r.leaves = [None if isinstance(t, Tensor) else t for t in r.leaves]
         self.bytes[tier] += entry.nbytes
@@ -273,25 +278,41 @@ class ActivationStore:
         pool would check a buffer."""
         if self.cpu_pool is None:
             raise RuntimeError("no CPU activation pool was set up for a 'cpu' record")
-        if self.device.is_cuda or self._cpu_bytes + nbytes <= self.cpu_pool.budget_bytes:
+        if not self.device.is_host or self._cpu_bytes + nbytes <= self.cpu_pool.budget_bytes:
             self._cpu_bytes += nbytes
             self.peak_cpu_bytes = max(self.peak_cpu_bytes, self._cpu_bytes)
             return
         raise BudgetExceededError(f"activation records need {self._cpu_bytes + nbytes} bytes of main memory, over "
                                   f"the {self.cpu_pool.budget_bytes} budgeted for them")
 
+    def _write_out(self, wait: bool) -> None:
+        """Issue the SSD writes of the records whose copies from the device are complete (all, with `wait`)."""
+        while self._outgoing and (wait or self._outgoing[0].event.query()):
+            entry = self._outgoing.pop(0)
+            entry.event.synchronize()
+            size = align_up(entry.nbytes)
+            self._writes.append((entry.buf, self.volume.write(entry.buf.tensor[:size], entry.offset)))
+            entry.buf, entry.event = None, None
+
     def _staging(self, nbytes: int) -> AlignedBuffer:
-        """A staging buffer; frees the buffers of finished writes first, waits for the oldest if needed."""
+        """A staging buffer; frees the buffers of finished writes and copies first, waits for the oldest if
+        needed."""
         self._reap(wait=False)
         while True:
             try:
                 return self.staging_pool.acquire(align_up(nbytes), block=False)
             except BudgetExceededError:
-                if not self._writes:
+                if self._outgoing:
+                    self._write_out(wait=True)
+                elif self._draining:
+                    self._reap_copies(wait=True)
+                elif self._writes:
+                    self._reap(wait=True, first_only=True)
+                else:
                     raise
-                self._reap(wait=True, first_only=True)
 
     def _reap(self, wait: bool, first_only: bool = False) -> None:
+        self._reap_copies(wait=False)
         keep = []
         for n, (buf, h) in enumerate(self._writes):
             if (wait and (not first_only or n == 0)) or h.done():
@@ -301,11 +322,29 @@ class ActivationStore:
                 keep.append((buf, h))
         self._writes = keep
 
+    def _reap_copies(self, wait: bool) -> None:
+        """Give back the host buffers whose copies to the device have completed (all of them, with `wait`)."""
+        pending = []
+        for buf, event in self._draining:
+            if wait:
+                event.synchronize()
+            if wait or event.query():
+                buf.release()
+            else:
+                pending.append((buf, event))
+        self._draining = pending
+
+    def end_forward(self) -> None:
+        """After the forward: every record leaving for the SSDs is written (or on its way)."""
+        self._write_out(wait=True)
+
     # -- backward
     def prefetch(self, keys: Iterable[tuple[int, int]]) -> None:
         """Start reading the SSD records among `keys` back into staging buffers."""
         for key in keys:
             e = self._entries.get(key)
+            if e is not None and e.event is not None:  # still on its way out: its write goes first
+                self._write_out(wait=True)
             if e is None or e.tier != "ssd" or e.buf is not None:
                 continue
             size = align_up(e.nbytes)
@@ -313,19 +352,30 @@ class ActivationStore:
             self._reap(wait=True)  # a read must not overtake the write of the same bytes
             e.handle = self.volume.read_into(e.buf.tensor[:size], e.offset)
 
+    def stage(self, keys: Iterable[tuple[int, int]]) -> None:
+        """Start copying the packed records among `keys` back to the device (waiting for their SSD reads), so
+        the copies run beside the compute queued before; `take` then orders the compute stream after them."""
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.tensors is not None or e.transfer is not None:
+                continue
+            if e.tier == "ssd":
+                if e.buf is None:
+                    self.prefetch([key])
+                e.handle.wait()
+            e.transfer = self.device.to_device(e.buf.tensor[:e.nbytes])
+
     def take(self, key: tuple[int, int]) -> tuple[Tensor, list[OpRecord]]:
         """The block input (on the device) and the records to replay; call `release(key)` after backward."""
         e = self._entries[key]
         if e.tensors is not None:  # held as they are (keep, or cpu on a CPU device)
             tensors = e.tensors
         else:
-            if e.tier == "ssd":
-                if e.buf is None:
-                    self.prefetch([key])
-                e.handle.wait()
-            tensors = [self.device.to_device(v) for v in _views(e.buf.tensor, e.slots)]
-            if self.device.is_cuda:  # the device copies are independent of the host buffer once complete
-                self.device.copy_stream.synchronize()
+            if e.transfer is None:
+                self.stage([key])
+            self.device.wait(e.transfer.event)
+            tensors = _views(e.transfer.tensor, e.slots)
+            if not self.device.is_host:  # the device copy is independent of the host buffer once complete
                 self._free(e)
         it = iter(tensors[1:])
         for r in e.records:
@@ -348,8 +398,13 @@ class ActivationStore:
             return
         if e.tier == "cpu":
             self._cpu_bytes -= e.buf.tensor.numel()
-        e.buf.release()
-        e.buf = None
+        if e.transfer is not None:  # its copy to the device may still read it
+            self._draining.append((e.buf, e.transfer.event))
+        elif e.event is not None:  # its copy from the device may still write it
+            self._draining.append((e.buf, e.event))
+        else:
+            e.buf.release()
+        e.buf, e.transfer, e.event = None, None, None
 
     def end_step(self) -> None:
         """Drop every record (after a step or on failure) and wait for writes still in flight."""
@@ -361,7 +416,9 @@ class ActivationStore:
                 except Exception:  # the step is being abandoned; its buffer is all that matters now
                     pass
             self.release(key)
+        self._outgoing = [e for e in self._outgoing if e.buf is not None]  # released above: nothing to write
         self._reap(wait=True)
+        self._reap_copies(wait=True)
         self._ssd_next = 0
         self._cpu_bytes = 0
         self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}

@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
     p.add_argument("--seed", type=int, help="initialization seed")
     p.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "sim"],
+                   help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
     p.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
     p.add_argument("--metrics", help="JSONL metrics file (one record per step)")
     p.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")

@@ -390,7 +390,8 @@ class EngineConfig:
     """Stripe unit over the SSD directories."""
 
     device: str = "auto"
-    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+    """``auto`` (CUDA when available), ``cpu``, ``cuda``, or ``sim``: the CPU simulating a separate device, whose
+    tensors do not mix with host buffers and whose copies complete late (lohan/simdevice.py; for tests)."""
 
     name: str = "lohan"
     """Store name: file stem of the slab files and records in the NVMe directories."""
@@ -449,7 +450,7 @@ class EngineConfig:
             except ValueError as e:
                 problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else ""))
         choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": ("bf16", "fp16", "fp32"),
-                   "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda")}
+                   "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda", "sim")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")

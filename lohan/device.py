@@ -1,29 +1,78 @@
-"""Device abstraction: CUDA when available, else the CPU stands in for the GPU.
+"""Device abstraction: the compute device and the copy machinery the engine needs (DESIGN.md §3).
 
-On CPU the "device" is main memory: host buffers are used in place (no copy), streams and
-events are no-op twins, and nothing is pinned (pin_memory() raises without CUDA). With CUDA the
-same code paths copy on a side stream from page-locked buffers and order it with events.
+Three kinds, one set of code paths:
+
+- ``cuda``: host->device and device->host copies run on a side stream (`copy_stream`) from page-locked
+  buffers; each returns an event. The compute stream waits for a copy's event before it uses the copy
+  (`wait`), and the host keeps the host buffer until the event completes (`Event.query` / `synchronize`).
+- ``cpu``: the CPU is the device. Host buffers are used in place (no copy), every event is already
+  complete, and nothing is pinned (pin_memory() raises without CUDA).
+- ``sim`` (``LOHAN_DEVICE=sim``, for tests): the CPU behaving as a separate device would. Device tensors
+  and host buffers are told apart, copies complete later on a worker thread, and missing waits raise
+  (lohan/simdevice.py). The engine's equivalence tests run in this mode, so the CPU suite fails on the
+  device bugs a plain CPU run cannot show.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor
+
+from .simdevice import SIM_DEVICE, SimDevice
+
+KINDS = ("cpu", "cuda", "sim")
 
 
 def resolve_device(kind: str = "auto") -> str:
     """``auto`` -> ``LOHAN_DEVICE`` when set (``cpu`` keeps a CUDA machine's runs on the CPU, as the test
-    suite's plain-PyTorch references run), else ``cuda`` when available, else ``cpu``."""
+    suite's plain-PyTorch references run; ``sim`` simulates a separate device), else ``cuda`` when
+    available, else ``cpu``."""
     if kind == "auto":
         kind = os.environ.get("LOHAN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"LOHAN_DEVICE={kind!r}: choose cpu or cuda (or unset it for auto)")
+        if kind not in KINDS:
+            raise ValueError(f"LOHAN_DEVICE={kind!r}: choose cpu, cuda or sim (or unset it for auto)")
+    if kind not in KINDS:
+        raise ValueError(f"unknown device {kind!r}: choose auto, cpu, cuda or sim")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device (a CPU-only torch build, "
-                           "no driver, or CUDA_VISIBLE_DEVICES hides it); use --device cpu or auto")
+                         "no driver, or CUDA_VISIBLE_DEVICES hides it); use --device cpu or auto")
     return kind
+
+
+class Event(Protocol):
+    """Completion of work queued on a stream (torch.cuda.Event, simdevice.SimEvent, or `DONE`)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class _Done:
+    """The event of work that completed when it was issued (the CPU device)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+DONE = _Done()
+
+
+@dataclass
+class Transfer:
+    """A host->device copy in flight: `tensor` is usable on the compute stream after `Device.wait(event)`;
+    the host memory it was copied from must stay untouched until `event` completes."""
+
+    tensor: Tensor
+    event: Any
 
 
 class Device:
@@ -35,38 +84,159 @@ class Device:
         kind, _, index = kind.partition(":")
         kind = resolve_device(kind)
         self.type = kind
-        self.torch = torch.device(f"{kind}:{index}" if index and kind == "cuda" else kind)
         self.is_cuda = kind == "cuda"
-        if self.is_cuda and index:
-            torch.cuda.set_device(self.torch)
-        self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
+        self.is_host = kind == "cpu"  # device memory is main memory: copies are the tensors themselves
+        self.sim = SimDevice() if kind == "sim" else None
+        if self.is_cuda:
+            if index:
+                torch.cuda.set_device(int(index))
+            self.torch = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.torch = SIM_DEVICE if self.sim is not None else torch.device("cpu")
+        self.copy_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """The device copy of a host tensor; on CPU the tensor itself (zero copy)."""
+    # ------------------------------------------------------------------ small, synchronous moves
+    def put(self, host: Tensor) -> Tensor:
+        """A small host tensor (token ids, targets) on the device."""
+        if self.sim is not None:
+            return self.sim.put(host)
+        return host.to(self.torch) if self.is_cuda else host
+
+    def fetch(self, t: Tensor) -> Tensor:
+        """A device tensor's value on the host: a synchronization, for values the host needs (a step's loss
+        and gradient norm), never inside the per-block loop."""
+        if self.sim is not None:
+            return self.sim.fetch(t)
+        return t.cpu() if self.is_cuda else t
+
+    def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> Tensor:
+        """Uninitialized device memory."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if self.sim is not None:
+            return self.sim.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.torch)
+
+    # ------------------------------------------------------------------ asynchronous copies
+    def to_device(self, host: Tensor) -> Transfer:
+        """Start copying a host tensor to the device on the copy stream (on the CPU: the tensor itself).
+
+        The compute stream may use `Transfer.tensor` after `wait(transfer.event)`; the host buffer must not
+        be reused before the event completes."""
+        if self.sim is not None:
+            return Transfer(*self.sim.h2d(host))
         if not self.is_cuda:
-            return host
-        current = torch.cuda.current_stream()
+            return Transfer(host, DONE)
         with torch.cuda.stream(self.copy_stream):
             out = host.to(self.torch, non_blocking=True)
-        current.wait_stream(self.copy_stream)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
         # `out` was allocated on the copy stream, and the caching allocator would hand its block to the next
         # copy as soon as it is freed, while kernels queued on the compute stream may still read it (the host
         # runs ahead of the GPU): the next block's parameters would overwrite these under the kernels' feet.
-        out.record_stream(current)
-        return out
+        out.record_stream(torch.cuda.current_stream(self.torch))
+        return Transfer(out, event)
 
+    def wait(self, event: Any) -> None:
+        """Work queued on the compute stream from now on runs after `event` (no host synchronization on CUDA)."""
+        if self.sim is not None:
+            event._done.wait()  # the simulated compute stream runs on the host: it must see the bytes now
+            self.sim.compute_stream.wait_event(event)
+        elif self.is_cuda:
+            torch.cuda.current_stream(self.torch).wait_event(event)
+
+    def to_host(self, dev: Tensor, out: Tensor) -> Any:
+        """Copy device tensor `dev` into host tensor `out` on the copy stream, after everything queued on the
+        compute stream so far; returns the copy's event, which the host waits for before it reads `out`.
+        `dev` is not freed for reuse before the copy has read it. On the CPU, `out` is written now (nothing
+        when `dev` is `out`)."""
+        if self.sim is not None:
+            self.sim.copy_after_compute()
+            return self.sim.d2h(dev, out)
+        if not self.is_cuda:
+            if dev.data_ptr() != out.data_ptr():
+                out.copy_(dev)
+            return DONE
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.torch))
+        with torch.cuda.stream(self.copy_stream):
+            out.copy_(dev, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        dev.record_stream(self.copy_stream)
+        return event
+
+    # ------------------------------------------------------------------ compute
     def autocast(self, dtype: torch.dtype | None):
-        """Autocast context for the compute dtype (none for fp32)."""
-        if dtype is None or dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.type, dtype=dtype)
+        """The compute context: autocast for the compute dtype (none for fp32); on the simulated device, factory
+        ops inside it create device tensors."""
+        cast = (contextlib.nullcontext() if dtype is None or dtype == torch.float32
+                else torch.autocast(device_type="cuda" if self.is_cuda else "cpu", dtype=dtype))
+        if self.sim is None:
+            return cast
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.sim.compute())
+        stack.enter_context(cast)
+        return stack
+
+    def timer(self) -> Timer:
+        """Accumulates the device time of compute spans (CUDA events on a GPU, where the host only queues)."""
+        return Timer(self)
 
     def synchronize(self) -> None:
         if self.is_cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.torch)
+        elif self.sim is not None:
+            self.sim.synchronize()
+
+    @property
+    def syncs(self) -> int:
+        """Values read back to the host so far (counted on the simulated device only)."""
+        return self.sim.syncs if self.sim is not None else 0
 
     def memory_allocated(self) -> int | None:
-        return torch.cuda.memory_allocated() if self.is_cuda else None
+        return torch.cuda.memory_allocated(self.torch) if self.is_cuda else None
+
+    def max_memory_allocated(self) -> int | None:
+        """The allocator's peak since `reset_peak_memory` (CUDA), else None."""
+        return torch.cuda.max_memory_allocated(self.torch) if self.is_cuda else None
+
+    def reset_peak_memory(self) -> None:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.torch)
 
     def __repr__(self) -> str:
         return f"Device({self.type})"
+
+
+class Timer:
+    """Device seconds spent in `with timer:` spans. On CUDA each span is a pair of timing events on the compute
+    stream, read at `seconds()` (one synchronization, at the end of a step); elsewhere the host's clock."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._host = 0.0
+        self._events: list[tuple[Any, Any]] = []
+        self._t0 = 0.0
+
+    def __enter__(self) -> Timer:
+        if self.device.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append((start, None))
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events[-1] = (self._events[-1][0], end)
+        else:
+            self._host += time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        total = self._host
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        return total

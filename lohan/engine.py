@@ -38,7 +38,7 @@ from io_engine.base import align_up
 
 from .config import EngineConfig, ModelConfig, get_model_config
 from .crashpoints import crashpoint
-from .device import Device, resolve_device
+from .device import Device, Timer, resolve_device
 from .dirlock import DirLock
 from .gradstash import GradStash
 from .integrity import StoreCorruptError, unit_bounds
@@ -326,8 +326,9 @@ class Engine:
         self._reduce_wait_s = 0.0
         self.offloader.reset_stats()
         prepared = self._take_prepared(idx)
-        idx = idx.to(self.device.torch)
-        targets = targets.to(self.device.torch)
+        self.device.reset_peak_memory()
+        idx = self.device.put(idx)
+        targets = self.device.put(targets)
 
         n = len(self.program.modules)
         step = self.store.step
@@ -355,10 +356,10 @@ class Engine:
         next_fwd_s = 0.0
         try:
             if prepared is not None:
-                acts, fwd_s = prepared.acts, 0.0
+                acts, fwd_t = prepared.acts, None
             else:
-                acts, fwd_s = self._forward(visits, read_slot, idx)
-            loss, bwd_s, norms = self._backward(visits, read_slot, acts, targets.chunk(self.cfg.micro_batches))
+                acts, fwd_t = self._forward(visits, read_slot, idx)
+            loss, bwd_t, norms = self._backward(visits, read_slot, acts, targets.chunk(self.cfg.micro_batches))
             t_tail = time.perf_counter()
             act_stats = self._end_backward(read_slot)
             if follow:
@@ -384,8 +385,9 @@ class Engine:
                 self._drop_prepared()
                 raise
         try:
+            compute_s = (fwd_t.seconds() if fwd_t else 0.0) + bwd_t.seconds() + next_fwd_s
             self._record_metrics(step + 1, loss, idx.numel() * self.world, time.perf_counter() - t_start,
-                                 fwd_s + bwd_s + next_fwd_s, tail_s, io0, wait0, hash0, gather0, hyper.lr,
+                                 compute_s, tail_s, io0, wait0, hash0, gather0, hyper.lr,
                                  idx.shape[1])
             self.last_metrics.update({k: v for k, v in settle.items() if k != "coef_t"})
             self.last_metrics["activations"] = act_stats
@@ -434,7 +436,7 @@ class Engine:
         if next_batch is None or self.cfg.slots < 2:
             return None
         nxt, _ = self._check_batch(next_batch)
-        return nxt.to(self.device.torch) if nxt.shape == idx.shape else None
+        return self.device.put(nxt) if nxt.shape == idx.shape else None
 
     def _take_prepared(self, idx: Tensor) -> _Prepared | None:
         """The forward the previous step ran for this batch, if it ran one for these very ids. Another batch
@@ -442,7 +444,7 @@ class Engine:
         prepared, self._prepared = self._prepared, None
         if prepared is None:
             return None
-        if prepared.idx.shape == idx.shape and torch.equal(prepared.idx.cpu(), idx.cpu()):
+        if prepared.idx.shape == idx.shape and torch.equal(self.device.fetch(prepared.idx), idx):
             return prepared
         self.activations.end_step()
         return None
@@ -485,13 +487,13 @@ class Engine:
                 self.streamer.expect(order, lambda: self.offloader.failure)
             self.offloader.begin_redo(update, hyper, order, read_slot, write_slot, settle["coef_t"],
                                       provide=self.streamer.offer if follow else None)
-        fwd_s = 0.0
+        fwd_t = None
         if follow:
             visits = list(range(n - 1)) + list(range(n - 1, -1, -1))
-            acts, fwd_s = self._forward(visits, write_slot, nxt)
+            acts, fwd_t = self._forward(visits, write_slot, nxt)
             self._prepared = _Prepared(nxt, acts)
         self.offloader.finish()
-        return fwd_s
+        return fwd_t.seconds() if fwd_t else 0.0
 
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` = (token ids, targets) under the committed weights, forward only.
@@ -508,11 +510,11 @@ class Engine:
         self.flush()  # it reads the committed slot, whose last writes may still be in flight
         idx, targets = self._check_batch(batch)
         m_count = self.cfg.micro_batches
-        xs = list(idx.to(self.device.torch).chunk(m_count))
-        tgt_mb = targets.to(self.device.torch).chunk(m_count)
+        xs = list(self.device.put(idx).chunk(m_count))
+        tgt_mb = self.device.put(targets).chunk(m_count)
         slot, last = self.store.slot, len(self.program.modules) - 1
         visits = list(range(last + 1))
-        loss = 0.0
+        losses = []
         try:
             with torch.no_grad(), self.device.autocast(self.compute_dtype):
                 for p, i in enumerate(visits):
@@ -521,10 +523,11 @@ class Engine:
                         self.streamer.acquire(o, slot)
                     for m in range(m_count):
                         if i == last:  # as step sums the loss: each micro-batch's mean / their count
-                            loss += float(self.program.run(i, xs[m], tgt_mb[m]) / (m_count * self.world))
+                            losses.append(self.program.run(i, xs[m], tgt_mb[m]) / (m_count * self.world))
                         else:
                             xs[m] = self.program.run(i, xs[m], None)
-                    self._leave(visits, p)
+                    self._leave(visits, p, slot)
+            loss = self._host_sum(losses)
         finally:
             self.streamer.release_all()
         return self.dp.sum(loss) if self.dp else loss
@@ -546,16 +549,19 @@ class Engine:
         the model's parameter order, then the norm of those), and what follows from it."""
         order = self._norm_order
         flat = [norms[i][k] for i, k in order] if order else [t for block in norms for t in block]
+        # on the device, where the norms are (one synchronization a step: the host needs the norm)
         total = torch.linalg.vector_norm(torch.stack(flat), 2.0)
-        norm = float(total)
-        scaled = {"loss_scale": float(self._scale)} if self._scale is not None else {}
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            overflow = math.isfinite(loss) and self._scale is not None and bool(self._found_inf.item())
-            return {"skipped": True, "overflow": overflow, "redone": False, "grad_norm": norm, "clip_coef": None,
-                    "coef_t": None, **scaled}
         coef_t = torch.tensor(1.0)
         if self.cfg.max_grad_norm > 0:
             coef_t = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
+        total, coef_t = (self.device.fetch(t) for t in (total, coef_t))  # the CPU optimizer takes a host tensor
+        norm = float(total)
+        scaled = {"loss_scale": float(self.device.fetch(self._scale))} if self._scale is not None else {}
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            overflow = (math.isfinite(loss) and self._scale is not None
+                        and bool(self.device.fetch(self._found_inf).item()))
+            return {"skipped": True, "overflow": overflow, "redone": False, "grad_norm": norm, "clip_coef": None,
+                    "coef_t": None, **scaled}
         coef = float(coef_t)
         self._last_coef = coef
         if gate.deferred:
@@ -568,10 +574,14 @@ class Engine:
         if self.cfg.compute_dtype != "fp16":
             self._scale = None
             return
-        self._scale = torch.tensor(commit.loss_scale or self.cfg.loss_scale, dtype=torch.float32)
-        self._tracker = torch.tensor(commit.growth_tracker, dtype=torch.int32)
-        self._inv_scale = self._scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-        self._found_inf = torch.zeros(1)
+        scale = torch.tensor(commit.loss_scale or self.cfg.loss_scale, dtype=torch.float32)
+        # on the device where the gradients are unscaled: the device (one process), or the host (data parallel
+        # reduces host buffers, then unscales them)
+        put = self.device.put if self.dp is None else (lambda t: t)
+        self._scale = put(scale)
+        self._tracker = put(torch.tensor(commit.growth_tracker, dtype=torch.int32))
+        self._inv_scale = put(scale.double().reciprocal().float())  # as GradScaler.unscale_ computes it
+        self._found_inf = put(torch.zeros(1))
 
     def _end_loss_scale(self) -> dict[str, Any]:
         """fp16: GradScaler.update (halve after an overflow, double after growth_interval clean steps)."""
@@ -579,7 +589,8 @@ class Engine:
             return {}
         torch._amp_update_scale_(self._scale, self._tracker, self._found_inf, 2.0, 0.5,
                                  self.cfg.loss_scale_growth_interval)
-        return {"loss_scale": float(self._scale), "growth_tracker": int(self._tracker)}
+        return {"loss_scale": float(self.device.fetch(self._scale)),
+                "growth_tracker": int(self.device.fetch(self._tracker))}
 
     def _skip(self, step: int, commit: Any, loss: float, settle: dict[str, Any], scaler: dict[str, Any]) -> None:
         """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were. An
@@ -603,20 +614,19 @@ class Engine:
                 f"({commit.applied} updates) are committed and intact. Lower the learning rate, check the data, or "
                 "raise engine.max_bad_steps")
 
-    def _forward(self, visits: list[int], read_slot: int, idx: Tensor) -> tuple[list[list[Tensor | None]], float]:
+    def _forward(self, visits: list[int], read_slot: int, idx: Tensor) -> tuple[list[list[Tensor | None]], Timer]:
         """Blocks 0..n-2 under no_grad; returns what backward needs (block inputs, or nothing for blocks whose
-        activations the manager holds) and the compute seconds."""
+        activations the manager holds) and the compute time (read at the end of the step)."""
         m_count = self.cfg.micro_batches
         n = len(self.program.modules)
         acts: list[list[Tensor | None]] = [[None] * m_count for _ in range(n)]
         acts[0] = list(idx.chunk(m_count))
         acts_mgr = self.activations
-        compute_s = 0.0
+        timer = self.device.timer()
         for p in range(n - 1):
             i = visits[p]
             self._visit(visits, p, read_slot)
-            t0 = time.perf_counter()
-            with torch.no_grad(), self.device.autocast(self.compute_dtype):
+            with timer, torch.no_grad(), self.device.autocast(self.compute_dtype):
                 if i == 1 and acts_mgr.needs_prepare(idx.shape[0], idx.shape[1]):
                     acts_mgr.prepare(acts[1][0], idx.shape[0], idx.shape[1])
                 for m in range(m_count):
@@ -625,60 +635,96 @@ class Engine:
                         acts[i][m] = None
                     else:
                         acts[i + 1][m] = self.program.run(i, acts[i][m], None)
-            compute_s += time.perf_counter() - t0
             crashpoint("engine.forward")
-            self._leave(visits, p)
-        return acts, compute_s
+            self._leave(visits, p, read_slot)
+        acts_mgr.end_forward()
+        return acts, timer
 
     def _backward(self, visits: list[int], read_slot: int, acts: list[list[Tensor | None]],
-                  tgt_mb: tuple[Tensor, ...]) -> tuple[float, float, list[list[Tensor]]]:
-        """Blocks n-1..0: recompute each with grad, accumulate its gradient over micro-batches into a host
-        buffer and hand it to the optimizer pipeline. Returns the mean loss, the compute seconds and each
-        block's per-parameter gradient norms (block order)."""
+                  tgt_mb: tuple[Tensor, ...]) -> tuple[float, Timer, list[list[Tensor]]]:
+        """Blocks n-1..0: recompute each with grad, accumulate its gradient over micro-batches on the device,
+        copy it to a host buffer and hand it to the optimizer pipeline. Returns the mean loss, the compute
+        time and each block's per-parameter gradient norms (block order; on the device in one process)."""
         last = len(self.program.modules) - 1
         grad_out: list[Tensor | None] = [None] * self.cfg.micro_batches
         borrowed: dict[tuple[int, int, int], Tensor] = {}
-        loss = 0.0
-        self._compute_s = 0.0
+        self._timer = self.device.timer()
+        self._losses: list[Tensor] = []
         norms: list[list[Tensor]] = [[] for _ in range(last + 1)]
-        pending: list[tuple[int, AlignedBuffer, list[Tensor], Any]] = []  # data parallel: gradients being summed
+        # gradients on their way to the optimizer: (block, host buffer, views, event or reduction) in order
+        pending: list[tuple[int, AlignedBuffer, list[Tensor], Any]] = []
         try:
             for p in range(last, len(visits)):
-                loss += self._backward_block(visits, p, read_slot, acts, tgt_mb, grad_out, borrowed, norms, pending)
+                self._backward_block(visits, p, read_slot, acts, tgt_mb, grad_out, borrowed, norms, pending)
             while pending:
                 self._hand_over(*pending.pop(0), norms)
         except BaseException:
-            for _, gbuf, _, work in pending:  # the reductions still use them
+            for _, gbuf, _, work in pending:  # copies and reductions still use them
                 try:
-                    work.wait()
+                    work.wait() if self.dp else work.synchronize()
                 finally:
                     gbuf.release()
             raise
+        loss = self._host_sum(self._losses)
         if self.dp:
             loss = self.dp.sum(loss)
-        return loss, self._compute_s, norms
+        return loss, self._timer, norms
+
+    def _host_sum(self, losses: list[Tensor]) -> float:
+        """The micro-batches' losses summed as Python floats, in order (one synchronization)."""
+        if not losses:
+            return 0.0
+        return sum(self.device.fetch(torch.stack([t.detach().float() for t in losses])).tolist(), 0.0)
 
     def _backward_block(self, visits: list[int], p: int, read_slot: int, acts: list[list[Tensor | None]],
                         tgt_mb: tuple[Tensor, ...], grad_out: list[Tensor | None],
                         borrowed: dict[tuple[int, int, int], Tensor], norms: list[list[Tensor]],
-                        pending: list) -> float:
-        """Backward of the block at visit position p over the micro-batches; its gradient goes to the optimizer
-        (data parallel: once summed over the ranks, which runs beside the next blocks' backward). Returns the
-        block's contribution to the loss."""
-        m_count = self.cfg.micro_batches
-        last = len(self.program.modules) - 1
-        loss = 0.0
+                        pending: list) -> None:
+        """Backward of the block at visit position p over the micro-batches. Its gradient is accumulated on the
+        device, copied to a host buffer in one piece on the copy stream, and goes to the optimizer once the
+        copy has completed (data parallel: once summed over the ranks), beside the next blocks' backward."""
         i = visits[p]
         params = self._visit(visits, p, read_slot)
         layout = self.layout.blocks[i]
         gsize = self.grad_dtype.itemsize
         gbuf = self.grads_pool.acquire(gsize * layout.numel)
-        acc = block_views(gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype), layout)
+        host = gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype)
+        # the CPU device accumulates straight into the host buffer; a separate device into device memory
+        flat = host if self.device.is_host else self.device.empty(layout.numel, self.grad_dtype)
+        acc = block_views(flat, layout)
+        try:
+            self.activations.prefetch(i - 1)
+            with self._timer:
+                self._accumulate(i, params, acc, read_slot, acts, tgt_mb, grad_out, borrowed)
+            self.activations.stage(i - 1)  # its records' copy to the device runs beside this block's compute
+            if self.dp is None:
+                self._unscale_and_norm(i, acc, norms)
+            event = self.device.to_host(flat, host)
+        except BaseException:
+            gbuf.release()
+            raise
+        if self.dp:  # the sum over the ranks runs on the host buffer, beside the next blocks' backward
+            event.synchronize()
+            pending.append((i, gbuf, block_views(host, layout), self.dp.all_reduce_async(host)))
+        else:
+            pending.append((i, gbuf, block_views(host, layout), event))
+        # hand over every gradient whose copy (or sum) is complete, and never keep more than one waiting
+        while pending and (len(pending) > 1 or (self.dp is None and pending[0][3].query())):
+            self._hand_over(*pending.pop(0), norms)
+        crashpoint("engine.backward")
+        self._leave(visits, p, read_slot)
+
+    def _accumulate(self, i: int, params: list[torch.nn.Parameter], acc: list[Tensor], read_slot: int,
+                    acts: list[list[Tensor | None]], tgt_mb: tuple[Tensor, ...], grad_out: list[Tensor | None],
+                    borrowed: dict[tuple[int, int, int], Tensor]) -> None:
+        """Recompute block i with grad for each micro-batch and sum its parameters' gradients into `acc`, in the
+        order autograd sums a leaf's inputs (a tied user's contribution first, then micro-batch after
+        micro-batch). The micro-batches' losses (last block) stay on the device until the step's end."""
+        m_count = self.cfg.micro_batches
+        last = len(self.program.modules) - 1
         ext = self.program.external_params(i)
         ext_params = [self.streamer.acquire(o, read_slot)[k] for o, k in ext]
-        self.activations.prefetch(i - 1)
         inner = i in self.activations.inner
-        t0 = time.perf_counter()
         for m in range(m_count):
             if inner:
                 x, run = self.activations.backward_block(i, m)
@@ -696,23 +742,10 @@ class Engine:
             grads = torch.autograd.grad(target, inputs, grad_outputs=None if i == last else grad_out[m],
                                         allow_unused=True)
             if i == last:
-                loss += float(out.detach())
+                self._losses.append(out.detach())
             off = 1 if i > 0 else 0
             for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
-                other = borrowed.pop((i, k, m), None)  # a tied user's contribution: add it first,
-                if g is None:                             # as autograd sums a leaf's inputs
-                    g = torch.zeros_like(view)
-                if other is not None and m == 0 and g.dtype == other.dtype == view.dtype != torch.float16:
-                    torch.add(g, other, out=view)  # the same sum, without a temporary the size of the embedding
-                    continue
-                if other is not None:
-                    # fp16 gradients carry the loss scale: summed in fp32, as autograd sums the fp32 .grad
-                    # of an autocast model (an fp16 sum could overflow where GradScaler's does not)
-                    g = g.float() + other.float() if g.dtype == torch.float16 else g + other
-                if m == 0:
-                    view.copy_(g)
-                else:
-                    view.add_(g)
+                _add_grad(view, g, borrowed.pop((i, k, m), None), m)
             for (o, k), g in zip(ext, grads[off + len(params):]):
                 if g is not None:
                     borrowed[(o, k, m)] = g.detach()
@@ -721,35 +754,28 @@ class Engine:
             if inner:
                 del x, out, grads
                 self.activations.release(i, m)
-        self._compute_s += time.perf_counter() - t0
-        if self.dp:
-            flat = gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype)
-            pending.append((i, gbuf, acc, self.dp.all_reduce_async(flat)))
-            while len(pending) > 1:  # the previous block's sum ran beside this block's backward
-                self._hand_over(*pending.pop(0), norms)
-        else:
-            self._hand_over(i, gbuf, acc, None, norms)
-        crashpoint("engine.backward")
-        self._leave(visits, p)
-        return loss
+
+    def _unscale_and_norm(self, i: int, acc: list[Tensor], norms: list[list[Tensor]]) -> None:
+        """fp16: unscale block i's gradient (GradScaler.unscale_: the same op, so the same bits and inf check);
+        then its per-parameter norms, where the gradient is (no host synchronization)."""
+        if self._scale is not None:
+            torch._amp_foreach_non_finite_check_and_unscale_(acc, self._found_inf, self._inv_scale)
+        norms[i] = _param_norms(acc)
 
     def _hand_over(self, i: int, gbuf: AlignedBuffer, acc: list[Tensor], work: Any,
                    norms: list[list[Tensor]]) -> None:
-        """Block i's complete gradient (data parallel: summed over the ranks once `work` is done) is unscaled
-        (fp16), its per-parameter norms are taken, and it goes to the optimizer pipeline: the rank's shard of
-        it, or all of it for a replicated block."""
-        if work is not None:
-            t0 = time.perf_counter()
-            try:
-                work.wait()
-            except BaseException:
-                gbuf.release()
-                raise
-            self._reduce_wait_s += time.perf_counter() - t0
+        """Block i's complete gradient in its host buffer (once its copy from the device is done; data parallel:
+        once summed over the ranks, then unscaled (fp16) and normed here) goes to the optimizer pipeline: the
+        rank's shard of it, or all of it for a replicated block."""
         t0 = time.perf_counter()
-        if self._scale is not None:  # GradScaler.unscale_: the same op, so the same bits and inf check
-            torch._amp_foreach_non_finite_check_and_unscale_(acc, self._found_inf, self._inv_scale)
-        norms[i] = _param_norms(acc)
+        try:
+            work.wait() if self.dp else work.synchronize()
+        except BaseException:
+            gbuf.release()
+            raise
+        if self.dp:
+            self._reduce_wait_s += time.perf_counter() - t0
+            self._unscale_and_norm(i, acc, norms)
         bd = self.bounds[i]
         if bd is not None:
             gsize, lo, hi = self.grad_dtype.itemsize, bd[self.dp.rank], bd[self.dp.rank + 1]
@@ -759,7 +785,6 @@ class Engine:
             finally:
                 gbuf.release()
             gbuf = shard
-        self._compute_s += time.perf_counter() - t0
         # a deferred update keeps the gradient in the stash (RAM, or the SSDs past the budget)
         self.offloader.submit(i, self.stash.put(i, gbuf) if self._deferred and self.stash else gbuf)
 
@@ -799,9 +824,13 @@ class Engine:
             self.streamer.gather_ahead(visits[p + 1], slot)
         return params
 
-    def _leave(self, visits: list[int], p: int) -> None:
-        """Release the block just used unless it is borrowed from or needed again within the prefetch window."""
+    def _leave(self, visits: list[int], p: int, slot: int) -> None:
+        """Release the block just used unless it is borrowed from or needed again within the prefetch window,
+        and start the next block's copy to the device: its compute was queued just now, so the copy runs
+        beside it."""
         i = visits[p]
+        if p + 1 < len(visits) and self.cfg.prefetch_depth:
+            self.streamer.stage(visits[p + 1], slot)
         if i in self._owners and p < len(visits) - 1:
             return
         if i in visits[p + 1:p + 1 + self.cfg.prefetch_depth]:
@@ -834,7 +863,7 @@ class Engine:
             "ssd_read_bytes": read_b, "ssd_write_bytes": write_b,
             "overlap_efficiency": bottleneck / step_s, "lanes": lanes,
             "cpu_mem_gib": psutil.Process().memory_info().rss / 2**30,
-            "gpu_mem_gib": (self.device.memory_allocated() or 0) / 2**30 if self.device.is_cuda else None,
+            "gpu_mem_gib": self.device.max_memory_allocated() / 2**30 if self.device.is_cuda else None,  # the peak
             "max_resident_blocks": self.streamer.max_resident,
             # optimizer records kept in memory across steps, and the READs they saved this step
             "resident_records": len(ago.resident), "resident_record_hits": ago.resident_hits,
@@ -980,6 +1009,24 @@ def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, lo
         lo = bounds[i][rank]
         return [flat[lo + s.offset:lo + s.offset + s.numel].clone() for s in local.blocks[i].params]
     return init
+
+
+def _add_grad(view: Tensor, g: Tensor | None, other: Tensor | None, m: int) -> None:
+    """Sum micro-batch m's gradient `g` of one parameter (and `other`, a tied user's contribution to it, added
+    first, as autograd sums a leaf's inputs) into the accumulator `view`, on the device."""
+    if g is None:
+        g = torch.zeros_like(view)
+    if other is not None and m == 0 and g.dtype == other.dtype == view.dtype != torch.float16:
+        torch.add(g, other, out=view)  # the same sum, without a temporary the size of the embedding
+        return
+    if other is not None:
+        # fp16 gradients carry the loss scale: summed in fp32, as autograd sums the fp32 .grad
+        # of an autocast model (an fp16 sum could overflow where GradScaler's does not)
+        g = g.float() + other.float() if g.dtype == torch.float16 else g + other
+    if m == 0:
+        view.copy_(g)
+    else:
+        view.add_(g)
 
 
 def _param_norms(grads: list[Tensor]) -> list[Tensor]:

@@ -2,9 +2,11 @@
 
 The engine asks for block i's parameters (`acquire`) and, ahead of time, for the next
 `prefetch_depth` blocks in the direction it is walking (`prefetch`): forward 0..n-1, backward
-n-1..0. Each block's P16 is one sequential read into a budgeted host buffer, then (with CUDA) one
-copy to the device; the module's parameters become views of that flat copy, and `release` puts
-the meta placeholders back and returns the buffer. The number of resident blocks is tracked and
+n-1..0. Each block's P16 is one sequential read into a budgeted host buffer, then (on a separate device)
+one copy to the device on the copy stream, started by `stage` once the block before it has been queued,
+so that it runs beside that block's compute; `acquire` makes the compute stream wait for the copy's event,
+and the host buffer goes back to the pool once the copy completed. The module's parameters become views
+of the flat device copy, and `release` puts the meta placeholders back. The number of resident blocks is tracked and
 reported: it is bounded by the prefetch depth plus the blocks the engine keeps on purpose.
 
 Kept blocks: a released block's host buffer stays in the pool under (block, slot) while the pool has room
@@ -28,13 +30,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from io_engine import AlignedBuffer, BufferPool, Handle
+from io_engine.base import BudgetExceededError
 
-from .device import Device
+from .device import Device, Transfer
 from .integrity import tensor_hash, unit_bounds
 from .parallel import DataParallel
 from .store import StateStore, StoreLayout
@@ -63,10 +67,14 @@ class ParamStreamer:
                 entries.append((module, leaf, module._parameters[leaf]))  # the meta placeholder
             self._slots.append(entries)
         self._inflight: dict[int, tuple[AlignedBuffer, Handle]] = {}
+        # a separate device: blocks whose copy to the device has started (stage), and host buffers that copies
+        # still read, given back once their event completes
+        self._staged: dict[int, tuple[AlignedBuffer, Transfer, int]] = {}
+        self._draining: list[tuple[AlignedBuffer, Any, int, int]] = []
         self._lock = threading.Lock()  # provisions are filled on the optimizer's thread
         self._provisions: dict[int, _Provision] = {}
         self._failure: Callable[[], BaseException | None] = lambda: None
-        # block -> (host buffer, or None once copied to a CUDA device; its parameters; the slot read)
+        # block -> (host buffer, or None once copied to a separate device; its parameters; the slot read)
         self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter], int]] = {}
         self.max_resident = 0
         self.wait_s = 0.0
@@ -90,18 +98,22 @@ class ParamStreamer:
         return (0 if bd is None else bd[self.dp.rank]), self.store.layout.blocks[i].numel
 
     def invalidate(self, slot: int) -> None:
-        """Forget the kept blocks of `slot` (call before anything rewrites it)."""
+        """Forget the kept blocks of `slot` (call before anything rewrites it); buffers still being copied to
+        the device are given back first, so none of them is kept after this."""
+        self._reap(wait=True)
         self.pool.forget(lambda key: key[1] != slot)
 
     def drop_kept(self) -> None:
         """Forget every kept block (after a failed step, whose slots are no longer known to be what they were)."""
+        self._reap(wait=True)
         self.pool.forget()
 
     def expect(self, blocks: list[int], failure: Callable[[], BaseException | None]) -> None:
         """Blocks whose new P16 the optimizer will `offer`: acquiring them waits for the offer (or raises
         once `failure()` reports the optimizer's error). Nothing of them may be resident or in flight."""
         with self._lock:
-            clash = [i for i in blocks if i in self._resident or i in self._inflight or i in self._provisions]
+            clash = [i for i in blocks
+                     if i in self._resident or i in self._inflight or i in self._provisions or i in self._staged]
             if clash:
                 raise RuntimeError(f"blocks {clash} are resident or on their way; release them before expecting them")
             self._provisions.update({i: _Provision() for i in blocks})
@@ -131,23 +143,57 @@ class ParamStreamer:
     def prefetch(self, i: int, slot: int) -> None:
         """Start reading block i's P16 from `slot` unless it is already resident, on its way or expected."""
         if (i in self._resident or i in self._inflight or i in self._provisions or i in self._gathering
-                or not 0 <= i < len(self.blocks)):
+                or i in self._staged or not 0 <= i < len(self.blocks)):
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
         if self.before_read is not None:
             self.before_read(slot)
         own = self.store.layout.blocks[i]
-        buf = self.pool.acquire(self.buffer_bytes(i))
+        buf = self._room(self.buffer_bytes(i))
         at = self._own(i)[0] * own.p16_itemsize
         handle = self.store.volume.read_into(buf.tensor[at:at + own.p16_bytes], self.store.layout.p16_offset(i, slot))
         self._inflight[i] = (buf, handle)
         self.bytes_read += own.p16_bytes
 
+    def stage(self, i: int, slot: int) -> None:
+        """Start copying block i's P16 to the device now (waiting for its read if needed), so that the copy
+        runs beside the compute queued before it; `acquire(i)` then only orders the compute stream after the
+        copy. Nothing to do on the CPU device, or for a block resident, staged, or provided by the optimizer."""
+        if (self.device.is_host or i in self._resident or i in self._staged or i in self._provisions
+                or not 0 <= i < len(self.blocks)):
+            return
+        self._staged[i] = (*self._copy_in(i, slot), slot)
+
     def acquire(self, i: int, slot: int) -> list[nn.Parameter]:
-        """Block i's parameters on the device (waits for its prefetch; reads now if none was issued)."""
+        """Block i's parameters on the device (waits for its prefetch; reads now if none was issued). On a
+        separate device the compute stream waits for the block's copy; the host buffer goes back to the pool
+        once the copy has completed (`_reap`)."""
         if i in self._resident:
             return self._resident[i][1]
+        layout = self.layout.blocks[i]
+        staged = self._staged.pop(i, None)
+        if staged is not None and staged[2] != slot:  # staged from another slot: not these parameters
+            self._draining.append((staged[0], staged[1].event, i, staged[2]))
+            staged = None
+        buf, transfer = staged[:2] if staged is not None else self._copy_in(i, slot)
+        self.device.wait(transfer.event)
+        if not self.device.is_host:  # the device copy is independent of the host buffer once it completed
+            self._draining.append((buf, transfer.event, i, slot))
+            buf = None
+        self._reap()
+        params = []
+        for spec, (module, leaf, _) in zip(layout.params, self._slots[i]):
+            p = nn.Parameter(transfer.tensor[spec.offset:spec.offset + spec.numel].view(spec.shape))
+            module._parameters[leaf] = p
+            params.append(p)
+        self._resident[i] = (buf, params, slot)
+        self.max_resident = max(self.max_resident, len(self._resident) + len(self._staged))
+        return params
+
+    def _copy_in(self, i: int, slot: int) -> tuple[AlignedBuffer, Transfer]:
+        """Block i's whole P16 in a host buffer (read, kept, provided; data parallel: gathered), and its copy
+        to the device started."""
         layout = self.layout.blocks[i]
         if i in self._gathering:  # data parallel: started by gather_ahead
             buf, work, _ = self._gathering.pop(i)
@@ -169,20 +215,29 @@ class ParamStreamer:
                     buf.release()
                     raise
                 self.gather_s += time.perf_counter() - t0
-        flat = self._padded(buf, i)[:layout.numel]
-        dev = self.device.to_device(flat)
-        if self.device.is_cuda:  # the device copy is independent of the host buffer once it completed
-            self.device.copy_stream.synchronize()
-            self._give_back(buf, i, slot)
-            buf = None
-        params = []
-        for spec, (module, leaf, _) in zip(layout.params, self._slots[i]):
-            p = nn.Parameter(dev[spec.offset:spec.offset + spec.numel].view(spec.shape))
-            module._parameters[leaf] = p
-            params.append(p)
-        self._resident[i] = (buf, params, slot)
-        self.max_resident = max(self.max_resident, len(self._resident))
-        return params
+        return buf, self.device.to_device(self._padded(buf, i)[:layout.numel])
+
+    def _reap(self, wait: bool = False) -> None:
+        """Give back the host buffers whose device copies have completed (all of them, waiting, with `wait`)."""
+        pending = []
+        for buf, event, i, slot in self._draining:
+            if wait:
+                event.synchronize()
+            if wait or event.query():
+                self._give_back(buf, i, slot)
+            else:
+                pending.append((buf, event, i, slot))
+        self._draining = pending
+
+    def _room(self, nbytes: int) -> AlignedBuffer:
+        """A buffer of the pool; host buffers still read by device copies are given back first if it is full
+        (they are the main thread's to give back, so waiting for another thread would never end)."""
+        self._reap()
+        try:
+            return self.pool.acquire(nbytes, block=False)
+        except BudgetExceededError:
+            self._reap(wait=True)
+            return self.pool.acquire(nbytes)
 
     def gather_ahead(self, i: int, slot: int) -> None:
         """Data parallel: start all-gathering block i's shards now, so the gather runs beside the compute of
@@ -192,7 +247,7 @@ class ParamStreamer:
         Blocks the optimizer provides are gathered when acquired (waiting for them here would hold up the
         block before)."""
         if (self.dp is None or self.bounds[i] is None or i in self._resident or i in self._gathering
-                or i in self._provisions or not 0 <= i < len(self.blocks)):
+                or i in self._provisions or i in self._staged or not 0 <= i < len(self.blocks)):
             return
         buf = self._host(i, slot)
         bd = self.bounds[i]
@@ -239,6 +294,7 @@ class ParamStreamer:
         """Wait for block i's offer to be complete and take its buffer."""
         prov = self._provisions[i]
         t0 = time.perf_counter()
+        self._reap(wait=True)  # the optimizer's offer may wait for the room these take
         while not prov.ready.wait(0.05):
             err = self._failure()
             if err is not None:
@@ -277,6 +333,10 @@ class ParamStreamer:
                     prov.buf.release()
         for i in list(self._resident):
             self.release(i)
+        for i, (buf, transfer, slot) in list(self._staged.items()):
+            self._draining.append((buf, transfer.event, i, slot))
+        self._staged.clear()
+        self._reap(wait=True)
         for buf, handle in list(self._inflight.values()):
             handle.wait()
             buf.release()

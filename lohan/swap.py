@@ -162,8 +162,18 @@ class ActivationManager:
         return out
 
     def prefetch(self, i: int) -> None:
+        """Start reading block i's records back from the SSDs (one block ahead of its backward)."""
         if i in self.inner:
             self.store.prefetch((i, m) for m in range(self.cfg.micro_batches))
+
+    def stage(self, i: int) -> None:
+        """Start copying block i's records to the device (once the block after it is queued)."""
+        if i in self.inner:
+            self.store.stage((i, m) for m in range(self.cfg.micro_batches))
+
+    def end_forward(self) -> None:
+        if self.store is not None:
+            self.store.end_forward()
 
     def backward_block(self, i: int, m: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
         """(block input, run) for the recompute of block i; `run(x)` replays the swapped ops.

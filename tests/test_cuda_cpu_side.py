@@ -23,8 +23,13 @@ def test_cpu_device_is_a_zero_copy_twin():
     dev = Device("cpu")
     assert not dev.is_cuda and dev.type == "cpu" and dev.copy_stream is None
     host = torch.randn(3, 5)
-    assert dev.to_device(host) is host  # the "device copy" of a host buffer is the buffer
-    assert dev.memory_allocated() is None
+    transfer = dev.to_device(host)
+    assert transfer.tensor is host and transfer.event.query()  # the "device copy" of a host buffer is the buffer
+    out = torch.empty(3, 5)
+    assert dev.to_host(host, out).query() and torch.equal(out, host)  # written at once
+    assert dev.to_host(out, out).query()  # the same memory: nothing to copy
+    assert dev.put(host) is host and dev.fetch(host) is host and dev.is_host
+    assert dev.memory_allocated() is None and dev.max_memory_allocated() is None
     dev.synchronize()  # a no-op, not an error
     for dtype in (None, torch.float32):
         assert isinstance(dev.autocast(dtype), contextlib.nullcontext)

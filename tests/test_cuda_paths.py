@@ -104,9 +104,11 @@ def test_device_to_ssd_and_back_through_pinned_buffers(make_dirs, backend):
         out.tensor.view(torch.float32).view(x.shape).copy_(x)
         vol.write(out.tensor, 4096).wait()
         vol.read_into(back.tensor, 4096).wait()
-        y = dev.to_device(back.tensor.view(torch.float32).view(x.shape))
-        dev.copy_stream.synchronize()
+        t = dev.to_device(back.tensor.view(torch.float32).view(x.shape))
+        dev.wait(t.event)
+        y = t.tensor
         assert y.is_cuda and torch.equal(y, x)
+        t.event.synchronize()  # before the host buffer goes back
         out.release()
         back.release()
 
@@ -118,7 +120,9 @@ def test_device_copy_equals_a_synchronous_copy():
     host = aligned_empty(12 * MiB, pin=True).view(torch.float32)
     host.copy_(torch.randn(host.numel()))
     for src in (host, host.view(1024, -1).t(), host[5:]):  # contiguous, transposed, offset views
-        got = dev.to_device(src)
+        t = dev.to_device(src)
+        dev.wait(t.event)
+        got = t.tensor
         assert got.is_cuda and got.shape == src.shape
         assert torch.equal(got, src.to("cuda"))
 
@@ -133,8 +137,10 @@ def test_compute_waits_for_the_side_stream_copy():
     torch.cuda.synchronize()
     with torch.cuda.stream(dev.copy_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
-    out = dev.to_device(host)
-    same = torch.eq(out, ref).all()  # queued on the compute stream before the copy can have run
+    t = dev.to_device(host)
+    assert not t.event.query()  # the copy waits behind the sleep: the host did not wait for it
+    dev.wait(t.event)
+    same = torch.eq(t.tensor, ref).all()  # queued on the compute stream before the copy can have run
     assert bool(same.item())
 
 
@@ -146,14 +152,39 @@ def test_a_freed_device_copy_is_not_reused_under_pending_kernels():
     ones, twos = (aligned_empty(4 * n, pin=True).view(torch.float32) for _ in range(2))
     ones.fill_(1.0)
     twos.fill_(2.0)
-    a = dev.to_device(ones)
-    dev.copy_stream.synchronize()
+    t = dev.to_device(ones)
+    dev.wait(t.event)
+    a = t.tensor
+    del t
     torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy ...
     total = a.sum()                  # ... so this read of `a` is still queued when
     del a                            # the host drops `a` and copies the next block
-    b = dev.to_device(twos)
+    t = dev.to_device(twos)
+    dev.wait(t.event)
     assert total.item() == float(n), "the next copy overwrote a tensor the compute stream had yet to read"
-    assert torch.equal(b, twos.to("cuda"))
+    assert torch.equal(t.tensor, twos.to("cuda"))
+
+
+def test_device_to_host_copy_waits_for_compute_and_does_not_block_it():
+    """to_host runs on the copy stream after the compute queued before it (held back behind a sleeping compute
+    stream, the copy must still see the compute's result), and the host only waits at the event."""
+    dev = Device("cuda")
+    x = torch.zeros(1 << 20, device="cuda")
+    out = aligned_empty(4 << 20, pin=True).view(torch.float32)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.add_(3.0)  # queued behind the sleep
+    ev = dev.to_host(x, out)
+    assert not ev.query(), "to_host blocked the host until the compute stream was done"
+    ev.synchronize()
+    assert bool((out == 3.0).all())
+
+
+def test_compute_timer_measures_device_time():
+    dev = Device("cuda")
+    timer = dev.timer()
+    with timer:
+        torch.cuda._sleep(SLEEP_CYCLES)
+    assert timer.seconds() > 1e-3  # the host only queued the sleep: its own clock would say ~0
 
 
 def test_autocast_and_memory_counters_on_cuda():

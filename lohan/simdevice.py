@@ -1,0 +1,464 @@
+"""The simulated device (``LOHAN_DEVICE=sim``, ``--device sim``): the CPU behaving as a separate accelerator.
+
+On a plain CPU run a "device" tensor and a host buffer are the same kind of tensor, streams are absent and
+every copy is synchronous, so nothing can tell a missing copy, event or wait from a correct one. This mode
+makes those mistakes fail on a machine without a GPU, on the same code paths CUDA takes:
+
+- **Device memory.** Tensors on the simulated device are `SimTensor`s, a wrapper subclass over CPU storage
+  (PyTorch's FakeTensor propagates a device the same way). An op that mixes one with a host tensor of one or
+  more dimensions raises `DeviceMixError`, as CUDA raises "Expected all tensors to be on the same device";
+  only copies cross. A SimTensor reports the device ``cpu:1`` (`SIM_DEVICE`), so ``x.device`` differs from
+  the host's ``cpu``: inside the device's compute context (`SimDevice.compute`) an op given
+  ``device=x.device`` creates a SimTensor, as model code's ``torch.arange(..., device=x.device)`` does on a
+  GPU, and ``.cpu()`` / ``.to("cpu")`` copy to the host. 0-dim host tensors mix freely, as CPU scalars do
+  with CUDA tensors.
+- **Streams and events.** The compute stream runs its ops at once, on the calling thread; the copy stream runs
+  its copies later, in order, on a worker thread. Each stream keeps a vector clock of the events it waited
+  for; every SimTensor remembers which stream last wrote it and when. An op that reads it on another stream
+  that has not waited for an event recorded after that write raises `StreamOrderError` (the check
+  ``TORCH_CUDA_SANITIZER`` makes on a GPU, made deterministic here); so does an op that overwrites a tensor
+  a pending copy still reads.
+- **Host buffers.** Until the host has seen an asynchronous copy's event complete (`query`, `synchronize`; a
+  compute stream's wait is not enough), giving back the pool buffer that it reads or writes raises
+  `StreamOrderError`; every released pool buffer is then filled with 0xFF bytes (NaN in
+  every float format), so a read after release gives a wrong result, not the old one. A device-to-host
+  copy's destination holds that poison until the copy has run: a host that reads it without waiting for
+  the copy's event reads NaNs.
+- **Host syncs.** Every value read back to the host (``float()``, ``.item()``, ``bool()``, `SimDevice.fetch`)
+  is counted in `SimDevice.syncs`, so a test can bound the syncs of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+SIM_DEVICE = torch.device("cpu", 1)  # what a SimTensor reports: `x.device` differs from the host's `cpu`
+POISON_BYTE = 0xFF  # NaN in fp32, bf16 and fp16; -1 in integer types (an invalid token id)
+LATENCY_ENV = "LOHAN_SIM_LATENCY"  # seconds a copy waits on the worker before it runs (default 2 ms)
+
+aten = torch.ops.aten
+# copies are the one kind of op that may take a host tensor and a device tensor together
+_COPIES = {aten.copy_.default, aten._to_copy.default, aten._copy_from.default, aten._copy_from_and_resize.default}
+# reading a value to the host: a device synchronization
+_SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+
+
+class DeviceMixError(RuntimeError):
+    """An op mixed a tensor on the simulated device with a host tensor (CUDA would raise too)."""
+
+
+class StreamOrderError(RuntimeError):
+    """A tensor or host buffer was used across streams without the event that orders the use."""
+
+
+# ------------------------------------------------------------------------------------------ streams
+class SimEvent:
+    """An event recorded on a `SimStream`: the recording stream's vector clock at that point."""
+
+    def __init__(self, stream: SimStream, seq: int, clock: dict[SimStream, int]) -> None:
+        self.stream, self.seq, self.clock = stream, seq, clock
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def query(self) -> bool:
+        """Whether the work before the event is complete (then the host may reuse what it used)."""
+        if not self._done.is_set():
+            return False
+        self.stream.device.host_saw(self)
+        return True
+
+    def synchronize(self) -> None:
+        """The host waits for the work before the event; whatever the host issues next is ordered after it."""
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError("a simulated copy failed") from self.error
+        self.stream.device.host_saw(self)
+
+    @property
+    def observed(self) -> bool:
+        """Whether the host has seen this event, or a later one of its stream, complete (query or synchronize):
+        only then may it reuse the host memory the work used. A compute stream's wait does not count, though
+        the simulated compute stream blocks the host."""
+        return self.stream.device.host_seen.get(self.stream, 0) > self.seq
+
+    def _finish(self) -> None:
+        self._done.set()
+
+
+class SimStream:
+    """A stream's clock: how many events it recorded, and the latest event of each stream it waited for."""
+
+    def __init__(self, device: SimDevice, name: str) -> None:
+        self.device, self.name = device, name
+        self.count = 0
+        self.seen: dict[SimStream, int] = {}
+        self.lock = threading.Lock()
+
+    def record(self) -> SimEvent:
+        with self.lock:
+            clock = dict(self.seen)
+            clock[self] = self.count + 1
+            ev = SimEvent(self, self.count, clock)
+            self.count += 1
+        return ev
+
+    def wait_event(self, ev: SimEvent) -> None:
+        with self.lock:
+            for stream, seq in ev.clock.items():
+                if self.seen.get(stream, 0) < seq:
+                    self.seen[stream] = seq
+
+    def sees(self, writer: tuple[SimStream, int] | None) -> bool:
+        """Whether work now issued on this stream is ordered after the write `writer` = (stream, count then)."""
+        if writer is None or writer[0] is self:
+            return True
+        return self.seen.get(writer[0], 0) > writer[1]
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name})"
+
+
+# ------------------------------------------------------------------------------------------ tensors
+class _Memory:
+    """What a SimTensor and all its views share: the last write (stream, count) and the copies reading it."""
+
+    __slots__ = ("writer", "readers")
+
+    def __init__(self, writer: tuple[SimStream, int] | None) -> None:
+        self.writer = writer
+        self.readers: list[SimEvent] = []
+
+
+class SimTensor(Tensor):
+    """A tensor on the simulated device: CPU storage (`_inner`) that host tensors may not mix with."""
+
+    _inner: Tensor
+    _mem: _Memory
+    _device: SimDevice
+
+    @staticmethod
+    def __new__(cls, inner: Tensor, device: SimDevice, mem: _Memory) -> SimTensor:
+        r = Tensor._make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),
+                                          storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                          device=SIM_DEVICE, requires_grad=inner.requires_grad)
+        r._inner, r._device, r._mem = inner, device, mem
+        return r
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"SimTensor({tuple(self.shape)}, {self.dtype})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_inner"], (self._device, self._mem)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: Any, size: Any, stride: Any) -> SimTensor:
+        return SimTensor(inner["_inner"], *meta)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = next(t._device for t in tree_flatten((args, kwargs))[0] if isinstance(t, SimTensor))
+        return device.dispatch(func, args, kwargs)
+
+
+def _schema_writes(func: Any) -> list[int]:
+    """Positions of the arguments an op writes (in-place and out= ops)."""
+    hit = _WRITES.get(func)
+    if hit is None:
+        hit = _WRITES[func] = [k for k, a in enumerate(func._schema.arguments)
+                               if a.alias_info is not None and a.alias_info.is_write]
+    return hit
+
+
+def _is_view(func: Any) -> bool:
+    hit = _VIEWS.get(func)
+    if hit is None:
+        hit = _VIEWS[func] = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+    return hit
+
+
+_WRITES: dict[Any, list[int]] = {}
+_VIEWS: dict[Any, bool] = {}
+
+
+def _to_host_kwargs(kwargs: dict) -> dict:
+    """`kwargs` with the simulated device replaced by the host's (the storage is CPU memory)."""
+    if kwargs.get("device") == SIM_DEVICE:
+        return {**kwargs, "device": torch.device("cpu")}
+    return kwargs
+
+
+class _FactoryMode(TorchDispatchMode):
+    """Inside the compute context, ops that make a tensor on the simulated device (``device=x.device``) from no
+    device tensor make a SimTensor: factories, and copies of host tensors (``host.to(x.device)``)."""
+
+    def __init__(self, device: SimDevice) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") != SIM_DEVICE or any(isinstance(t, SimTensor) for t in tree_flatten(args)[0]):
+            return func(*args, **kwargs)
+        out = func(*args, **_to_host_kwargs(kwargs))
+        return tree_map_only(Tensor, lambda t: t if isinstance(t, SimTensor) else self.device.wrap(t), out)
+
+
+# ------------------------------------------------------------------------------------------ the device
+class SimDevice:
+    """Streams, a copy worker and the checks of the simulated device; `lohan.device.Device` drives it."""
+
+    def __init__(self, latency: float | None = None) -> None:
+        self.latency = float(os.environ.get(LATENCY_ENV, "0.002")) if latency is None else latency
+        self.compute_stream = SimStream(self, "compute")
+        self.copy_stream = SimStream(self, "copy")
+        self.syncs = 0
+        self.copies = {"h2d": 0, "d2h": 0}
+        self.host_seen: dict[SimStream, int] = {}  # the host's clock: events it saw complete
+        self._host_lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[Callable[[], None], SimEvent, float] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="lohan-simcopy", daemon=True)
+        self._worker.start()
+        _HOST.install()
+
+    # -- tensors
+    def wrap(self, inner: Tensor, writer: tuple[SimStream, int] | None = None) -> SimTensor:
+        if writer is None:
+            writer = (self.compute_stream, self.compute_stream.count)
+        return SimTensor(inner, self, _Memory(writer))
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> SimTensor:
+        inner = torch.empty(shape, dtype=dtype)
+        _poison(inner)  # uninitialized device memory: whatever reads it before a write reads NaN
+        return self.wrap(inner)
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        leaves = tree_flatten((args, kwargs))[0]
+        stream = self.compute_stream
+        if func in _COPIES:
+            return self._copy_op(func, args, kwargs)
+        host = [t for t in leaves if isinstance(t, Tensor) and not isinstance(t, SimTensor) and t.dim() > 0]
+        if host:
+            raise DeviceMixError(
+                f"{func} mixes a tensor on the simulated device with a host tensor of shape {tuple(host[0].shape)}; "
+                "CUDA raises 'Expected all tensors to be on the same device' here: copy one of them across first")
+        for t in leaves:
+            if isinstance(t, SimTensor) and not stream.sees(t._mem.writer):
+                raise StreamOrderError(
+                    f"{func} on the compute stream reads a device tensor that the {t._mem.writer[0].name} stream "
+                    "wrote, without waiting for an event recorded after that write (a missing Device.wait)")
+        for k in _schema_writes(func):
+            t = args[k] if k < len(args) else kwargs.get(func._schema.arguments[k].name)
+            if isinstance(t, SimTensor):
+                self._check_readers(t, f"{func} overwrites")
+                t._mem.writer = (stream, stream.count)
+        if func in _SYNCS:
+            self.syncs += 1
+        inner_args, inner_kwargs = tree_map_only(SimTensor, lambda t: t._inner, (args, _to_host_kwargs(kwargs)))
+        out = func(*inner_args, **inner_kwargs)
+        if func in _SYNCS or not isinstance(out, Tensor | tuple | list):
+            return out
+        if _is_view(func):
+            mem = next(t._mem for t in leaves if isinstance(t, SimTensor))
+            wrapped = tree_map_only(Tensor, lambda t: SimTensor(t, self, mem), out)
+        else:
+            wrapped = tree_map_only(Tensor, lambda t: self.wrap(t), out)
+        return return_and_correct_aliasing(func, args, kwargs, wrapped)
+
+    def _check_readers(self, t: SimTensor, what: str) -> None:
+        pending = [ev for ev in t._mem.readers if not ev.query()]
+        t._mem.readers = pending
+        if pending and not all(self.compute_stream.sees((ev.stream, ev.seq)) for ev in pending):
+            raise StreamOrderError(f"{what} a device tensor that an asynchronous copy still reads (wait for the "
+                                   "copy's event, or keep the tensor until it completes)")
+
+    def _copy_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A synchronous copy between the device and the host (`Tensor.copy_`, `.to(dtype)` on the device)."""
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(dst, SimTensor):
+                self._check_readers(dst, "copy_ overwrites")
+                if isinstance(src, SimTensor) and not self.compute_stream.sees(src._mem.writer):
+                    raise StreamOrderError("copy_ reads a device tensor before the copy that writes it completed")
+                dst._inner.copy_(src._inner if isinstance(src, SimTensor) else src, **kwargs)
+                dst._mem.writer = (self.compute_stream, self.compute_stream.count)
+                return dst
+            self.syncs += 1  # device -> host, synchronously: the host waits for the device
+            if not self.compute_stream.sees(src._mem.writer):
+                raise StreamOrderError("copy_ to the host reads a device tensor before the copy that writes it completed")
+            return dst.copy_(src._inner, **kwargs)
+        if func is aten._to_copy.default:
+            src = args[0]
+            if not self.compute_stream.sees(src._mem.writer):
+                raise StreamOrderError(f"{func} reads a device tensor before the copy that writes it completed")
+            target = kwargs.get("device")
+            if target is not None and target != SIM_DEVICE:  # .cpu(), .to("cpu"): to the host, synchronously
+                self.syncs += 1
+                return func(src._inner, *args[1:], **kwargs)
+            return self.wrap(func(src._inner, *args[1:], **_to_host_kwargs(kwargs)))
+        inner_args, inner_kwargs = tree_map_only(SimTensor, lambda t: t._inner, (args, _to_host_kwargs(kwargs)))
+        return tree_map_only(Tensor, lambda t: self.wrap(t), func(*inner_args, **inner_kwargs))
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """The compute context: factory ops create device tensors."""
+        with _FactoryMode(self):
+            yield
+
+    # -- host syncs
+    def host_saw(self, ev: SimEvent) -> None:
+        """After the host waited for `ev`, every stream's later work is ordered after it."""
+        with self._host_lock:
+            for stream, seq in ev.clock.items():
+                if self.host_seen.get(stream, 0) < seq:
+                    self.host_seen[stream] = seq
+        self.compute_stream.wait_event(ev)
+        self.copy_stream.wait_event(ev)
+
+    def fetch(self, t: Tensor) -> Tensor:
+        """A device tensor's value on the host (a synchronization)."""
+        if not isinstance(t, SimTensor):
+            return t
+        self.syncs += 1
+        if not self.compute_stream.sees(t._mem.writer):
+            raise StreamOrderError("a device tensor was read to the host before the copy that writes it completed")
+        return t._inner.clone()
+
+    def put(self, host: Tensor) -> SimTensor:
+        """A synchronous host-to-device copy (small tensors: token ids, targets)."""
+        return self.wrap(host.detach().clone())
+
+    # -- asynchronous copies on the copy stream
+    def h2d(self, host: Tensor) -> tuple[SimTensor, SimEvent]:
+        """Copy `host` to a new device tensor on the copy stream; returns it and the copy's event. The host
+        memory must stay untouched until the event completes."""
+        if isinstance(host, SimTensor):
+            raise DeviceMixError("h2d of a tensor that is already on the device")
+        inner = torch.empty(host.shape, dtype=host.dtype)
+        _poison(inner)
+        stream = self.copy_stream
+        out = self.wrap(inner, writer=(stream, stream.count))
+        ev = stream.record()
+        src = host.detach()
+        _HOST.track(src, ev, "read")
+        self.copies["h2d"] += 1
+        self._submit(lambda: inner.copy_(src), ev)
+        return out, ev
+
+    def d2h(self, dev: Tensor, out: Tensor) -> SimEvent:
+        """Copy device tensor `dev` into host tensor `out` on the copy stream, which must have waited for the
+        compute stream's write of `dev` (`SimDevice.copy_after_compute`)."""
+        if not isinstance(dev, SimTensor) or isinstance(out, SimTensor):
+            raise DeviceMixError("d2h copies a device tensor into a host tensor")
+        if not self.copy_stream.sees(dev._mem.writer):
+            raise StreamOrderError("the copy stream reads a device tensor the compute stream wrote, without waiting "
+                                   "for an event recorded after that write (a missing wait for the compute stream)")
+        _poison(out)  # what the host finds there before the copy has run
+        ev = self.copy_stream.record()
+        src = dev._inner
+        dev._mem.readers.append(ev)
+        _HOST.track(out, ev, "write")
+        self.copies["d2h"] += 1
+        self._submit(lambda: out.copy_(src), ev)
+        return ev
+
+    def copy_after_compute(self) -> None:
+        """The copy stream waits for everything issued on the compute stream so far."""
+        self.copy_stream.wait_event(self.compute_stream.record())
+
+    def _submit(self, job: Callable[[], None], ev: SimEvent) -> None:
+        self._jobs.put((job, ev, time.monotonic() + self.latency))
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, ev, due = item
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                job()
+            except BaseException as e:  # the waiter raises it
+                ev.error = e
+            ev._finish()
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far."""
+        ev = self.copy_stream.record()
+        self._submit(lambda: None, ev)
+        ev.synchronize()
+
+
+def _poison(t: Tensor) -> None:
+    """Fill `t` with the poison pattern (NaN for floats, -1 for integers)."""
+    if not t.numel():
+        return
+    if t.is_contiguous():
+        t.view(torch.uint8).fill_(POISON_BYTE)
+    else:
+        t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
+# ------------------------------------------------------------------------------------------ host memory
+class _HostRanges:
+    """Host memory that pending asynchronous copies read or write; checked and poisoned when a pool buffer
+    is released (`io_engine.buffers.add_release_hook`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: dict[int, tuple[int, int, SimEvent, str]] = {}
+        self._ids = itertools.count()
+        self._installed = False
+
+    def install(self) -> None:
+        from io_engine.buffers import add_release_hook
+
+        with self._lock:
+            if not self._installed:
+                add_release_hook(self.on_release)
+                self._installed = True
+
+    def track(self, t: Tensor, ev: SimEvent, how: str) -> None:
+        start = t.data_ptr()
+        end = start + _span_bytes(t)
+        with self._lock:
+            for key in [k for k, r in self._ranges.items() if r[2].observed]:
+                del self._ranges[key]
+            self._ranges[next(self._ids)] = (start, end, ev, how)
+
+    def on_release(self, t: Tensor, poison: bool) -> None:
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        with self._lock:
+            busy = [how for s, e, ev, how in self._ranges.values() if s < end and start < e and not ev.observed]
+        if busy:
+            raise StreamOrderError(f"a host buffer was given back while an asynchronous copy {busy[0]}s it, before the "
+                                   "host saw the copy's event complete (Event.query or synchronize): the copy may "
+                                   "still be using it")
+        if poison and t.numel():
+            t.view(torch.uint8).fill_(POISON_BYTE)
+
+
+def _span_bytes(t: Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+_HOST = _HostRanges()
