@@ -38,7 +38,7 @@ from .base import (
     is_aligned,
     wait_all_handles,
 )
-from .buffers import BufferPool
+from .buffers import BufferPool, aligned_empty
 from .faults import FAULTS_ENV, FaultyBackend, plan_from_env
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class Volume:
         staging_budget_bytes: hard bound on the staging memory used for unaligned requests.
         emulate_ssd_gbps: pace each directory to this bandwidth (shared by reads and writes), to
             emulate several slower SSDs on one fast disk. Results measured so are emulated.
-        pin: page-lock staging buffers through CUDA (default: when CUDA is available).
+        pin: page-lock the volume's own staging buffers through CUDA (default: no; they never cross to a
+            GPU). Pools whose buffers do are asked for with `buffer_pool(..., pin=True)`.
     """
 
     def __init__(self, dirs: list[str] | str, capacity_bytes: int, chunk_bytes: int = 1 << 20,
@@ -87,7 +88,7 @@ class Volume:
         self.paths = [os.path.join(d, f"{name}.slab") for d in self.dirs]
         self._manifests = [os.path.join(d, f"{name}.volume.json") for d in self.dirs]
         self.emulated_gbps = emulate_ssd_gbps
-        pin = torch.cuda.is_available() if pin is None else pin
+        pin = bool(pin)
         try:  # before anything is written: a test that meant to inject faults must not run without them
             fault_plan = plan_from_env(name)
         except ValueError as e:
@@ -325,8 +326,12 @@ class Volume:
             pos = end
 
     # ------------------------------------------------------------- lifecycle
-    def buffer_pool(self, budget_bytes: int) -> BufferPool:
-        """A pool of buffers this volume's backend transfers without copying, under `budget_bytes`."""
+    def buffer_pool(self, budget_bytes: int, pin: bool = False) -> BufferPool:
+        """A pool of buffers this volume's backend transfers without copying, under `budget_bytes`. `pin`: the
+        buffers are page-locked through CUDA, for pools whose buffers are copied to or from a GPU (both backends
+        transfer page-locked buffers directly); page-locked memory is scarce, so only those ask for it."""
+        if pin:
+            return BufferPool(budget_bytes, lambda n: aligned_empty(n, pin=True))
         return BufferPool(budget_bytes, self.backend.alloc, self.backend.free)
 
     def wait_all(self) -> None:

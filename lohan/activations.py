@@ -12,7 +12,8 @@ backward. Between the two, a block needs its input plus whatever the plan swaps:
 - Backward: `SelectiveMode(replay=...)` re-runs the block with grad; a swapped op returns its
   recorded output instead of computing, so only the other ops are recomputed. The dispatch mode
   sits below autograd, so the op's backward node is recorded as usual and saves what it needs
-  (e.g. attention saves its recorded output and logsumexp).
+  (e.g. attention saves its recorded output and logsumexp; kernels that compute the logsumexp only
+  under grad are asked for it when recording, `_with_logsumexp`).
 
 Why not torch's selective checkpoint (`create_selective_checkpoint_contexts`) plus
 `saved_tensors_hooks`: the checkpoint keeps the outputs of MUST_SAVE ops in a private cache as
@@ -102,6 +103,25 @@ class OpRecord:
     leaves: list[Any]    # outputs, tensors recorded (and later packed) as they are
 
 
+# Attention kernels that compute the logsumexp their backward needs only when asked, and are asked only
+# when grad is enabled (CUDA's memory-efficient and cuDNN SDPA; position of `compute_log_sumexp`). Records
+# are taken in a no_grad forward, so a recorded output would lack it and the replayed backward would fail
+# ("LSE is not correctly aligned") or be wrong. Flash attention always returns it.
+_LSE_FLAG = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: 4,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default: 4,
+}
+
+
+def _with_logsumexp(func: Any, args: tuple) -> tuple:
+    """`args` asking an attention kernel for its logsumexp, as the recompute with grad will (the output is the
+    same; the record then holds what the backward needs, and its bytes are priced with it)."""
+    at = _LSE_FLAG.get(func)
+    if at is None or len(args) <= at or args[at]:
+        return args
+    return (*args[:at], True, *args[at + 1:])
+
+
 class SelectiveMode(TorchDispatchMode):
     """Records (forward) or replays (backward recompute) the outputs of ops in swapped sub-modules."""
 
@@ -119,7 +139,7 @@ class SelectiveMode(TorchDispatchMode):
         if op is None or op not in self.swap or _is_alias(func):
             return func(*args, **kwargs)
         if self._replay is None:
-            out = func(*args, **kwargs)
+            out = func(*_with_logsumexp(func, args), **kwargs)
             leaves, spec = tree_flatten(out)
             self.records.append(OpRecord(op, str(func), spec, [x.detach() if isinstance(x, Tensor) else x
                                                                for x in leaves]))

@@ -214,8 +214,11 @@ class Engine:
             self._lock.release()
             raise
         volume = self.store.volume
-        self.params_pool = volume.buffer_pool(self.memory_plan["params"])
-        self.grads_pool = volume.buffer_pool(self.memory_plan["grads"] + self.memory_plan.get("grad_stash", 0))
+        # page-locked only where buffers cross to or from a GPU (P16 in, gradients out): the optimizer records
+        # never leave main memory, and page-locked memory is scarce
+        pin = self.device.is_cuda
+        self.params_pool = volume.buffer_pool(self.memory_plan["params"], pin=pin)
+        self.grads_pool = volume.buffer_pool(self.memory_plan["grads"] + self.memory_plan.get("grad_stash", 0), pin=pin)
         # the optimizer's share of the plan also holds the fp32 upcast scratch, which the offloader
         # allocates itself: the record pool gets the rest, so the two together stay within the plan
         upcast = upcast_bytes(layout, optimizer_chunk_elems(layout, cfg), grad_dtype(cfg), clip=cfg.max_grad_norm > 0)

@@ -145,7 +145,7 @@ class ActivationManager:
             _remove_volume(dirs, self.act_name)
             self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.chunk_bytes, backend=self.cfg.backend,
                                        name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
-            staging = self._volume.buffer_pool(2 * m * cap)
+            staging = self._volume.buffer_pool(2 * m * cap, pin=self.device.is_cuda)
         self._io0 = self._io_snapshot()
         self.store = ActivationStore(self.device, cpu_pool, staging, self._volume)
 

@@ -75,12 +75,14 @@ def test_freed_pinned_buffers_leave_the_process():
 
 
 def test_volume_buffers_are_pinned_and_round_trip_bytes(make_dirs, backend):
-    """With CUDA, a volume's pools hand out page-locked buffers (pin defaults to on) and io_engine reads
-    and writes them byte-exactly: aligned requests go straight to the disk, odd ones through the pinned
-    staging pool, on both backends."""
+    """With CUDA, a volume's pinned pools hand out page-locked buffers and io_engine reads and writes them
+    byte-exactly: aligned requests go straight to the disk, odd ones through the (unpinned) staging pool, on
+    both backends. The volume's own buffers are not page-locked: they never cross to the GPU."""
     with open_volume(make_dirs(2), 16 * MiB, chunk_bytes=MiB, backend=backend) as vol:
-        assert vol.backend.pin
-        pool = vol.buffer_pool(8 * MiB)
+        assert not vol.backend.pin
+        with vol.buffer_pool(MiB).acquire(4096) as plain:
+            assert not plain.tensor.is_pinned()
+        pool = vol.buffer_pool(8 * MiB, pin=True)
         for nbytes, offset in ((3 * MiB, 0), (MiB + 4096, 5 * MiB), (777_777, 9 * MiB + 13), (1, 15 * MiB + 1)):
             src, dst = pool.acquire(nbytes), pool.acquire(nbytes)
             assert src.tensor.is_pinned() and dst.tensor.is_pinned()

@@ -219,11 +219,12 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     Computed in fp32 even for bf16/fp16 logits: a low-precision log-softmax over 50k classes loses
     most of the loss's significant digits.
     """
-    if not bool((targets != -100).any()):
-        # A window made only of prompt tokens (loss on responses): the mean over no targets is NaN, which
-        # would poison every weight through the optimizer. Such a micro-batch contributes nothing.
-        return logits.float().sum() * 0.0
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+    # A window made only of prompt tokens (loss on responses): the mean over no targets is NaN, which would
+    # poison every weight through the optimizer. Such a micro-batch contributes nothing: a loss of 0, and a
+    # zero gradient (cross_entropy's backward writes only to the targets it counted). Selected on the device:
+    # asking the host whether any target counts would stall the GPU every micro-batch.
+    return torch.where((targets != -100).any(), loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
 _MASK64 = (1 << 64) - 1

@@ -1,0 +1,235 @@
+"""The simulated device (LOHAN_DEVICE=sim): the CPU suite's way to fail on device bugs.
+
+On a plain CPU run a device tensor and a host buffer are the same kind of tensor and every copy is synchronous,
+so a missing copy, event or wait changes nothing. Here the CPU behaves as a separate device would
+(lohan/simdevice.py). The first half checks that the simulation fails where CUDA would (each check is a bug the
+engine could have); the second runs the engine's equivalence tests on it: every mode, tied and untied,
+micro-batches, swapping to both tiers, clipping, fp16 and data parallel, bit-exact against plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lohan
+import lohan.engine
+from io_engine import BufferPool
+from lohan.activations import SelectiveMode
+from lohan.device import Device
+from lohan.simdevice import SIM_DEVICE, DeviceMixError, SimTensor, StreamOrderError
+from tests import test_activations as acts
+from tests import test_clipping as clip
+from tests import test_engine_equivalence as eq
+from tests import test_resident_records as resident
+
+
+@pytest.fixture
+def dev():
+    return Device("sim")
+
+
+# ------------------------------------------------------------------------------------ the simulation
+def test_finding_1_host_gradient_accumulation_raises_as_cuda_does(dev):
+    """What the engine once did to accumulate device gradients into views of a host buffer: every form raises
+    on the simulated device (CUDA: "Expected all tensors to be on the same device"); copy_ crosses."""
+    host = torch.zeros(6)
+    g = dev.put(torch.ones(6))
+    other = dev.put(torch.full((6,), 2.0))
+    with pytest.raises(DeviceMixError):
+        torch.add(g, other, out=host)  # a tied parameter's two contributions, summed into the host view
+    with pytest.raises(DeviceMixError):
+        host.add_(g)  # every micro-batch after the first
+    with pytest.raises(DeviceMixError):
+        torch.zeros_like(host) + other  # an unused parameter's zeros beside a device contribution
+    host.copy_(g)  # a copy may cross, as on CUDA
+    assert torch.equal(host, torch.ones(6)) and dev.syncs == 1  # ... and it is a synchronization
+    assert isinstance(g * torch.tensor(3.0), SimTensor)  # 0-dim host tensors mix, as CPU scalars do with CUDA
+
+
+def test_device_tensors_report_their_own_device_and_factories_follow_it(dev):
+    x = dev.put(torch.arange(4.0))
+    assert x.device == SIM_DEVICE and x.device != torch.device("cpu")
+    with dev.autocast(None):
+        y = torch.arange(4, device=x.device)  # model code's way of making a tensor beside its input
+        z = torch.empty(3)  # a host tensor, as on a GPU
+    assert isinstance(y, SimTensor) and not isinstance(z, SimTensor)
+    back = x.cpu()
+    assert not isinstance(back, SimTensor) and torch.equal(back, torch.arange(4.0))
+
+
+def test_compute_before_waiting_for_the_copy_raises(dev):
+    host = torch.arange(8.0)
+    t = dev.to_device(host)
+    with pytest.raises(StreamOrderError, match="without waiting"):
+        t.tensor.sum()
+    dev.wait(t.event)
+    assert float(dev.fetch(t.tensor.sum())) == 28.0
+
+
+def test_a_copy_reads_the_host_buffer_late(dev):
+    """The copy runs on the worker after a delay: a host buffer changed after `to_device` is what it copies."""
+    host = torch.zeros(4)
+    t = dev.to_device(host)
+    host.fill_(7.0)  # a bug: the host reused the buffer before the copy's event
+    dev.wait(t.event)
+    assert torch.equal(dev.fetch(t.tensor), torch.full((4,), 7.0))
+
+
+def test_giving_back_a_buffer_before_its_copy_is_seen_raises_and_released_buffers_are_poisoned(dev):
+    pool = BufferPool(1 << 16)
+    buf = pool.acquire(4096)
+    buf.tensor.view(torch.float32).fill_(1.0)
+    t = dev.to_device(buf.tensor.view(torch.float32))
+    dev.wait(t.event)  # the compute stream waited, the host did not see the event complete
+    with pytest.raises(StreamOrderError, match="given back"):
+        buf.release()
+    assert t.event.query()
+    buf.release()
+    assert torch.isnan(buf._full.view(torch.float32)).all()  # a read after release reads NaN
+    again = pool.acquire(4096)
+    again.keep("k")  # kept: its bytes are retained, not poisoned
+    assert torch.isnan(pool.take_kept("k").tensor.view(torch.float32)).all()
+
+
+def test_a_host_that_reads_a_download_before_its_event_reads_nan(dev):
+    x = dev.put(torch.arange(6.0))
+    out = torch.empty(6)
+    ev = dev.to_host(x, out)
+    assert torch.isnan(out).all()  # the copy has not run yet
+    ev.synchronize()
+    assert torch.equal(out, torch.arange(6.0))
+
+
+def test_a_download_must_follow_the_compute_that_wrote_it(dev):
+    x = dev.put(torch.arange(6.0)) * 2
+    with pytest.raises(StreamOrderError, match="compute stream wrote"):
+        dev.sim.d2h(x, torch.empty(6))  # without the copy stream waiting for the compute stream
+    ev = dev.to_host(x, out := torch.empty(6))
+    with pytest.raises(StreamOrderError, match="still reads"):
+        x.add_(1)  # overwriting what the copy still reads
+    ev.synchronize()
+    x.add_(1)
+    assert torch.equal(out, torch.arange(6.0) * 2)
+
+
+class _CudaLikeEfficientAttention(TorchDispatchMode):
+    """CUDA's memory-efficient SDPA on the CPU: the logsumexp is computed only when asked for."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.aten._scaled_dot_product_efficient_attention.default:
+            return func(*args, **(kwargs or {}))
+        q, k, v, _, want_lse = args[:5]
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        lse = torch.logsumexp(scores, -1) if want_lse else torch.empty(0)
+        return torch.softmax(scores, -1) @ v, lse, torch.empty(()), torch.empty(())
+
+
+def test_records_ask_attention_kernels_for_the_logsumexp_backward_needs():
+    """Finding 2: records are taken under no_grad, where SDPA asks the memory-efficient and cuDNN kernels for no
+    logsumexp; the record must hold it (the replayed backward needs it), and its bytes are counted."""
+    tracker = type("Tracker", (), {"current": "attn"})()
+    q = torch.randn(1, 2, 8, 4)
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    with torch.no_grad(), _CudaLikeEfficientAttention():
+        assert efficient(q, q, q, None, False)[1].numel() == 0  # what a plain no_grad call returns
+        mode = SelectiveMode(tracker, frozenset({"attn"}))
+        with mode:
+            efficient(q, q, q, None, False)
+    (rec,) = mode.records
+    assert rec.leaves[1].shape == (1, 2, 8)  # the logsumexp, recorded with the output
+    with _CudaLikeEfficientAttention():
+        replay = SelectiveMode(tracker, frozenset({"attn"}), replay=mode.records)
+        with replay:  # the recompute under grad asks for it too: the same call, replayed
+            out, lse = efficient(q, q, q, None, True)[:2]
+        replay.check_done()
+    assert torch.equal(lse, rec.leaves[1])
+
+
+# ------------------------------------------------------------------------------- the engine on the simulation
+@pytest.fixture
+def sim(monkeypatch):
+    """Engines built with device 'auto' run on the simulated device; checks that they did, and that they moved
+    tensors with the device's copies."""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+    built = []
+    real = lohan.engine.Device
+
+    def device(kind: str = "auto") -> Device:
+        d = real(kind)
+        built.append(d)
+        return d
+
+    monkeypatch.setattr(lohan.engine, "Device", device)
+    yield built
+    assert built and all(d.type == "sim" for d in built), [d.type for d in built]
+    assert any(d.sim.copies["h2d"] > 0 and d.sim.copies["d2h"] > 0 for d in built)
+
+
+def test_an_engine_step_syncs_a_fixed_number_of_times_and_keeps_parameters_on_the_device(sim, make_dirs):
+    """No per-block host synchronization: the host reads the loss, the gradient norm and the clip coefficient
+    once a step, whatever the number of blocks."""
+    per_step = {}
+    for n_layer in (2, 5):
+        with lohan.init(eq.tiny_cfg(n_layer=n_layer), eq.engine_config(make_dirs(1, f"l{n_layer}"),
+                                                                      name=f"l{n_layer}")) as engine:
+            data = list(eq.batches(3, 4, 32, 256))
+            engine.step(data[0])
+            before = engine.device.syncs
+            engine.step(data[1])
+            per_step[n_layer] = engine.device.syncs - before
+            params = engine.streamer.acquire(1, engine.store.slot)
+            assert all(isinstance(p, SimTensor) for p in params)
+            engine.streamer.release_all()
+    assert per_step[2] == per_step[5] <= 4, per_step
+
+
+@pytest.mark.parametrize("mode", ["serial", "naive", "optimized"])
+def test_every_mode_is_bit_exact_on_the_simulated_device(sim, make_dirs, mode):
+    eq.test_bit_exact_fp32_every_mode(make_dirs, mode, 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_micro_batches_tied_and_untied_on_the_simulated_device(sim, make_dirs, tied):
+    eq.test_bit_exact_with_gradient_accumulation(make_dirs, tied)
+
+
+def test_chunked_updates_on_the_simulated_device(sim, make_dirs):
+    eq.test_bit_exact_with_blocks_updated_in_chunks(make_dirs, "optimized")
+
+
+def test_bf16_gradient_buffers_on_the_simulated_device(sim, make_dirs, monkeypatch):
+    eq.test_bf16_gradient_buffers_change_nothing(make_dirs, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["interblock", "swap-all"])
+def test_swapped_activations_on_the_simulated_device(sim, make_dirs, policy):
+    """Records leave the device (to the CPU pool, micro-batched) and come back ahead of their block."""
+    acts.test_every_policy_bit_exact_fp32(make_dirs, policy)
+
+
+def test_swapped_activations_through_the_ssds_on_the_simulated_device(sim, make_dirs):
+    acts.test_activations_beyond_memory_budget_go_through_ssd(make_dirs, "swap-all", "threads")
+
+
+@pytest.mark.parametrize("clip_mode", ["speculate", "defer"])
+def test_clipping_on_the_simulated_device(sim, make_dirs, clip_mode):
+    clip.test_clipping_is_bit_exact(make_dirs, "optimized", clip_mode)
+
+
+def test_next_forward_beside_the_optimizer_on_the_simulated_device(sim, make_dirs):
+    clip.test_next_forward_beside_the_deferred_or_redone_pass_is_bit_exact(make_dirs, "auto")
+
+
+def test_non_finite_steps_on_the_simulated_device(sim, make_dirs):
+    clip.test_non_finite_steps_are_skipped_exactly_like_a_guarded_loop(make_dirs, 2)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp16_loss_scaling_on_the_simulated_device(sim, make_dirs, tied):
+    clip.test_fp16_dynamic_loss_scaling_follows_grad_scaler(make_dirs, tied)
+
+
+def test_resident_records_on_the_simulated_device(sim, make_dirs):
+    resident.test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, "optimized", "defer")
