@@ -56,6 +56,7 @@ class _RegisteredPages(mmap.mmap):
 
 
 _register_fallback: list[str] = []
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable (CUDA runtime API, cudaHostRegister flags)
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
@@ -73,7 +74,9 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
             rt = torch.cuda.cudart()
             pages = _RegisteredPages(-1, nbytes, flags=mmap.MAP_PRIVATE)
             t = torch.frombuffer(pages, dtype=torch.uint8)
-            err = rt.cudaHostRegister(t.data_ptr(), nbytes, 0)
+            # portable: page-locked for every GPU's context, not only for the device current on this thread (a
+            # pool grows from whichever thread asks it for a buffer; on a multi-GPU box that may be device 0's)
+            err = rt.cudaHostRegister(t.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE)
             if err != rt.cudaError.success:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
             pages.registered = t.data_ptr()

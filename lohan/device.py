@@ -95,6 +95,12 @@ class Device:
             self.torch = SIM_DEVICE if self.sim is not None else torch.device("cpu")
         self.copy_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
 
+    def bind_thread(self) -> None:
+        """Make this device the current one of the calling thread (a worker thread starts on GPU 0, and anything
+        it allocates or registers with CUDA would go there on a data-parallel rank's machine)."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.torch)
+
     # ------------------------------------------------------------------ small, synchronous moves
     def put(self, host: Tensor) -> Tensor:
         """A small host tensor (token ids, targets) on the device."""

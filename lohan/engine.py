@@ -235,7 +235,7 @@ class Engine:
         resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
                                   self.store.check_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays,
-                                       self.stash, resident)
+                                       self.stash, resident, thread_init=self.device.bind_thread)
         self.streamer.before_read = self._await_tail
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),

@@ -196,7 +196,8 @@ class GradOffloader:
 
     def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None,
                  grad_dtype: torch.dtype = torch.float32, decays: list[list[bool]] | None = None,
-                 stash: GradStash | None = None, resident: list[int] | None = None) -> None:
+                 stash: GradStash | None = None, resident: list[int] | None = None,
+                 thread_init: Callable[[], None] | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
@@ -220,7 +221,8 @@ class GradOffloader:
         # its (up to 8 x cores) malloc arenas, and what a per-step thread allocated (record buffers the
         # pool allocates on first use, the optimizer's temporaries) stayed resident in a different arena
         # each step (RSS crept up by ~50 MiB on the tiny preset over 30 steps; benchmarks/soak.py).
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lohan-ago")
+        # `thread_init` runs first on that thread (the engine's device becomes its current CUDA device)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lohan-ago", initializer=thread_init)
         self._lazy = False
         self._held: deque[tuple[Unit, AlignedBuffer]] = deque()  # updated records whose WRITE is held back
         self._held_res: list[tuple[Unit, AlignedBuffer]] = []  # the same for resident ones: they free no room

@@ -96,7 +96,8 @@ class _FakeCudart:
         self.calls.append(("register", size))
         if self.fail:
             return 1
-        assert ptr not in self.registered and ptr % ALIGN == 0 and flags == 0
+        assert ptr not in self.registered and ptr % ALIGN == 0
+        assert flags == 1, "registered for the current device's context only (cudaHostRegisterPortable is 1)"
         self.registered[ptr] = size
         return 0
 
@@ -155,3 +156,22 @@ def test_pinned_buffers_fall_back_to_torch_when_registering_fails(fake_cuda, mon
         assert t.numel() == 10_000 and t.data_ptr() % ALIGN == 0
     assert fake_cuda.calls == [("register", 10_000)]  # tried once; then torch's pinned allocator
     assert seen == [True, True]
+
+
+def test_only_pools_that_cross_to_a_gpu_are_page_locked_and_only_on_cuda_runs(fake_cuda, make_dirs):
+    """A machine with CUDA: a volume's own buffers are not page-locked (they never leave main memory), a pool asked
+    for with pin=True is; and a run on the CPU device (--device cpu) page-locks nothing at all."""
+    with open_volume(make_dirs(1, "vol"), 1 << 20, backend="threads") as vol:
+        assert vol.backend.pin is False
+        with vol.buffer_pool(1 << 16).acquire(5000) as buf:
+            assert not buf.tensor.is_pinned()
+        assert fake_cuda.calls == []
+        with vol.buffer_pool(1 << 16, pin=True).acquire(5000) as buf:
+            assert buf.tensor.is_pinned()
+        assert fake_cuda.calls == [("register", 8192)]
+    fake_cuda.calls.clear()
+    ecfg = engine_config(make_dirs(1, "run"), act_policy="swap-all", act_mem="64MiB", device="cpu")
+    with lohan.init(tiny_cfg(n_layer=3), ecfg) as engine:
+        engine.step(next(batches(1, 4, 32, 256)))
+        assert engine.activations.plan.block_tiers == ("cpu", "cpu", "keep")
+    assert fake_cuda.calls == [], "a CPU run page-locked memory through CUDA"
