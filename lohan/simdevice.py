@@ -409,7 +409,7 @@ def _poison(t: Tensor) -> None:
     """Fill `t` with the poison pattern (NaN for floats, -1 for integers)."""
     if not t.numel():
         return
-    if t.is_contiguous():
+    if t.is_contiguous() and t.dim():
         t.view(torch.uint8).fill_(POISON_BYTE)
     else:
         t.fill_(float("nan") if t.is_floating_point() else -1)

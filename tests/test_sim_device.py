@@ -22,7 +22,10 @@ from lohan.simdevice import SIM_DEVICE, DeviceMixError, SimTensor, StreamOrderEr
 from tests import test_activations as acts
 from tests import test_clipping as clip
 from tests import test_engine_equivalence as eq
+from tests import test_hf_families as families
+from tests import test_parallel as parallel
 from tests import test_resident_records as resident
+from tests.test_hf_families import family_dir  # noqa: F401 - a fixture the HF test below takes
 
 
 @pytest.fixture
@@ -233,3 +236,17 @@ def test_fp16_loss_scaling_on_the_simulated_device(sim, make_dirs, tied):
 
 def test_resident_records_on_the_simulated_device(sim, make_dirs):
     resident.test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, "optimized", "defer")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text"])
+def test_hf_families_on_the_simulated_device(sim, family_dir, make_dirs, tmp_path, family):  # noqa: F811
+    """Hugging Face decoders on the device: their rotary tables and masks (made by the decoder's own forward)
+    must be on the device the layers run on; Mistral's sliding window and Gemma 3's mixed layers included."""
+    families.test_family_trains_bit_exact_exports_and_generates(family_dir, make_dirs, tmp_path, family)
+
+
+def test_data_parallel_on_the_simulated_device(monkeypatch, tmp_path):
+    """Two torchrun ranks, each on its own simulated device (inherited through LOHAN_DEVICE), equal one
+    process with two micro-batches: the gradients are copied to the host before they are summed there."""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+    parallel.test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, "optimized")

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .gpt import lm_loss
 from .hf_checkpoint import (
@@ -349,6 +350,17 @@ class _Probe:
         return [(e[3], e[4]) for e in calls]
 
 
+def _beside(inputs: list[tuple[tuple, dict]], x: Tensor) -> list[tuple[tuple, dict]]:
+    """The probe's captured layer inputs on x's device. The probe makes them with ``device=x.device``, which puts
+    them there on a GPU; a device that only the tensors' own dispatch knows (lohan's simulated device) gets host
+    tensors from it, which are copied across here (``x.new_empty(...).copy_(t)``: an op of x's device)."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.device == x.device:
+            return t
+        return x.new_empty(t.shape, dtype=t.dtype).copy_(t)
+    return [(tuple(tree_map(move, list(args))), tree_map(move, kwargs)) for args, kwargs in inputs]
+
+
 def _run_to_first_layer(decoder: nn.Module, ids: Tensor, family: str) -> Tensor:
     """The hidden states the decoder's own forward hands its first layer (whose stub stops the forward)."""
     try:
@@ -538,6 +550,7 @@ class HFBlocks:
         if hit is None:
             with self._probe_lock, _no_dispatch_modes():
                 hit = self._probe.layer_inputs(*key, family=self.family)
+            hit = _beside(hit, x)
             if len(self._cache) >= 4:  # eager masks are [B, 1, T, T]: keep few
                 self._cache.clear()
             self._cache[key] = hit
