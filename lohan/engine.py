@@ -54,8 +54,9 @@ from .offload import (
     upcast_bytes,
 )
 from .optim import AdamWHyper, decay_mask, lr_at
-from .parallel import DataParallel, read_decision, shard_bounds, shard_decays, shard_layout
+from .parallel import DataParallel, local_cuda_index, read_decision, shard_bounds, shard_decays, shard_layout
 from .params import ParamStreamer
+from .planner import check_gpu_budget, gpu_need
 from .store import DTYPES, StateStore, StoreLayout, StoreStatus, block_views, plan_layout
 from .swap import ActivationManager
 
@@ -180,7 +181,9 @@ class Engine:
         if cfg.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
             reuse_heap()
         gpu = self.dp is not None and resolve_device(cfg.device) == "cuda"
-        self.device = Device(f"cuda:{self.dp.local_rank}" if gpu else cfg.device)  # a rank's own GPU
+        # a rank's own GPU (the one parallel.init_from_env selected: by LOCAL_RANK, or the only one it sees)
+        self.device = Device(f"cuda:{local_cuda_index(self.dp.local_rank, torch.cuda.device_count())}" if gpu
+                             else cfg.device)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
         self.flops_per_token = flops_per_token
         n = len(program.modules)
@@ -247,6 +250,7 @@ class Engine:
             resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
             // max(1, sum(b.numel for b in layout.blocks)))
         self.last_metrics: dict[str, Any] = {}
+        self.gpu_plan: dict[str, int] | None = None  # the GPU memory plan checked at the first step
         self._broken: str | None = None
         self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
         self._deferred = False
@@ -255,6 +259,10 @@ class Engine:
         self._scale: Tensor | None = None
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
+        # a separate device, one micro-batch, gradients in their own dtype: nothing to sum, so no accumulator;
+        # autograd's gradients go to the host as they are (GPU memory: gpu_need's "gradient accumulators")
+        self._direct = (not self.device.is_host and cfg.micro_batches == 1
+                        and self.store.p16_dtype == self.grad_dtype)
         self._closed = False
         self._trimmed = False  # memory.release_free_memory after the first step
 
@@ -632,6 +640,7 @@ class Engine:
             with timer, torch.no_grad(), self.device.autocast(self.compute_dtype):
                 if i == 1 and acts_mgr.needs_prepare(idx.shape[0], idx.shape[1]):
                     acts_mgr.prepare(acts[1][0], idx.shape[0], idx.shape[1])
+                    self._check_gpu_memory(idx.shape[0], idx.shape[1])
                 for m in range(m_count):
                     if i in acts_mgr.inner:
                         acts[i + 1][m] = acts_mgr.forward_block(i, m, acts[i][m])
@@ -642,6 +651,26 @@ class Engine:
             self._leave(visits, p, read_slot)
         acts_mgr.end_forward()
         return acts, timer
+
+    def _check_gpu_memory(self, batch: int, seq: int) -> None:
+        """Once the activation plan is known (the first step, or a new batch shape): refuse a run whose GPU memory
+        plan (planner.gpu_need) exceeds what it may use, with the plan, before it runs out of memory at its
+        biggest block hours in. What it may use: the device's free memory plus what this process's allocator
+        holds already, or engine.gpu_mem if smaller; on the CPU or the simulated device, engine.gpu_mem when
+        set (an emulated GPU)."""
+        shape = getattr(self.program, "planning_config", None)
+        budget = self.cfg.gpu_mem
+        if self.device.is_cuda:
+            free, _ = torch.cuda.mem_get_info(self.device.torch)
+            usable = free + torch.cuda.memory_reserved(self.device.torch)
+            budget = usable if budget is None else min(budget, usable)
+        if shape is None or budget is None or self.activations.plan is None:
+            return
+        mcfg = shape()
+        hw = self.activations.profile.hardware
+        self.gpu_plan = gpu_need(mcfg, batch, seq, hw, self.cfg.compute_dtype, self.cfg.micro_batches,
+                                 self.cfg.prefetch_depth, self.activations.plan.swap, self.world)
+        check_gpu_budget(self.gpu_plan, budget, f"{mcfg.name} at batch {batch} x seq {seq} on {self.device.type}")
 
     def _backward(self, visits: list[int], read_slot: int, acts: list[list[Tensor | None]],
                   tgt_mb: tuple[Tensor, ...]) -> tuple[float, Timer, list[list[Tensor]]]:
@@ -683,26 +712,30 @@ class Engine:
                         tgt_mb: tuple[Tensor, ...], grad_out: list[Tensor | None],
                         borrowed: dict[tuple[int, int, int], Tensor], norms: list[list[Tensor]],
                         pending: list) -> None:
-        """Backward of the block at visit position p over the micro-batches. Its gradient is accumulated on the
-        device, copied to a host buffer in one piece on the copy stream, and goes to the optimizer once the
-        copy has completed (data parallel: once summed over the ranks), beside the next blocks' backward."""
+        """Backward of the block at visit position p over the micro-batches. Its gradient is summed on the device
+        (a flat accumulator, copied to the host buffer in one piece; or, with one micro-batch in the gradient's
+        own dtype, autograd's gradients themselves, copied parameter by parameter), on the copy stream, and
+        goes to the optimizer once the copy has completed (data parallel: once summed over the ranks), beside
+        the next blocks' backward. The CPU device sums straight into the host buffer."""
         i = visits[p]
         params = self._visit(visits, p, read_slot)
         layout = self.layout.blocks[i]
         gsize = self.grad_dtype.itemsize
         gbuf = self.grads_pool.acquire(gsize * layout.numel)
         host = gbuf.tensor[:gsize * layout.numel].view(self.grad_dtype)
-        # the CPU device accumulates straight into the host buffer; a separate device into device memory
-        flat = host if self.device.is_host else self.device.empty(layout.numel, self.grad_dtype)
-        acc = block_views(flat, layout)
+        flat = host if self.device.is_host else None if self._direct else self.device.empty(layout.numel,
+                                                                                             self.grad_dtype)
         try:
             self.activations.prefetch(i - 1)
             with self._timer:
-                self._accumulate(i, params, acc, read_slot, acts, tgt_mb, grad_out, borrowed)
+                grads = self._accumulate(i, params, None if flat is None else block_views(flat, layout), read_slot,
+                                         acts, tgt_mb, grad_out, borrowed)
             self.activations.stage(i - 1)  # its records' copy to the device runs beside this block's compute
             if self.dp is None:
-                self._unscale_and_norm(i, acc, norms)
-            event = self.device.to_host(flat, host)
+                self._unscale_and_norm(i, grads, norms)
+            event = self.device.to_host(flat, host) if flat is not None else None
+            for g, view in zip(grads if flat is None else (), block_views(host, layout)):
+                event = self.device.to_host(g, view)  # in order on the copy stream: the last event covers all
         except BaseException:
             gbuf.release()
             raise
@@ -717,12 +750,15 @@ class Engine:
         crashpoint("engine.backward")
         self._leave(visits, p, read_slot)
 
-    def _accumulate(self, i: int, params: list[torch.nn.Parameter], acc: list[Tensor], read_slot: int,
+    def _accumulate(self, i: int, params: list[torch.nn.Parameter], acc: list[Tensor] | None, read_slot: int,
                     acts: list[list[Tensor | None]], tgt_mb: tuple[Tensor, ...], grad_out: list[Tensor | None],
-                    borrowed: dict[tuple[int, int, int], Tensor]) -> None:
+                    borrowed: dict[tuple[int, int, int], Tensor]) -> list[Tensor]:
         """Recompute block i with grad for each micro-batch and sum its parameters' gradients into `acc`, in the
         order autograd sums a leaf's inputs (a tied user's contribution first, then micro-batch after
-        micro-batch). The micro-batches' losses (last block) stay on the device until the step's end."""
+        micro-batch); returns `acc`. Without `acc` (one micro-batch): returns the gradients themselves, a tied
+        user's contribution added. The micro-batches' losses (last block) stay on the device until the
+        step's end."""
+        final: list[Tensor] = acc if acc is not None else [None] * len(params)
         m_count = self.cfg.micro_batches
         last = len(self.program.modules) - 1
         ext = self.program.external_params(i)
@@ -747,8 +783,14 @@ class Engine:
             if i == last:
                 self._losses.append(out.detach())
             off = 1 if i > 0 else 0
-            for k, (view, g) in enumerate(zip(acc, grads[off:off + len(params)])):
-                _add_grad(view, g, borrowed.pop((i, k, m), None), m)
+            for k, g in enumerate(grads[off:off + len(params)]):
+                other = borrowed.pop((i, k, m), None)
+                if acc is not None:
+                    _add_grad(acc[k], g, other, m)
+                    continue
+                g = torch.zeros_like(params[k]) if g is None else g.detach()
+                # g + other, in the borrowed gradient's memory (IEEE addition commutes: the same bits)
+                final[k] = g if other is None else other.add_(g)
             for (o, k), g in zip(ext, grads[off + len(params):]):
                 if g is not None:
                     borrowed[(o, k, m)] = g.detach()
@@ -757,6 +799,7 @@ class Engine:
             if inner:
                 del x, out, grads
                 self.activations.release(i, m)
+        return final
 
     def _unscale_and_norm(self, i: int, acc: list[Tensor], norms: list[list[Tensor]]) -> None:
         """fp16: unscale block i's gradient (GradScaler.unscale_: the same op, so the same bits and inf check);

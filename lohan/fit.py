@@ -1,8 +1,9 @@
 """Before anything is written: does the run fit this machine (or a described one), and what would it cost?
 
-`detect_hardware` describes the machine the run is on: the compute device and its throughput (a short
-matmul measurement), main memory (psutil), free space of the NVMe directories, and the CPU optimizer's
-rate (a short measurement of the engine's own AdamW kernel, `measure_cpu_adam`). SSD bandwidth is
+`detect_hardware` describes the machine the run is on: the compute device, its throughput (a short
+matmul measurement) and, on CUDA, the memory free on it (what the plan must fit), main memory (psutil),
+free space of the NVMe directories, and the CPU optimizer's rate (a short measurement of the engine's
+own AdamW kernel, `measure_cpu_adam`). SSD bandwidth is
 measured by the engine's first step (a write then a read through the volume, saved with the run's
 profile as `<nvme>/<name>.profile.json`); when that file exists it is used, otherwise the bandwidth is
 `ASSUMED_SSD_GBPS` per directory, labelled as an assumption (measuring here would mean writing).
@@ -29,6 +30,7 @@ from .optim import AdamWHyper, adamw_chunk_
 from .planner import (
     DEFAULT_CPU,
     HARDWARE_PRESETS,
+    HOST_SHARED_PARTS,
     Capacity,
     CpuSpec,
     Hardware,
@@ -182,6 +184,10 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
 
     ``store_name`` finds the profile a previous run on these directories saved (its SSD bandwidths were
     measured); ``checksums`` says whether the optimizer also hashes what it reads and writes.
+
+    On CUDA the device is the current one (a data-parallel rank's: `parallel.init_from_env` selects it) and
+    its memory is what is *free* on it now: the CUDA context, other processes and this one's cached blocks
+    are not the run's to plan with. ``gpu_mem`` narrows it, never widens it.
     """
     use_cuda = resolve_device(device) == "cuda"
     dev = torch.device("cuda" if use_cuda else "cpu")
@@ -203,21 +209,34 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
                  "them with compute and I/O)")
     if use_cuda:
         name = torch.cuda.get_device_name().replace(" ", "_")
-        dev_mem = torch.cuda.get_device_properties(0).total_memory
+        dev_mem = _free_gpu_memory(gpu_mem, notes)
         bw_g = 25e9
         notes.append("host link assumed 25 GB/s per direction (PCIe 4.0 x16)")
     else:
         name = f"cpu-{os.cpu_count()}c"
-        dev_mem = ram  # the CPU stands in for the GPU: its "device memory" is main memory
+        dev_mem = int(gpu_mem) if gpu_mem else ram  # the CPU stands in for the GPU: its "device memory" is RAM
         bw_g = 20e9
         notes.append("device is the CPU: 'GPU' memory is main memory, host copies assumed 20 GB/s; compute and "
                      "AdamW share the cores, so the gpu and cpu lanes add up more than the overlapped model says")
-    if gpu_mem:
-        dev_mem = int(gpu_mem)
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
                   bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem),
                   ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme), cpu_adam_params_per_s=adam)
     return Machine(hw, tuple(notes), device_is_host=not use_cuda)
+
+
+def _free_gpu_memory(gpu_mem: int | None, notes: list[str]) -> int:
+    """Bytes free on the current CUDA device, or the smaller ``gpu_mem`` a user gives; says which in ``notes``."""
+    index = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    notes.append(f"GPU memory: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB on cuda:{index} (the CUDA "
+                 "context and other processes hold the rest); the plan must fit what is free")
+    if gpu_mem and int(gpu_mem) < free:
+        notes.append(f"GPU memory limited to engine.gpu_mem = {int(gpu_mem) / 2**30:.2f} GiB")
+        return int(gpu_mem)
+    if gpu_mem:
+        notes.append(f"engine.gpu_mem = {int(gpu_mem) / 2**30:.2f} GiB is more than is free: planning with the "
+                     "free memory")
+    return int(free)
 
 
 def described_hardware(desc: str) -> Machine:
@@ -290,7 +309,7 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
                    keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem)
     if machine.device_is_host:
-        cap = _with_device_in_ram(cap, mcfg, machine.hardware, compute_dtype)
+        cap = _with_device_in_ram(cap, machine.hardware)
     step_s = cap.plan.estimate.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
@@ -298,13 +317,11 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                      steps_per_epoch * step_s if steps_per_epoch else None)
 
 
-def _with_device_in_ram(cap: Capacity, mcfg: ModelConfig, hw: Hardware, compute_dtype: str) -> Capacity:
+def _with_device_in_ram(cap: Capacity, hw: Hardware) -> Capacity:
     """On a CPU-only run the device's working set is in main memory too: its parameters are the host
-    pool's buffers (no copy), but a block's activations and gradients, the logits and the process add up."""
-    s = 4 if compute_dtype == "fp32" else 2
-    big = max(mcfg.block_param_count(), mcfg.embed_param_count(), mcfg.head_param_count())
-    extra = {k: v for k, v in cap.gpu_parts.items() if k != "params"}
-    extra["block gradients"] = s * big
+    pool's buffers (no copy), but a block's activations and gradients, the logits and the process add up
+    (`planner.HOST_SHARED_PARTS`: the parts that do not)."""
+    extra = {k: v for k, v in cap.gpu_parts.items() if k not in HOST_SHARED_PARTS}
     extra["runtime"] = RUNTIME_BYTES
     cpu_parts = {**cap.cpu_parts, **{f"device {k}": v for k, v in extra.items()}}
     need = sum(cpu_parts.values())

@@ -12,16 +12,18 @@ sized from what `cpu_mem` leaves after the pools). The overhead is what no budge
   left in the allocator (0.34 GiB for the tiny preset, 0.54 GiB for a 110M HF Llama here);
 - device working set, only when the device is the CPU (with a GPU it is device memory): what a step
   holds beyond the block parameters (those are views of the params pool's buffers, no copy): the block
-  being recomputed (its activations and their gradients), the records the plan keeps on the device and
-  the head's fp32 logits, after the capacity planner's device-memory model (`planner._gpu_need`);
+  being recomputed (its activations and their gradients), autograd's gradients of a block, the tied
+  embedding's borrowed gradients, the records the plan keeps on the device and the head's loss, after the
+  capacity planner's device-memory model (`planner.gpu_need`, less its `HOST_SHARED_PARTS`);
 - allocator slack: memory glibc keeps in its arenas after it is freed (fragmentation of the per-step
-  temporaries), the first step's profiling and SSD probe, and what the analytic model leaves out (the
-  head's loss holds ~4 logit-sized tensors where it counts 2). benchmarks/soak.py measured peak RSS
-  minus (process + pool bytes allocated + activation tier) at 0.19 GiB for the tiny preset (analytic
-  working set 0.03 GiB) and 0.34 GiB for the 110M Llama at batch 1 x seq 512 (working set 0.15 GiB);
+  temporaries), the first step's profiling and SSD probe, and what the analytic model leaves out.
+  benchmarks/soak.py measured peak RSS minus (process + pool bytes allocated + activation tier) at
+  0.19 GiB for the tiny preset (analytic working set 0.03 GiB) and 0.34 GiB for the 110M Llama at
+  batch 1 x seq 512 (working set 0.15 GiB);
   working set + `SLACK_BYTES` + `SLACK_FACTOR` x working set gives 0.31 and 0.55 GiB. Peak RSS was
   0.58 GiB against a stated 2.64 GiB (tiny, cpu_mem 2 GiB, pools 0.02 GiB) and 2.05 against 3.08 GiB
-  (110M, pools 1.60 GiB).
+  (110M, pools 1.60 GiB). Those figures predate the device model's counting of the loss's peak (~4
+  logit-sized tensors where it counted 2) and of the gradients: it is larger now, and the bound looser.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import ctypes.util
 from collections.abc import Callable
 
 from .config import ModelConfig
-from .planner import Hardware, _gpu_need, analytic_profile
+from .planner import HOST_SHARED_PARTS, Hardware, analytic_profile, gpu_need
 
 SLACK_BYTES = 1 << 28  # 256 MiB
 SLACK_FACTOR = 1.0
@@ -44,8 +46,8 @@ _BYTES_ONLY = Hardware("bytes-only", thp_g=1.0, bw_g=1.0, bw_s2m=1.0, bw_m2s=1.0
 def device_working_set(mcfg: ModelConfig, batch: int, seq: int, micro_batches: int, compute_dtype: str,
                        prefetch_depth: int, act_policy: str) -> int:
     """Bytes the compute device holds during a step beyond the block parameters (analytic)."""
-    need = _gpu_need(mcfg, batch, seq, _BYTES_ONLY, compute_dtype, micro_batches, prefetch_depth, ())
-    ws = sum(v for k, v in need.items() if k != "params")
+    need = gpu_need(mcfg, batch, seq, _BYTES_ONLY, compute_dtype, micro_batches, prefetch_depth, ())
+    ws = sum(v for k, v in need.items() if k not in HOST_SHARED_PARTS)
     if act_policy == "recompute-all":  # every block's input stays on the device, not only the last one's
         ws += (mcfg.n_layer - 1) * analytic_profile(mcfg, batch, seq, _BYTES_ONLY, compute_dtype).input_bytes
     return ws

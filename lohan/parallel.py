@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from io_engine.base import align_up
 
+from .device import resolve_device
 from .integrity import read_json_checked, write_json_atomic
 from .store import BlockLayout, ParamSpec, StoreLayout
 
@@ -134,9 +135,49 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def local_cuda_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device of the rank that is `local_rank` on its machine: one GPU per rank, in order. With
+    one visible device every rank takes it (a launcher that sets CUDA_VISIBLE_DEVICES per rank, or ranks
+    that share the GPU)."""
+    if device_count < 1:
+        raise ValueError("torch sees no CUDA device; run with --device cpu, or check the driver and "
+                         "CUDA_VISIBLE_DEVICES")
+    if device_count == 1:
+        return 0
+    if not 0 <= local_rank < device_count:
+        raise ValueError(f"LOCAL_RANK={local_rank} but torch sees {device_count} CUDA devices: launch at most "
+                         f"{device_count} processes per machine (torchrun --nproc-per-node {device_count}), or "
+                         "make more devices visible (CUDA_VISIBLE_DEVICES)")
+    return local_rank
+
+
+def select_local_device(device: str) -> int | None:
+    """Make this rank's GPU (LOCAL_RANK's) the current CUDA device when `device` resolves to cuda and a
+    launcher set LOCAL_RANK; returns its index, or None when nothing was selected (CPU, or not launched).
+
+    It must run before anything touches CUDA: until then every rank's current device is 0, so the hardware
+    probe (`fit.detect_hardware`: the free memory, the matmul rate) and any tensor made before the engine
+    binds its device would all land on GPU 0 of a multi-GPU machine."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or resolve_device(device.partition(":")[0]) != "cuda":
+        return None
+    try:
+        rank = int(local)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local!r} is not an integer; launch with torchrun, which sets it") from None
+    index = local_cuda_index(rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return index
+
+
 def init_from_env(device: str = "cpu") -> bool:
     """Join the process group a launcher described in the environment (torchrun: RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT); returns whether this call created it. gloo: lohan reduces host buffers."""
+    MASTER_ADDR, MASTER_PORT); returns whether this call created it. gloo: lohan reduces host buffers.
+
+    `device` is the run's (``auto``, ``cpu`` or ``cuda``: `EngineConfig.device`): when it resolves to CUDA,
+    the rank's own GPU becomes the current device first (`select_local_device`). The default, ``cpu``,
+    selects nothing."""
+    select_local_device(device)
     if launched_world() <= 1 or dist.is_initialized():
         return False
     dist.init_process_group("gloo")

@@ -58,6 +58,10 @@ transfer lane is linear or (through ``alpha``) convex increasing in it, and sums
 functions are convex; the ``cpu`` lane does not depend on it. ``max + (sum - max) / n`` is
 ``(1 - 1/n) max + sum / n``, a positive combination of convex functions, so the pipeline fill keeps it
 convex. So ``T_iter`` along the walk falls, then rises: the first rise is the minimum.
+
+The GPU memory plan (:func:`gpu_need`) counts, part by part, what the engine allocates on the device at a
+step's peak; :func:`capacity` holds it to ``Hardware.gpu_mem`` (the free memory, on a detected machine) and
+:func:`check_gpu_budget` lets the engine refuse a run with it at run time.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ __all__ = [
     "walk_order", "walk", "algorithm1",
     "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools", "resident_records",
     "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
+    "gpu_need", "check_gpu_budget", "format_gpu_parts", "GpuMemoryPlanError", "HOST_SHARED_PARTS",
+    "CUBLAS_WORKSPACE_BYTES", "CUBLAS_STREAMS", "FRAGMENTATION",
 ]
 
 POLICIES = ("plan", "interblock", "swap-all", "recompute-all")
@@ -776,24 +782,125 @@ class Capacity:
         return "\n".join(lines)
 
 
-def _gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype: str, micro_batches: int,
-              prefetch_depth: int, swap: Sequence[str]) -> dict[str, int]:
-    """Device memory estimate (allocator fragmentation and CUDA context not included)."""
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS workspace per (handle, stream) pair, taken from the caching allocator: PyTorch's default
+``CUBLAS_WORKSPACE_CONFIG`` on Hopper is ``:4096:8`` (8 chunks of 4096 KiB); older GPUs get less
+(``:4096:2:16:8``, ~8 MiB), so this bounds them too (PyTorch ``aten/src/ATen/cuda/CublasHandlePool.cpp``)."""
+CUBLAS_STREAMS = 2
+"""The engine's streams (compute and copy). PyTorch keys workspaces by (handle, stream), so each stream that
+runs a matmul gets its own; the copy stream normally runs none, so counting both is a bound."""
+FRAGMENTATION = 0.10
+"""Margin for the caching allocator, as a fraction of everything else the plan counts. It rounds each
+request up (to 512 B; requests over 10 MiB to 2 MiB multiples) and carves requests of 1-10 MiB out of
+20 MiB segments, and a cached block split for a smaller tensor cannot serve a bigger one, so what it
+reserves exceeds what tensors hold (PyTorch ``c10/cuda/CUDACachingAllocator.cpp``; the "reserved" vs
+"allocated" of ``torch.cuda.memory_stats``). The plan's big tensors recur with the same sizes every block
+and step, which keeps the gap small; 10% is a round margin above that, not a measurement."""
+HOST_SHARED_PARTS = ("params", "gradient accumulators", "cuBLAS workspace", "fragmentation")
+"""Parts of :func:`gpu_need` that add nothing to main memory when the CPU is the device: its parameters and
+gradient accumulators are the host pools' own buffers, cuBLAS does not run, and the C allocator's slack
+is ``memory.SLACK_BYTES``'s to count."""
+_GPU_FIXES = ("a smaller batch or more engine.micro_batches (activations and logits are per micro-batch), "
+              "a shorter sequence, a lower engine.prefetch_depth (fewer blocks held), an act_policy that "
+              "swaps more (interblock or the planner's plan instead of recompute-all), or, if the memory "
+              "really is there, a larger engine.gpu_mem")
+
+
+class GpuMemoryPlanError(ValueError):
+    """A run's GPU memory plan does not fit the memory the device has free (:func:`check_gpu_budget`)."""
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (the plan's parts span KiB to tens of GiB)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def format_gpu_parts(need: Mapping[str, int]) -> str:
+    """``params 1.50 GiB, logits 96.0 MiB, ...``: every part of a GPU memory plan, for plans and errors."""
+    return ", ".join(f"{k} {_size(v)}" for k, v in need.items())
+
+
+def check_gpu_budget(need: Mapping[str, int], budget: int, what: str = "this run") -> None:
+    """Refuse a run whose GPU memory plan (:func:`gpu_need`) exceeds ``budget`` bytes.
+
+    The engine calls it at its first step with the bytes ``torch.cuda.mem_get_info`` reports free, so a run
+    that would run out of memory hours in, at its biggest block or its longest batch, stops before it writes.
+    What this process's caching allocator already reserved is not free but is the run's: called after the
+    engine has allocated on the device, add ``torch.cuda.memory_reserved()`` to the free bytes.
+
+    Raises:
+        GpuMemoryPlanError: The plan needs more than ``budget``; the message lists every part, the total,
+            the budget and what to change.
+    """
+    total = sum(need.values())
+    if total <= budget:
+        return
+    raise GpuMemoryPlanError(
+        f"GPU memory: {what} needs {_size(total)} but {_size(budget)} is available ({_size(total - budget)} "
+        f"short). Parts: {format_gpu_parts(need)}. To fit, try {_GPU_FIXES}")
+
+
+def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype: str, micro_batches: int,
+             prefetch_depth: int, swap: Sequence[str], world: int = 1) -> dict[str, int]:
+    """Bytes the engine allocates on the GPU at a step's peak, by part (the keys are printed in plans and
+    errors). The CUDA context lies outside the caching allocator: budget this against the *free* memory.
+
+    ``batch`` is this process's (one rank's) batch; ``world`` the data-parallel ranks, which make the
+    gradients fp32 as micro-batches do (``engine.grad_dtype``). ``swap``: the ops the plan swaps.
+    """
     s = _itemsize(compute_dtype)
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
+    g = 2 if compute_dtype == "bf16" and micro_batches * world == 1 else 4  # engine.grad_dtype
     mb = math.ceil(batch / micro_batches)
     micro = analytic_profile(cfg, mb, seq, hw, compute_dtype)
     full = analytic_profile(cfg, batch, seq, hw, compute_dtype)
     sizes = {op.name: op.bytes for op in full.ops}
-    return {
-        # computing block + its gradients + k prefetched ahead + k kept over the forward/backward turn
-        "params": (2 * prefetch_depth + 2) * s * big,
+    record = full.input_bytes + sum(sizes[n] for n in swap)  # one block's record, every micro-batch
+    tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
+    need = {
+        # the block computing, the next one copied in, up to k kept over the forward/backward turn, and a
+        # tied embedding, which its borrower (the head) needs at both ends of the step, kept all step
+        "params": (prefetch_depth + 2) * s * big + (s * cfg.embed_param_count() if tied else 0),
+    }
+    if micro_batches == 1 and g == s:  # engine._direct: nothing to sum, autograd's gradients go to the host
+        # this block's, and the block after's until its copy to the host has completed
+        need["block gradients"] = 2 * s * big
+    else:
+        # a flat buffer per block: one filling while the previous one is copied to the host
+        need["gradient accumulators"] = 2 * g * big
+        # autograd's own gradients of one micro-batch, before they are added to the accumulator
+        need["block gradients"] = s * big
+    if tied:  # the head's gradient of the embedding, one per micro-batch, held until the embedding's backward
+        need["borrowed gradients"] = micro_batches * s * tied
+    need.update({
         # recomputing a block materializes every op of one micro-batch, and backward as many gradients
         "block activations": 2 * (micro.input_bytes + sum(op.bytes for op in micro.ops)),
         # micro-batches are interleaved per block, so the last block keeps the whole batch's record
-        "last block kept": full.input_bytes + sum(sizes[n] for n in swap),
-        "logits": 2 * mb * seq * cfg.vocab_size * 4,
-    }
+        "last block kept": record,
+        # and the records of the block before, brought back ahead of its backward
+        "next block's records": record,
+        "logits": _logits_bytes(cfg.vocab_size, mb * seq, s),
+        "cuBLAS workspace": CUBLAS_STREAMS * CUBLAS_WORKSPACE_BYTES,
+    })
+    need["fragmentation"] = int(FRAGMENTATION * sum(need.values()))
+    return need
+
+
+def _logits_bytes(vocab: int, tokens: int, s: int) -> int:
+    """The head's loss at its peak, one micro-batch of ``tokens`` (``models.gpt.lm_loss``).
+
+    The peak is log_softmax's backward: the logits (itemsize ``s``, held by the caller), log_softmax's fp32
+    output (saved for backward), its gradient (nll_loss's backward writes a dense fp32 one) and the fp32
+    gradient it makes: ``s + 12`` bytes per logit. The fp32 upcast lives only in forward, whose peak
+    (logits, upcast, output: ``s + 8``) is lower; the logits' own gradient in ``s`` is made after the
+    output and its gradient are freed (in fp32 the upcast is the logits and the gradient made is theirs).
+    Traced on the CPU with a dispatch mode (tests/test_gpu_memory_plan.py): 14 bytes per logit in bf16, 16 in fp32.
+    """
+    return tokens * vocab * (s + 12)
+
+
+_gpu_need = gpu_need
+"""The old private name, kept for callers that import it."""
 
 
 def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, plan: Plan,
@@ -802,7 +909,9 @@ def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, pl
     gpu, cpu, ssd = sum(gpu_parts.values()), sum(cpu_parts.values()), ssd_states + ssd_act
     reasons = []
     if limits["gpu"] and gpu > limits["gpu"]:
-        reasons.append(f"GPU memory: needs {_gb(gpu)} but the device has {_gb(limits['gpu'])}")
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in gpu_parts.items())
+        reasons.append(f"GPU memory: needs {_gb(gpu)} ({parts}) but {_gb(limits['gpu'])} is available (free on "
+                       f"this device, the card's size for a described one, or engine.gpu_mem); try {_GPU_FIXES}")
     if limits["cpu"] and cpu > limits["cpu"]:
         parts = ", ".join(f"{k} {_gb(v)}" for k, v in cpu_parts.items())
         reasons.append(f"main memory: needs {_gb(cpu)} ({parts}) but {_gb(limits['cpu'])} is usable "
@@ -862,7 +971,7 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     reserved = dataclasses.replace(reserved, mem_avail=max(0, reserved.mem_avail - extra))
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
     plan = algorithm1(dataclasses.replace(profile, resident_params=min(resident_params, profile.param_count)))
-    gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
+    gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
     if keep_grads:  # what the RAM left after the pools and activations cannot keep goes to the SSDs
         states += max(0, g * cfg.param_count() - max(0, _ram_budget(hw) - sum(pools.values()) - plan.cpu_bytes))
@@ -888,7 +997,7 @@ def activations_in_ram_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq:
     # Activations never go to SSD in this design: plan as if main memory held them, then check it does.
     everything = dataclasses.replace(hw, mem_avail=cfg.n_layer * profile.input_bytes)
     plan = forced_plan(dataclasses.replace(profile, hardware=everything), "interblock")
-    gpu = _gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, ())
+    gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, ())
     return _judge("activations in main memory (ZeRO-Infinity style)", cfg, batch, seq, hw, plan, gpu,
                   {**pools, "gradients": grads, "checkpoints": plan.cpu_bytes}, 2 * (12 + s) * cfg.param_count(), 0)
 

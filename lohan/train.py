@@ -80,19 +80,7 @@ def load_model(run: RunConfig, dry_run: bool = False) -> Model:
     if not dry_run:
         check_weights(program, run.model)  # a damaged checkpoint is refused here, not halfway into the store
     tokenizer = (HFTokenizer(load_tokenizer(run.model)) if not dry_run or has_tokenizer(run.model) else None)
-    return Model(planning_config(program, run.model), tokenizer, program)
-
-
-def planning_config(program: Any, path: str) -> ModelConfig:
-    """A GPT-shaped ModelConfig with the HF model's dimensions and (about) its parameter count,
-    for the capacity planner, which models GPT blocks."""
-    d = int(getattr(program.config, "hidden_size", 0) or program.config.n_embd)
-    per_block = sum(p.numel() for p in program.modules[1].parameters())
-    ratio = max(1, round((per_block - 4 * d * d) / (2 * d * d)))  # GPT block: 4d^2 attention + 2*ratio*d^2 MLP
-    return ModelConfig(name=os.path.basename(os.path.normpath(path)), n_layer=program.n_layer,
-                       n_head=int(program.config.num_attention_heads), d_model=d, vocab_size=program.vocab_size,
-                       seq_len=program.max_seq_len, mlp_ratio=ratio,
-                       tie_embeddings=bool(getattr(program.config, "tie_word_embeddings", False)))
+    return Model(program.planning_config(os.path.basename(os.path.normpath(run.model))), tokenizer, program)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -311,7 +299,11 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     `overwrite` discards it. Without either, a directory that holds a store is refused. SIGTERM stops
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands.
     """
-    joined = init_from_env()  # launched by torchrun: one process per rank (lohan/parallel.py)
+    try:  # launched by torchrun: one process per rank (lohan/parallel.py), each on its own GPU from here on
+        joined = init_from_env(run.engine.device)
+    except ValueError as err:  # LOCAL_RANK names a GPU this process cannot see
+        Console(soft_wrap=True).print(f"[red]error:[/red] {escape(str(err))}")
+        return 2
     code = 2
     try:
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread

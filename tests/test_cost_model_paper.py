@@ -16,7 +16,11 @@ What is compared, and how far apart the two may be:
   micro-batches per block; the paper's implementation runs the whole batch through each layer).
 
 Where the honest model and the paper differ, the tests below assert what the model says and the module
-``benchmarks/paper_testbed.py`` prints both side by side.
+``benchmarks/paper_testbed.py`` prints both side by side. The largest difference is the GPU: the engine's GPU
+memory plan (``planner.gpu_need``: prefetched blocks, autograd's gradients of the widest block and of the block
+before it on their way to the host (or two fp32 accumulators when micro-batches are summed), the tied
+embedding's borrowed gradients, the loss's ~4 logit-sized tensors, a 10 % allocator margin) leaves the 4090
+smaller batches than the paper ran, and 175B only at prefetch depth 1 and batch 1.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import pytest
 
 from lohan.config import get_model_config
-from lohan.planner import Capacity, Hardware, capacity, max_model, parse_hardware
+from lohan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware
 
 SEQ = 1024
 
@@ -53,7 +57,7 @@ def fraction(model: str, cap: Capacity) -> float:
     return tflops(model, cap) * 1e12 / paper_box().thp_g
 
 
-@pytest.mark.parametrize("model", ["6b", "13b", "30b"])
+@pytest.mark.parametrize("model", ["6b", "13b"])
 def test_models_below_70b_run_near_peak(model: str) -> None:
     """§V-C: "90%~95% of peak FLOPS when the model size is smaller than 70B" (batch 32 here)."""
     cap = fit(model, 32)
@@ -62,22 +66,29 @@ def test_models_below_70b_run_near_peak(model: str) -> None:
     assert cap.plan.estimate.bottleneck_b == "gpu"  # the optimizer and the SSDs hide under backward
 
 
-def test_175b_runs_well_below_peak_because_the_optimizer_is_a_fixed_cost_per_step() -> None:
-    """§V-C: "53% of peak FLOPS when fine-tuning a 175B model", blamed on the small batch the GPU allows.
+def test_30b_at_the_largest_batch_the_4090_holds_stays_below_the_papers_fraction() -> None:
+    """The paper's 90-95 % at 30B needs batch 32; the GPU memory plan holds 20 at most (4 micro-batches), where
+    the CPU AdamW of 30 B parameters still bounds backward: about three quarters of peak."""
+    assert not fit("30b", 32).fits and not fit("30b", 24).fits
+    cap = fit("30b", 20)
+    assert cap.fits, cap.format()
+    assert cap.plan.estimate.bottleneck_b == "cpu"
+    assert 0.65 <= fraction("30b", cap) < 0.85
 
-    The paper does not say which batch. The model: backward is bound by the CPU AdamW of 175 B parameters
-    (~124 s per step at the testbed's rate), whatever the batch, so the fraction grows with the batch until
-    the GPU is full; 0.53 lies between batch 8 and the largest batch that fits (16 here, micro-batched)."""
-    fracs = {}
-    for batch in (8, 12, 16):
-        cap = fit("175b", batch)
-        assert cap.fits, cap.format()
-        assert cap.plan.estimate.bottleneck_b == "cpu", cap.plan.estimate.format_lanes()
-        fracs[batch] = fraction("175b", cap)
-    assert not fit("175b", 24).fits  # 16 is the largest batch of these the 4090 holds
-    assert fracs[8] < 0.53 < fracs[16]
-    assert 0.4 <= fracs[16] <= 0.7
-    assert fracs[16] < fraction("13b", fit("13b", 32)) - 0.25  # "well below" the smaller models
+
+def test_175b_fits_a_4090_only_at_prefetch_depth_1_and_batch_1() -> None:
+    """§V-C reports 53 % of peak at 175B on the 4090. This engine's working set of a 175B block (3.6 GB of bf16
+    parameters per copy, three copies at prefetch depth 1, and autograd's gradients of two blocks: ~22 GiB with
+    the margin) leaves the card's 24 GiB room for batch 1 only; the CPU AdamW of 175 B parameters then bounds
+    every step, far below the paper's fraction."""
+    cfg, hw = get_model_config("175b"), paper_box()
+    assert max_batch(cfg, hw, SEQ, prefetch_depth=1) == 1
+    assert all(max_batch(cfg, hw, SEQ, micro_batches=mb, prefetch_depth=2) == 0 for mb in (1, 2, 4, 8))
+    refused = capacity(cfg, hw, 1, SEQ)
+    assert not refused.fits and all(r.startswith("GPU memory") for r in refused.reasons), refused.reasons
+    cap = fit("175b", 1, prefetch_depth=1)
+    assert cap.plan.estimate.bottleneck_b == "cpu"
+    assert fraction("175b", cap) < 0.53 / 4
 
 
 def test_batch_8_backward_costs_less_than_the_cpu_optimizer() -> None:
@@ -94,13 +105,14 @@ def test_batch_8_backward_costs_less_than_the_cpu_optimizer() -> None:
     assert gain[64] == pytest.approx(1.33, rel=0.15)
 
 
-@pytest.mark.parametrize("n_ssd,batch", [(12, 32), (6, 48), (3, 64)])
-def test_ssd_count_reaching_135_tflops(n_ssd: int, batch: int) -> None:
+def test_ssd_count_reaching_135_tflops() -> None:
     """§V-F (13B): "It requires 12 SSDs to achieve 135 TFLOPS with a batch size of 32, while requiring 6 and 3
-    SSDs for batch sizes 48 and 64 respectively." Tolerance +-20 %: see the module docstring."""
-    cap = fit("13b", batch, n_ssd)
+    SSDs for batch sizes 48 and 64 respectively." Tolerance +-20 %: see the module docstring. Batches 48 and 64
+    do not fit the 4090 under the GPU memory plan (32 at most, with 8 micro-batches), so only the first holds."""
+    cap = fit("13b", 32, 12)
     assert cap.fits, cap.format()
     assert tflops("13b", cap) == pytest.approx(135, rel=0.20)
+    assert not fit("13b", 48, 6).fits and not fit("13b", 64, 3).fits
 
 
 def test_fewer_ssds_fall_short_at_the_smaller_batches() -> None:
@@ -113,21 +125,22 @@ def test_fewer_ssds_fall_short_at_the_smaller_batches() -> None:
 
 
 def test_near_linear_ssd_scaling_from_1_to_3() -> None:
-    """§V-F (135B at "the largest batch size the two systems can fine-tune": 24 is the planner's with 12 SSDs):
-    "near linear scalability when the SSD number increases from 1 to 3, indicating that SSD I/O is the training
-    bottleneck". (Its "small gain from 6 to 12 SSDs" is not reproduced: see benchmarks/paper_testbed.py.)"""
-    batch = 24
-    assert fit("135b", batch).fits and not fit("135b", 32).fits
-    t = {n: tflops("135b", fit("135b", batch, n)) for n in (1, 2, 3)}
-    assert fit("135b", batch, 1).plan.estimate.bottleneck_b == "ssd"
+    """§V-F (135B at "the largest batch size the two systems can fine-tune": under the GPU memory plan that is
+    batch 3 at prefetch depth 1, 1 at depth 2): "near linear scalability when the SSD number increases from 1
+    to 3, indicating that SSD I/O is the training bottleneck". (Its "small gain from 6 to 12 SSDs" is not
+    reproduced: see benchmarks/paper_testbed.py.)"""
+    batch = 3
+    assert fit("135b", batch, prefetch_depth=1).fits and not fit("135b", 4, prefetch_depth=1).fits
+    assert not fit("135b", 2).fits
+    t = {n: tflops("135b", fit("135b", batch, n, prefetch_depth=1)) for n in (1, 2, 3)}
+    assert fit("135b", batch, 1, prefetch_depth=1).plan.estimate.bottleneck_b == "ssd"
     assert t[2] / t[1] >= 1.8 and t[3] / t[1] >= 2.6
 
 
 def test_175b_at_batch_32_does_not_fit_a_4090() -> None:
     """§V-C: at 175B "the allowable batch size is small to fit in limited GPU memory". The paper's design runs
-    the whole batch through a layer (micro_batches=1); at the engine's default prefetch depth no micro-batch
-    count helps either. (With prefetch depth 1 and 32 micro-batches the engine fits it: a difference of
-    design, reported by benchmarks/paper_testbed.py.)"""
+    the whole batch through a layer (micro_batches=1); no micro-batch count helps either (nor any batch:
+    `test_175b_does_not_fit_a_4090_at_any_batch`)."""
     cfg, hw = get_model_config("175b"), paper_box()
     whole = capacity(cfg, hw, 32, SEQ)
     assert not whole.fits and any(r.startswith("GPU memory") for r in whole.reasons)
@@ -135,9 +148,11 @@ def test_175b_at_batch_32_does_not_fit_a_4090() -> None:
         assert not capacity(cfg, hw, 32, SEQ, micro_batches=mb).fits
 
 
-def test_largest_model_with_768gb_is_276b() -> None:
+def test_largest_model_with_768gb() -> None:
     """§V-B: "LoHan enables the fine-tuning of a 276B model under 768 GB main memory on RTX 4090" (batch 1).
-    At the engine's default prefetch depth 2, six bf16 copies of a 276B block do not fit 24 GiB; at depth 1
-    they do, and 412B does not."""
-    assert max_model(paper_box(), SEQ, prefetch_depth=1) == "276b"
-    assert max_model(paper_box(), SEQ) == "175b"
+    Under the GPU memory plan the 4090 holds 175B's blocks at prefetch depth 1 and 135B's at the default 2; main
+    memory is not what stops the bigger ones."""
+    assert max_model(paper_box(), SEQ, prefetch_depth=1) == "175b"
+    assert max_model(paper_box(), SEQ) == "135b"
+    big = capacity(get_model_config("276b"), paper_box(), 1, SEQ, prefetch_depth=1)
+    assert not big.fits and all(r.startswith("GPU memory") for r in big.reasons), big.reasons

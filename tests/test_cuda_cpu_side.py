@@ -175,3 +175,15 @@ def test_only_pools_that_cross_to_a_gpu_are_page_locked_and_only_on_cuda_runs(fa
         engine.step(next(batches(1, 4, 32, 256)))
         assert engine.activations.plan.block_tiers == ("cpu", "cpu", "keep")
     assert fake_cuda.calls == [], "a CPU run page-locked memory through CUDA"
+
+
+def test_the_optimizer_thread_takes_the_engines_device(make_dirs, monkeypatch):
+    """Finding 5: a worker thread starts on GPU 0; the optimizer's thread binds the engine's device first, so
+    what it allocates or page-locks belongs to the rank's GPU (a no-op on the CPU device, recorded here)."""
+    import threading
+
+    bound = []
+    monkeypatch.setattr(Device, "bind_thread", lambda self: bound.append((self.type, threading.current_thread().name)))
+    with lohan.init(tiny_cfg(), engine_config(make_dirs(1), device="cpu")) as engine:
+        engine.step(next(batches(1, 4, 32, 256)))
+    assert bound and all(kind == "cpu" and name.startswith("lohan-ago") for kind, name in bound), bound

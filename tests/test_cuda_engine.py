@@ -156,14 +156,15 @@ def test_swapped_activations_on_cuda_equal_no_swap(make_dirs, policy, act_mem, t
 
 
 # ------------------------------------------------------------------------------------------ memory plan
-PLAN_TOLERANCE = (0.25, 1.25)
-"""Measured device peak / planned device bytes must lie in this range. Above 1: the plan under-counts, and a
-run it admits can run out of GPU memory (25 % covers allocator rounding and kernel workspaces); far below 1:
-the plan is so loose that it refuses models that fit."""
+PLAN_TOLERANCE = (0.25, 1.0)
+"""The measured peak of a step's allocated GPU bytes over the plan's (less its fragmentation margin) must lie
+in this range. Above 1: the plan under-counts, and a run it admits can run out of GPU memory; far below 1: the
+plan is so loose that it refuses models that fit. What the caching allocator reserves must stay within the
+whole plan, fragmentation margin included (the plan is budgeted against the free memory)."""
 
 
 def test_gpu_memory_plan_bounds_the_measured_peak(make_dirs):
-    from lohan.planner import _gpu_need
+    from lohan.planner import gpu_need
 
     mcfg = tiny_cfg(vocab_size=1024, n_layer=4, d_model=512, n_head=8, seq_len=256)
     batch, seq = 8, 256
@@ -171,23 +172,27 @@ def test_gpu_memory_plan_bounds_the_measured_peak(make_dirs):
                          lr=1e-4)
     data = list(batches(2, batch, seq, mcfg.vocab_size))
     with lohan.init(mcfg, ecfg) as engine:
-        engine.step(data[0])  # profiling, bandwidth probes, cuBLAS workspaces: not part of a step's peak
+        engine.step(data[0])  # profiling and bandwidth probes: not part of a step's peak
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()  # what the first step cached and no longer holds
         torch.cuda.reset_peak_memory_stats()
         engine.step(data[1])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        # absolute, not above what stays between steps: the plan counts what is kept (cuBLAS workspaces,
+        # buffers the engine keeps on the device) as well as what a step makes
+        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         plan, hw = engine.activations.plan, engine.activations.profile.hardware
-    need = _gpu_need(mcfg, batch, seq, hw, "bf16", ecfg.micro_batches, ecfg.prefetch_depth, plan.swap)
+    need = gpu_need(mcfg, batch, seq, hw, "bf16", ecfg.micro_batches, ecfg.prefetch_depth, plan.swap)
     predicted = sum(need.values())
-    ratio = peak / predicted
+    ratio = peak / (predicted - need["fragmentation"])
     parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in need.items())
     report = (f"gpu memory plan: predicted {predicted / 2**20:.1f} MiB ({parts}), measured peak {peak / 2**20:.1f} "
-              f"MiB above {base / 2**20:.1f} MiB resident, ratio {ratio:.2f}; swap {plan.swap or 'block inputs'}")
+              f"MiB allocated, {reserved / 2**20:.1f} MiB reserved; ratio {ratio:.2f} of the plan without its "
+              f"fragmentation margin; swap {plan.swap or 'block inputs'}")
     print(report)
     lo, hi = PLAN_TOLERANCE
     assert lo <= ratio <= hi, report
+    assert reserved <= predicted, report
 
 
 # --------------------------------------------------------------------------------------------- hardware
@@ -197,7 +202,8 @@ def test_detect_hardware_reports_the_gpu(tmp_path, monkeypatch):
     props = torch.cuda.get_device_properties(0)
     m = detect_hardware((str(tmp_path),), device="cuda", compute_dtype="bf16")
     assert not m.device_is_host
-    assert m.hardware.gpu_mem == props.total_memory
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < m.hardware.gpu_mem <= total == props.total_memory  # what is free: the context holds some
     assert m.hardware.name.startswith(torch.cuda.get_device_name().replace(" ", "_"))
     assert m.hardware.thp_g > 1e12, f"bf16 matmul measured at {m.hardware.thp_g / 1e12:.3g} TFLOPS"
     monkeypatch.delenv("LOHAN_DEVICE", raising=False)  # the suite pins 'auto' to the CPU (conftest.py)

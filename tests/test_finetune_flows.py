@@ -22,9 +22,14 @@ def test_175b_is_refused_with_the_missing_resources_and_nothing_written(tmp_path
 
 
 def test_dry_run_plans_175b_for_the_papers_box(tmp_path, capsys):
+    """The paper's box with an H100 for its 4090: a 175B block's GPU working set (planner.gpu_need) is more
+    than 24 GiB, and the dry run of the paper's own box says so."""
     nvme = tmp_path / "nvme"
     assert main(["--model", "175b", "--nvme", str(nvme), "--data", "synthetic", "--batch-size", "1",
                  "--seq-len", "1024", "--dry-run", "--hardware", "rtx4090,12xP5510,256GB"]) == 0
+    assert "GPU memory: needs" in capsys.readouterr().out
+    assert main(["--model", "175b", "--nvme", str(nvme), "--data", "synthetic", "--batch-size", "1",
+                 "--seq-len", "1024", "--dry-run", "--hardware", "h100,12xP5510,256GB"]) == 0
     out = capsys.readouterr().out
     assert "=> fits" in out and "predicted step" in out and "TFLOPS" in out and "nothing was written" in out
     assert "gpu" in out and "cpu" in out and "ssd" in out
@@ -165,7 +170,7 @@ def test_cpu_only_plan_counts_the_device_working_set_in_main_memory():
     from lohan.fit import Machine, fit_report
     from lohan.planner import parse_hardware
 
-    hw = parse_hardware("rtx4090,1xP5510,18GB")
+    hw = parse_hardware("h100,1xP5510,18GB")  # a 24 GiB card does not hold a 175b layer's GPU working set
     mcfg = get_model_config("175b").with_overrides(n_layer=1)
     gpu = fit_report(mcfg, Machine(hw, ()), 1, 64)
     host = fit_report(mcfg, Machine(hw, (), device_is_host=True), 1, 64)

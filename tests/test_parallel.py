@@ -148,6 +148,52 @@ def test_one_ranks_plan_prices_its_share_of_the_machine():
     assert network_bytes_per_step(p, 2, 2) == 6 * p and network_bytes_per_step(p, 1, 2) == 0
 
 
+# --------------------------------------------------------------- a rank's GPU
+@pytest.fixture
+def launched(monkeypatch):
+    """torchrun's environment for local rank 1 of 2 on a machine with 2 (fake) GPUs; records, in order, the
+    device set and the group joined (nothing real is touched)."""
+    import lohan.parallel as parallel
+
+    calls: list[tuple[str, object]] = []
+    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOHAN_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend: calls.append(("join", backend)))
+    return calls
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_a_rank_takes_its_local_gpu_before_joining_the_group(launched, device):
+    from lohan.parallel import init_from_env
+
+    assert init_from_env(device) is True
+    assert launched == [("set_device", 1), ("join", "gloo")]  # before anything (the hardware probe) uses CUDA
+
+
+def test_a_cpu_run_and_an_unlaunched_process_select_no_gpu(launched, monkeypatch):
+    from lohan.parallel import init_from_env, select_local_device
+
+    assert init_from_env() is True and launched == [("join", "gloo")]  # the default: the CPU
+    monkeypatch.delenv("LOCAL_RANK")
+    assert select_local_device("cuda") is None and launched == [("join", "gloo")]
+
+
+def test_local_cuda_index_maps_ranks_to_gpus_and_says_how_to_fix_too_many():
+    from lohan.parallel import local_cuda_index
+
+    assert [local_cuda_index(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert local_cuda_index(3, 1) == 0  # one visible GPU (CUDA_VISIBLE_DEVICES per rank, or shared)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=2 but torch sees 2 CUDA devices.*--nproc-per-node 2"):
+        local_cuda_index(2, 2)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        local_cuda_index(0, 0)
+
+
 # --------------------------------------------------------------- exactness
 @pytest.mark.parametrize("mode", ["serial", "naive", "optimized"])
 def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, mode):

@@ -250,3 +250,18 @@ def test_data_parallel_on_the_simulated_device(monkeypatch, tmp_path):
     process with two micro-batches: the gradients are copied to the host before they are summed there."""
     monkeypatch.setenv("LOHAN_DEVICE", "sim")
     parallel.test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, "optimized")
+
+
+def test_a_run_whose_gpu_memory_plan_exceeds_the_device_is_refused_at_its_first_step(sim, make_dirs):
+    """engine.gpu_mem emulates a GPU of that size: the first step, once the activation plan is known, refuses a
+    run whose GPU memory plan (planner.gpu_need) does not fit it, listing the plan, before anything is written."""
+    from lohan.planner import GpuMemoryPlanError
+
+    mcfg = eq.tiny_cfg()
+    with lohan.init(mcfg, eq.engine_config(make_dirs(1, "small"), gpu_mem="1MiB", name="small")) as engine:
+        with pytest.raises(GpuMemoryPlanError, match=r"needs .* but 1\.0 MiB is available.*params .*logits"):
+            engine.step(next(eq.batches(1, 4, 32, 256)))
+        assert engine.step_count == 0
+    with lohan.init(mcfg, eq.engine_config(make_dirs(1, "big"), gpu_mem="1GiB", name="big")) as engine:
+        engine.step(next(eq.batches(1, 4, 32, 256)))
+        assert engine.gpu_plan and 0 < sum(engine.gpu_plan.values()) < 1 << 30

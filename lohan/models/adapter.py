@@ -11,6 +11,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
+from ..config import ModelConfig
 from .gpt import GPT, lm_loss
 
 
@@ -51,3 +52,7 @@ class GPTBlocks:
 
     def external_params(self, i: int) -> list[tuple[int, int]]:
         return [self._wte] if self._tied and i == len(self.modules) - 1 else []
+
+    def planning_config(self, name: str | None = None) -> ModelConfig:
+        """The model's shape, for the planners (capacity, GPU memory)."""
+        return self.model.cfg

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from ..config import ModelConfig
 from .gpt import lm_loss
 from .hf_checkpoint import (
     WEIGHTS_INDEX,
@@ -489,6 +490,16 @@ class HFBlocks:
     def param_names(self, i: int) -> list[str]:
         """HF state-dict names of block i's parameters, in `modules[i].parameters()` order."""
         return list(self._param_names[i])
+
+    def planning_config(self, name: str = "hf") -> ModelConfig:
+        """A GPT-shaped ModelConfig with this model's dimensions and (about) its parameter count, for the
+        planners (capacity, GPU memory), which model GPT blocks."""
+        d = int(getattr(self.config, "hidden_size", 0) or self.config.n_embd)
+        per_block = sum(p.numel() for p in self.modules[1].parameters())
+        ratio = max(1, round((per_block - 4 * d * d) / (2 * d * d)))  # GPT block: 4d^2 attention + 2*ratio*d^2 MLP
+        return ModelConfig(name=name, n_layer=self.n_layer, n_head=int(self.config.num_attention_heads), d_model=d,
+                           vocab_size=self.vocab_size, seq_len=self.max_seq_len, mlp_ratio=ratio,
+                           tie_embeddings=bool(getattr(self.config, "tie_word_embeddings", False)))
 
     def param_order(self) -> list[tuple[int, int]]:
         """(block, index in the block) of every parameter in the model's own `parameters()` order, which
