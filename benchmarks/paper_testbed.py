@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_env import portable  # noqa: E402 (sibling module)
 
 from lohan.config import get_model_config  # noqa: E402
-from lohan.planner import Capacity, Hardware, capacity, max_model, parse_hardware  # noqa: E402
+from lohan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware  # noqa: E402
 
 SEQ = 1024
 
@@ -46,12 +46,12 @@ def fit(model: str, batch: int, n_ssd: int = 12, **kw) -> Capacity:
     return cap
 
 
-def point(model: str, batch: int, n_ssd: int = 12) -> dict:
-    cap = fit(model, batch, n_ssd)
+def point(model: str, batch: int, n_ssd: int = 12, **kw) -> dict:
+    cap = fit(model, batch, n_ssd, **kw)
     e = cap.plan.estimate
     tf = 3 * get_model_config(model).flops_per_token(SEQ) * batch * SEQ / e.t_iter / 1e12
     mb = next(k for k in range(1, batch + 1) if batch % k == 0 and
-              capacity(get_model_config(model), box(n_ssd), batch, SEQ, micro_batches=k).fits) if cap.fits else None
+              capacity(get_model_config(model), box(n_ssd), batch, SEQ, micro_batches=k, **kw).fits) if cap.fits else None
     return {"model": model, "batch": batch, "ssds": n_ssd, "fits": cap.fits, "micro_batches": mb,
             "tflops": round(tf, 1), "fraction_of_peak": round(tf * 1e12 / box().thp_g, 3),
             "t_iter_s": round(e.t_iter, 2), "bottleneck": f"{e.bottleneck_f}/{e.bottleneck_b}",
@@ -63,6 +63,9 @@ def rows() -> list[dict]:
     out = []
 
     def add(claim: str, where: str, paper: str, model: str, holds: bool, note: str = "", points=()) -> None:
+        unfit = sorted({f"{p['model']} batch {p['batch']}" for p in points if not p["fits"]})
+        if unfit:  # the paper ran it; the engine's GPU memory plan would refuse it: priced anyway, and said so
+            model += f" [priced, but {', '.join(unfit)} does not fit the 4090's GPU memory (planner.gpu_need)]"
         out.append({"claim": claim, "section": where, "paper": paper, "model": model,
                     "verdict": "holds" if holds else "differs", "note": note, "points": list(points)})
 
@@ -73,12 +76,14 @@ def rows() -> list[dict]:
     p70 = point("70b", 32)
     add("70B", "V-C, Fig. 5c", "(the boundary of 'below 70B')", f"{p70['fraction_of_peak']:.2f} (batch 32)",
         p70["fraction_of_peak"] >= 0.85, "", [p70])
-    big = [point("175b", b) for b in (8, 12, 16)]
+    largest = max_batch(get_model_config("175b"), box(), SEQ, prefetch_depth=1)
+    big = [point("175b", largest, prefetch_depth=1)] if largest else []
     add("175B: 53% of peak", "V-C", "0.53 (batch not stated)",
-        ", ".join(f"batch {p['batch']}: {p['fraction_of_peak']:.2f}" for p in big),
-        big[0]["fraction_of_peak"] < 0.53 < big[-1]["fraction_of_peak"] <= 0.7,
-        "backward bound by the CPU AdamW of 175B params (~124 s/step) at every batch; 16 is the largest batch "
-        "that fits (micro-batched), so the fraction is capped near 0.65", big)
+        ", ".join(f"batch {p['batch']} (the largest that fits, prefetch depth 1): {p['fraction_of_peak']:.2f}"
+                  for p in big) or "does not fit", bool(big) and 0.4 <= big[0]["fraction_of_peak"] <= 0.7,
+        "backward is bound by the CPU AdamW of 175B params (~124 s/step) at every batch, so the fraction grows "
+        "with the batch; the GPU memory plan (planner.gpu_need: three bf16 copies of a 3.6 GB block, autograd's "
+        "gradients of two blocks, a 10% allocator margin) leaves the 4090 room for batch 1 only", big)
     b8 = point("13b", 8)
     add("batch 8: GPU backward < CPU optimizer", "V-D, Fig. 7a", "backward 'significantly less' than the optimizer",
         f"13B: backward {b8['lanes_b_s']['gpu']} s vs CPU AdamW {b8['lanes_b_s']['cpu']} s "
@@ -105,13 +110,15 @@ def rows() -> list[dict]:
     p12 = point("13b", 64, 12)
     add("batch 64 near maximum with 12 SSDs", "V-F", "near maximum", f"{p12['tflops']} TFLOPS "
         f"({p12['fraction_of_peak']:.2f} of peak)", p12["fraction_of_peak"] >= 0.9, "", [p12])
-    # "the largest batch size the two systems can fine-tune": 24 is the largest the planner fits with 12 SSDs
-    scale = [point("135b", 24, n) for n in (1, 2, 3, 6, 12)]
+    # "the largest batch size the two systems can fine-tune": the largest the GPU memory plan fits (depth 1)
+    b135 = max_batch(get_model_config("135b"), box(), SEQ, prefetch_depth=1)
+    scale = [point("135b", b135, n, prefetch_depth=1) for n in (1, 2, 3, 6, 12)]
     t = {p["ssds"]: p["tflops"] for p in scale}
     six, n135 = box(6), get_model_config("135b").param_count()
     p16_in_ram = n135 * (12 / six.bw_s2m + 12 / six.bw_m2s)  # backward SSD lane without the P16 traffic
     add("135B: near-linear 1 -> 3 SSDs", "V-F, Fig. 10a", "near linear",
-        f"{t[1]} -> {t[2]} -> {t[3]} TFLOPS ({t[3] / t[1]:.2f}x for 3x)", t[3] / t[1] >= 2.6, "batch 24", scale)
+        f"{t[1]} -> {t[2]} -> {t[3]} TFLOPS ({t[3] / t[1]:.2f}x for 3x)", t[3] / t[1] >= 2.6,
+        f"batch {b135}, prefetch depth 1", scale)
     add("135B: small gain 6 -> 12 SSDs", "V-F, Fig. 10a", "small (bottleneck moves to GPU / PCIe)",
         f"{t[6]} -> {t[12]} TFLOPS ({t[12] / t[6]:.2f}x); backward lanes at 6 SSDs: "
         f"ssd {scale[3]['lanes_b_s']['ssd']} s, gpu {scale[3]['lanes_b_s']['gpu']} s",
@@ -129,12 +136,16 @@ def rows() -> list[dict]:
         f"{'fits' if pd1.fits else 'refused'}", not whole.fits and not any(micro),
         "the engine's per-block micro-batching with prefetch depth 1 holds it: a difference of design", [])
     c256 = capacity(cfg, box(ram="256GB"), 1, SEQ)
-    add("175B on a 4090 with 256 GB", "abstract, V-B", "fits", "fits" if c256.fits else "refused", c256.fits)
+    c256_lean = capacity(cfg, box(ram="256GB"), 1, SEQ, prefetch_depth=1)
+    add("175B on a 4090 with 256 GB", "abstract, V-B", "fits",
+        f"{'fits' if c256_lean.fits else 'refused'} at prefetch depth 1 (batch 1); "
+        f"{'fits' if c256.fits else 'refused'} at the default 2", c256_lean.fits,
+        "four bf16 copies of a 175B block (depth 2) and the gradients exceed 24 GiB; three (depth 1) do not", [])
     default, lean = max_model(box(), SEQ), max_model(box(), SEQ, prefetch_depth=1)
     add("largest model with 768 GB: 276B", "V-B, Fig. 6a", "276B",
         f"{lean} at prefetch depth 1, {default} at the default 2 (batch 1)", lean == "276b",
-        f"a 276B block has {get_model_config('276b').block_param_count() / 1e9:.2f}B params: 6 bf16 copies on the "
-        "GPU (prefetch depth 2) exceed 24 GiB, 4 (depth 1) do not", [])
+        f"a 276B block has {get_model_config('276b').block_param_count() / 1e9:.2f}B params: even 3 bf16 copies "
+        "(prefetch depth 1) and autograd's gradients of two blocks exceed 24 GiB (planner.gpu_need)", [])
     return out
 
 
