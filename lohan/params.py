@@ -81,6 +81,7 @@ class ParamStreamer:
         self.hash_s = 0.0
         self.bytes_read = 0
         self.kept_hits = 0
+        self.late_copies = 0  # blocks whose copy to a separate device started only when they were needed
         self.gather_s = 0.0
         self._gathering: dict[int, tuple[AlignedBuffer, object, int]] = {}  # block -> (buffer, gather work, slot)
         # called with the slot before any read from the SSDs: the engine waits there while the last step's
@@ -176,6 +177,8 @@ class ParamStreamer:
         if staged is not None and staged[2] != slot:  # staged from another slot: not these parameters
             self._draining.append((staged[0], staged[1].event, i, staged[2]))
             staged = None
+        if staged is None and not self.device.is_host:
+            self.late_copies += 1
         buf, transfer = staged[:2] if staged is not None else self._copy_in(i, slot)
         self.device.wait(transfer.event)
         if not self.device.is_host:  # the device copy is independent of the host buffer once it completed

@@ -265,3 +265,12 @@ def test_a_run_whose_gpu_memory_plan_exceeds_the_device_is_refused_at_its_first_
     with lohan.init(mcfg, eq.engine_config(make_dirs(1, "big"), gpu_mem="1GiB", name="big")) as engine:
         engine.step(next(eq.batches(1, 4, 32, 256)))
         assert engine.gpu_plan and 0 < sum(engine.gpu_plan.values()) < 1 << 30
+
+
+def test_each_blocks_copy_to_the_device_starts_while_the_block_before_it_computes(sim, make_dirs):
+    """Only the first block of a step is copied when it is needed: every other block's P16 was copied ahead,
+    once the block before it had been queued (the copy runs beside that block's compute on a GPU)."""
+    with lohan.init(eq.tiny_cfg(n_layer=4), eq.engine_config(make_dirs(1))) as engine:
+        for k, batch in enumerate(eq.batches(3, 4, 32, 256), start=1):
+            engine.step(batch)
+            assert engine.streamer.late_copies == k, engine.streamer.late_copies
