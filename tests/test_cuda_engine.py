@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def cuda_reference_run(mcfg, ecfg, data, autocast: torch.dtype | None = None):
-    """Plain PyTorch on the GPU, updated like the engine: fp32 master weights, clip_grad_norm_ and AdamW(fused)
-    on the CPU (tests/test_engine_equivalence.reference_run, with forward and backward on the GPU).
+    """Plain PyTorch on the GPU, updated like the engine: clip_grad_norm_ on the GPU (where the engine takes the
+    norms), fp32 master weights and AdamW(fused) on the CPU (tests/test_engine_equivalence.reference_run, with
+    forward, backward and the norm on the GPU).
 
     Returns the per-step losses and the final master weights (CPU, fp32) by model name.
     """
@@ -47,11 +48,11 @@ def cuda_reference_run(mcfg, ecfg, data, autocast: torch.dtype | None = None):
                 loss = model(x.to("cuda"), y.to("cuda"))[1] / ecfg.micro_batches
             loss.backward()
             total += float(loss.detach())
+        if ecfg.max_grad_norm > 0:  # on the GPU, as a plain GPU loop clips (and the engine takes the norm there)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ecfg.max_grad_norm)
         for pm, pd in zip(master.parameters(), model.parameters()):
             pm.grad = pd.grad.float().cpu()
             pd.grad = None
-        if ecfg.max_grad_norm > 0:  # on the CPU copies, where the engine takes the norm too
-            torch.nn.utils.clip_grad_norm_(master.parameters(), ecfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

@@ -42,8 +42,9 @@ TOLERANCE = {"fp32": (1e-6, 2e-3, 1e-5), "bf16": (1e-3, 2e-2, 2e-2)}
 
 
 def cuda_hf_reference_run(path: str, ecfg, data, bf16: bool) -> list[float]:
-    """The HF model whole on the GPU, updated like the engine: fp32 master weights, clip_grad_norm_ and fused
-    AdamW on the CPU, the device copy refreshed from them (bf16 parameters under autocast for bf16)."""
+    """The HF model whole on the GPU, updated like the engine: clip_grad_norm_ on the GPU (where the engine takes
+    the norms), fp32 master weights and fused AdamW on the CPU, the device copy refreshed from them (bf16
+    parameters under autocast for bf16)."""
     master = reference_model(path)
     model = copy.deepcopy(master).to("cuda")
     if bf16:
@@ -62,11 +63,11 @@ def cuda_hf_reference_run(path: str, ecfg, data, bf16: bool) -> list[float]:
                 loss = lm_loss(model(input_ids=x.to("cuda")).logits, y.to("cuda")) / m
             loss.backward()
             total += float(loss.detach())
+        if ecfg.max_grad_norm > 0:  # on the GPU, as a plain GPU loop clips (and the engine takes the norm there)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ecfg.max_grad_norm)
         for pm, pd in zip(master.parameters(), model.parameters(), strict=True):
             pm.grad = pd.grad.float().cpu()
             pd.grad = None
-        if ecfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(master.parameters(), ecfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
