@@ -193,6 +193,11 @@ class Device:
         elif self.sim is not None:
             self.sim.synchronize()
 
+    def close(self) -> None:
+        """Release what the device holds beyond tensors (the simulated device's copy worker)."""
+        if self.sim is not None:
+            self.sim.close()
+
     @property
     def syncs(self) -> int:
         """Values read back to the host so far (counted on the simulated device only)."""

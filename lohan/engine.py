@@ -1014,6 +1014,7 @@ class Engine:
             self.stash.close()
         for pool in (self.params_pool, self.grads_pool, self.records_pool):
             pool.clear()
+        self.device.close()
         try:
             self.store.close()
         finally:

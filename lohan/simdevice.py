@@ -398,6 +398,12 @@ class SimDevice:
                 ev.error = e
             ev._finish()
 
+    def close(self) -> None:
+        """Finish the copies issued so far and stop the worker."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join()
+
     def synchronize(self) -> None:
         """Wait for every copy issued so far."""
         ev = self.copy_stream.record()
