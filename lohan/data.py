@@ -923,7 +923,7 @@ class BatchIterator:
         start = self.position * self.batch_size
         rows = self._epoch_order(self.epoch)[start : start + self.batch_size]
         w = self.windows.index_select(0, rows)
-        idx, targets = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        idx, targets = _shifted(w)
         if self.loss_mask is not None:
             keep = self.loss_mask.index_select(0, rows)[:, 1:]
             targets.masked_fill_(~keep, IGNORE_INDEX)
@@ -979,6 +979,13 @@ class BatchIterator:
         self.epoch, self.position = epoch, position
 
 
+def _shifted(windows: torch.Tensor) -> Batch:
+    """(inputs, targets) of windows [rows, seq_len + 1], each in memory of its own. Not ``.contiguous()``: a
+    one-row slice already is contiguous, so inputs and targets would stay views of the same window, and
+    masking the targets in place would write -100 into the inputs (and, for a slice of a dataset, into it)."""
+    return windows[:, :-1].clone(), windows[:, 1:].clone()
+
+
 def eval_batches(dataset: TokenDataset, batch_size: int, multiple: int = 1) -> Iterator[Batch]:
     """Every window of ``dataset`` once, in order, in batches of ``batch_size`` (for evaluation).
 
@@ -994,8 +1001,7 @@ def eval_batches(dataset: TokenDataset, batch_size: int, multiple: int = 1) -> I
         rows = min(batch_size, n - start) // multiple * multiple
         if rows == 0:
             return
-        w = dataset.windows[start : start + rows]
-        idx, targets = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        idx, targets = _shifted(dataset.windows[start : start + rows])
         if dataset.loss_mask is not None:
             targets.masked_fill_(~dataset.loss_mask[start : start + rows, 1:], IGNORE_INDEX)
         yield idx, targets

@@ -737,3 +737,17 @@ def test_split_holds_out_seeded_whole_windows_and_eval_batches_cover_them_in_ord
         TokenDataset(_windows(10, 8)).split(0.5)  # one window
     with pytest.raises(ValueError, match=r"fraction=1.5 must be a number in \(0, 1\)"):
         ds.split(1.5)
+
+
+def test_one_row_batches_keep_their_inputs_and_the_dataset_intact(tmp_path):
+    """A one-row batch's inputs and targets are slices of one window: masking the targets must not write -100
+    into the inputs (training batches) or into the dataset's windows (evaluation batches slice them)."""
+    ds = TokenDataset.from_file(_write_jsonl(tmp_path / "qa.jsonl", QA), seq_len=7)
+    before = ds.windows.clone()
+    masked = 0
+    for idx, targets in itertools.islice(BatchIterator(ds, batch_size=1, seed=0), len(ds)):
+        assert (idx >= 0).all(), idx
+        masked += int((targets == IGNORE_INDEX).sum())
+    for idx, targets in eval_batches(ds, batch_size=1):
+        assert (idx >= 0).all(), idx
+    assert masked > 0 and torch.equal(ds.windows, before)
