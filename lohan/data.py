@@ -837,7 +837,9 @@ class BatchIterator:
     ``divmod(k, batches_per_epoch)`` as ``(epoch, position)``.
 
     Over a :class:`TokenDataset` with a ``loss_mask``, masked targets are :data:`IGNORE_INDEX` (``-100``);
-    the order of windows, and so resuming, does not depend on the mask.
+    the order of windows, and so resuming, does not depend on the mask. A batch in which every target is
+    masked (chat windows that hold no assistant token) would train nothing: it is skipped, and counted in
+    ``untrained_skipped``; the next batch is yielded in its place, so step ``k`` is then a later batch.
 
     ``epoch`` and ``position`` name the *next* batch to be yielded; :meth:`state_dict` saves them and
     :meth:`load_state_dict` restores them, so a fresh iterator resumes exactly where a saved one was.
@@ -891,6 +893,8 @@ class BatchIterator:
         """Index of the next batch within its epoch, in ``[0, batches_per_epoch)``."""
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
+        self.untrained_skipped = 0
+        """Batches skipped so far because none of their targets counts (all masked)."""
 
     @property
     def seq_len(self) -> int:
@@ -918,6 +922,16 @@ class BatchIterator:
         return self
 
     def __next__(self) -> Batch:
+        for _ in range(self.batches_per_epoch):
+            idx, targets = self._next_batch()
+            if self.loss_mask is None or bool((targets != IGNORE_INDEX).any()):
+                return idx, targets
+            self.untrained_skipped += 1
+        raise ValueError(f"{self.batches_per_epoch} batches in a row have no target that counts (every token is "
+                         "masked: prompt or non-assistant text only); check the data's prompt/response or chat "
+                         "fields, or use longer windows (--seq-len) so that responses fall inside them")
+
+    def _next_batch(self) -> Batch:
         if self.epochs is not None and self.epoch >= self.epochs:
             raise StopIteration
         start = self.position * self.batch_size

@@ -142,6 +142,9 @@ def make_batches(run: RunConfig, model: Model, dataset: TokenDataset | None, seq
         it.load_state_dict(data_state["iterator"])
         for _ in range(start_step - data_state["step"]):  # the step committed after the state was saved
             next(it)
+    elif start_step and dataset.loss_mask is not None:  # batches without a trained token are skipped: count
+        for _ in range(start_step):
+            next(it)
     elif start_step:
         state["epoch"], state["position"] = divmod(start_step, it.batches_per_epoch)
         it.load_state_dict(state)
@@ -551,6 +554,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         if clipped or skipped:
             console.print(f"  gradients   clipped in {clipped} of {len(history)} steps ({redone} speculative updates "
                           f"redone), {skipped} skipped as not finite")
+        untrained = getattr(batches, "untrained_skipped", 0)
+        if untrained:
+            console.print(f"  data        {untrained} batch(es) skipped: every target masked (no response or assistant "
+                          "token), nothing to train on")
         png = plot_metrics(metrics_path)
         console.print(f"metrics: {metrics_path}" + (f", plot: {png}" if png else ""))
     return code

@@ -748,6 +748,25 @@ def test_one_row_batches_keep_their_inputs_and_the_dataset_intact(tmp_path):
     for idx, targets in itertools.islice(BatchIterator(ds, batch_size=1, seed=0), len(ds)):
         assert (idx >= 0).all(), idx
         masked += int((targets == IGNORE_INDEX).sum())
-    for idx, targets in eval_batches(ds, batch_size=1):
+    for idx, _ in eval_batches(ds, batch_size=1):
         assert (idx >= 0).all(), idx
     assert masked > 0 and torch.equal(ds.windows, before)
+
+
+def test_batches_without_a_trained_token_are_skipped_counted_and_resumable():
+    """A batch whose every target is masked (chat windows without an assistant token) trains nothing: the iterator
+    skips it and counts it, a resumed iterator lands on the same batches, and data with no target at all is refused
+    instead of looping forever."""
+    w = _windows(n_tokens=81, seq_len=4)  # 20 windows; window j starts with token 4j
+    mask = torch.zeros_like(w, dtype=torch.bool)
+    mask[::3, 2] = True  # one target in windows 0, 3, 6, 9, ...: batches {4,5}, {10,11}, {16,17} have none
+    it = BatchIterator(TokenDataset(w, mask), batch_size=2, shuffle=False)
+    got = [next(it) for _ in range(4)]
+    assert [int(x[0, 0]) // 4 for x, _ in got] == [0, 2, 6, 8]  # batch {4, 5} was skipped
+    assert all((t != IGNORE_INDEX).any() for _, t in got) and it.untrained_skipped == 1
+    again = BatchIterator(TokenDataset(w, mask), batch_size=2, shuffle=False)
+    again.load_state_dict(it.state_dict())
+    assert torch.equal(next(again)[0], next(it)[0])  # both skip {10, 11} and yield {12, 13}
+    assert it.untrained_skipped == again.untrained_skipped + 1 == 2
+    with pytest.raises(ValueError, match="no target that counts"):
+        next(BatchIterator(TokenDataset(w, torch.zeros_like(mask)), batch_size=2))
