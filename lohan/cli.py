@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from .config import PRESETS, EngineConfig, RunConfig
+from .config import PRESETS, EngineConfig, RunConfig, unitless_size_problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -223,6 +223,7 @@ def _make_run_config(raw: dict, engine: dict) -> RunConfig:
     known_e = {f.name for f in dataclasses.fields(EngineConfig)}
     problems += [f"unknown engine setting {k!r} (valid: {', '.join(sorted(known_e))})" for k in engine
                  if k not in known_e]
+    problems += unitless_size_problems(engine)
     if problems:
         raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))
     if isinstance(engine.get("nvme"), list):

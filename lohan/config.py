@@ -246,6 +246,32 @@ def parse_bytes(value: int | str) -> int:
     raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
 
 
+def format_size(n: float) -> str:
+    """Bytes for a message: GiB from 1 GiB on, else MiB, else KiB (so a tiny value does not read 0.00 GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
+
+
+SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "chunk_bytes", "opt_chunk_bytes", "resident_mem")
+"""EngineConfig fields that hold byte sizes (a user writes them with a unit: `8GiB`)."""
+
+
+def unitless_size_problems(engine: dict) -> list[str]:
+    """Sizes a user gave as bare numbers (flags, YAML, --set): `--cpu-mem 4` would mean 4 bytes, which nobody
+    means. 0 needs no unit. The Python API takes ints as bytes; this is for what a person typed."""
+    problems = []
+    for name in SIZE_FIELDS:
+        value = engine.get(name)
+        bare = (isinstance(value, int | float) and not isinstance(value, bool)) or (
+            isinstance(value, str) and value.strip().replace(".", "", 1).isdigit())
+        if bare and float(value) != 0:
+            problems.append(f"{name}={value!r}: a size needs a unit; write e.g. {value}GiB, {value}MiB or {value}B "
+                            "(bytes)")
+    return problems
+
+
 NO_DECAY_KINDS = ("bias", "norm", "embedding")
 
 
@@ -458,7 +484,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
-        for name in ("write_behind", "heap_reuse", "resident_records"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type in ("bool", bool)):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if _is_int(self.resident_mem) and self.resident_mem < 0:
