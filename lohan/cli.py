@@ -270,8 +270,13 @@ def _main(args: argparse.Namespace) -> int:
                                  "shape (only --layers N, model_overrides.n_layer, cuts it to its first N layers)")
         if not run.is_hf:
             run.model_config()
+        if args.hardware is not None and not args.hardware.strip():
+            raise ValueError("--hardware is empty: describe the machine, e.g. rtx4090,12xP5510,256GB (with --dry-run)")
         if args.hardware and not args.dry_run:
             raise ValueError("--hardware describes another machine: use it with --dry-run")
+        if args.steps is not None and args.epochs is not None:
+            raise ValueError(f"--steps {args.steps} and --epochs {args.epochs} both say how long to train: pass one "
+                             "(--epochs counts passes over the data, --steps optimizer steps)")
         if args.export_dtype and not args.export:
             raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
         if args.resume and args.overwrite:

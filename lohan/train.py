@@ -446,6 +446,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             check_resumable(run, seq_len, model, status.model)
         except (StoreCorruptError, ValueError) as err:
             return fail(str(err))
+        if status.state == "complete" and status.step > steps:
+            return fail(f"the store in {e.nvme[0]} is committed at step {status.step}, past the {steps} steps asked "
+                        f"for (--steps is the total, the steps already run included): pass --steps above "
+                        f"{status.step} to train on, or --steps {status.step} with --export DIR to export it as it is")
     engine_cfg = e.with_overrides(total_steps=e.total_steps or steps)
     saved_profile = Path(store_dirs[0]) / f"{e.name}.profile.json"
     if resume and not e.profile_from and saved_profile.exists():

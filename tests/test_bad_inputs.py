@@ -45,6 +45,12 @@ def preset(t: Path, *extra: str) -> list[str]:
             "--steps", "1", "--set", "model_overrides.n_layer=2", "--backend", "threads", *extra]
 
 
+def without_steps(args: list[str]) -> list[str]:
+    """`args` less the preset's `--steps N` (for cases that say how long to train another way)."""
+    at = args.index("--steps")
+    return args[:at] + args[at + 2:]
+
+
 def hf_args(model: Path, t: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--data", "synthetic", "--nvme", str(t / "nvme"), "--metrics",
             str(t / "m.jsonl"), "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--backend", "threads",
@@ -143,7 +149,7 @@ CASES = [
     Case("steps-negative", lambda t, m: preset(t, "--steps", "-3"), r"steps=-3 must be an integer >= 1"),
     Case("steps-huge", lambda t, m: preset(t, "--steps", str(10**12)), r"steps=1,000,000,000,000 is more than"),
     Case("steps-not-a-number", lambda t, m: preset(t, "--steps", "1e3"), r"^error: argument --steps: invalid int"),
-    Case("epochs-huge", lambda t, m: preset(t, "--epochs", str(10**9)), r"steps, more than lohan counts"),
+    Case("epochs-huge", lambda t, m: without_steps(preset(t, "--epochs", str(10**9))), r"steps, more than lohan counts"),
     Case("batch-size-zero", lambda t, m: preset(t, "--batch-size", "0"), r"batch_size=0 must be an integer >= 1"),
     Case("batch-size-negative", lambda t, m: preset(t, "--batch-size", "-2"), r"batch_size=-2 must be an integer"),
     Case("seq-len-zero", lambda t, m: preset(t, "--seq-len", "0"), r"seq_len=0 must be a positive integer"),
@@ -221,6 +227,12 @@ CASES = [
          r"batch_size"),
     Case("resume-other-model", lambda t, m: [*store_run(t), "--resume", "--set", "model_overrides.n_layer=3"],
          r"n_layer"),
+    Case("resume-below-the-committed-step", lambda t, m: [*store_run(t, "--steps", "2"), "--resume", "--steps", "1"],
+         r"committed at step 2, past the 1 steps asked for .*pass --steps above 2"),
+    Case("steps-and-epochs", lambda t, m: preset(t, "--data", str(write(t / "d.txt", "some text " * 200)),
+                                                 "--epochs", "1"),
+         r"--steps 1 and --epochs 1 both say how long to train: pass one"),
+    Case("hardware-empty", lambda t, m: preset(t, "--dry-run", "--hardware", ""), r"--hardware is empty"),
 ]
 
 
