@@ -98,6 +98,14 @@ class BudgetExceededError(MemoryError):
     """A buffer request cannot be satisfied within the pool's hard byte budget."""
 
 
+def size_text(n: float) -> str:
+    """Bytes for a message, in the unit that shows them (a 6 MiB disk is not '0.01 GiB')."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def is_aligned(value: int, align: int = ALIGN) -> bool:
     return value % align == 0
 

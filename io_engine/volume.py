@@ -36,6 +36,7 @@ from .base import (
     align_up,
     byte_view,
     is_aligned,
+    size_text,
     wait_all_handles,
 )
 from .buffers import BufferPool, aligned_empty
@@ -217,8 +218,8 @@ class Volume:
             free = shutil.disk_usage(dir_by_fs[dev]).free
             if need > free:
                 out.append(f"not enough free space on the filesystem of {dir_by_fs[dev]}: the volume needs "
-                           f"{need / 2**30:.2f} GiB more, {free / 2**30:.2f} GiB free. Lower the capacity, "
-                           "free space, or add SSD directories")
+                           f"{size_text(need)} more, {size_text(free)} free. Lower the capacity, free space, or "
+                           "add SSD directories")
         return out
 
     # --------------------------------------------------------------- requests

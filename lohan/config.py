@@ -246,14 +246,6 @@ def parse_bytes(value: int | str) -> int:
     raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
 
 
-def format_size(n: float) -> str:
-    """Bytes for a message: GiB from 1 GiB on, else MiB, else KiB (so a tiny value does not read 0.00 GiB)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n / 2**10:.2f} KiB"
-
-
 SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "chunk_bytes", "opt_chunk_bytes", "resident_mem")
 """EngineConfig fields that hold byte sizes (a user writes them with a unit: `8GiB`)."""
 

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from io_engine import AlignedBuffer
-from io_engine.base import align_up
+from io_engine.base import align_up, size_text
 
-from .config import EngineConfig, ModelConfig, format_size, get_model_config
+from .config import EngineConfig, ModelConfig, get_model_config
 from .crashpoints import crashpoint
 from .device import Device, Timer, resolve_device
 from .dirlock import DirLock
@@ -149,10 +149,10 @@ def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, t
         need["resident"] = resident_extra(local, cfg, chunk, pool, room=left // 2)
         total += need["resident"]
     if total > cfg.cpu_mem:
-        parts = ", ".join(f"{k} {format_size(v)}" for k, v in need.items())
+        parts = ", ".join(f"{k} {size_text(v)}" for k, v in need.items())
         raise MemoryPlanError(
-            f"cpu_mem={format_size(cfg.cpu_mem)} is too small for this model: the engine needs "
-            f"{format_size(total)} ({parts}). Raise cpu_mem to at least {format_size(total)}"
+            f"cpu_mem={size_text(cfg.cpu_mem)} is too small for this model: the engine needs "
+            f"{size_text(total)} ({parts}). Raise cpu_mem to at least {size_text(total)}"
             + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
 
             + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if need["resident"] else ""))

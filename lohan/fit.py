@@ -95,13 +95,48 @@ def local_problems(nvme: tuple[str, ...], cpu_mem: int) -> list[str]:
     return problems
 
 
-def _free_ssd_bytes(dirs: tuple[str, ...]) -> int:
-    """Free bytes over the directories, each filesystem counted once (dirs on one disk share its space)."""
+PROBE_BYTES = 64 << 20
+"""What the first step's SSD speed probe writes beside the store (profiler.measure_ssd_bandwidth's default)."""
+
+
+def _free_ssd_bytes(dirs: tuple[str, ...], store_name: str | None = None) -> int:
+    """Bytes the run may use over the directories: what is free, each filesystem counted once (dirs on one disk
+    share its space), plus what the store's own files take there already (a resume reuses them, an overwrite
+    replaces them: a store that fills its disk can be resumed), less the speed probe of the first step (none
+    when a run saved its profile there: the run resumed measures nothing)."""
     seen: dict[int, int] = {}
     for d in dirs:
         p = _existing_parent(d)
         seen.setdefault(os.stat(p).st_dev, shutil.disk_usage(p).free)
-    return sum(seen.values())
+    credit = store_bytes(dirs, store_name) if store_name else 0
+    probed = bool(store_name) and os.path.exists(os.path.join(dirs[0], f"{store_name}.profile.json"))
+    # at least 1: the capacity planner reads 0 as "unknown, not checked", and a disk without room for the probe
+    # must be refused, not waved through
+    return max(1, sum(seen.values()) + credit - (0 if probed else PROBE_BYTES))
+
+
+def store_bytes(dirs: tuple[str, ...], name: str) -> int:
+    """Disk space the files of store `name` take in `dirs` (and in their data-parallel rank<r> subdirectories):
+    blocks allocated, so a preallocated slab counts in full and a sparse one for what it holds."""
+    from .engine import STORE_SUFFIXES  # (imports torch: fit.py does too)
+
+    total, counted = 0, set()
+    for d in dirs:
+        if not os.path.isdir(d):
+            continue
+        places = [d] + [os.path.join(d, r) for r in sorted(os.listdir(d)) if r.startswith("rank")
+                        and os.path.isdir(os.path.join(d, r))]
+        for place in places:
+            for suffix in STORE_SUFFIXES + ("-probe.slab", "-probe.volume.json"):
+                path = os.path.join(place, name + suffix)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                if (st.st_dev, st.st_ino) not in counted:
+                    counted.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+    return total
 
 
 def _matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
@@ -220,7 +255,7 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
                      "AdamW share the cores, so the gpu and cpu lanes add up more than the overlapped model says")
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
                   bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem),
-                  ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme), cpu_adam_params_per_s=adam)
+                  ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme, store_name), cpu_adam_params_per_s=adam)
     return Machine(hw, tuple(notes), device_is_host=not use_cuda)
 
 

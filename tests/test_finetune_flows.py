@@ -178,3 +178,24 @@ def test_cpu_only_plan_counts_the_device_working_set_in_main_memory():
     assert "device block gradients" in host.capacity.cpu_parts and host.capacity.gpu_bytes == 0
     assert gpu.fits and not host.fits
     assert any("the device is the CPU" in r for r in host.capacity.reasons)
+
+
+def test_a_store_that_fills_its_disk_resumes(tmp_path, monkeypatch, capsys):
+    """The pre-flight counts the store already on the disk as the run's: with no byte free beside it, the store
+    is resumed (and overwritten), where a new run is refused; a fresh run also needs room for the speed probe."""
+    import shutil
+    from types import SimpleNamespace
+
+    import lohan.fit as fit
+
+    assert main(args(tmp_path, "--steps", "2")) == 0
+    held = fit.store_bytes((str(tmp_path / "nvme"),), "lohan")
+    assert held > 0
+    # the pre-flight sees a full disk (io_engine's own check, when a volume is created, sees the real one: an
+    # overwrite removes the old store first)
+    monkeypatch.setattr(fit, "shutil", SimpleNamespace(disk_usage=lambda p: shutil.disk_usage(p)._replace(free=0)))
+    assert main(args(tmp_path, "--steps", "3", "--resume")) == 0
+    assert main(args(tmp_path, "--steps", "1", "--overwrite")) == 0
+    capsys.readouterr()
+    assert main(args(tmp_path / "other", "--steps", "1")) == 2
+    assert "SSD" in capsys.readouterr().out
