@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from .config import PRESETS, EngineConfig, RunConfig, unitless_size_problems
+from .config import PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
     p.add_argument("--compute-dtype", choices=["bf16", "fp16", "fp32"],
                    help="device compute precision (fp16 uses dynamic loss scaling)")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the config's; a local Hugging Face model "
+                   f"without --config: {FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
+    p.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
+                   f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
     p.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
     p.add_argument("--min-lr-ratio", type=float, help="the cosine decays to lr x this")
     p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
@@ -149,16 +151,20 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
                              f"{type(raw).__name__}")
         raw = _resolve_inputs(dict(raw), path)
     raw = dict(raw)
+    engine = dict(raw.pop("engine", {}) or {})
     if getattr(args, "model", None) and raw.get("model") not in (None, args.model):
         # the YAML's shape overrides belong to its own model, not to the one asked for on the command line
         raw.pop("model_overrides", None)
-    engine = dict(raw.pop("engine", {}) or {})
+        if args.config is None:  # nor does the default config's schedule (tuned for its 2M-parameter demo)
+            for key in SCHEDULE_KEYS:
+                engine.pop(key, None)
     for flag, (section, field) in _FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
             (engine if section == "engine" else raw)[field] = tuple(value) if isinstance(value, list) else value
     if getattr(args, "layers", None) is not None:
         raw["model_overrides"] = {**(raw.get("model_overrides") or {}), "n_layer": args.layers}
+    _finetune_defaults(args, raw, engine)
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
@@ -179,6 +185,31 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         else:
             raise ValueError(f"--set {key}: unknown key; use FIELD, engine.FIELD or model_overrides.FIELD")
     return _make_run_config(raw, engine)
+
+
+SCHEDULE_KEYS = ("lr", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay", "betas")
+FINETUNE_LR = 2e-5
+"""Peak learning rate of a local Hugging Face model run without --config (full fine-tuning of a pretrained model:
+the range 1e-5..5e-5 that fine-tuning recipes use; the presets' 3e-4 would wreck pretrained weights)."""
+FINETUNE_WARMUP = 0.03
+"""Its warm-up, as a fraction of the run's steps (at least one step)."""
+
+
+def _finetune_defaults(args: argparse.Namespace, raw: dict, engine: dict) -> None:
+    """A local Hugging Face model run without --config: the fine-tuning defaults (FINETUNE_LR, a warm-up of
+    FINETUNE_WARMUP of the steps) where the flags and --set leave the schedule open; the cosine's total is
+    the run's steps (train.py)."""
+    model = getattr(args, "model", None)
+    if args.config is not None or not model or not is_model_dir(str(model)):
+        return
+    engine.setdefault("lr", FINETUNE_LR)  # (--set, applied after this, still wins)
+    steps = raw.get("steps")
+    if raw.get("epochs") is None and _is_count(steps):
+        engine.setdefault("warmup_steps", max(1, round(FINETUNE_WARMUP * steps)))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

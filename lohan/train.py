@@ -237,6 +237,14 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------- loop
+def _schedule_line(e: EngineConfig) -> str:
+    """What the optimizer does, as the run will do it (the header: a schedule is easy to inherit by mistake)."""
+    clip = f"clipped at global norm {e.max_grad_norm:g} ({e.clip_mode})" if e.max_grad_norm > 0 else "not clipped"
+    warm = f"warm-up {e.warmup_steps} step(s), " if e.warmup_steps else "no warm-up, "
+    return (f"AdamW lr {e.lr:g}, {warm}cosine to {e.lr * e.min_lr_ratio:g} at step {e.total_steps}, weight decay "
+            f"{e.weight_decay:g}, betas ({e.betas[0]:g}, {e.betas[1]:g}), eps {e.eps:g}; gradients {clip}")
+
+
 def _resident_line(engine: Engine) -> str:
     """How many blocks' optimizer records stay in memory (offload.plan_resident), and what keeps them all."""
     blocks = engine.store.layout.blocks
@@ -277,6 +285,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"(params {plan['params'] / 2**20:.0f} MiB, grads {plan['grads'] / 2**20:.0f} MiB, optimizer "
         f"{plan['optimizer'] / 2**20:.0f} MiB, resident records {plan['resident'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
         f"activations {e.act_policy}")
+    console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
     # The RSS bound (lohan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
     # the overhead is this process as measured now, before the first step, plus what no budget covers.

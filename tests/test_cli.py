@@ -55,3 +55,42 @@ def test_bad_settings_exit_cleanly_and_write_nothing(tmp_path, capsys):
     assert "unknown engine setting 'prefetch'" in capsys.readouterr().err
     assert main(args(tmp_path, "--model", "nope")) == 2
     assert "choose a preset" in capsys.readouterr().err
+
+
+def _run(*argv: str):
+    return load_run_config(build_parser().parse_args(list(argv)))
+
+
+def test_a_model_other_than_the_default_configs_does_not_inherit_its_schedule(tmp_path):
+    """The default config (configs/tiny.yaml) tunes lr, warm-up and a 150-step cosine for its 2M-parameter demo: a
+    local Hugging Face model run without --config gets the fine-tuning defaults instead (lr 2e-5, warm-up 3% of
+    the steps, the cosine over the run's steps), a preset the EngineConfig defaults; flags, --set and an explicit
+    --config still decide."""
+    from lohan.cli import FINETUNE_LR
+    from lohan.config import EngineConfig
+
+    hf = tmp_path / "model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    tiny = _run()
+    assert (tiny.engine.lr, tiny.engine.warmup_steps, tiny.engine.total_steps) == (2e-3, 15, 150)
+    run = _run("--model", str(hf), "--steps", "300")
+    assert (run.engine.lr, run.engine.warmup_steps, run.engine.total_steps) == (FINETUNE_LR, 9, None)
+    assert run.engine.weight_decay == EngineConfig.weight_decay and run.engine.betas == EngineConfig.betas
+    assert _run("--model", str(hf), "--steps", "300", "--lr", "1e-3").engine.lr == 1e-3
+    assert _run("--model", str(hf), "--set", "engine.lr=5e-5").engine.lr == 5e-5
+    assert _run("--model", str(hf), "--steps", "300", "--warmup-steps", "0").engine.warmup_steps == 0
+    preset = _run("--model", "13b")
+    assert (preset.engine.lr, preset.engine.warmup_steps, preset.engine.total_steps) == (
+        EngineConfig.lr, EngineConfig.warmup_steps, None)
+    own = tmp_path / "run.yaml"
+    own.write_text(f"model: {hf}\nengine:\n  lr: 1.0e-4\n  nvme: [{tmp_path / 'nvme'}]\n")
+    assert _run("--config", str(own)).engine.lr == 1e-4  # a config of one's own is taken as it is
+
+
+def test_the_header_states_the_schedule(tmp_path, capsys):
+    assert main(["--nvme", str(tmp_path / "nvme"), "--metrics", str(tmp_path / "m.jsonl"), "--steps", "1",
+                 "--set", "model_overrides.n_layer=1", "--batch-size", "2", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert ("optimizer: AdamW lr 0.002, warm-up 15 step(s), cosine to 0.0002 at step 150, weight decay 0.01, "
+            "betas (0.9, 0.95), eps 1e-08; gradients clipped at global norm 1 (auto)") in out
