@@ -323,7 +323,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.verify:
         return verify_store(run)
     return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export,
-                 overwrite=args.overwrite, export_dtype=args.export_dtype)
+                 overwrite=args.overwrite, export_dtype=args.export_dtype,
+                 config=args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None))
 
 
 if __name__ == "__main__":

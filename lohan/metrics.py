@@ -40,6 +40,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from .layout import PLOT_TAG
+
 __all__ = [
     "GB",
     "GIB",
@@ -447,7 +449,8 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
     ax2.grid(alpha=0.3)
     fig.suptitle(Path(metrics_path).name)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    # tagged: a later run replaces this file, and only this one (layout.is_lohan_plot)
+    fig.savefig(out, dpi=100, metadata={"Software": PLOT_TAG})
     plt.close(fig)
     return out
 

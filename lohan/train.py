@@ -10,6 +10,7 @@ import base64
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ from .dirlock import DirectoryInUseError, DirLock
 from .engine import Engine, MemoryPlanError, NonFiniteError, init
 from .fit import data_parallel_machine, described_hardware, detect_hardware, fit_report, local_problems
 from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from .layout import EXPORT_MARKER, RunLayout, default_metrics, partial_dir
 from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
 from .parallel import DataParallel, init_from_env, leave_group, network_bytes_per_step, read_decision
 from .store import StateStore
@@ -304,12 +306,14 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
 
 
 def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware: str | None = None,
-          export: str | None = None, overwrite: bool = False, export_dtype: str | None = None) -> int:
+          export: str | None = None, overwrite: bool = False, export_dtype: str | None = None,
+          config: str | os.PathLike | None = None) -> int:
     """Run (or, with `dry_run`, only plan) the fine-tune described by `run`; returns a process exit code.
 
     `resume` continues the store in the NVMe directories (or its interrupted initialization);
     `overwrite` discards it. Without either, a directory that holds a store is refused. SIGTERM stops
-    the run like Ctrl-C: the step in flight is abandoned and the last commit stands.
+    the run like Ctrl-C: the step in flight is abandoned and the last commit stands. `config`: the YAML the
+    run was read from (an input no output may touch: layout.RunLayout).
     """
     try:  # launched by torchrun: one process per rank (lohan/parallel.py), each on its own GPU from here on
         joined = init_from_env(run.engine.device)
@@ -319,11 +323,11 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     code = 2
     try:
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config)
             return code
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config)
             return code
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -333,7 +337,7 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
 
 
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
-           overwrite: bool, export_dtype: str | None = None) -> int:
+           overwrite: bool, export_dtype: str | None = None, config: str | os.PathLike | None = None) -> int:
     dp = DataParallel.detect()
     world = dp.world if dp else 1
     # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
@@ -383,13 +387,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     if steps > MAX_STEPS:  # RunConfig bounds --steps; --epochs is only known in steps now
         return fail(f"{run.epochs:,} epochs of {per_epoch:,} steps are {steps:,} steps, more than lohan counts "
                     f"({MAX_STEPS:,}); ask for fewer epochs")
-    if export:
-        from .models.gpt_export import check_export_dir
-
-        try:
-            check_export_dir(export)
-        except ValueError as e:
-            return fail(str(e))
+    layout = run_layout(run, model, export, config)
+    problems = [] if dry_run else layout.problems()
+    if problems:
+        return fail("; ".join(problems))
 
     # ---- the plan: on this machine (refuse what cannot fit) or on a described one (--hardware)
     e = run.engine
@@ -477,7 +478,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
             StoreCorruptError, DirectoryInUseError, RuntimeError) as err:
         return fail(str(err))
     start = engine.step_count
-    metrics_path = Path(run.metrics) if run.metrics else Path(e.nvme[0]).parent / "metrics.jsonl"
+    metrics_path = layout.metrics
     try:
         data_state = load_run_state(run, seq_len, engine) if resume and not (dp and not dp.is_main) else None
         if dp:  # rank 0's data position and RNG: every rank must cut the same global batches
@@ -490,7 +491,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     if resume:
         console.print(f"resuming from the state committed at step {start}")
     elif metrics_path.exists() and not (dp and not dp.is_main):
-        metrics_path.unlink()  # a fresh run: the store was started over, so are its metrics
+        metrics_path.unlink()  # a fresh run: the store was started over, so are its metrics (lohan's: checked)
     main_rank = not dp or dp.is_main  # writes the metrics, the run state and the export
     label = os.path.basename(os.path.normpath(run.model)) if model.hf_program is not None else mcfg.name
     _header(console, run, mcfg, engine, seq_len, label)
@@ -534,7 +535,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
                 report_step(bar, sm, steps)
         if export:
             if main_rank:
-                _export(console, run, model, engine, export, export_dtype)
+                _export(console, run, model, engine, layout, export_dtype)
             else:  # the same reads, in the same order: each one gathers a block from every rank
                 for b in engine.layout.blocks:
                     engine.read_params(b.index)
@@ -620,14 +621,29 @@ def _root_cause(err: BaseException) -> BaseException | str:
     return str(err) if not err.__cause__ else f"{err}: {err.__cause__}"
 
 
-def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out: str,
+def run_layout(run: RunConfig, model: Model, export: str | None, config: str | os.PathLike | None) -> RunLayout:
+    """The run's paths (layout.RunLayout): its outputs, and the inputs none of them may touch."""
+    e = run.engine
+    inputs = {"--model": run.model if model.hf_program is not None else None,
+              "--data": None if run.data == "synthetic" else run.data, "--eval-data": run.eval_data,
+              "--config": config}
+    metrics = run.metrics or default_metrics(e.nvme[0], e.name)
+    return RunLayout(e.nvme, e.name, metrics, export, inputs)
+
+
+def _export(console: Console, run: RunConfig, model: Model, engine: Engine, layout: RunLayout,
             dtype: str | None = None) -> None:
     """Export into a sibling `<out>.partial` directory, then swap it in: a kill mid-export leaves the previous
-    export (or nothing) at `out`, never a half-written one, and the same command redoes it."""
+    export (or nothing) at `out`, never a half-written one, and the same command redoes it. Both are checked
+    again first (the run may have taken hours): nothing but an export of lohan's is ever removed."""
+    layout.check_export()
+    out = layout.export
     final = Path(out)
-    tmp = final.with_name(final.name + ".partial")
+    tmp = partial_dir(final)
     if tmp.exists():
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp)  # a killed export's (it holds the marker: checked)
+    tmp.mkdir(parents=True)
+    (tmp / EXPORT_MARKER).write_text(json.dumps({"step": engine.step_count, "model": run.model}) + "\n")
     if model.hf_program is not None:
         from .models.hf import export_hf
 
@@ -642,7 +658,7 @@ def _export(console: Console, run: RunConfig, model: Model, engine: Engine, out:
             os.fsync(fh.fileno())
     crashpoint("export.written")
     if final.exists():
-        shutil.rmtree(final)  # checked before the run: empty, or a previous export
+        shutil.rmtree(final)  # empty, or a previous export of lohan's (checked above)
     os.replace(tmp, final)
     console.print(f"exported the step-{engine.step_count} weights to {out} in {dtype} (loads with transformers "
                   "AutoModelForCausalLM.from_pretrained)")

@@ -212,9 +212,47 @@ CASES = [
     # ------------------------------------------------------------------ export
     Case("export-into-non-empty-dir", lambda t, m: preset(t, "--export", str(write(mkdir(t / "out") / "notes.txt",
                                                                                   "keep me").parent)),
-         r"export directory .* holds other files; choose a new or empty directory"),
+         r"export directory .*out holds files that are not an export of lohan's .*choose another --export"),
     Case("export-onto-a-file", lambda t, m: preset(t, "--export", str(write(t / "out.bin", "x"))),
          r"export path .*out\.bin is a file; give a directory"),
+    # ------------------------------------------------------------------ paths: the run layout owns every output
+    Case("export-holds-the-store", lambda t, m: preset(t, "--nvme", str(t / "run" / "nvme"), "--export", str(t / "run")),
+         r"--nvme .*run/nvme lies inside --export .*run, which lohan replaces whole"),
+    Case("export-is-the-store", lambda t, m: preset(t, "--nvme", str(t / "x"), "--export", str(t / "x")),
+         r"--nvme and --export are the same path"),
+    Case("export-inside-is-fine-but-metrics-inside-export",
+         lambda t, m: preset(t, "--export", str(t / "out"), "--metrics", str(t / "out" / "m.jsonl")),
+         r"--metrics .*out/m\.jsonl lies inside --export"),
+    Case("metrics-is-the-data", lambda t, m: preset(t, "--data", str(write(t / "d.txt", "text " * 400)),
+                                                    "--metrics", str(t / "d.txt")),
+         r"--metrics and --data are the same path"),
+    Case("metrics-is-the-config", lambda t, m: [*yaml_config(t, "model: tiny\nsteps: 1\ndata: synthetic\n"), "--metrics",
+                                                str(t / "run.yaml")],
+         r"--metrics and --config are the same path"),
+    Case("metrics-inside-the-model", lambda t, m: hf_args(model := m(), t, "--metrics", str(model / "config.json")),
+         r"--metrics .*model/config\.json lies inside --model .*: lohan never writes into its inputs"),
+    Case("metrics-a-foreign-file", lambda t, m: preset(t, "--metrics", str(write(t / "notes.txt", "mine"))),
+         r"--metrics .*notes\.txt holds a file lohan did not write"),
+    Case("metrics-a-directory", lambda t, m: preset(t, "--metrics", str(mkdir(t / "mdir"))),
+         r"--metrics .*mdir is a directory: give the path of a file"),
+    Case("metrics-plot-a-foreign-file", lambda t, m: [*preset(t), "--metrics",
+                                                     str(write(t / "p.png", b"\x89PNG mine").with_suffix(".jsonl"))],
+         r"the metrics plot goes to .*p\.png, which holds a file lohan did not write"),
+    Case("metrics-a-store-file", lambda t, m: preset(t, "--metrics", str(t / "nvme" / "lohan.commit.json")),
+         r"--metrics .*lohan\.commit\.json is the name of one of the store's own files"),
+    Case("nvme-inside-the-model", lambda t, m: hf_args(model := m(), t, "--nvme", str(model / "states")),
+         r"--nvme .*model/states lies inside --model"),
+    Case("data-inside-the-store", lambda t, m: preset(t, "--nvme", str(t / "n"),
+                                                      "--data", str(write(mkdir(t / "n") / "d.txt", "text " * 400))),
+         r"--data .*n/d\.txt lies inside the store directory"),
+    Case("export-is-the-model", lambda t, m: hf_args(model := m(), t, "--export", str(model)),
+         r"--export and --model are the same path"),
+    Case("config-inside-the-export", lambda t, m: [*yaml_config(mkdir(t / "out"), "model: tiny\nsteps: 1\ndata: synthetic\n"),
+                                                   "--export", str(t / "out")],
+         r"--config .*out/run\.yaml lies inside --export"),
+    Case("export-staging-directory-foreign",
+         lambda t, m: (write(mkdir(t / "out.partial") / "x", "mine"), preset(t, "--export", str(t / "out")))[1],
+         r"export staging directory .*out\.partial holds files that are not an export of lohan's"),
     # ------------------------------------------------------------------ hardware
     Case("hardware-without-dry-run", lambda t, m: preset(t, "--hardware", "rtx4090,12xP5510,256GB"),
          r"--hardware describes another machine: use it with --dry-run"),
@@ -414,7 +452,7 @@ def test_default_config_finds_its_corpus_from_another_directory(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     assert main(["--steps", "1", "--seq-len", "32", "--batch-size", "2", "--nvme", str(tmp_path / "nvme"),
                  "--set", "model_overrides.n_layer=2", "--backend", "threads"]) == 0, capsys.readouterr()
-    assert (tmp_path / "metrics.jsonl").exists()  # default metrics: next to the NVMe dir, in the cwd's tree
+    assert (tmp_path / "nvme" / "lohan.metrics.jsonl").exists()  # default metrics: with the store
     assert not (tmp_path / "runs").exists()
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..layout import EXPORT_MARKER
 
 _BLOCK_NAMES = {  # ours -> GPT-2's, and whether the weight is transposed (Conv1D)
     "ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
@@ -46,10 +47,9 @@ def check_export_dir(out: str | os.PathLike) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export path {out} is a file; give a directory")
-    if out.exists() and any(out.iterdir()):
-        ours = (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
-        if not ours:
-            raise ValueError(f"export directory {out} exists and holds other files; choose a new or empty directory")
+    if out.exists() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ValueError(f"export directory {out} exists and holds other files (it is not an export of lohan's: no "
+                         f"{EXPORT_MARKER}); choose a new or empty directory")
 
 
 def _check_out_dir(out: Path) -> None:

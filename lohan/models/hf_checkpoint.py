@@ -21,6 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from ..layout import EXPORT_MARKER
+
 if TYPE_CHECKING:
     from .hf import HFBlocks
 
@@ -38,7 +40,8 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9
 """The export's shard size bound (transformers' own default for save_pretrained is 5 GB too)."""
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_EXPORT_FILES = frozenset(("config.json", "generation_config.json", WEIGHTS_NAME, WEIGHTS_INDEX, *TOKENIZER_FILES))
+_EXPORT_FILES = frozenset(("config.json", "generation_config.json", WEIGHTS_NAME, WEIGHTS_INDEX, *TOKENIZER_FILES,
+                           EXPORT_MARKER))
 
 EXPORT_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                  "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
