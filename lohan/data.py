@@ -839,7 +839,9 @@ class BatchIterator:
     Over a :class:`TokenDataset` with a ``loss_mask``, masked targets are :data:`IGNORE_INDEX` (``-100``);
     the order of windows, and so resuming, does not depend on the mask. A batch in which every target is
     masked (chat windows that hold no assistant token) would train nothing: it is skipped, and counted in
-    ``untrained_skipped``; the next batch is yielded in its place, so step ``k`` is then a later batch.
+    ``untrained_skipped``; the next batch is yielded in its place, so step ``k`` is then a later batch, and
+    ``N`` epochs yield fewer than ``N * batches_per_epoch`` batches (a run that counts its steps as that reaches
+    as far into the next pass).
 
     ``epoch`` and ``position`` name the *next* batch to be yielded; :meth:`state_dict` saves them and
     :meth:`load_state_dict` restores them, so a fresh iterator resumes exactly where a saved one was.

@@ -298,8 +298,8 @@ def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_expor
     verify = subprocess.run([sys.executable, "finetune.py", "--config", "configs/tiny.yaml", "--nvme",
                              str(tmp_path / "dp"), "--verify"], cwd=root, env=env, capture_output=True, text=True)
     assert verify.returncode == 0 and verify.stdout.count("match their checksums") == 2, verify.stdout
-    # the metrics: one file, one record per step, counting the group's tokens
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the metrics: one file (with the store: DIR/<name>.metrics.jsonl), one record per step, the group's tokens
+    records = [json.loads(line) for line in (tmp_path / "dp" / "lohan.metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and {r["tokens"] for r in records} == {4 * 64}
     assert all(r["network_bytes"] > 0 for r in records)
     one = subprocess.run([sys.executable, *cli(tmp_path / "one", tmp_path / "one-out",
