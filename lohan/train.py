@@ -177,12 +177,30 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
     torch.save(torch.get_rng_state(), buf)
     step = engine.step_count
     state = {"version": RUN_STATE_VERSION, "step": step, "run": _fingerprint(run, seq_len),
+             "schedule": _schedule(engine.cfg),
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
     keep = {k: v for k, v in prev.items() if k != "prev"} if prev is not None and prev["step"] == step - 1 else None
     write_json_atomic(run_state_path(run), {**state, "prev": keep})
     return state
+
+
+LR_WARN = 0.1  # an AdamW peak lr above this is a typo, not a choice (the header says so)
+SCHEDULE_FIELDS = ("lr", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
+
+
+def _schedule(e: EngineConfig) -> dict[str, Any]:
+    """The optimizer settings a resume may change (saved with the run state; a change is said, not refused)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(e, k)) for k in SCHEDULE_FIELDS)}
+
+
+def _schedule_changes(saved: dict | None, e: EngineConfig) -> str:
+    """``lr 0.001 -> 0.0002, ...``: what differs from the saved settings ('' when nothing, or nothing saved)."""
+    if not saved:
+        return ""
+    now = _schedule(e)
+    return ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE_FIELDS if k in saved and saved[k] != now[k])
 
 
 def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: dict | None) -> None:
@@ -288,6 +306,10 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"{plan['optimizer'] / 2**20:.0f} MiB, resident records {plan['resident'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
         f"activations {e.act_policy}")
     console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
+    if engine.cfg.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size
+        console.print(f"  [yellow]warning:[/yellow] lr {engine.cfg.lr:g} is far above what AdamW training uses "
+                      "(1e-5 to 1e-3): each step moves every weight by up to lr, so training will not converge; "
+                      "check --lr")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
     # The RSS bound (lohan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
     # the overhead is this process as measured now, before the first step, plus what no budget covers.
@@ -490,6 +512,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return fail(str(err))
     if resume:
         console.print(f"resuming from the state committed at step {start}")
+        changed = _schedule_changes((data_state or {}).get("schedule"), engine.cfg)
+        if changed:
+            console.print(f"[yellow]note:[/yellow] the optimizer's settings differ from the run being resumed "
+                          f"({changed}); the steps from {start + 1} on use the new ones")
     elif metrics_path.exists() and not (dp and not dp.is_main):
         metrics_path.unlink()  # a fresh run: the store was started over, so are its metrics (lohan's: checked)
     main_rank = not dp or dp.is_main  # writes the metrics, the run state and the export

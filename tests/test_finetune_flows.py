@@ -199,3 +199,18 @@ def test_a_store_that_fills_its_disk_resumes(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(args(tmp_path / "other", "--steps", "1")) == 2
     assert "SSD" in capsys.readouterr().out
+
+
+def test_a_resume_with_another_lr_says_so(tmp_path, capsys):
+    assert main(args(tmp_path, "--steps", "2")) == 0
+    capsys.readouterr()
+    assert main(args(tmp_path, "--steps", "3", "--resume", "--lr", "1e-4")) == 0
+    out = capsys.readouterr().out
+    assert "the optimizer's settings differ from the run being resumed (lr 0.002 -> 0.0001)" in out
+    assert main(args(tmp_path, "--steps", "4", "--resume", "--lr", "1e-4")) == 0
+    assert "differ from the run being resumed" not in capsys.readouterr().out
+
+
+def test_an_absurd_lr_is_warned_about(tmp_path, capsys):
+    assert main(args(tmp_path, "--steps", "1", "--lr", "1e6")) == 0
+    assert "warning: lr 1e+06 is far above what AdamW training uses" in capsys.readouterr().out
