@@ -605,13 +605,17 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
 
 def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: EngineConfig, resume: bool) -> Engine:
     """Open the store (resume), continue its interrupted initialization (resume), or create it, with a
-    progress bar over the blocks written."""
+    progress bar over the blocks written (on a terminal), or a line every few seconds (a log file)."""
     with Progress(TextColumn("initializing states on NVMe"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("blocks"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("init", total=model.config.n_layer + 2)
+        states = model.config.param_count() * (12 + (4 if engine_cfg.compute_dtype == "fp32" else 2))
+        log_line = None if console.is_terminal else _InitLog(console, states)
 
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
+            if log_line is not None:
+                log_line(done, total)
 
         if model.hf_program is not None:
             from .hf_engine import init_from_hf
@@ -619,6 +623,27 @@ def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: Eng
             return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress,
                                 n_layer=run.model_overrides.get("n_layer"))
         return init(model.config, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
+
+
+class _InitLog:
+    """Store creation's progress as plain lines, for output that is not a terminal (nohup, a scheduler's log):
+    the first block, then one line every `every` seconds, then the last (at 175b it takes hours)."""
+
+    def __init__(self, console: Console, state_bytes: int, every: float = 5.0) -> None:
+        self.console, self.state_bytes, self.every = console, state_bytes, every
+        self.t0 = time.monotonic()
+        self.last = -every
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic() - self.t0
+        if now - self.last < self.every and 1 < done < total:
+            return
+        self.last = now
+        frac = done / max(total, 1)
+        eta = f", about {now / frac - now:.0f} s left" if 0 < frac < 1 else ""
+        self.console.print(f"initializing states on NVMe: {done} of {total} blocks (about "
+                           f"{frac * self.state_bytes / 2**30:.2f} of {self.state_bytes / 2**30:.2f} GiB) in "
+                           f"{now:.0f} s{eta}")
 
 
 class Terminated(KeyboardInterrupt):

@@ -214,3 +214,12 @@ def test_a_resume_with_another_lr_says_so(tmp_path, capsys):
 def test_an_absurd_lr_is_warned_about(tmp_path, capsys):
     assert main(args(tmp_path, "--steps", "1", "--lr", "1e6")) == 0
     assert "warning: lr 1e+06 is far above what AdamW training uses" in capsys.readouterr().out
+
+
+def test_store_creation_reports_progress_in_a_log_file(tmp_path, capsys):
+    """Output that is not a terminal gets plain progress lines while the store is created (the bar is only drawn
+    on a terminal): a long creation is not silent in a log file."""
+    assert main(args(tmp_path, "--steps", "1")) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("initializing states on NVMe")]
+    assert lines and lines[-1].startswith("initializing states on NVMe: 4 of 4 blocks"), lines
+    assert "GiB) in" in lines[-1]
