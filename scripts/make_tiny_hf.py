@@ -47,8 +47,10 @@ def train_tokenizer(corpus: Path, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train([str(corpus)], trainer)
+    # a pad token of its own vocabulary: a family's tokenizer class otherwise adds its default one when the model
+    # directory is loaded (Qwen2's <|endoftext|>), one token more than the model's vocabulary
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   chat_template=CHAT_TEMPLATE)
+                                   pad_token="<unk>", chat_template=CHAT_TEMPLATE)
 
 
 # A minimal chat template, saved with the tokenizer so {"messages": [...]} data (data/chat_example.jsonl) runs on
@@ -74,7 +76,9 @@ def model_config(family: str, vocab: int, hidden: int, layers: int, heads: int, 
     (default: the family's usual, e.g. untied Llama, tied Qwen2) apply to the Llama-layout families."""
     import transformers as tf
 
-    ids = dict(bos_token_id=1, eos_token_id=2)
+    # the tokenizer's ids (train_tokenizer), pad included (<unk>, which byte-level BPE never produces: an embedding
+    # row frozen as padding costs nothing): Phi-3's default pad id (32000) lies past a small vocabulary
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     ffn = intermediate or 4 * hidden
     kv = kv_heads or max(1, heads // 2)
     if family in _LLAMA_LIKE:
@@ -90,7 +94,7 @@ def model_config(family: str, vocab: int, hidden: int, layers: int, heads: int, 
     if family == "opt":
         return tf.OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=4 * hidden, num_hidden_layers=layers,
                             num_attention_heads=heads, max_position_embeddings=positions,
-                            word_embed_proj_dim=hidden, pad_token_id=0, **ids)
+                            word_embed_proj_dim=hidden, **ids)
     raise ValueError(f"unknown family {family!r}: {', '.join(FAMILIES)}")
 
 

@@ -305,3 +305,24 @@ def test_export_dtype_flag(family_dir, tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float16
     assert main(cli_args(tmp_path, "--model", path, "--export-dtype", "bf16", "--dry-run")) == 2
     assert "pass --export too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
+                                    "gpt2", "opt"])
+def test_make_tiny_hf_writes_a_model_lohan_takes(tmp_path, family, capsys):
+    """scripts/make_tiny_hf.py, for every family it offers: its tokenizer, loaded as the family loads it, fits the
+    model's vocabulary, and finetune.py plans a run on it."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lohan.cli import main
+
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", Path(__file__).parents[1] / "scripts" / "make_tiny_hf.py")
+    make_tiny_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_hf)
+    assert family in make_tiny_hf.FAMILIES
+    out = make_tiny_hf.make(tmp_path / family, family, layers=1, hidden=32, heads=2, vocab=300)
+    assert len(AutoTokenizer.from_pretrained(out)) <= AutoConfig.from_pretrained(out).vocab_size
+    assert main(["--model", str(out), "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--nvme",
+                 str(tmp_path / "nvme"), "--dry-run"]) == 0, capsys.readouterr()
