@@ -77,6 +77,9 @@ def nvme_problems(dirs: tuple[str, ...] | list[str]) -> list[str]:
         if not os.path.isdir(parent):
             problems.append(f"--nvme {d} cannot be created: {parent} is a file, not a directory; pass a path "
                             "under a directory")
+        elif shutil.disk_usage(parent).total == 0:  # procfs, sysfs: no blocks to hold anything
+            problems.append(f"--nvme {d} is on a filesystem without storage ({parent} is like /proc or /sys, a view "
+                            "of the kernel): pass a directory on an SSD")
         elif not os.access(parent, os.W_OK | os.X_OK):  # also False on a read-only mount, even for root
             where = "is" if parent == os.path.abspath(d) else f"cannot be created: {parent} is"
             problems.append(f"--nvme {d} {where} not writable by this user; fix the permissions or pass another "
