@@ -49,7 +49,7 @@ from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from .layout import EXPORT_MARKER, RunLayout, default_metrics, partial_dir
 from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
 from .parallel import DataParallel, init_from_env, leave_group, network_bytes_per_step, read_decision
-from .store import StateStore
+from .store import StateStore, StoreStatus
 
 log = logging.getLogger(__name__)
 
@@ -358,249 +358,355 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
             leave_group(code == 0)
 
 
+class Refusal(Exception):
+    """A run refused before (or instead of) training: the message says what is wrong and how to fix it, and
+    nothing was written. `_train` prints it as one `error:` line and exits 2."""
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the stages of a run share: the settings, the model and data, the steps, the paths it owns."""
+
+    run: RunConfig
+    model: Model
+    seq_len: int
+    dataset: TokenDataset | None
+    eval_set: TokenDataset | None
+    per_epoch: int | None
+    steps: int
+    layout: RunLayout
+    dp: DataParallel | None
+    console: Console
+
+    @property
+    def world(self) -> int:
+        return self.dp.world if self.dp else 1
+
+    @property
+    def main_rank(self) -> bool:
+        """Rank 0 (or the one process) writes the metrics, the run state and the export."""
+        return self.dp is None or self.dp.is_main
+
+
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
            overwrite: bool, export_dtype: str | None = None, config: str | os.PathLike | None = None) -> int:
+    """The run driver: pre-flight -> plan -> open the store -> position the data -> the loop -> finish."""
     dp = DataParallel.detect()
-    world = dp.world if dp else 1
     # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
     console = Console(soft_wrap=True, quiet=bool(dp and not dp.is_main))
+    try:
+        ctx = _preflight(run, dry_run, export, export_dtype, config, console, dp)
+        report = _plan(ctx, hardware, dry_run)
+        if dry_run:
+            console.print(report.format())
+            console.print(f"dry run: {ctx.steps} steps would take about {report.step_s * ctx.steps / 3600:.3g} h; "
+                          "nothing was written")
+            return 0
+        engine = _open_store(ctx, resume, overwrite)
+    except Refusal as err:
+        return _fail(console, dp, str(err))
+    except _Interrupted as stop:
+        return stop.code
+    try:
+        batches, data_state = _position(ctx, engine, resume)
+    except Refusal as err:
+        engine.close()
+        return _fail(console, dp, str(err))
+    return _loop(ctx, engine, batches, data_state, export, export_dtype)
 
-    def fail(msg: str) -> int:
-        if dp and not dp.is_main:  # a rank's own trouble (its disk, its memory) must be seen too
-            print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
-        else:
-            console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
-        return 2
 
+def _fail(console: Console, dp: DataParallel | None, msg: str) -> int:
+    if dp and not dp.is_main:  # a rank's own trouble (its disk, its memory) must be seen too
+        print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
+    else:
+        console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
+    return 2
+
+
+def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: str | None,
+               config: str | os.PathLike | None, console: Console, dp: DataParallel | None) -> _Run:
+    """Everything that can be checked before anything is written: the model, the shapes, the data and its
+    steps, and the paths the run owns (layout.RunLayout)."""
+    world = dp.world if dp else 1
     try:
         model = load_model(run, dry_run)
     except (ValueError, NotImplementedError, OSError) as e:
-        return fail(str(e))
+        raise Refusal(str(e)) from None
     if model.tokenizer is None and run.data != "synthetic":
         console.print(f"note: {run.model} has no tokenizer, so {run.data} is not read: the plan counts --steps "
                       "with random tokens")
         run = dataclasses.replace(run, data="synthetic", epochs=None, eval_data=None, eval_fraction=None,
                                   eval_every=None)
     if export_dtype not in (None, "fp32") and model.hf_program is None:
-        return fail(f"--export-dtype {export_dtype}: presets export fp32 GPT-2 checkpoints; drop the flag")
-    mcfg = model.config
-    seq_len = run.seq_len or mcfg.seq_len
-    if seq_len > model.max_seq_len:
-        more = ("" if model.hf_program is not None else
-                f", or give the preset more positions (--set model_overrides.seq_len={seq_len})")
-        return fail(f"seq_len {seq_len} exceeds the model's {model.max_seq_len} positions; use --seq-len "
-                    f"{model.max_seq_len} or less{more}")
-    if run.batch_size % run.engine.micro_batches:
-        return fail(f"batch_size {run.batch_size} is not divisible by micro_batches {run.engine.micro_batches}")
-    if run.batch_size % (run.engine.micro_batches * world):
-        return fail(f"batch_size {run.batch_size} does not split over {world} ranks x {run.engine.micro_batches} "
-                    f"micro-batch(es): each rank trains batch_size / {world} sequences; use a multiple of "
-                    f"{world * run.engine.micro_batches}")
+        raise Refusal(f"--export-dtype {export_dtype}: presets export fp32 GPT-2 checkpoints; drop the flag")
+    seq_len = run.seq_len or model.config.seq_len
+    _check_shapes(run, model, seq_len, world)
     try:
         dataset = load_dataset(run, model, seq_len)
         dataset, eval_set = load_eval_set(run, model, dataset, seq_len)
-        per_epoch = len(dataset) // run.batch_size if dataset is not None else None
-        if dataset is not None and per_epoch < 1:
-            return fail(f"{run.data} packs into {len(dataset)} sequences of {seq_len} tokens, fewer than one "
-                        f"batch of {run.batch_size}; lower --batch-size or --seq-len")
     except (OSError, ValueError) as e:
-        return fail(str(e))
+        raise Refusal(str(e)) from None
+    per_epoch = len(dataset) // run.batch_size if dataset is not None else None
+    if dataset is not None and per_epoch < 1:
+        raise Refusal(f"{run.data} packs into {len(dataset)} sequences of {seq_len} tokens, fewer than one batch "
+                      f"of {run.batch_size}; lower --batch-size or --seq-len")
     steps = run.epochs * per_epoch if run.epochs else run.steps
     if steps > MAX_STEPS:  # RunConfig bounds --steps; --epochs is only known in steps now
-        return fail(f"{run.epochs:,} epochs of {per_epoch:,} steps are {steps:,} steps, more than lohan counts "
-                    f"({MAX_STEPS:,}); ask for fewer epochs")
+        raise Refusal(f"{run.epochs:,} epochs of {per_epoch:,} steps are {steps:,} steps, more than lohan counts "
+                      f"({MAX_STEPS:,}); ask for fewer epochs")
     layout = run_layout(run, model, export, config)
     problems = [] if dry_run else layout.problems()
     if problems:
-        return fail("; ".join(problems))
+        raise Refusal("; ".join(problems))
+    return _Run(run, model, seq_len, dataset, eval_set, per_epoch, steps, layout, dp, console)
 
-    # ---- the plan: on this machine (refuse what cannot fit) or on a described one (--hardware)
-    e = run.engine
+
+def _check_shapes(run: RunConfig, model: Model, seq_len: int, world: int) -> None:
+    """The sequence and batch shapes the model and the ranks can take."""
+    m = run.engine.micro_batches
+    if seq_len > model.max_seq_len:
+        more = ("" if model.hf_program is not None else
+                f", or give the preset more positions (--set model_overrides.seq_len={seq_len})")
+        raise Refusal(f"seq_len {seq_len} exceeds the model's {model.max_seq_len} positions; use --seq-len "
+                      f"{model.max_seq_len} or less{more}")
+    if run.batch_size % m:
+        raise Refusal(f"batch_size {run.batch_size} is not divisible by micro_batches {m}")
+    if run.batch_size % (m * world):
+        raise Refusal(f"batch_size {run.batch_size} does not split over {world} ranks x {m} micro-batch(es): each "
+                      f"rank trains batch_size / {world} sequences; use a multiple of {world * m}")
+
+
+def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
+    """The plan, on this machine or on a described one; a run (not a dry run) that cannot fit is refused, with
+    the plan."""
+    run, e, world, dp = ctx.run, ctx.run.engine, ctx.world, ctx.dp
     problems = [] if hardware else local_problems(e.nvme, e.cpu_mem)
     if problems:
-        return fail("; ".join(problems))
+        raise Refusal("; ".join(problems))
     try:
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem, store_name=e.name,
                                    checksums=e.checksums))
         if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
             machine = data_parallel_machine(machine, world, dp.local_world)
-        report = fit_report(mcfg, machine, run.batch_size // world, seq_len, e.compute_dtype, e.micro_batches,
-                            e.prefetch_depth, per_epoch, slots=e.slots,
+        report = fit_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, e.compute_dtype,
+                            e.micro_batches, e.prefetch_depth, ctx.per_epoch, slots=e.slots,
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1,
                             resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem)
     except ValueError as err:
-        return fail(str(err))
+        raise Refusal(str(err)) from None
     if dp:
-        net = network_bytes_per_step(mcfg.param_count(), world, 4 if e.compute_dtype == "fp32" else 2)
-        console.print(f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains "
-                      f"{run.batch_size // world} of the {run.batch_size} sequences of a batch and stores and updates "
-                      f"1/{world} of every block's optimizer states under its own rank<r> directory; the plan below "
-                      f"is one rank's. Network per step and rank: {net / 1e9:.2f} GB sent and as much received "
-                      "(gradient all-reduce in fp32, P16 all-gathers in forward and backward)")
-    if dry_run:
-        console.print(report.format())
-        console.print(f"dry run: {steps} steps would take about {report.step_s * steps / 3600:.3g} h; nothing "
-                      "was written")
-        return 0
-    if not report.fits:
-        console.print(report.format())
-        missing = "; ".join(report.capacity.reasons)
-        return fail(f"{run.model} does not fit this machine: {missing}. Nothing was written. Try a smaller "
-                    "model or --layers N (a slice of the same shape), more SSD space (--nvme on larger or more "
-                    "drives), or see the plan for another box with --dry-run --hardware "
-                    "'rtx4090,12xP5510,256GB'")
+        net = network_bytes_per_step(ctx.model.config.param_count(), world, 4 if e.compute_dtype == "fp32" else 2)
+        ctx.console.print(
+            f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains {run.batch_size // world} "
+            f"of the {run.batch_size} sequences of a batch and stores and updates 1/{world} of every block's "
+            f"optimizer states under its own rank<r> directory; the plan below is one rank's. Network per step and "
+            f"rank: {net / 1e9:.2f} GB sent and as much received (gradient all-reduce in fp32, P16 all-gathers in "
+            "forward and backward)")
+    if not dry_run and not report.fits:
+        ctx.console.print(report.format())
+        raise Refusal(f"{run.model} does not fit this machine: {'; '.join(report.capacity.reasons)}. Nothing was "
+                      "written. Try a smaller model or --layers N (a slice of the same shape), more SSD space "
+                      "(--nvme on larger or more drives), or see the plan for another box with --dry-run "
+                      "--hardware 'rtx4090,12xP5510,256GB'")
+    return report
 
-    # ---- the engine: refuse what would discard or misread a store, then open, continue or create it
-    store_dirs = dp.rank_dirs(e.nvme) if dp else e.nvme  # where this process's store lives
-    try:
-        status = StateStore.status(store_dirs, e.name)
-        decided = read_decision(e.nvme, e.name)
-    except (StoreCorruptError, ValueError) as err:
-        return fail(str(err))
-    if resume and dp and decided is not None and decided["world"] != world:
-        return fail(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks, and this run has {world}: "
-                    f"resume it with {decided['world']} ranks in all. Another world size would need the optimizer "
-                    "states re-sharded, which lohan does not do; export the model and start a new run to change it")
-    if decided is not None and not dp and StateStore.status(e.nvme, e.name).state == "none":
-        return fail(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks (under rank0 .. "
-                    f"rank{decided['world'] - 1}); launch it as it was: torchrun --nproc-per-node ... with "
-                    f"{decided['world']} ranks in all, and the same command line")
-    if resume and status.state == "none":
-        return fail(f"nothing to resume in {e.nvme[0]}: it holds no lohan store named {e.name!r}. Check the --nvme "
-                    "path (and engine.name), or drop --resume to start a new run")
-    if not resume and not overwrite and status.state != "none":
-        what = "continue it" if status.state == "complete" else "continue it where it stopped"
-        return fail(f"{e.nvme[0]} already holds {status.describe()}. Pass --resume to {what}, or --overwrite to "
-                    "discard it and start over")
-    if resume:
-        try:
-            check_resumable(run, seq_len, model, status.model)
-        except (StoreCorruptError, ValueError) as err:
-            return fail(str(err))
-        if status.state == "complete" and status.step > steps:
-            return fail(f"the store in {e.nvme[0]} is committed at step {status.step}, past the {steps} steps asked "
-                        f"for (--steps is the total, the steps already run included): pass --steps above "
-                        f"{status.step} to train on, or --steps {status.step} with --export DIR to export it as it is")
-    engine_cfg = e.with_overrides(total_steps=e.total_steps or steps)
+
+class _Interrupted(Exception):
+    """Ctrl-C or SIGTERM while the store was being created: reported, with the exit code to return."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
+    """Refuse what would discard or misread a store, then open it, continue its creation, or create it."""
+    run, e = ctx.run, ctx.run.engine
+    store_dirs = ctx.dp.rank_dirs(e.nvme) if ctx.dp else e.nvme  # where this process's store lives
+    _check_store(ctx, store_dirs, resume, overwrite)
+    engine_cfg = e.with_overrides(total_steps=e.total_steps or ctx.steps)
     saved_profile = Path(store_dirs[0]) / f"{e.name}.profile.json"
     if resume and not e.profile_from and saved_profile.exists():
         # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
         engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
     try:
-        engine = _open_engine(console, run, model, engine_cfg, resume)
+        return _open_engine(ctx.console, run, ctx.model, engine_cfg, resume)
     except KeyboardInterrupt as err:
-        console.print(f"\n{_interrupt_name(err)} while initializing the states; every block written so far is "
-                      "durable: continue with --resume")
-        return _interrupt_code(err)
+        ctx.console.print(f"\n{_interrupt_name(err)} while initializing the states; every block written so far is "
+                          "durable: continue with --resume")
+        raise _Interrupted(_interrupt_code(err)) from None
     except IOEngineError as err:
-        return fail(f"{err}. The blocks initialized before the failure are durable; fix the cause (free space, "
-                    "check the drive), then continue with --resume")
+        raise Refusal(f"{err}. The blocks initialized before the failure are durable; fix the cause (free space, "
+                      "check the drive), then continue with --resume") from None
     except (MemoryPlanError, VolumeConfigError, FileExistsError, FileNotFoundError, ValueError,
             StoreCorruptError, DirectoryInUseError, RuntimeError) as err:
-        return fail(str(err))
-    start = engine.step_count
-    metrics_path = layout.metrics
+        raise Refusal(str(err)) from None
+
+
+def _check_store(ctx: _Run, store_dirs: tuple[str, ...], resume: bool, overwrite: bool) -> StoreStatus:
+    """What the NVMe directories hold, against what was asked (resume, overwrite, a new run; ranks)."""
+    e, world, dp = ctx.run.engine, ctx.world, ctx.dp
     try:
-        data_state = load_run_state(run, seq_len, engine) if resume and not (dp and not dp.is_main) else None
+        status = StateStore.status(store_dirs, e.name)
+        decided = read_decision(e.nvme, e.name)
+    except (StoreCorruptError, ValueError) as err:
+        raise Refusal(str(err)) from None
+    if resume and dp and decided is not None and decided["world"] != world:
+        raise Refusal(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks, and this run has "
+                      f"{world}: resume it with {decided['world']} ranks in all. Another world size would need the "
+                      "optimizer states re-sharded, which lohan does not do; export the model and start a new run "
+                      "to change it")
+    if decided is not None and not dp and StateStore.status(e.nvme, e.name).state == "none":
+        raise Refusal(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks (under rank0 .. "
+                      f"rank{decided['world'] - 1}); launch it as it was: torchrun --nproc-per-node ... with "
+                      f"{decided['world']} ranks in all, and the same command line")
+    if resume and status.state == "none":
+        raise Refusal(f"nothing to resume in {e.nvme[0]}: it holds no lohan store named {e.name!r}. Check the "
+                      "--nvme path (and engine.name), or drop --resume to start a new run")
+    if not resume and not overwrite and status.state != "none":
+        what = "continue it" if status.state == "complete" else "continue it where it stopped"
+        raise Refusal(f"{e.nvme[0]} already holds {status.describe()}. Pass --resume to {what}, or --overwrite to "
+                      "discard it and start over")
+    if resume:
+        try:
+            check_resumable(ctx.run, ctx.seq_len, ctx.model, status.model)
+        except (StoreCorruptError, ValueError) as err:
+            raise Refusal(str(err)) from None
+        if status.state == "complete" and status.step > ctx.steps:
+            raise Refusal(f"the store in {e.nvme[0]} is committed at step {status.step}, past the {ctx.steps} steps "
+                          f"asked for (--steps is the total, the steps already run included): pass --steps above "
+                          f"{status.step} to train on, or --steps {status.step} with --export DIR to export it as "
+                          "it is")
+    return status
+
+
+def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch], dict | None]:
+    """The batch stream at the committed step (a resume: the saved data position and RNG, rank 0's for every
+    rank), and the header. A fresh run's metrics file (lohan's: checked) starts over with its store."""
+    run, dp, start = ctx.run, ctx.dp, engine.step_count
+    try:
+        data_state = load_run_state(run, ctx.seq_len, engine) if resume and ctx.main_rank else None
         if dp:  # rank 0's data position and RNG: every rank must cut the same global batches
             data_state, rng = dp.broadcast((data_state, torch.get_rng_state()))
             torch.set_rng_state(rng)
-        batches = make_batches(run, model, dataset, seq_len, start, data_state)
+        batches = make_batches(run, ctx.model, ctx.dataset, ctx.seq_len, start, data_state)
     except (OSError, ValueError) as err:
-        engine.close()
-        return fail(str(err))
+        raise Refusal(str(err)) from None
+    console = ctx.console
     if resume:
         console.print(f"resuming from the state committed at step {start}")
         changed = _schedule_changes((data_state or {}).get("schedule"), engine.cfg)
         if changed:
             console.print(f"[yellow]note:[/yellow] the optimizer's settings differ from the run being resumed "
                           f"({changed}); the steps from {start + 1} on use the new ones")
-    elif metrics_path.exists() and not (dp and not dp.is_main):
-        metrics_path.unlink()  # a fresh run: the store was started over, so are its metrics (lohan's: checked)
-    main_rank = not dp or dp.is_main  # writes the metrics, the run state and the export
-    label = os.path.basename(os.path.normpath(run.model)) if model.hf_program is not None else mcfg.name
-    _header(console, run, mcfg, engine, seq_len, label)
-    if eval_set is not None:
+    elif ctx.layout.metrics.exists() and ctx.main_rank:
+        ctx.layout.metrics.unlink()
+    label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name
+    _header(console, run, ctx.model.config, engine, ctx.seq_len, label)
+    if ctx.eval_set is not None:
         source = f"held out from {run.data}" if run.eval_fraction is not None else f"from {run.eval_data}"
         when = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
-        console.print(f"  eval: {len(eval_set)} sequences {source}, {when} (forward only)")
+        console.print(f"  eval: {len(ctx.eval_set)} sequences {source}, {when} (forward only)")
+    return batches, data_state
+
+
+def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None, export: str | None,
+          export_dtype: str | None) -> int:
+    """Train to the last step, export, and close; a failure or a stop says what stands and how to go on."""
     history: list[StepMetrics] = []
     code = 0
     try:
-        writer_cm = MetricsWriter(metrics_path) if main_rank else contextlib.nullcontext(None)
-        with writer_cm as writer, progress_bar(steps, console, completed=start) as bar:
-            # one batch ahead: a step whose optimizer pass runs after backward runs the next forward beside it
-            position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
-            batch = next(batches) if start < steps else None
-            run_state = data_state if data_state is not None and data_state.get("step") == start else None
-            for s in range(start, steps):
-                after = position()  # the data position once this step's batch is consumed
-                nxt = next(batches) if s + 1 < steps else None
-                loss = engine.step(batch, next_batch=nxt)
-                if main_rank:
-                    run_state = save_run_state(run, seq_len, engine, after, run_state)
-                batch = nxt
-                m = engine.last_metrics
-                # after the run state is saved: an evaluation reads the committed weights and nothing else
-                due = eval_set is not None and (m["step"] == steps
-                                                or bool(run.eval_every and m["step"] % run.eval_every == 0))
-                eval_loss, eval_s = evaluate(engine, eval_set, run.batch_size) if due else (None, None)
-                sm = StepMetrics.from_counters(
-                    step=m["step"], loss=loss, lr=m["lr"], tokens=m["tokens"], step_s=m["step_s"],
-                    flops=(m["tflops"] or 0.0) * 1e12 * m["step_s"], ssd_read_bytes=m["ssd_read_bytes"],
-                    ssd_write_bytes=m["ssd_write_bytes"], cpu_mem_bytes=int(m["cpu_mem_gib"] * 2**30),
-                    gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
-                    lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
-                    clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
-                    loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s,
-                    network_bytes=m.get("network_bytes"))
-                history.append(sm)
-                if writer is not None:
-                    writer.write(sm)
-                report_step(bar, sm, steps)
+        _train_steps(ctx, engine, batches, data_state, history)
         if export:
-            if main_rank:
-                _export(console, run, model, engine, layout, export_dtype)
+            if ctx.main_rank:
+                _export(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
             else:  # the same reads, in the same order: each one gathers a block from every rank
                 for b in engine.layout.blocks:
                     engine.read_params(b.index)
     except KeyboardInterrupt as err:
         with contextlib.suppress(Exception):  # the last step's commit, if still staged (write-behind)
             engine.flush()
-        console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.committed_step} is on NVMe with "
-                      "its data position (continue with --resume)")
+        ctx.console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.committed_step} is on NVMe "
+                          "with its data position (continue with --resume)")
         code = _interrupt_code(err)
     except NonFiniteError as err:
-        code = fail(str(err))
+        code = _fail(ctx.console, ctx.dp, str(err))
     except (StoreCorruptError, IOEngineError, RuntimeError) as err:
         cause = _root_cause(err)
         if isinstance(cause, StoreCorruptError):  # the committed state itself is damaged: no "intact" claim
-            code = fail(f"{cause}. Training stopped before using the damaged bytes")
+            code = _fail(ctx.console, ctx.dp, f"{cause}. Training stopped before using the damaged bytes")
         else:
-            code = fail(f"{cause}. The step in flight was abandoned; the state committed at step "
-                        f"{engine.committed_step} is intact. Fix the cause, then continue with --resume")
+            code = _fail(ctx.console, ctx.dp, f"{cause}. The step in flight was abandoned; the state committed at "
+                         f"step {engine.committed_step} is intact. Fix the cause, then continue with --resume")
     except (OSError, ValueError) as err:
-        code = fail(str(err))
+        code = _fail(ctx.console, ctx.dp, str(err))
     finally:
         try:
             engine.close()
         except (OSError, RuntimeError) as err:  # a failing disk may fail the close too; the commit stands
             log.warning("closing the engine failed: %s", err)
-    if history and main_rank:
-        console.print(format_summary(history))
-        clipped = sum(h.clip_coef is not None and h.clip_coef < 1 for h in history)
-        redone, skipped = sum(h.redone for h in history), sum(h.skipped for h in history)
-        if clipped or skipped:
-            console.print(f"  gradients   clipped in {clipped} of {len(history)} steps ({redone} speculative updates "
-                          f"redone), {skipped} skipped as not finite")
-        untrained = getattr(batches, "untrained_skipped", 0)
-        if untrained:
-            console.print(f"  data        {untrained} batch(es) skipped: every target masked (no response or assistant "
-                          "token), nothing to train on")
-        png = plot_metrics(metrics_path)
-        console.print(f"metrics: {metrics_path}" + (f", plot: {png}" if png else ""))
+    if history and ctx.main_rank:
+        _finish(ctx, history, batches)
     return code
+
+
+def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None,
+                 history: list[StepMetrics]) -> None:
+    """The loop: a step, its run state (the data position a resume needs) once it is committed, an evaluation
+    when due, its metrics. One batch is drawn ahead: a step whose optimizer pass runs after backward runs the
+    next step's forward beside it."""
+    run, steps, start = ctx.run, ctx.steps, engine.step_count
+    writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
+    with writer_cm as writer, progress_bar(steps, ctx.console, completed=start) as bar:
+        position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
+        batch = next(batches) if start < steps else None
+        run_state = data_state if data_state is not None and data_state.get("step") == start else None
+        for s in range(start, steps):
+            after = position()  # the data position once this step's batch is consumed
+            nxt = next(batches) if s + 1 < steps else None
+            loss = engine.step(batch, next_batch=nxt)
+            if ctx.main_rank:
+                run_state = save_run_state(run, ctx.seq_len, engine, after, run_state)
+            batch = nxt
+            step = engine.last_metrics["step"]
+            # after the run state is saved: an evaluation reads the committed weights and nothing else
+            due = ctx.eval_set is not None and (step == steps or bool(run.eval_every and step % run.eval_every == 0))
+            eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
+            sm = _step_metrics(engine.last_metrics, loss, eval_loss, eval_s)
+            history.append(sm)
+            if writer is not None:
+                writer.write(sm)
+            report_step(bar, sm, steps)
+
+
+def _step_metrics(m: dict[str, Any], loss: float, eval_loss: float | None, eval_s: float | None) -> StepMetrics:
+    """A step's record from the engine's metrics."""
+    return StepMetrics.from_counters(
+        step=m["step"], loss=loss, lr=m["lr"], tokens=m["tokens"], step_s=m["step_s"],
+        flops=(m["tflops"] or 0.0) * 1e12 * m["step_s"], ssd_read_bytes=m["ssd_read_bytes"],
+        ssd_write_bytes=m["ssd_write_bytes"], cpu_mem_bytes=int(m["cpu_mem_gib"] * 2**30),
+        gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
+        lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
+        clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
+        loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s, network_bytes=m.get("network_bytes"))
+
+
+def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> None:
+    """The run's summary and its metrics plot."""
+    console = ctx.console
+    console.print(format_summary(history))
+    clipped = sum(h.clip_coef is not None and h.clip_coef < 1 for h in history)
+    redone, skipped = sum(h.redone for h in history), sum(h.skipped for h in history)
+    if clipped or skipped:
+        console.print(f"  gradients   clipped in {clipped} of {len(history)} steps ({redone} speculative updates "
+                      f"redone), {skipped} skipped as not finite")
+    untrained = getattr(batches, "untrained_skipped", 0)
+    if untrained:
+        console.print(f"  data        {untrained} batch(es) skipped: every target masked (no response or assistant "
+                      "token), nothing to train on")
+    png = plot_metrics(ctx.layout.metrics)
+    console.print(f"metrics: {ctx.layout.metrics}" + (f", plot: {png}" if png else ""))
 
 
 def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: EngineConfig, resume: bool) -> Engine:
