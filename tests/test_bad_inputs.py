@@ -144,6 +144,8 @@ CASES = [
          r"model_type 'frobnik' is not supported: transformers has no causal-LM class .*tested: llama, mistral"),
     Case("model-missing-tokenizer", lambda t, m: hf_args(damaged(m, remove_tokenizer), t),
          r"has no tokenizer .*pass a directory that has one"),
+    Case("model-bloom", lambda t, m: hf_args(damaged(m, lambda d: set_model_type(d, "bloom")), t),
+         r"model_type 'bloom' is not supported: its positions are ALiBi attention biases"),
     # ------------------------------------------------------------------ numbers
     Case("steps-zero", lambda t, m: preset(t, "--steps", "0"), r"steps=0 must be an integer >= 1"),
     Case("steps-negative", lambda t, m: preset(t, "--steps", "-3"), r"steps=-3 must be an integer >= 1"),

@@ -69,6 +69,10 @@ def family_config(family: str):
         return tf.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                             max_position_embeddings=64, word_embed_proj_dim=16, do_layer_norm_before=False,
                             pad_token_id=1, bos_token_id=1, eos_token_id=2)
+    if family == "gpt_neox":  # Pythia: parallel attention + MLP, partial rotary, a head saved as embed_out
+        return tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
+                                use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     if family == "granite":  # untested family, standard layout: embedding and residual multipliers
         return tf.GraniteConfig(**_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                 attention_multiplier=0.3, logits_scaling=1.0)

@@ -70,7 +70,7 @@ __all__ = ["SUPPORTED", "WEIGHTS_INDEX", "WEIGHTS_NAME", "HFBlocks", "check_weig
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "opt")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "opt", "gpt_neox")
 """model_type values tested bit-exact against transformers (tests/test_hf_families.py). Other decoders with
 the standard layout load too: the probe run at load refuses one whose forward the blocks do not reproduce."""
 
@@ -94,7 +94,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 
 def _supported_text() -> str:
     return (f"lohan fine-tunes decoder-only causal LMs with the standard layout (tested: {', '.join(SUPPORTED)}; "
-            "Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-2, OPT)")
+            "Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-2, OPT, GPT-NeoX/Pythia)")
 
 
 def _refuse_kind(path: str | os.PathLike, data: dict) -> None:
@@ -112,6 +112,12 @@ def _refuse_kind(path: str | os.PathLike, data: dict) -> None:
         why = "it is an encoder-decoder model; lohan trains decoder-only LMs"
     elif "type_vocab_size" in data:  # token-type embeddings: the BERT family's bidirectional encoders
         why = "it is an encoder (BERT-style, bidirectional attention), not a causal decoder"
+    elif family == "bloom" or data.get("alibi") is True:
+        # Bloom's decoder builds ALiBi biases from the batch's attention mask and hands each layer its own
+        # (hidden, alibi, mask) arguments; it has no position limit either (no max_position_embeddings)
+        why = ("its positions are ALiBi attention biases that the decoder builds from each batch's attention mask "
+               "and passes its layers in its own calling convention (Bloom; Falcon and MPT with alibi), which "
+               "lohan's block program does not reproduce; and it has no position limit to check --seq-len against")
     else:
         experts = {k: data[k] for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1}
         if experts:

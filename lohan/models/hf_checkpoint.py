@@ -101,13 +101,16 @@ class _Checkpoint:
                     for k in f.keys():
                         self.key_file[k] = os.path.basename(file)
 
-    def resolve(self, name: str, prefix: str) -> str:
-        """The checkpoint key of HF parameter `name`, with or without the base-model prefix."""
+    def resolve(self, name: str, prefix: str, renames: list[tuple[str, str]] = ()) -> str:
+        """The checkpoint key of HF parameter `name`, with or without the base-model prefix, or under the name a
+        checkpoint of the family's gives it (`renames`: (model's name prefix, checkpoint's), e.g. GPT-NeoX's
+        ``lm_head.`` saved as ``embed_out.``)."""
         candidates = [name]
         if prefix and name.startswith(prefix + "."):
             candidates.append(name[len(prefix) + 1:])
         elif prefix:
             candidates.append(f"{prefix}.{name}")
+        candidates += [old + c[len(new):] for c in list(candidates) for new, old in renames if c.startswith(new)]
         for key in candidates:
             if key in self.key_file:
                 return key
@@ -128,16 +131,36 @@ class _Checkpoint:
         return out
 
 
+def checkpoint_renames(model: Any) -> list[tuple[str, str]]:
+    """(model's name prefix, checkpoint's) pairs of the renamings transformers applies when it loads a checkpoint
+    of `model`'s family (its weight-conversion mapping), for the plain prefix renamings among them (``^old\\.``
+    to ``new.``): lohan reads checkpoints itself, one block at a time, so it looks their keys up the same way."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+    except ImportError:  # transformers before 5 renamed nothing at load time
+        return []
+    out = []
+    for rule in get_model_conversion_mapping(model) or []:
+        if not isinstance(rule, WeightRenaming):
+            continue
+        for src, dst in zip(rule.source_patterns, rule.target_patterns):
+            old = src[1:].replace("\\.", ".") if src.startswith("^") else None
+            if old and re.fullmatch(r"[\w.]+", old) and re.fullmatch(r"[\w.]+", dst):
+                out.append((dst, old))
+    return out
+
+
 def make_init_block(program: HFBlocks, path: str | os.PathLike) -> Callable[[int], list[Tensor]]:
     """init_block(i) -> block i's fp32 weights from the checkpoint in `path` (the engine's import hook)."""
     ckpt: list[_Checkpoint] = []
     prefix = program.model.base_model_prefix
+    renames = checkpoint_renames(program.model)
 
     def init_block(i: int) -> list[Tensor]:
         if not ckpt:
             ckpt.append(_Checkpoint(path))
         src = ckpt[0]
-        keys = [src.resolve(n, prefix) for n in program.param_names(i)]
+        keys = [src.resolve(n, prefix, renames) for n in program.param_names(i)]
         tensors = src.read(keys)
         out = []
         for key, (pname, p) in zip(keys, program.modules[i].named_parameters()):
@@ -169,10 +192,11 @@ def check_weights(program: HFBlocks, path: str | os.PathLike) -> None:
     try:
         ckpt = _Checkpoint(path)
         prefix = program.model.base_model_prefix
+        renames = checkpoint_renames(program.model)
         by_file: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
         for i, block in enumerate(program.modules):
             for name, (pname, p) in zip(program.param_names(i), block.named_parameters()):
-                key = ckpt.resolve(name, prefix)
+                key = ckpt.resolve(name, prefix, renames)
                 by_file.setdefault(ckpt.key_file[key], []).append((key, tuple(p.shape), f"{program.names[i]}.{pname}"))
         for file, entries in by_file.items():
             with safe_open(os.path.join(ckpt.path, file), framework="pt") as f:
