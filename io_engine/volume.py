@@ -200,9 +200,10 @@ class Volume:
                 os.unlink(path)
             raise VolumeConfigError(f"cannot preallocate {self.file_size} bytes for the volume: {e}") from e
         for i, mpath in enumerate(self._manifests):
-            _write_manifest(mpath, {"version": MANIFEST_VERSION, "volume_id": volume_id, "index": i,
-                                    "n_devices": self.n_devices, "chunk_bytes": self.chunk_bytes,
-                                    "file_size": max(self.file_size, os.path.getsize(self.paths[i]))})
+            data = {"version": MANIFEST_VERSION, "volume_id": volume_id, "index": i, "n_devices": self.n_devices,
+                    "chunk_bytes": self.chunk_bytes, "file_size": max(self.file_size, os.path.getsize(self.paths[i]))}
+            if manifests[i] != data:  # unchanged on a reopen: nothing to write (a full disk can still be reopened)
+                _write_manifest(mpath, data)
         return volume_id
 
     def _space_problems(self) -> list[str]:

@@ -259,6 +259,11 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
                   bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem),
                   ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme, store_name), cpu_adam_params_per_s=adam)
+    held = store_bytes(tuple(nvme), store_name)
+    notes.append("SSD space: what is free on the --nvme filesystems" + (f", plus the {held / 2**30:.2f} GiB the "
+                 f"store '{store_name}' takes there already (a resume reuses it, an overwrite replaces it)" if held
+                 else "") + f", less the first step's {PROBE_BYTES >> 20} MiB speed probe (none on a resume "
+                 "that saved its profile)")
     return Machine(hw, tuple(notes), device_is_host=not use_cuda)
 
 

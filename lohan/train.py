@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import logging
@@ -542,6 +543,9 @@ def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
     except (MemoryPlanError, VolumeConfigError, FileExistsError, FileNotFoundError, ValueError,
             StoreCorruptError, DirectoryInUseError, RuntimeError) as err:
         raise Refusal(str(err)) from None
+    except OSError as err:  # the directories themselves: a full disk, a failing drive, permissions
+        raise Refusal(_os_error_text(err, "opening the store") + "; the store is as it was. Fix the cause, then run "
+                      "the same command again") from None
 
 
 def _check_store(ctx: _Run, store_dirs: tuple[str, ...], resume: bool, overwrite: bool) -> StoreStatus:
@@ -639,7 +643,10 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
         else:
             code = _fail(ctx.console, ctx.dp, f"{cause}. The step in flight was abandoned; the state committed at "
                          f"step {engine.committed_step} is intact. Fix the cause, then continue with --resume")
-    except (OSError, ValueError) as err:
+    except OSError as err:
+        code = _fail(ctx.console, ctx.dp, _os_error_text(err, "training") + f"; the state committed at step "
+                     f"{engine.committed_step} is intact. Fix the cause, then continue with --resume")
+    except ValueError as err:
         code = _fail(ctx.console, ctx.dp, str(err))
     finally:
         try:
@@ -766,6 +773,15 @@ def _interrupt_name(err: BaseException) -> str:
 
 def _interrupt_code(err: BaseException) -> int:
     return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
+
+
+def _os_error_text(err: OSError, doing: str) -> str:
+    """An OSError as a sentence with its path, and what a full disk means (the usual one on a long run)."""
+    where = f" ({err.filename})" if err.filename else ""
+    text = f"{err.strerror or err} while {doing}{where}"
+    if err.errno == errno.ENOSPC:
+        text += ": the disk is full; free space on it (or point --nvme / --metrics elsewhere)"
+    return text
 
 
 def _root_cause(err: BaseException) -> BaseException | str:

@@ -223,3 +223,23 @@ def test_store_creation_reports_progress_in_a_log_file(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("initializing states on NVMe")]
     assert lines and lines[-1].startswith("initializing states on NVMe: 4 of 4 blocks"), lines
     assert "GiB) in" in lines[-1]
+
+
+def test_a_full_disk_during_training_says_so_and_what_stands(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import lohan.engine
+
+    assert main(args(tmp_path, "--steps", "2")) == 0
+    real = lohan.engine.Engine.step
+
+    def step(self, *a, **kw):
+        if self.step_count >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(lohan.engine.Engine, "step", step)
+    capsys.readouterr()
+    assert main(args(tmp_path, "--steps", "5", "--resume")) == 2
+    out = capsys.readouterr().out
+    assert "the disk is full" in out and "is intact. Fix the cause, then continue with --resume" in out

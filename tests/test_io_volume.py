@@ -161,3 +161,17 @@ def test_emulated_bandwidth_paces_each_device(make_dirs):
             vol.write(buf.tensor, 0).wait()
             elapsed = time.perf_counter() - t0
     assert elapsed >= 4 * MiB / 0.05e9 * 0.95
+
+
+def test_reopening_a_volume_rewrites_nothing(make_dirs):
+    """A volume reopened as it was writes no manifest (a store whose disk filled up can still be opened)."""
+    import os
+
+    from io_engine import open_volume
+
+    dirs = make_dirs(2)
+    open_volume(dirs, 1 << 20, name="re").close()
+    manifests = [os.path.join(d, "re.volume.json") for d in dirs]
+    before = [os.stat(m).st_mtime_ns for m in manifests]
+    open_volume(dirs, 1 << 20, name="re").close()
+    assert [os.stat(m).st_mtime_ns for m in manifests] == before
