@@ -163,7 +163,7 @@ def test_is_hf_dir(hf_dir):
     for family in ("llama", "gpt2"):
         assert hf.is_hf_dir(hf_dir(family))
     assert {"llama", "gpt2", "opt", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3",
-            "olmo2"} == set(hf.SUPPORTED)
+            "olmo2", "gpt_neox"} == set(hf.SUPPORTED)
 
 
 def test_skeleton_has_meta_parameters_and_real_buffers(hf_dir):
