@@ -3,7 +3,7 @@
 
 import sys
 
-from lohan.cli import main
+from lohan.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

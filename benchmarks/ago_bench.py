@@ -277,7 +277,7 @@ def _metrics_record(engine: Any, m: dict, mode: str, rnd: int, k: int, warmup: b
         # Where the compute thread's step time went besides the engine's lanes (WaitMeter), and the
         # rest: forward/backward Python overhead, releasing/acquiring resident blocks, metrics.
         "compute_thread": {**{f"{k}_s": v for k, v in waits.items()}, "unaccounted_s": step_s - accounted},
-        # The optimizer thread's own accounting (lohan.offload.GradOffloader): idle waiting for
+        # The optimizer thread's own accounting (lohan.runtime.offload.GradOffloader): idle waiting for
         # gradients, waiting for its READs, and its wall time from first to last block.
         "ago": {"grad_wait_s": ago.grad_wait_s, "read_wait_s": ago.read_wait_s, "busy_s": ago.busy_s},
         "disk_busy_s": d["disk_busy"],
@@ -502,10 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     import lohan
     from io_engine.base import align_up
     from lohan.config import EngineConfig, get_model_config
-    from lohan.engine import plan_host_memory
     from lohan.models.adapter import GPTBlocks
     from lohan.models.gpt import build_model
-    from lohan.store import plan_layout
+    from lohan.runtime.engine import plan_host_memory
+    from lohan.store.states import plan_layout
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                         micro_batches=args.micro_batches, backend=args.backend, prefetch_depth=args.prefetch_depth,
                         max_inflight_blocks=args.max_inflight_blocks, name=STORE_NAME,
                         resident_mem=0)  # the modes are compared on the records they stream, not on RAM
-    # What each mode's buffer pools need (lohan.engine.plan_host_memory), for cpu_mem=auto and the report.
+    # What each mode's buffer pools need (lohan.runtime.engine.plan_host_memory), for cpu_mem=auto and the report.
     program = GPTBlocks(build_model(mcfg, device="meta"))
     layout = plan_layout(program.modules, program.names, args.compute_dtype, base.slots)
     owners = sorted({o for i in range(len(program.modules)) for o, _ in program.external_params(i)})

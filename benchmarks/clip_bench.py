@@ -63,7 +63,7 @@ def make_run_engines(root: Path, steps: int):
 
 
 def llama_engines(root: Path, steps: int, dtype: str = "fp32"):
-    from lohan.hf_engine import init_from_hf
+    from lohan.runtime.hf_engine import init_from_hf
 
     model = root / "llama-110m"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"), str(model), "--size", "110m"],

@@ -1,4 +1,4 @@
-"""Data-parallel scaling: tokens/s of one training run on 1, 2, ... ranks (lohan/parallel.py), same global batch.
+"""Data-parallel scaling: tokens/s of one training run on 1, 2, ... ranks (lohan/runtime/parallel.py), same global batch.
 
 What it does. For every rank count N of ``--ranks`` (default 1 2) it launches ``torchrun --nproc-per-node N``
 on this script's worker, which builds the engine on a fresh store (``DIR/rank<r>`` per rank), trains
@@ -7,7 +7,7 @@ rank trains batch / N of them). The rank counts are interleaved over ``--rounds`
 each round, so the machine's noise hits them alike. Per point: median step time, tokens/s of the group,
 rank 0's SSD bytes per step and lanes (P16 all-gather time, gradient all-reduce wait), peak RSS per rank,
 and the network bytes per step and rank, measured (the collectives' payload, as ring collectives send it)
-beside `lohan.parallel.network_bytes_per_step` (the cost model's term).
+beside `lohan.runtime.parallel.network_bytes_per_step` (the cost model's term).
 
 Threads: the machine's cores are split among the ranks (``OMP_NUM_THREADS`` = cores / N, as torchrun would
 leave to you), so one rank with all cores is compared with N ranks sharing them. On a CPU-only box the ranks
@@ -54,7 +54,7 @@ def worker(spec_path: str) -> None:
 
     import lohan
     from lohan.config import EngineConfig, get_model_config
-    from lohan.parallel import init_from_env, leave_group
+    from lohan.runtime.parallel import init_from_env, leave_group
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
@@ -119,7 +119,7 @@ def launch(args: argparse.Namespace, ranks: int, tmp: Path, tag: str) -> dict:
 
 
 def summarize(ranks: int, runs: list[dict], args: argparse.Namespace, param_count: int) -> dict:
-    from lohan.parallel import network_bytes_per_step
+    from lohan.runtime.parallel import network_bytes_per_step
 
     recs = [r for run in runs for r in run["records"]]
     step_s = statistics.median(r["step_s"] for r in recs)

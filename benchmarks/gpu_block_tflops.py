@@ -43,7 +43,7 @@ from bench_env import cpu_model, package_version, portable  # noqa: E402 (siblin
 
 from lohan.config import get_model_config  # noqa: E402
 from lohan.models.gpt import Block, init_block_  # noqa: E402
-from lohan.profiler import _EXTRA_FLOPS  # noqa: E402 (the CPU flash-attention kernel's FLOPs)
+from lohan.runtime.profiler import _EXTRA_FLOPS  # noqa: E402 (the CPU flash-attention kernel's FLOPs)
 
 HERE = Path(__file__).resolve().parent
 CPU_SIZES = dict(models=["tiny"], batch=2, seq=128, matmul_n=512, repeats=3, warmup=1, matmul_iters=2)

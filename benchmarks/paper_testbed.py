@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_env import portable  # noqa: E402 (sibling module)
 
 from lohan.config import get_model_config  # noqa: E402
-from lohan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware  # noqa: E402
+from lohan.plan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware  # noqa: E402
 
 SEQ = 1024
 

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import lohan
     from lohan.config import EngineConfig, get_model_config
-    from lohan.planner import algorithm1
+    from lohan.plan.planner import algorithm1
 
     mcfg = get_model_config("tiny", vocab_size=args.vocab, n_layer=args.layers, d_model=args.d_model,
                             n_head=args.heads, seq_len=args.seq_len)

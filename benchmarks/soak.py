@@ -1,6 +1,6 @@
 """Memory soak: does a long fine-tune keep its RSS, threads and open files flat, and within its plan?
 
-What one run is. `finetune.py`'s own entry point (`lohan.cli.main`) runs as a child process for
+What one run is. `finetune.py`'s own entry point (`lohan.app.cli.main`) runs as a child process for
 `--steps` optimizer steps; the parent samples the child from outside with psutil every `--interval`
 seconds (RSS, threads, open fds, the kernel's RSS high-water mark `VmHWM`). Inside the child a thin
 wrapper around `Engine.step` (the code path is the CLI's; nothing else changes) appends one JSON line
@@ -34,7 +34,7 @@ Numbers per run (benchmarks/README.md has the key table):
   the outside sampler saw.
 - checks: |drift| < 2 % (RSS; and RSS minus what glibc holds free, the memory in use), threads and fds
   not growing, VmHWM <= the `peak RSS at most` the run's header states
-  (`lohan/memory.py`), the run completed.
+  (`lohan/runtime/heap.py`), the run completed.
 
 Diagnosis flags: `--legacy-upcast` brings back what made a 110M Llama grow (a new optimizer thread per
 step allocating a fresh fp32 gradient per block), `--malloc-trim every|first` calls glibc's malloc_trim(0)
@@ -139,12 +139,12 @@ def _status() -> dict[str, int]:
 
 
 def child(argv: list[str]) -> int:
-    """Run `lohan.cli.main(argv)` (what finetune.py runs) with a per-step probe around Engine.step."""
+    """Run `lohan.app.cli.main(argv)` (what finetune.py runs) with a per-step probe around Engine.step."""
     import psutil
     import torch
 
-    import lohan.engine as engine_mod
-    from lohan.cli import main
+    import lohan.runtime.engine as engine_mod
+    from lohan.app.cli import main
 
     proc = psutil.Process()
     out = open(os.environ[DIAG_ENV], "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
@@ -209,7 +209,7 @@ def child(argv: list[str]) -> int:
     if os.environ.get(LEGACY_ENV) == "1":
         from concurrent.futures import ThreadPoolExecutor
 
-        from lohan.offload import GradOffloader
+        from lohan.runtime.offload import GradOffloader
 
         def legacy_fp32(self: Any, g: Any, coef: Any = None) -> Any:
             # the behaviour before the upcast scratch: a fresh fp32 tensor per block...

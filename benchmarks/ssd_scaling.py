@@ -7,18 +7,18 @@ rotated every round, so noise from the rest of the machine hits them all alike; 
 size the engine re-plans its activations on the first step, which is discarded, and ``--steps`` steps are
 measured. Per point: median step time, tokens/s, TFLOPS (model FLOPs: 3 x forward; recomputation not
 counted), SSD bytes read/written per step, the engine's lanes, and the planner's predicted step time
-beside it (``lohan.planner.estimate`` on the profile the engine measured for that point: its per-op FLOPs
+beside it (``lohan.plan.planner.estimate`` on the profile the engine measured for that point: its per-op FLOPs
 and bytes, the SSD bandwidth it probed on those N directories, and the swap set it ran).
 
 Two inputs of the prediction are measured by the benchmark rather than taken from the engine's profile:
 
 - ``THP_G`` per batch size: the engine measures it once, at its first step, and keeps it for every later
-  batch size (``lohan/swap.py`` caches the ``Hardware``), and a single best-of-4 timing of one block is
+  batch size (``lohan/runtime/activations.py`` caches the ``Hardware``), and a single best-of-4 timing of one block is
   easily 10x off on a shared 2-core machine. The benchmark measures it with the profiler's own function
-  (``lohan.profiler.profile_block``: FLOPs / (forward + backward / 3) of one transformer block of the same
+  (``lohan.runtime.profiler.profile_block``: FLOPs / (forward + backward / 3) of one transformer block of the same
   shape and dtype) once per batch size and round, and uses the median.
 - the ``cpu`` lane (CPU AdamW): engine profiles leave it unpriced (rate 0); the benchmark prices it with
-  ``lohan.fit.measure_cpu_adam`` (the engine's own AdamW kernel and checksums, alone on the cores).
+  ``lohan.app.fit.measure_cpu_adam`` (the engine's own AdamW kernel and checksums, alone on the cores).
 
 The engine's own estimate (``engine.activations.plan.estimate``) is kept beside it (``engine_plan_s``).
 
@@ -165,9 +165,9 @@ def visit_order(ssds: Sequence[int], batches: Sequence[int], r: int) -> list[tup
 
 def predict(profile: Any, swap: Sequence[str], thp_g: float | None = None,
             cpu_adam_params_per_s: float | None = None) -> Any:
-    """The cost model's estimate (``lohan.planner.estimate``) of `swap` on `profile`, with THP_G and the CPU
+    """The cost model's estimate (``lohan.plan.planner.estimate``) of `swap` on `profile`, with THP_G and the CPU
     AdamW rate replaced where given (None keeps the profile's)."""
-    from lohan.planner import estimate
+    from lohan.plan.planner import estimate
 
     hw = profile.hardware
     hw = dataclasses.replace(
@@ -269,10 +269,10 @@ def measure_thp(mcfg: Any, batch: int, seq: int, compute_dtype: str, device: str
     (``profile_block``: FLOPs / a third of a forward + backward), on a standalone block of the same dtype."""
     import torch
 
-    from lohan.activations import OpTracker
-    from lohan.device import Device
     from lohan.models.gpt import Block
-    from lohan.profiler import profile_block
+    from lohan.runtime.activation_store import OpTracker
+    from lohan.runtime.device import Device
+    from lohan.runtime.profiler import profile_block
 
     dev = Device(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[compute_dtype]
@@ -292,8 +292,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import lohan
+    from lohan.app.fit import measure_cpu_adam
     from lohan.config import EngineConfig, get_model_config
-    from lohan.fit import measure_cpu_adam
 
     overrides = {} if args.preset_dims else dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                                                  vocab_size=args.vocab)
@@ -489,7 +489,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             f"{p['measured_lanes']['compute']:.3f} | {p['cpu_other_median']:.2f} |")
     cal = report["calibration"]
     lines += [
-        "", "Prediction: `lohan.planner.estimate` on the profile the engine measured at each point (per-op FLOPs "
+        "", "Prediction: `lohan.plan.planner.estimate` on the profile the engine measured at each point (per-op FLOPs "
         "and bytes, SSD bandwidth probed on those N directories, the swap set it ran), with THP_G measured per "
         "batch size by `profiler.profile_block` (median TFLOP/s: " + ", ".join(
             f"batch {b} {t:.3f}" for b, t in cal["thp_tflops_median"].items())

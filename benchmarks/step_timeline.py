@@ -66,7 +66,7 @@ def _name_os_threads() -> None:
 
 def child(a: argparse.Namespace) -> int:
     _name_os_threads()
-    import lohan.engine as E
+    import lohan.runtime.engine as E
 
     marks: list[tuple[str, float, float]] = []
 

@@ -17,7 +17,7 @@ Trainer's groups), global gradient clipping at 1.0, constant learning rate, the 
 targets, torch threads = cores. The clock of a step covers the whole step (forward, backward, clipping,
 optimizer, every SSD transfer it waits for); the median of the timed steps is reported.
 
-- ``lohan``: `lohan.hf_engine.init_from_hf` with `finetune.py`'s defaults (`EngineConfig()`: the activation
+- ``lohan``: `lohan.runtime.hf_engine.init_from_hf` with `finetune.py`'s defaults (`EngineConfig()`: the activation
   planner, optimized offloading, 8 GiB `cpu_mem`, aio backend when built), states on `--scratch`. Not tuned.
   The defaults keep as many optimizer records in RAM from step to step as half of what `cpu_mem` leaves
   allows (`resident_mem: auto`; all of them for these models), still writing them to the SSD every step.
@@ -146,7 +146,7 @@ TUNE_GRID: dict[str, list[tuple[str, list[Any]]]] = {
 }
 
 
-# lohan's engine.heap_reuse (lohan/memory.py: mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB) as glibc's environment
+# lohan's engine.heap_reuse (lohan/runtime/heap.py: mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB) as glibc's environment
 PEER_HEAP_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 
@@ -200,7 +200,7 @@ def _loss(logits: Any, targets: Any) -> Any:
 def build_lohan(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
     sys.path.insert(0, str(REPO))
     from lohan.config import EngineConfig
-    from lohan.hf_engine import init_from_hf
+    from lohan.runtime.hf_engine import init_from_hf
 
     base = dict(lr=LR, warmup_steps=0, total_steps=None, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                 max_grad_norm=MAX_GRAD_NORM, compute_dtype=dtype)
@@ -505,7 +505,7 @@ def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any]
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     env.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # as io_engine's aio op
-    if a.peers_heap_reuse and system not in LOHANS:  # lohan sets it itself (engine.heap_reuse, lohan/memory.py)
+    if a.peers_heap_reuse and system not in LOHANS:  # lohan sets it itself (engine.heap_reuse, lohan/runtime/heap.py)
         env.update(PEER_HEAP_REUSE_ENV)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", system, "--model-dir", str(model_dir),
            "--work", str(work), "--settings", json.dumps(settings), "--result", str(result_path),

@@ -14,15 +14,15 @@ from typing import Any
 
 
 def init(*args: Any, **kwargs: Any):
-    """Build a training Engine; see `lohan.engine.init`."""
-    from .engine import init as _init
+    """Build a training Engine; see `lohan.runtime.engine.init`."""
+    from lohan.runtime.engine import init as _init
 
     return _init(*args, **kwargs)
 
 
 def init_from_hf(*args: Any, **kwargs: Any):
-    """Build a training Engine for a local Hugging Face model directory; see `lohan.hf_engine.init_from_hf`."""
-    from .hf_engine import init_from_hf as _init_from_hf
+    """Build a training Engine for a local Hugging Face model directory; see `lohan.runtime.hf_engine.init_from_hf`."""
+    from lohan.runtime.hf_engine import init_from_hf as _init_from_hf
 
     return _init_from_hf(*args, **kwargs)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import PRESETS, get_model_config
-from .planner import activations_in_ram_capacity, capacity, max_batch, max_model, parse_hardware
+from lohan.config import PRESETS, get_model_config
+from lohan.plan.planner import activations_in_ram_capacity, capacity, max_batch, max_model, parse_hardware
 
 
 def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, compute_dtype: str = "bf16",

@@ -409,7 +409,7 @@ class EngineConfig:
 
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda``, or ``sim``: the CPU simulating a separate device, whose
-    tensors do not mix with host buffers and whose copies complete late (lohan/simdevice.py; for tests)."""
+    tensors do not mix with host buffers and whose copies complete late (lohan/runtime/simdevice.py; for tests)."""
 
     name: str = "lohan"
     """Store name: file stem of the slab files and records in the NVMe directories."""
@@ -538,7 +538,7 @@ MAX_STEPS = 2**24
 class RunConfig:
     """A fine-tuning run: which model, which data, how long, and the engine settings.
 
-    Loaded from YAML (``configs/*.yaml``) and command-line overrides by :mod:`lohan.cli`.
+    Loaded from YAML (``configs/*.yaml``) and command-line overrides by :mod:`lohan.app.cli`.
     """
 
     model: str = "tiny"

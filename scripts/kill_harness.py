@@ -116,7 +116,7 @@ def read_losses(path: Path) -> dict[int, float]:
 
 
 def read_weights(work: Path) -> dict[str, object]:
-    from lohan.store import StateStore
+    from lohan.store.states import StateStore
 
     store = StateStore.open([str(work / "nvme")], backend="threads")
     try:

@@ -10,7 +10,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # device 'auto' means the CPU in tests, also on a CUDA machine: the plain-PyTorch references run on the CPU,
 # and bit-exactness holds between runs on one device. The CUDA tests ask for device='cuda' themselves.
 os.environ.setdefault("LOHAN_DEVICE", "cpu")
-# lohan.cli.main turns an unexpected exception into "error: ..." and exit 2 for users; in tests it must
+# lohan.app.cli.main turns an unexpected exception into "error: ..." and exit 2 for users; in tests it must
 # propagate with its traceback, so a bug is never mistaken for a clean refusal
 os.environ.setdefault("LOHAN_DEBUG", "1")
 

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lohan
 from lohan.config import EngineConfig, get_model_config
-from lohan.parallel import leave_group
+from lohan.runtime.parallel import leave_group
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_worker import batches  # noqa: E402

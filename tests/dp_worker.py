@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import lohan
 from lohan.config import EngineConfig, get_model_config
-from lohan.parallel import leave_group
+from lohan.runtime.parallel import leave_group
 
 
 def batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 123):

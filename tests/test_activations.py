@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import lohan
-from lohan.activations import ActivationReplayError, OpTracker, SelectiveMode, record_nbytes
 from lohan.models.gpt import build_model
+from lohan.runtime.activation_store import ActivationReplayError, OpTracker, SelectiveMode, record_nbytes
 from tests.test_engine_equivalence import (
     assert_params_equal,
     batches,
@@ -114,8 +114,8 @@ def test_records_keep_values_and_memory_layout_on_every_tier(make_dirs):
     """Packed records come back with the same values, and dense tensors with the same strides (a view
     op in the recompute must see the layout forward saw)."""
     from io_engine import BufferPool, open_volume
-    from lohan.activations import ActivationStore, OpRecord
-    from lohan.device import Device
+    from lohan.runtime.activation_store import ActivationStore, OpRecord
+    from lohan.runtime.device import Device
 
     base = torch.randn(4, 6, 8)
     outs = [base.transpose(0, 1), base[:, ::2], torch.tensor(3.5), torch.arange(5, dtype=torch.int64)]

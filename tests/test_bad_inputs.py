@@ -3,7 +3,7 @@ numbers, the NVMe directories, the memory budgets, the config file, the export t
 description ends the same way: exit code 2, one `error: ...` message naming the cause (and the fix), no
 Python traceback, and nothing on disk touched (no NVMe directory created, no file written or removed).
 
-Every case runs `lohan.cli.main` in-process from a scratch working directory under `tmp_path`, so a stray
+Every case runs `lohan.app.cli.main` in-process from a scratch working directory under `tmp_path`, so a stray
 relative write would show up in the before/after snapshot of `tmp_path` too. The files a case prepares
 (a damaged model directory, a broken YAML, ...) are made before the snapshot is taken.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lohan.cli import main
+from lohan.app.cli import main
 
 MakeModel = Callable[[], Path]
 """Copies the module's tiny Llama directory into the case's tmp_path and returns the copy."""
@@ -444,10 +444,10 @@ def _crash(*args, **kwargs):
 
 
 def test_unexpected_exception_is_one_error_line_with_a_hint(workdir, capsys, monkeypatch):
-    import lohan.train
+    import lohan.app.train
 
     monkeypatch.delenv("LOHAN_DEBUG", raising=False)
-    monkeypatch.setattr(lohan.train, "train", _crash)
+    monkeypatch.setattr(lohan.app.train, "train", _crash)
     assert main(preset(workdir)) == 2
     out, err = capsys.readouterr()
     assert "error: unexpected RuntimeError: boom in the loop; run with -v for the traceback" in err
@@ -455,20 +455,20 @@ def test_unexpected_exception_is_one_error_line_with_a_hint(workdir, capsys, mon
 
 
 def test_unexpected_exception_with_verbose_prints_the_traceback(workdir, capsys, monkeypatch):
-    import lohan.train
+    import lohan.app.train
 
     monkeypatch.delenv("LOHAN_DEBUG", raising=False)
-    monkeypatch.setattr(lohan.train, "train", _crash)
+    monkeypatch.setattr(lohan.app.train, "train", _crash)
     assert main(preset(workdir, "-v")) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "error: unexpected RuntimeError: boom in the loop" in err
 
 
 def test_unexpected_exception_propagates_under_lohan_debug(workdir, monkeypatch):
-    import lohan.train
+    import lohan.app.train
 
     monkeypatch.setenv("LOHAN_DEBUG", "1")
-    monkeypatch.setattr(lohan.train, "train", _crash)
+    monkeypatch.setattr(lohan.app.train, "train", _crash)
     with pytest.raises(RuntimeError, match="boom in the loop"):
         main(preset(workdir))
 
@@ -485,7 +485,7 @@ def test_default_config_finds_its_corpus_from_another_directory(tmp_path, monkey
 
 
 def test_relative_output_paths_of_a_config_stay_in_the_working_directory(tmp_path, monkeypatch):
-    from lohan.cli import build_parser, load_run_config
+    from lohan.app.cli import build_parser, load_run_config
 
     conf = tmp_path / "conf"
     (conf / "data").mkdir(parents=True)

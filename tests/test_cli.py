@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lohan.cli import build_parser, load_run_config, main
+from lohan.app.cli import build_parser, load_run_config, main
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -66,7 +66,7 @@ def test_a_model_other_than_the_default_configs_does_not_inherit_its_schedule(tm
     local Hugging Face model run without --config gets the fine-tuning defaults instead (lr 2e-5, warm-up 3% of
     the steps, the cosine over the run's steps), a preset the EngineConfig defaults; flags, --set and an explicit
     --config still decide."""
-    from lohan.cli import FINETUNE_LR
+    from lohan.app.cli import FINETUNE_LR
     from lohan.config import EngineConfig
 
     hf = tmp_path / "model"

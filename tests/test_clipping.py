@@ -11,10 +11,10 @@ import torch
 
 import lohan
 from lohan.config import EngineConfig, get_model_config
-from lohan.engine import NonFiniteError
 from lohan.models.gpt import build_model
-from lohan.optim import decay_mask, lr_factor, param_groups
-from lohan.store import StateStore
+from lohan.runtime.engine import NonFiniteError
+from lohan.runtime.optim import decay_mask, lr_factor, param_groups
+from lohan.store.states import StateStore
 
 STEPS = 8
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 
 from lohan.config import get_model_config
-from lohan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware
+from lohan.plan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware
 
 SEQ = 1024
 

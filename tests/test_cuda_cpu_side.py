@@ -13,7 +13,7 @@ import torch
 
 import lohan
 from io_engine import ALIGN, aligned_empty, open_volume
-from lohan.device import Device
+from lohan.runtime.device import Device
 from tests.test_engine_equivalence import batches, engine_config, tiny_cfg
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a machine without CUDA")
@@ -72,7 +72,7 @@ def test_cpu_activation_tier_is_not_pinned(make_dirs):
 
 
 def test_detect_hardware_on_cpu_takes_main_memory_for_device_memory(tmp_path):
-    from lohan.fit import detect_hardware
+    from lohan.app.fit import detect_hardware
 
     m = detect_hardware((str(tmp_path),), device="cpu", compute_dtype="fp32")
     assert m.device_is_host

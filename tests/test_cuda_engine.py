@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lohan
 from lohan.models.gpt import build_model
-from lohan.optim import lr_factor, param_groups
+from lohan.runtime.optim import lr_factor, param_groups
 from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, engine_run, tiny_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -165,7 +165,7 @@ whole plan, fragmentation margin included (the plan is budgeted against the free
 
 
 def test_gpu_memory_plan_bounds_the_measured_peak(make_dirs):
-    from lohan.planner import gpu_need
+    from lohan.plan.planner import gpu_need
 
     mcfg = tiny_cfg(vocab_size=1024, n_layer=4, d_model=512, n_head=8, seq_len=256)
     batch, seq = 8, 256
@@ -198,7 +198,7 @@ def test_gpu_memory_plan_bounds_the_measured_peak(make_dirs):
 
 # --------------------------------------------------------------------------------------------- hardware
 def test_detect_hardware_reports_the_gpu(tmp_path, monkeypatch):
-    from lohan.fit import detect_hardware
+    from lohan.app.fit import detect_hardware
 
     props = torch.cuda.get_device_properties(0)
     m = detect_hardware((str(tmp_path),), device="cuda", compute_dtype="bf16")
@@ -215,7 +215,7 @@ def test_detect_hardware_reports_the_gpu(tmp_path, monkeypatch):
 def test_capacity_check_uses_the_gpu_memory(make_dirs):
     """The capacity check before a run measures this GPU and holds the plan to its memory, or to the smaller
     gpu_mem a user gives (a tiny model fits the device, not 64 KiB)."""
-    from lohan.fit import detect_hardware, fit_report
+    from lohan.app.fit import detect_hardware, fit_report
 
     mcfg = tiny_cfg()
     big = detect_hardware((make_dirs(1)[0],), device="cuda", compute_dtype="bf16")

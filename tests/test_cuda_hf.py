@@ -26,14 +26,14 @@ import pytest
 import torch
 
 from lohan.models.gpt import lm_loss
-from lohan.optim import lr_factor, param_groups
+from lohan.runtime.optim import lr_factor, param_groups
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 transformers = pytest.importorskip("transformers")
 
-from lohan.hf_engine import init_from_hf  # noqa: E402
 from lohan.models import hf  # noqa: E402
+from lohan.runtime.hf_engine import init_from_hf  # noqa: E402
 from tests.test_hf import batches, engine_config, engine_hf_state, make_hf_dir, reference_model  # noqa: E402
 
 STEPS = 8

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from io_engine import ALIGN, BufferPool, aligned_empty, open_volume
-from lohan.device import Device
+from lohan.runtime.device import Device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -201,7 +201,7 @@ def test_autocast_and_memory_counters_on_cuda():
 
 
 def test_copy_bandwidth_and_hardware_name_on_cuda():
-    from lohan.profiler import hardware_name, measure_copy_bandwidth
+    from lohan.runtime.profiler import hardware_name, measure_copy_bandwidth
 
     dev = Device("cuda")
     bw = measure_copy_bandwidth(dev, 64 * MiB)

@@ -2,7 +2,7 @@
 with the same SDPA backend, bit for bit with MATH, within stated tolerances with the fused kernels.
 
 Why per kernel. The engine runs each block's forward under no_grad, records the outputs of the swapped ops
-(SDPA's among them) and replays them when it recomputes the block with grad in backward (lohan/activations.py).
+(SDPA's among them) and replays them when it recomputes the block with grad in backward (lohan/runtime/activation_store.py).
 On CUDA the memory-efficient and cuDNN attention kernels compute the logsumexp their backward needs only when
 grad is enabled (aten's `should_compute_logsumexp`); flash always returns it, MATH is plain ops. A record
 taken under no_grad then lacks it, and the replayed SDPA's backward runs without it: wrong gradients, or an
@@ -305,7 +305,7 @@ def mistral_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_sliding_window_hf_model_per_sdpa_backend(make_dirs, mistral_dir, backend, dtype):
-    from lohan.hf_engine import init_from_hf
+    from lohan.runtime.hf_engine import init_from_hf
     from tests.test_hf import batches as hf_batches
     from tests.test_hf import engine_config as hf_engine_config
 

@@ -13,7 +13,7 @@ import torch
 import lohan
 from lohan.config import EngineConfig, get_model_config
 from lohan.models.gpt import build_model
-from lohan.optim import lr_factor, param_groups
+from lohan.runtime.optim import lr_factor, param_groups
 
 STEPS = 10
 
@@ -178,13 +178,13 @@ def test_bit_exact_with_blocks_updated_in_chunks(make_dirs, mode):
 def test_bf16_gradient_buffers_change_nothing(make_dirs, monkeypatch):
     """With one micro-batch and bf16 compute the host gradient buffers are bf16 (half the memory); the
     gradients are bf16 either way, so the training is bit-identical to fp32 buffers."""
-    import lohan.engine
+    import lohan.runtime.engine
 
     mcfg = tiny_cfg()
     runs = []
     for name, dtype in (("bf16-grads", None), ("fp32-grads", torch.float32)):
         if dtype is not None:
-            monkeypatch.setattr(lohan.engine, "grad_dtype", lambda cfg, world=1: torch.float32)
+            monkeypatch.setattr(lohan.runtime.engine, "grad_dtype", lambda cfg, world=1: torch.float32)
         ecfg = engine_config(make_dirs(1, name), compute_dtype="bf16", name=name, opt_chunk_bytes=4096 * 14)
         with lohan.init(mcfg, ecfg) as engine:
             assert engine.grad_dtype == (dtype or torch.bfloat16)

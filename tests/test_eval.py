@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lohan
-from lohan.cli import main
+from lohan.app.cli import main
 from lohan.config import EngineConfig, get_model_config
 from lohan.models.gpt import build_model
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lohan.cli import main
+from lohan.app.cli import main
 from tests.test_cli import args, losses
 
 
@@ -47,8 +47,7 @@ def test_layers_slices_a_preset_shape(tmp_path, capsys):
 
 def interrupt_at(monkeypatch, call: int) -> None:
     """Ctrl-C in the middle of a step: during backward, when the optimizer pipeline gets its `call`-th block."""
-    from lohan import offload
-
+    from lohan.runtime import offload
     original = offload.GradOffloader.submit
     count = {"n": 0}
 
@@ -100,8 +99,8 @@ def test_epochs_metrics_and_plot(tmp_path):
 def test_export_preset_loads_in_transformers_with_identical_logits(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from lohan.config import EngineConfig, get_model_config
-    from lohan.engine import init
     from lohan.models.gpt import build_model
+    from lohan.runtime.engine import init
     from tests.test_engine_equivalence import ref_name
 
     out = tmp_path / "hf"
@@ -166,9 +165,9 @@ def test_hf_directory_finetune_on_jsonl_then_export_and_reload(tmp_path, capsys)
 
 def test_cpu_only_plan_counts_the_device_working_set_in_main_memory():
     """With the CPU as the device, activations, gradients and the process share RAM with the pools."""
+    from lohan.app.fit import Machine, fit_report
     from lohan.config import get_model_config
-    from lohan.fit import Machine, fit_report
-    from lohan.planner import parse_hardware
+    from lohan.plan.planner import parse_hardware
 
     hw = parse_hardware("h100,1xP5510,18GB")  # a 24 GiB card does not hold a 175b layer's GPU working set
     mcfg = get_model_config("175b").with_overrides(n_layer=1)
@@ -186,7 +185,7 @@ def test_a_store_that_fills_its_disk_resumes(tmp_path, monkeypatch, capsys):
     import shutil
     from types import SimpleNamespace
 
-    import lohan.fit as fit
+    import lohan.app.fit as fit
 
     assert main(args(tmp_path, "--steps", "2")) == 0
     held = fit.store_bytes((str(tmp_path / "nvme"),), "lohan")
@@ -228,17 +227,17 @@ def test_store_creation_reports_progress_in_a_log_file(tmp_path, capsys):
 def test_a_full_disk_during_training_says_so_and_what_stands(tmp_path, monkeypatch, capsys):
     import errno
 
-    import lohan.engine
+    import lohan.runtime.engine
 
     assert main(args(tmp_path, "--steps", "2")) == 0
-    real = lohan.engine.Engine.step
+    real = lohan.runtime.engine.Engine.step
 
     def step(self, *a, **kw):
         if self.step_count >= 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(lohan.engine.Engine, "step", step)
+    monkeypatch.setattr(lohan.runtime.engine.Engine, "step", step)
     capsys.readouterr()
     assert main(args(tmp_path, "--steps", "5", "--resume")) == 2
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""The GPU memory plan (lohan.planner.gpu_need, check_gpu_budget) and the free memory it is held to
-(lohan.fit.detect_hardware). CPU-only: CUDA is monkeypatched where the code asks it something.
+"""The GPU memory plan (lohan.plan.planner.gpu_need, check_gpu_budget) and the free memory it is held to
+(lohan.app.fit.detect_hardware). CPU-only: CUDA is monkeypatched where the code asks it something.
 
 Each part of the plan is checked against what the engine allocates for it (the brief of the plan is in
 `gpu_need`'s comments): parameters, gradient accumulators, autograd's gradients, the tied embedding's borrowed
@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from lohan.config import get_model_config
 from lohan.models.gpt import lm_loss
-from lohan.planner import (
+from lohan.plan.planner import (
     CUBLAS_STREAMS,
     CUBLAS_WORKSPACE_BYTES,
     FRAGMENTATION,
@@ -207,12 +207,12 @@ def test_capacity_refuses_a_model_that_does_not_fit_a_small_gpu_mem() -> None:
         check_gpu_budget(small.gpu_parts, 2 * GiB)
 
 
-# ------------------------------------------------------------------- the budget: free memory (lohan.fit)
+# ------------------------------------------------------------------- the budget: free memory (lohan.app.fit)
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """CUDA as detect_hardware sees it: current device 1 of 2, 30 GiB free of 80 GiB; no device-0 look-ups."""
-    import lohan.fit as fit
+    import lohan.app.fit as fit
 
     asked: list[int] = []
 
@@ -235,7 +235,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_detect_hardware_plans_with_the_free_memory_of_the_current_device(tmp_path, fake_cuda) -> None:
-    from lohan.fit import detect_hardware
+    from lohan.app.fit import detect_hardware
 
     m = detect_hardware((str(tmp_path),), device="cuda")
     assert m.hardware.gpu_mem == 30 * GiB and fake_cuda == [1]
@@ -244,7 +244,7 @@ def test_detect_hardware_plans_with_the_free_memory_of_the_current_device(tmp_pa
 
 
 def test_a_smaller_gpu_mem_wins_and_a_larger_one_cannot_widen_the_free_memory(tmp_path, fake_cuda) -> None:
-    from lohan.fit import detect_hardware
+    from lohan.app.fit import detect_hardware
 
     small = detect_hardware((str(tmp_path),), device="cuda", gpu_mem=12 * GiB)
     assert small.hardware.gpu_mem == 12 * GiB

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from lohan.config import EngineConfig
-from lohan.hf_engine import init_from_hf
 from lohan.models import hf, hf_checkpoint
 from lohan.models.gpt import lm_loss
-from lohan.optim import lr_factor, param_groups
+from lohan.runtime.hf_engine import init_from_hf
+from lohan.runtime.optim import lr_factor, param_groups
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lohan.cli import main
-from lohan.hf_engine import init_from_hf
+from lohan.app.cli import main
 from lohan.models import hf
+from lohan.runtime.hf_engine import init_from_hf
 
 transformers = pytest.importorskip("transformers")
 import transformers as tf  # noqa: E402
@@ -320,7 +320,7 @@ def test_make_tiny_hf_writes_a_model_lohan_takes(tmp_path, family, capsys):
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from lohan.cli import main
+    from lohan.app.cli import main
 
     spec = importlib.util.spec_from_file_location("make_tiny_hf", Path(__file__).parents[1] / "scripts" / "make_tiny_hf.py")
     make_tiny_hf = importlib.util.module_from_spec(spec)

@@ -14,10 +14,10 @@ import torch
 from test_store import batch, ecfg, small_model  # the same tiny model, settings and batches
 
 import lohan
-from lohan.dirlock import LOCK_NAME, DirectoryInUseError, DirLock
-from lohan.engine import StoreExistsError
-from lohan.integrity import StoreCorruptError
-from lohan.store import StateStore
+from lohan.runtime.engine import StoreExistsError
+from lohan.store.dirlock import LOCK_NAME, DirectoryInUseError, DirLock
+from lohan.store.integrity import StoreCorruptError
+from lohan.store.states import StateStore
 
 
 def trained_store(dirs, steps=2, **kw):
@@ -160,12 +160,12 @@ def test_interrupted_creation_continues_where_it_stopped(make_dirs):
             raise KeyboardInterrupt
         return real(block, cfg, gen)
 
-    gpt.init_block_, lohan.engine.init_block_ = dying, dying
+    gpt.init_block_, lohan.runtime.engine.init_block_ = dying, dying
     try:
         with pytest.raises(KeyboardInterrupt):
             lohan.init(model, ecfg(dirs))
     finally:
-        gpt.init_block_ = lohan.engine.init_block_ = real
+        gpt.init_block_ = lohan.runtime.engine.init_block_ = real
     status = StateStore.status(dirs)
     assert (status.state, status.blocks_done, status.n_blocks) == ("partial", 2, 5)
     with pytest.raises(StoreExistsError, match="initialization stopped after 2 of 5 blocks"):
@@ -181,7 +181,7 @@ def test_a_second_process_is_refused_and_a_dead_holder_is_taken_over(make_dirs, 
     dirs = make_dirs(1)
     code = textwrap.dedent(f"""
         import sys, time
-        from lohan.dirlock import DirLock
+        from lohan.store.dirlock import DirLock
         lock = DirLock([{dirs[0]!r}])
         print("locked", flush=True)
         if sys.argv[1] == "hold":

@@ -1,6 +1,6 @@
 """Memory over a run: RSS, threads and open files stay flat after warm-up, the optimizer's bf16 upcast
 reuses one buffer that the plan counts, and peak RSS stays within the bound the run's plan states
-(cpu_mem + overhead, lohan/memory.py). The long version is benchmarks/soak.py (300 steps)."""
+(cpu_mem + overhead, lohan/plan/memory.py). The long version is benchmarks/soak.py (300 steps)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_peak_rss_stays_within_the_bound_the_plan_states(tmp_path: Path) -> None
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from lohan.memory import reuse_heap
+from lohan.runtime.heap import reuse_heap
 if sys.argv[1] == "on" and not reuse_heap():
     print("unsupported"); raise SystemExit
 faults = []
@@ -125,7 +125,7 @@ def test_reuse_heap_serves_a_repeated_big_tensor_from_resident_pages() -> None:
 
 @pytest.mark.parametrize("on", [True, False])
 def test_the_engine_sets_heap_reuse_only_when_asked(tmp_path: Path, monkeypatch, on: bool) -> None:
-    import lohan.engine as engine_mod
+    import lohan.runtime.engine as engine_mod
     calls: list[int] = []
     monkeypatch.setattr(engine_mod, "reuse_heap", lambda: calls.append(1) or True)  # process-wide: not for real
     mcfg = get_model_config("tiny", vocab_size=256, n_layer=2, d_model=128, n_head=4, seq_len=32)

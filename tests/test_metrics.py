@@ -9,7 +9,7 @@ import math
 import pytest
 from rich.console import Console
 
-from lohan.metrics import (
+from lohan.app.metrics import (
     GB,
     GIB,
     MetricsWriter,

@@ -8,9 +8,9 @@ import torch
 from torch.optim.adamw import adamw
 
 import lohan
-import lohan.offload
-from lohan.optim import AdamWHyper, adamw_upcast_
-from lohan.store import BlockLayout, ParamSpec, block_views
+import lohan.runtime.offload
+from lohan.runtime.optim import AdamWHyper, adamw_upcast_
+from lohan.store.states import BlockLayout, ParamSpec, block_views
 from tests.test_clipping import batches, config, tiny_cfg
 
 HP = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -79,7 +79,7 @@ def test_limit_must_keep_pieces_aligned():
 def run(ecfg, data):
     losses = []
     with lohan.init(tiny_cfg(), ecfg) as engine:
-        scratch = lohan.offload.upcast_bytes(engine.store.layout, None, torch.bfloat16)
+        scratch = lohan.runtime.offload.upcast_bytes(engine.store.layout, None, torch.bfloat16)
         for batch in data:
             losses.append(engine.step(batch))
         return losses, engine.state_dict_fp32(), scratch
@@ -91,7 +91,7 @@ def test_a_small_scratch_changes_no_bit_of_training(make_dirs, monkeypatch, comp
     training as through one that holds the largest block."""
     ecfg = config(make_dirs(1), compute_dtype=compute_dtype, max_grad_norm=0.5, clip_mode="defer")
     whole = run(ecfg.with_overrides(name="whole"), batches(4))
-    monkeypatch.setattr(lohan.offload, "UPCAST_ELEMS", 4096)
+    monkeypatch.setattr(lohan.runtime.offload, "UPCAST_ELEMS", 4096)
     small = run(ecfg.with_overrides(name="small"), batches(4))
     assert small[2] == 4 * 4096 < whole[2]
     assert small[0] == whole[0]

@@ -1,4 +1,4 @@
-"""Data parallelism (lohan/parallel.py): N ranks on gloo over loopback, launched as torchrun would (RANK,
+"""Data parallelism (lohan/runtime/parallel.py): N ranks on gloo over loopback, launched as torchrun would (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT), each a `tests/dp_worker.py` process.
 
 Exactness: two ranks on a global batch B equal one process with batch B and micro_batches=2 bit for bit
@@ -22,11 +22,17 @@ import pytest
 import torch
 
 import lohan
+from lohan.app.fit import Machine, data_parallel_machine
 from lohan.config import EngineConfig, get_model_config
-from lohan.fit import Machine, data_parallel_machine
-from lohan.parallel import SHARD_ALIGN, network_bytes_per_step, read_decision, shard_bounds, shard_layout
-from lohan.planner import Hardware
-from lohan.store import BlockLayout, ParamSpec, StoreLayout
+from lohan.plan.planner import Hardware
+from lohan.runtime.parallel import (
+    SHARD_ALIGN,
+    network_bytes_per_step,
+    read_decision,
+    shard_bounds,
+    shard_layout,
+)
+from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_worker import batches  # noqa: E402
@@ -153,7 +159,7 @@ def test_one_ranks_plan_prices_its_share_of_the_machine():
 def launched(monkeypatch):
     """torchrun's environment for local rank 1 of 2 on a machine with 2 (fake) GPUs; records, in order, the
     device set and the group joined (nothing real is touched)."""
-    import lohan.parallel as parallel
+    import lohan.runtime.parallel as parallel
 
     calls: list[tuple[str, object]] = []
     for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
@@ -169,14 +175,14 @@ def launched(monkeypatch):
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
 def test_a_rank_takes_its_local_gpu_before_joining_the_group(launched, device):
-    from lohan.parallel import init_from_env
+    from lohan.runtime.parallel import init_from_env
 
     assert init_from_env(device) is True
     assert launched == [("set_device", 1), ("join", "gloo")]  # before anything (the hardware probe) uses CUDA
 
 
 def test_a_cpu_run_and_an_unlaunched_process_select_no_gpu(launched, monkeypatch):
-    from lohan.parallel import init_from_env, select_local_device
+    from lohan.runtime.parallel import init_from_env, select_local_device
 
     assert init_from_env() is True and launched == [("join", "gloo")]  # the default: the CPU
     monkeypatch.delenv("LOCAL_RANK")
@@ -184,7 +190,7 @@ def test_a_cpu_run_and_an_unlaunched_process_select_no_gpu(launched, monkeypatch
 
 
 def test_local_cuda_index_maps_ranks_to_gpus_and_says_how_to_fix_too_many():
-    from lohan.parallel import local_cuda_index
+    from lohan.runtime.parallel import local_cuda_index
 
     assert [local_cuda_index(r, 4) for r in range(4)] == [0, 1, 2, 3]
     assert local_cuda_index(3, 1) == 0  # one visible GPU (CUDA_VISIBLE_DEVICES per rank, or shared)

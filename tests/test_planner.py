@@ -1,6 +1,6 @@
-"""Tests for lohan.planner: cost model, Algorithm 1, tier placement, analytic profiles, capacity planner.
+"""Tests for lohan.plan.planner: cost model, Algorithm 1, tier placement, analytic profiles, capacity planner.
 
-Pure and fast: synthetic profiles built by hand, no torch (but the last section, on lohan.fit).
+Pure and fast: synthetic profiles built by hand, no torch (but the last section, on lohan.app.fit).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 import pytest
 
 from lohan.config import PRESETS, ModelConfig, get_model_config
-from lohan.planner import (
+from lohan.plan.planner import (
     HARDWARE_PRESETS,
     OPT_CHUNK_BYTES,
     POLICIES,
@@ -525,10 +525,10 @@ def test_ssd_need_counts_the_store_slots() -> None:
     assert two.ssd_states_bytes == 2 * one.ssd_states_bytes == 2 * 14 * cfg.param_count()
 
 
-# --------------------------------------------------------------- this machine (lohan.fit, uses torch)
+# --------------------------------------------------------------- this machine (lohan.app.fit, uses torch)
 
 def test_detect_hardware_measures_the_cpu_optimizer_and_reuses_a_measured_ssd(tmp_path) -> None:
-    from lohan.fit import detect_hardware
+    from lohan.app.fit import detect_hardware
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -13,9 +13,9 @@ from test_clipping import STEPS, batches, check, config, reference, same_weights
 import lohan
 from io_engine.base import align_up
 from io_engine.faults import inject_faults
-from lohan.engine import plan_host_memory
-from lohan.offload import chunk_record_bytes, plan_resident, record_pool_bytes
-from lohan.store import BlockLayout, ParamSpec, StoreLayout
+from lohan.runtime.engine import plan_host_memory
+from lohan.runtime.offload import chunk_record_bytes, plan_resident, record_pool_bytes
+from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
 
 
 def _layout(sizes: list[int]) -> StoreLayout:
@@ -252,7 +252,7 @@ def test_config_refuses_a_bad_resident_mem(kw, match):
 
 
 def test_the_run_header_says_how_many_records_stay_and_what_keeps_them_all(make_dirs):
-    from lohan.train import _resident_line
+    from lohan.app.train import _resident_line
 
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
     with lohan.init(mcfg, config(make_dirs(1), resident_mem=0)) as engine:

@@ -2,7 +2,7 @@
 
 On a plain CPU run a device tensor and a host buffer are the same kind of tensor and every copy is synchronous,
 so a missing copy, event or wait changes nothing. Here the CPU behaves as a separate device would
-(lohan/simdevice.py). The first half checks that the simulation fails where CUDA would (each check is a bug the
+(lohan/runtime/simdevice.py). The first half checks that the simulation fails where CUDA would (each check is a bug the
 engine could have); the second runs the engine's equivalence tests on it: every mode, tied and untied,
 micro-batches, swapping to both tiers, clipping, fp16 and data parallel, bit-exact against plain PyTorch.
 """
@@ -14,11 +14,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lohan
-import lohan.engine
+import lohan.runtime.engine
 from io_engine import BufferPool
-from lohan.activations import SelectiveMode
-from lohan.device import Device
-from lohan.simdevice import SIM_DEVICE, DeviceMixError, SimTensor, StreamOrderError
+from lohan.runtime.activation_store import SelectiveMode
+from lohan.runtime.device import Device
+from lohan.runtime.simdevice import SIM_DEVICE, DeviceMixError, SimTensor, StreamOrderError
 from tests import test_activations as acts
 from tests import test_clipping as clip
 from tests import test_engine_equivalence as eq
@@ -157,14 +157,14 @@ def sim(monkeypatch):
     tensors with the device's copies."""
     monkeypatch.setenv("LOHAN_DEVICE", "sim")
     built = []
-    real = lohan.engine.Device
+    real = lohan.runtime.engine.Device
 
     def device(kind: str = "auto") -> Device:
         d = real(kind)
         built.append(d)
         return d
 
-    monkeypatch.setattr(lohan.engine, "Device", device)
+    monkeypatch.setattr(lohan.runtime.engine, "Device", device)
     yield built
     assert built and all(d.type == "sim" for d in built), [d.type for d in built]
     assert any(d.sim.copies["h2d"] > 0 and d.sim.copies["d2h"] > 0 for d in built)
@@ -255,7 +255,7 @@ def test_data_parallel_on_the_simulated_device(monkeypatch, tmp_path):
 def test_a_run_whose_gpu_memory_plan_exceeds_the_device_is_refused_at_its_first_step(sim, make_dirs):
     """engine.gpu_mem emulates a GPU of that size: the first step, once the activation plan is known, refuses a
     run whose GPU memory plan (planner.gpu_need) does not fit it, listing the plan, before anything is written."""
-    from lohan.planner import GpuMemoryPlanError
+    from lohan.plan.planner import GpuMemoryPlanError
 
     mcfg = eq.tiny_cfg()
     with lohan.init(mcfg, eq.engine_config(make_dirs(1, "small"), gpu_mem="1MiB", name="small")) as engine:

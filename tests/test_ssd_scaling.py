@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ssd_scaling as ss  # noqa: E402
 
 from lohan.config import get_model_config  # noqa: E402
-from lohan.planner import Hardware, analytic_profile, estimate  # noqa: E402
+from lohan.plan.planner import Hardware, analytic_profile, estimate  # noqa: E402
 
 
 def _profile(n_ssds: int, gbps: float = 0.1, adam: float = 0.0):

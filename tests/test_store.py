@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import lohan
-import lohan.offload
+import lohan.runtime.offload
 from lohan.config import EngineConfig, get_model_config
-from lohan.engine import MemoryPlanError
-from lohan.store import StateStore
+from lohan.runtime.engine import MemoryPlanError
+from lohan.store.states import StateStore
 
 
 def small_model(**kw):
@@ -71,7 +71,7 @@ def fail_on_call(monkeypatch, n: int) -> None:
         return update
 
     for name in ("adamw_block_", "adamw_chunk_", "adamw_upcast_"):
-        monkeypatch.setattr(lohan.offload, name, failing(getattr(lohan.offload, name)))
+        monkeypatch.setattr(lohan.runtime.offload, name, failing(getattr(lohan.runtime.offload, name)))
 
 
 def test_in_place_store_detects_interrupted_step(make_dirs, monkeypatch):
@@ -182,7 +182,7 @@ def test_records_bigger_than_the_staging_budget_are_written_in_pieces(make_dirs)
     (how a 175B layer initializes in a few GB); the bytes on disk equal a whole-record write."""
     from lohan.models.adapter import GPTBlocks
     from lohan.models.gpt import build_model
-    from lohan.store import RecordView, plan_layout
+    from lohan.store.states import RecordView, plan_layout
 
     mcfg = small_model(d_model=96, n_head=4)
     model = build_model(mcfg, device="cpu", seed=3)

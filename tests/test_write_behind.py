@@ -14,9 +14,9 @@ from test_clipping import STEPS, batches, config, reference, same_weights, tiny_
 
 import lohan
 from io_engine.faults import inject_faults
-from lohan.engine import Engine
-from lohan.offload import GradOffloader
-from lohan.store import StateStore
+from lohan.runtime.engine import Engine
+from lohan.runtime.offload import GradOffloader
+from lohan.store.states import StateStore
 
 
 def _commit_on_disk(dirs) -> int:

@@ -1,4 +1,5 @@
-"""Model definitions: the in-house GPT decoder used by the named presets."""
+"""Model definitions: the in-house GPT decoder used by the named presets, the Hugging Face decoders as block
+programs, and the exporters of both."""
 
 from lohan.models.gpt import (
     GPT,
@@ -13,7 +14,11 @@ from lohan.models.gpt import (
     lm_loss,
 )
 
+EXPORT_MARKER = "lohan_export.json"
+"""A file every export directory lohan writes holds (and its ``.partial`` sibling from its first moment)."""
+
 __all__ = [
+    "EXPORT_MARKER",
     "GPT",
     "Block",
     "CausalSelfAttentionCore",

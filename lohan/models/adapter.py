@@ -11,8 +11,8 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from ..config import ModelConfig
-from .gpt import GPT, lm_loss
+from lohan.config import ModelConfig
+from lohan.models.gpt import GPT, lm_loss
 
 
 class BlockProgram(Protocol):

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
-from ..layout import EXPORT_MARKER
+from lohan.config import ModelConfig
+from lohan.models import EXPORT_MARKER
 
 _BLOCK_NAMES = {  # ours -> GPT-2's, and whether the weight is transposed (Conv1D)
     "ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),

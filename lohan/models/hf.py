@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from ..config import ModelConfig
-from .gpt import lm_loss
-from .hf_checkpoint import (
+from lohan.config import ModelConfig
+from lohan.models.gpt import lm_loss
+from lohan.models.hf_checkpoint import (
     WEIGHTS_INDEX,
     WEIGHTS_NAME,
     check_weights,

@@ -21,10 +21,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from ..layout import EXPORT_MARKER
+from lohan.models import EXPORT_MARKER
 
 if TYPE_CHECKING:
-    from .hf import HFBlocks
+    from lohan.models.hf import HFBlocks
 
 __all__ = ["EXPORT_DTYPES", "MAX_SHARD_BYTES", "WEIGHTS_INDEX", "WEIGHTS_NAME", "check_weights", "config_dtype",
            "export_hf", "has_tokenizer", "has_weights", "load_tokenizer", "make_init_block",

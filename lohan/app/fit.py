@@ -23,11 +23,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from .config import ModelConfig
-from .device import resolve_device
-from .integrity import tensor_hash
-from .optim import AdamWHyper, adamw_chunk_
-from .planner import (
+from lohan.config import ModelConfig
+from lohan.plan.planner import (
     DEFAULT_CPU,
     HARDWARE_PRESETS,
     HOST_SHARED_PARTS,
@@ -38,6 +35,9 @@ from .planner import (
     capacity,
     parse_hardware,
 )
+from lohan.runtime.device import resolve_device
+from lohan.runtime.optim import AdamWHyper, adamw_chunk_
+from lohan.store.integrity import tensor_hash
 
 ASSUMED_SSD_GBPS = 2.0
 """Per-directory read and write GB/s assumed for a dry run on this machine (not measured: no writes)."""
@@ -121,7 +121,7 @@ def _free_ssd_bytes(dirs: tuple[str, ...], store_name: str | None = None) -> int
 def store_bytes(dirs: tuple[str, ...], name: str) -> int:
     """Disk space the files of store `name` take in `dirs` (and in their data-parallel rank<r> subdirectories):
     blocks allocated, so a preallocated slab counts in full and a sparse one for what it holds."""
-    from .engine import STORE_SUFFIXES  # (imports torch: fit.py does too)
+    from lohan.runtime.engine import STORE_SUFFIXES  # (imports torch: fit.py does too)
 
     total, counted = 0, set()
     for d in dirs:

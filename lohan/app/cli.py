@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from .config import PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
+from lohan.config import PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -312,13 +312,18 @@ def _main(args: argparse.Namespace) -> int:
             raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
         if args.resume and args.overwrite:
             raise ValueError("--resume continues the stored run and --overwrite discards it: pass one of them")
-        from .device import resolve_device  # imports torch: last, once everything else is known to be valid
+        from lohan.runtime.device import (
+            resolve_device,  # imports torch: last, once everything else is known to be valid
+        )
 
         resolve_device(run.engine.device)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .train import train, verify_store  # torch is imported only once the settings are known to be valid
+    from lohan.app.train import (  # torch is imported only once the settings are known to be valid
+        train,
+        verify_store,
+    )
 
     if args.verify:
         return verify_store(run)

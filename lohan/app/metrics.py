@@ -40,7 +40,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from .layout import PLOT_TAG
+from lohan.app.layout import PLOT_TAG
 
 __all__ = [
     "GB",

@@ -38,9 +38,8 @@ from torch import nn
 
 from io_engine import ALIGN, Volume, open_volume
 from io_engine.base import align_up
-
-from .crashpoints import crashpoint
-from .integrity import (
+from lohan.crashpoints import crashpoint
+from lohan.store.integrity import (
     StoreCorruptError,
     Sums,
     describe_range,

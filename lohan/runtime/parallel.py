@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 
 from io_engine.base import align_up
-
-from .device import resolve_device
-from .integrity import read_json_checked, write_json_atomic
-from .store import BlockLayout, ParamSpec, StoreLayout
+from lohan.runtime.device import resolve_device
+from lohan.store.integrity import read_json_checked, write_json_atomic
+from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
 
 SHARD_ALIGN = 4096  # elements: every shard starts 4 KiB-aligned in fp32, bf16 and fp16 buffers alike
 PIECE_GRID = 64  # elements: where a shard may cut a parameter (see shard_bounds)

@@ -35,17 +35,15 @@ from torch import Tensor
 
 from io_engine import AlignedBuffer
 from io_engine.base import align_up, size_text
-
-from .config import EngineConfig, ModelConfig, get_model_config
-from .crashpoints import crashpoint
-from .device import Device, Timer, resolve_device
-from .dirlock import DirLock
-from .gradstash import GradStash
-from .integrity import StoreCorruptError, unit_bounds
-from .memory import release_free_memory, reuse_heap
-from .models.adapter import BlockProgram, GPTBlocks
-from .models.gpt import GPT, block_generator, build_model, init_block_
-from .offload import (
+from lohan.config import EngineConfig, ModelConfig, get_model_config
+from lohan.crashpoints import crashpoint
+from lohan.models.adapter import BlockProgram, GPTBlocks
+from lohan.models.gpt import GPT, block_generator, build_model, init_block_
+from lohan.plan.planner import check_gpu_budget, gpu_need
+from lohan.runtime.activations import ActivationManager
+from lohan.runtime.device import Device, Timer, resolve_device
+from lohan.runtime.heap import release_free_memory, reuse_heap
+from lohan.runtime.offload import (
     ClipGate,
     GradOffloader,
     chunk_record_bytes,
@@ -53,12 +51,20 @@ from .offload import (
     record_pool_bytes,
     upcast_bytes,
 )
-from .optim import AdamWHyper, decay_mask, lr_at
-from .parallel import DataParallel, local_cuda_index, read_decision, shard_bounds, shard_decays, shard_layout
-from .params import ParamStreamer
-from .planner import check_gpu_budget, gpu_need
-from .store import DTYPES, StateStore, StoreLayout, StoreStatus, block_views, plan_layout
-from .swap import ActivationManager
+from lohan.runtime.optim import AdamWHyper, decay_mask, lr_at
+from lohan.runtime.parallel import (
+    DataParallel,
+    local_cuda_index,
+    read_decision,
+    shard_bounds,
+    shard_decays,
+    shard_layout,
+)
+from lohan.runtime.params import ParamStreamer
+from lohan.store.dirlock import DirLock
+from lohan.store.gradstash import GradStash
+from lohan.store.integrity import StoreCorruptError, unit_bounds
+from lohan.store.states import DTYPES, StateStore, StoreLayout, StoreStatus, block_views, plan_layout
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .crashpoints import crashpoint
+from lohan.crashpoints import crashpoint
 
 Sums = list[list[list[int]]]  # [block][unit] -> [state, p16]
 

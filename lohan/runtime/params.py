@@ -37,11 +37,10 @@ from torch import nn
 
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError
-
-from .device import Device, Transfer
-from .integrity import tensor_hash, unit_bounds
-from .parallel import DataParallel
-from .store import StateStore, StoreLayout
+from lohan.runtime.device import Device, Transfer
+from lohan.runtime.parallel import DataParallel
+from lohan.store.integrity import tensor_hash, unit_bounds
+from lohan.store.states import StateStore, StoreLayout
 
 
 class ParamStreamer:

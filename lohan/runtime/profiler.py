@@ -23,10 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from io_engine import open_volume
 from io_engine.base import align_up
-
-from .activations import TENSOR_ALIGN, OpTracker, SelectiveMode, block_ops
-from .device import Device
-from .planner import Hardware, OpProfile
+from lohan.plan.planner import Hardware, OpProfile
+from lohan.runtime.activation_store import TENSOR_ALIGN, OpTracker, SelectiveMode, block_ops
+from lohan.runtime.device import Device
 
 
 def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:

@@ -23,8 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-EXPORT_MARKER = "lohan_export.json"
-"""A file every export directory lohan writes holds (and its ``.partial`` sibling from its first moment)."""
+from lohan.models import EXPORT_MARKER
+
 PLOT_TAG = "lohan metrics plot"
 """The PNG ``Software`` text of the metrics plot (metrics.plot_metrics)."""
 STORE_FILE_SUFFIXES = (".dp.json", ".slab", ".volume.json", ".store.json", ".commit.json", ".init.json", ".run.json",

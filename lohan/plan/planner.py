@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, ModelConfig, parse_bytes
+from lohan.config import PRESETS, ModelConfig, parse_bytes
 
 __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",

@@ -9,7 +9,7 @@ Three kinds, one set of code paths:
   complete, and nothing is pinned (pin_memory() raises without CUDA).
 - ``sim`` (``LOHAN_DEVICE=sim``, for tests): the CPU behaving as a separate device would. Device tensors
   and host buffers are told apart, copies complete later on a worker thread, and missing waits raise
-  (lohan/simdevice.py). The engine's equivalence tests run in this mode, so the CPU suite fails on the
+  (lohan/runtime/simdevice.py). The engine's equivalence tests run in this mode, so the CPU suite fails on the
   device bugs a plain CPU run cannot show.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .simdevice import SIM_DEVICE, SimDevice
+from lohan.runtime.simdevice import SIM_DEVICE, SimDevice
 
 KINDS = ("cpu", "cuda", "sim")
 

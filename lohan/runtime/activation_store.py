@@ -40,8 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError, align_up
-
-from .device import Device, Transfer
+from lohan.runtime.device import Device, Transfer
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,12 @@ from torch import Tensor
 
 from io_engine import BufferPool, aligned_empty, open_volume
 from io_engine.base import align_up
-
-from .activations import ActivationStore, OpTracker, SelectiveMode
-from .config import EngineConfig
-from .crashpoints import crashpoint
-from .device import Device
-from .planner import POLICIES, OpProfile, Plan, Profile, make_plan
-from .profiler import _remove_volume, measure_hardware, profile_block
+from lohan.config import EngineConfig
+from lohan.crashpoints import crashpoint
+from lohan.plan.planner import POLICIES, OpProfile, Plan, Profile, make_plan
+from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
+from lohan.runtime.device import Device
+from lohan.runtime.profiler import _remove_volume, measure_hardware, profile_block
 
 log = logging.getLogger(__name__)
 

@@ -49,12 +49,11 @@ import torch
 
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up, wait_all_handles
-
-from .crashpoints import crashpoint
-from .gradstash import GradStash, StashedGrad
-from .integrity import Sums, tensor_hash
-from .optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
-from .store import RecordView, StateStore, StoreLayout
+from lohan.crashpoints import crashpoint
+from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
+from lohan.store.gradstash import GradStash, StashedGrad
+from lohan.store.integrity import Sums, tensor_hash
+from lohan.store.states import RecordView, StateStore, StoreLayout
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 

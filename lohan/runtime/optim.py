@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from .config import EngineConfig
-from .store import BlockLayout, RecordView, block_views
+from lohan.config import EngineConfig
+from lohan.store.states import BlockLayout, RecordView, block_views
 
 
 @dataclass(frozen=True)

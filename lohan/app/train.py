@@ -31,10 +31,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from io_engine import IOEngineError, VolumeConfigError
 from io_engine.base import align_up
-
-from .config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
-from .crashpoints import crashpoint
-from .data import (
+from lohan.app.fit import (
+    data_parallel_machine,
+    described_hardware,
+    detect_hardware,
+    fit_report,
+    local_problems,
+)
+from lohan.app.layout import EXPORT_MARKER, RunLayout, default_metrics, partial_dir
+from lohan.app.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    format_summary,
+    plot_metrics,
+    progress_bar,
+    report_step,
+)
+from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
+from lohan.crashpoints import crashpoint
+from lohan.data import (
     IGNORE_INDEX,
     Batch,
     BatchIterator,
@@ -43,14 +58,17 @@ from .data import (
     eval_batches,
     synthetic_batches,
 )
-from .dirlock import DirectoryInUseError, DirLock
-from .engine import Engine, MemoryPlanError, NonFiniteError, init
-from .fit import data_parallel_machine, described_hardware, detect_hardware, fit_report, local_problems
-from .integrity import StoreCorruptError, read_json_checked, write_json_atomic
-from .layout import EXPORT_MARKER, RunLayout, default_metrics, partial_dir
-from .metrics import MetricsWriter, StepMetrics, format_summary, plot_metrics, progress_bar, report_step
-from .parallel import DataParallel, init_from_env, leave_group, network_bytes_per_step, read_decision
-from .store import StateStore, StoreStatus
+from lohan.runtime.engine import Engine, MemoryPlanError, NonFiniteError, init
+from lohan.runtime.parallel import (
+    DataParallel,
+    init_from_env,
+    leave_group,
+    network_bytes_per_step,
+    read_decision,
+)
+from lohan.store.dirlock import DirectoryInUseError, DirLock
+from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from lohan.store.states import StateStore, StoreStatus
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +94,8 @@ def load_model(run: RunConfig, dry_run: bool = False) -> Model:
     from config.json alone (a real model's shape, no download), and without a tokenizer reads no data."""
     if not run.is_hf:
         return Model(run.model_config(), ByteTokenizer())
-    from .data import HFTokenizer
-    from .models.hf import check_weights, has_tokenizer, load_hf_skeleton, load_tokenizer
+    from lohan.data import HFTokenizer
+    from lohan.models.hf import check_weights, has_tokenizer, load_hf_skeleton, load_tokenizer
 
     program = load_hf_skeleton(run.model, run.model_overrides.get("n_layer"))  # --layers N: the first N layers
     if not dry_run:
@@ -208,7 +226,7 @@ def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: di
     """Before the store is opened (and so before anything in it is touched): a resume must be of the same
     model and the same data settings. ValueError lists what differs (stored, now)."""
     if model.hf_program is not None:
-        from .models.hf import model_meta
+        from lohan.models.hf import model_meta
 
         now = model_meta(model.hf_program)
     else:
@@ -312,11 +330,11 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
                       "(1e-5 to 1e-3): each step moves every weight by up to lr, so training will not converge; "
                       "check --lr")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
-    # The RSS bound (lohan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
+    # The RSS bound (lohan/plan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
     # the overhead is this process as measured now, before the first step, plus what no budget covers.
     import psutil
 
-    from .memory import rss_overhead
+    from lohan.plan.memory import rss_overhead
 
     over = rss_overhead(psutil.Process().memory_info().rss, mcfg, run.batch_size, seq_len, e.micro_batches,
                         e.compute_dtype, e.prefetch_depth, e.act_policy, device_is_cpu=not engine.device.is_cuda)
@@ -338,7 +356,7 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands. `config`: the YAML the
     run was read from (an input no output may touch: layout.RunLayout).
     """
-    try:  # launched by torchrun: one process per rank (lohan/parallel.py), each on its own GPU from here on
+    try:  # launched by torchrun: one process per rank (lohan/runtime/parallel.py), each on its own GPU from here on
         joined = init_from_env(run.engine.device)
     except ValueError as err:  # LOCAL_RANK names a GPU this process cannot see
         Console(soft_wrap=True).print(f"[red]error:[/red] {escape(str(err))}")
@@ -731,7 +749,7 @@ def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: Eng
                 log_line(done, total)
 
         if model.hf_program is not None:
-            from .hf_engine import init_from_hf
+            from lohan.runtime.hf_engine import init_from_hf
 
             return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress,
                                 n_layer=run.model_overrides.get("n_layer"))
@@ -818,11 +836,11 @@ def _export(console: Console, run: RunConfig, model: Model, engine: Engine, layo
     tmp.mkdir(parents=True)
     (tmp / EXPORT_MARKER).write_text(json.dumps({"step": engine.step_count, "model": run.model}) + "\n")
     if model.hf_program is not None:
-        from .models.hf import export_hf
+        from lohan.models.hf import export_hf
 
         dtype = export_hf(engine.whole, model.hf_program, run.model, tmp, dtype)
     else:
-        from .models.gpt_export import export_gpt2
+        from lohan.models.gpt_export import export_gpt2
 
         export_gpt2(engine.whole, model.config, tmp)
         dtype = "float32"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .config import EngineConfig
-from .engine import Engine
-from .models import hf, hf_checkpoint
+from lohan.config import EngineConfig
+from lohan.models import hf, hf_checkpoint
+from lohan.runtime.engine import Engine
 
 __all__ = ["init_from_hf"]
 

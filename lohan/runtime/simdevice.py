@@ -220,7 +220,7 @@ class _FactoryMode(TorchDispatchMode):
 
 # ------------------------------------------------------------------------------------------ the device
 class SimDevice:
-    """Streams, a copy worker and the checks of the simulated device; `lohan.device.Device` drives it."""
+    """Streams, a copy worker and the checks of the simulated device; `lohan.runtime.device.Device` drives it."""
 
     def __init__(self, latency: float | None = None) -> None:
         self.latency = float(os.environ.get(LATENCY_ENV, "0.002")) if latency is None else latency
