@@ -12,7 +12,7 @@ store*, the engine being closed and re-opened with `resume=True` and another `mo
 The modes are interleaved in rounds (round r runs every mode, in an order rotated by r), because the
 disk is noisy; every opening of the engine runs `--warmup-steps` discarded steps (its buffer pools are
 allocated and page-locked on first use) and then `--steps` measured ones. Per mode the report gives the
-median step time, tokens/s, the median seconds of each lane of `engine.last_metrics["lanes"]`
+median step time, tokens/s, the median seconds of each lane of `engine.last_stats.lanes`
 (compute, ssd_read, ssd_write, cpu_adam, param_wait, optimizer_tail), SSD GB/s, the engine's
 ``overlap_efficiency = max(compute, ssd_read, ssd_write, cpu_adam) / T_iter`` and the peak RSS.
 
@@ -258,22 +258,22 @@ def activation_bytes(mcfg: Any, batch: int, seq: int, micro_batches: int, comput
 
 
 # ------------------------------------------------------------------------------------- run
-def _metrics_record(engine: Any, m: dict, mode: str, rnd: int, k: int, warmup: bool, c0: dict, c1: dict,
+def _metrics_record(engine: Any, m: Any, mode: str, rnd: int, k: int, warmup: bool, c0: dict, c1: dict,
                     w0: dict, w1: dict, rss_peak: int, wall_s: float) -> dict:
     ago = engine.offloader
-    lanes = {name: float(m["lanes"][name]) for name in LANES}
-    step_s = float(m["step_s"])
+    lanes = {name: float(m.lanes[name]) for name in LANES}
+    step_s = float(m.step_s)
     cores = os.cpu_count() or 1
     d = {k: (None if c0[k] is None or c1[k] is None else c1[k] - c0[k]) for k in c0}
     proc = d["proc_user"] + d["proc_sys"]
     waits = {k: w1[k] - w0[k] for k in w0}
     accounted = lanes["compute"] + lanes["param_wait"] + lanes["optimizer_tail"] + sum(waits.values())
     return {
-        "mode": mode, "round": rnd, "index": k, "warmup": warmup, "step": m["step"], "loss": m["loss"],
-        "step_s": step_s, "wall_s": wall_s, "tokens_per_s": m["tokens_per_s"], "tflops": m["tflops"],
-        "ssd_read_gbps": m["ssd_read_gbps"], "ssd_write_gbps": m["ssd_write_gbps"],
-        "ssd_read_bytes": m["ssd_read_bytes"], "ssd_write_bytes": m["ssd_write_bytes"],
-        "lanes": lanes, "overlap_efficiency": m["overlap_efficiency"],
+        "mode": mode, "round": rnd, "index": k, "warmup": warmup, "step": m.step, "loss": m.loss,
+        "step_s": step_s, "wall_s": wall_s, "tokens_per_s": m.tokens_per_s, "tflops": m.tflops,
+        "ssd_read_gbps": m.ssd_read_gbps, "ssd_write_gbps": m.ssd_write_gbps,
+        "ssd_read_bytes": m.ssd_read_bytes, "ssd_write_bytes": m.ssd_write_bytes,
+        "lanes": lanes, "overlap_efficiency": m.overlap_efficiency,
         # Where the compute thread's step time went besides the engine's lanes (WaitMeter), and the
         # rest: forward/backward Python overhead, releasing/acquiring resident blocks, metrics.
         "compute_thread": {**{f"{k}_s": v for k, v in waits.items()}, "unaccounted_s": step_s - accounted},
@@ -283,15 +283,15 @@ def _metrics_record(engine: Any, m: dict, mode: str, rnd: int, k: int, warmup: b
         "disk_busy_s": d["disk_busy"],
         # bytes the disk moved that this step's engine did not: other processes (another benchmark)
         "other_disk_bytes": (None if d["disk_bytes"] is None
-                             else max(0, d["disk_bytes"] - m["ssd_read_bytes"] - m["ssd_write_bytes"])),
+                             else max(0, d["disk_bytes"] - m.ssd_read_bytes - m.ssd_write_bytes)),
         "cpu": {"proc_user_s": d["proc_user"], "proc_sys_s": d["proc_sys"],
                 # fraction of all cores: used by this process; by anything else (other processes,
                 # interrupts, kernel workers, steal); idle. A step with a large `other` had fewer cores.
                 "proc_busy": proc / (cores * step_s),
                 "other_busy": max(0.0, d["machine_busy"] - proc) / (cores * step_s),
                 "idle": d["machine_idle"] / (cores * step_s)},
-        "rss_peak_bytes": rss_peak, "cpu_mem_gib_end": m["cpu_mem_gib"],
-        "max_resident_blocks": m["max_resident_blocks"],
+        "rss_peak_bytes": rss_peak, "cpu_mem_gib_end": m.cpu_mem_gib,
+        "max_resident_blocks": m.max_resident_blocks,
     }
 
 
@@ -309,7 +309,7 @@ def run_mode(lohan: Any, mcfg: Any, ecfg: Any, mode: str, rnd: int, args: argpar
             loss = engine.step(batch)
             wall = time.perf_counter() - t0
             c1, w1 = _counters(device), meter.snapshot()
-            rec = _metrics_record(engine, engine.last_metrics, mode, rnd, k, warmup, c0, c1, w0, w1,
+            rec = _metrics_record(engine, engine.last_stats, mode, rnd, k, warmup, c0, c1, w0, w1,
                                   sampler.take_peak(), wall)
             records.append(rec)
             ln, ct = rec["lanes"], rec["compute_thread"]
@@ -456,7 +456,7 @@ def markdown(report: dict) -> str:
         "|---|---|",
         *(f"| {k} | {_fmt(v, '.3f') if isinstance(v, float) or v is None else v} |" for k, v in h.items()),
         "",
-        "Seconds per step, medians over the measured steps. Lanes are `engine.last_metrics['lanes']`; "
+        "Seconds per step, medians over the measured steps. Lanes are `engine.last_stats.lanes`; "
         "`overlap_eff` = max(compute, ssd_read, ssd_write, cpu_adam) / step (median of the per-step values). "
         "Second table: `disk_busy` = seconds the disk had any I/O in flight (/proc/diskstats), `disk GB/s` = "
         "(read + written bytes) / disk_busy; compute-thread time outside the lanes (blocked acquiring a "

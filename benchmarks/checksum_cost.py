@@ -69,9 +69,9 @@ def measure(name: str, cfg: dict, steps: int, warmup: int, root: Path) -> dict:
             for label, engine in order:
                 engine.step(batch)
                 if s >= warmup:
-                    times[label].append(engine.last_metrics["step_s"])
+                    times[label].append(engine.last_stats.step_s)
                     if label == "on":
-                        hash_s.append(engine.last_metrics["lanes"]["checksum"])
+                        hash_s.append(engine.last_stats.lanes["checksum"])
     finally:
         on.close()
         off.close()

@@ -88,14 +88,14 @@ def measure(name: str, build, steps: int, root: Path) -> dict:
             order = ("clip", "noclip") if s % 2 == 0 else ("noclip", "clip")
             for label in order:
                 engines[label].step(batch, next_batch=nxt)
-                m = engines[label].last_metrics
+                m = engines[label].last_stats
                 if s >= warmup:
-                    times[label].append(m["step_s"])
+                    times[label].append(m.step_s)
                 if label == "clip":
-                    rec.append({"step": m["step"], "loss": m["loss"], "grad_norm": m["grad_norm"],
-                                "clip_coef": m["clip_coef"], "redone": m["redone"], "step_s": m["step_s"],
-                                "deferred": engines[label]._deferred,
-                                "next_forward_overlapped": m["next_forward_overlapped"]})
+                    rec.append({"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm,
+                                "clip_coef": m.clip_coef, "redone": m.redone, "step_s": m.step_s,
+                                "deferred": m.deferred,
+                                "next_forward_overlapped": m.next_forward_overlapped})
         spilled = engines["clip"].stash.spilled_total if engines["clip"].stash else 0
     finally:
         for e in engines.values():

@@ -72,10 +72,10 @@ def worker(spec_path: str) -> None:
     with lohan.init(mcfg, cfg, overwrite=True) as engine:
         for s in range(steps):
             engine.step(data[s], next_batch=data[s + 1])
-            m = engine.last_metrics
+            m = engine.last_stats
             rss = max(rss, psutil.Process().memory_info().rss)
             if s >= spec["warmup"]:
-                records.append({k: m.get(k) for k in ("step_s", "tokens", "ssd_read_bytes", "ssd_write_bytes",
+                records.append({k: getattr(m, k) for k in ("step_s", "tokens", "ssd_read_bytes", "ssd_write_bytes",
                                                       "network_bytes", "lanes")})
     peak = [rss]
     if dist.is_initialized():

@@ -281,16 +281,16 @@ def run(args: argparse.Namespace, nvme: Path, trace_path: Path) -> dict[str, Any
         n = args.warmup + args.steps
         for k in range(args.warmup):
             engine.step(data[k], next_batch=data[k + 1])
-            metrics.append(dict(engine.last_metrics))
-            print(f"warm-up step {k + 1}: {engine.last_metrics['step_s']:.3f} s")
+            metrics.append(engine.last_stats.to_dict())
+            print(f"warm-up step {k + 1}: {engine.last_stats.step_s:.3f} s")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for k in range(args.warmup, n):
                 with record_function(f"{STEP_PREFIX}{k - args.warmup}"):
                     engine.step(data[k], next_batch=data[k + 1])
                     torch.cuda.synchronize()
-                metrics.append(dict(engine.last_metrics))
-        plan = engine.last_metrics.get("activations", {})
+                metrics.append(engine.last_stats.to_dict())
+        plan = engine.last_stats.activations
     prof.export_chrome_trace(str(trace_path))
     with open(trace_path) as f:
         events = json.load(f)

@@ -127,12 +127,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine.step(batch)  # re-plans; discarded
                 for _ in range(args.steps):
                     engine.step(batch)
-                    m = engine.last_metrics
-                    samples[i].append(m["step_s"])
-                    a = m["activations"]
-                    lanes[i].append({**m["lanes"], "act_ssd_read": a.get("ssd_read_s", 0.0),
+                    m = engine.last_stats
+                    samples[i].append(m.step_s)
+                    a = m.activations
+                    lanes[i].append({**m.lanes, "act_ssd_read": a.get("ssd_read_s", 0.0),
                                      "act_ssd_write": a.get("ssd_write_s", 0.0)})
-                    acts[i] = m["activations"]
+                    acts[i] = m.activations
                 print(f"round {r + 1}/{args.rounds} point {i}: {policy_of(points[i].swap):<40} "
                       f"measured {samples[i][-1]:.3f} s  predicted {points[i].t_iter:.3f} s", flush=True)
     finally:

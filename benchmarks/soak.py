@@ -184,7 +184,7 @@ def child(argv: list[str]) -> int:
         upcast = getattr(self.offloader, "_upcast", None)
         acts = self.activations.store
         rec = {"event": "step", "step": self.step_count, "loss": loss,
-               "step_s": self.last_metrics.get("step_s"), "rss": proc.memory_info().rss, "vm_hwm": _vm_hwm(),
+               "step_s": self.last_stats.step_s if self.last_stats else None, "rss": proc.memory_info().rss, "vm_hwm": _vm_hwm(),
                "rss_anon": _status()["RssAnon"], "rss_file": _status()["RssFile"],
                "threads": proc.num_threads(), "fds": proc.num_fds(), "pools": pools,
                "upcast_bytes": 0 if upcast is None else upcast.numel() * upcast.element_size(),

@@ -347,12 +347,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.steps):
                     meter = CpuMeter()
                     eng.step(batches[b])
-                    m = eng.last_metrics
+                    m = eng.last_stats
                     samples[n, b].append({
-                        "round": r, "n_ssds": n, "batch": b, "step_s": m["step_s"], "tokens": m["tokens"],
-                        "tokens_per_s": m["tokens_per_s"], "tflops": m["tflops"],
-                        "ssd_read_bytes": m["ssd_read_bytes"], "ssd_write_bytes": m["ssd_write_bytes"],
-                        "lanes": m["lanes"], "loss": m["loss"], "load_1min": os.getloadavg()[0], **meter.result()})
+                        "round": r, "n_ssds": n, "batch": b, "step_s": m.step_s, "tokens": m.tokens,
+                        "tokens_per_s": m.tokens_per_s, "tflops": m.tflops,
+                        "ssd_read_bytes": m.ssd_read_bytes, "ssd_write_bytes": m.ssd_write_bytes,
+                        "lanes": m.lanes, "loss": m.loss, "load_1min": os.getloadavg()[0], **meter.result()})
                 last = samples[n, b][-args.steps:]
                 print(f"round {r + 1}/{args.rounds} N={n} batch {b:>3}: "
                       + " ".join(f"{s['step_s']:.3f}" for s in last) + " s/step  "

@@ -209,9 +209,9 @@ def build_lohan(model_dir: Path, work: Path, s: dict[str, Any], dtype: str):
 
     def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
         loss = eng.step((idx, targets), next_batch=nxt)  # told the next batch, as finetune.py's loop does
-        m = eng.last_metrics
-        return loss, {"engine_step_s": m["step_s"], "lanes": m.get("lanes"), "grad_norm": m.get("grad_norm"),
-                      "ssd_read_bytes": m.get("ssd_read_bytes"), "ssd_write_bytes": m.get("ssd_write_bytes")}
+        m = eng.last_stats
+        return loss, {"engine_step_s": m.step_s, "lanes": m.lanes, "grad_norm": m.grad_norm,
+                      "ssd_read_bytes": m.ssd_read_bytes, "ssd_write_bytes": m.ssd_write_bytes}
 
     vol = eng.store.volume
     info = {"io_backend": f"{vol.backend.name} ({vol.backend_reason})", "cpu_mem_bytes": int(eng.cfg.cpu_mem),

@@ -37,13 +37,13 @@ def main(spec_path: str) -> None:
         for s in range(start, spec["steps"]):
             nxt = data[s + 1] if spec.get("next_batch") and s + 1 < spec["steps"] else None
             losses.append(engine.step(data[s], next_batch=nxt))
-        metrics = engine.last_metrics
+        metrics = engine.last_stats
         eval_loss = engine.evaluate(data[0])
         weights = engine.state_dict_fp32()
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "weights": weights, "start": start, "eval": eval_loss,
-                    "lanes": metrics.get("lanes"), "tokens": metrics.get("tokens"),
-                    "network_bytes": metrics.get("network_bytes")}, spec["out"])
+                    "lanes": metrics.lanes, "tokens": metrics.tokens,
+                    "network_bytes": metrics.network_bytes}, spec["out"])
     leave_group(True)
 
 

@@ -28,7 +28,7 @@ def run_engine(mcfg, ecfg, data):
     with lohan.init(mcfg, ecfg) as engine:
         for batch in data:
             losses.append(engine.step(batch))
-            metrics.append(engine.last_metrics["activations"])
+            metrics.append(engine.last_stats.activations)
         params = engine.state_dict_fp32()
         plan = engine.activations.plan
     return losses, params, metrics, plan

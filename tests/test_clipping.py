@@ -81,7 +81,7 @@ def run_engine(mcfg, ecfg: EngineConfig, data, poison: set[int] = frozenset(), l
             nxt = data[step + 1] if lookahead and step + 1 < len(data) else None
             losses.append(engine.step(batch, next_batch=nxt))
             engine.program.run = real
-            metrics.append(dict(engine.last_metrics))
+            metrics.append(engine.last_stats.to_dict())
         params = engine.state_dict_fp32()
     return losses, metrics, params
 
@@ -156,7 +156,7 @@ def test_next_forward_is_dropped_for_another_batch(make_dirs):
     decoy = (torch.flip(data[1][0], dims=[1]), data[1][1])
     with lohan.init(mcfg, ecfg) as engine:
         losses = [engine.step(data[0], next_batch=decoy)]
-        assert engine.last_metrics["next_forward_overlapped"]
+        assert engine.last_stats.next_forward_overlapped
         losses += [engine.step(b, next_batch=n) for b, n in zip(data[1:], data[2:] + [None])]
         params = engine.state_dict_fp32()
     assert losses == ref_losses
@@ -194,7 +194,7 @@ def test_too_many_bad_steps_stop_the_run_with_the_last_good_state(make_dirs):
         good = engine.state_dict_fp32()
         real = engine.program.run
         engine.program.run = lambda i, x, t: real(i, x, t) * math.inf if i == 0 else real(i, x, t)
-        assert math.isnan(engine.step(data[2])) and engine.last_metrics["skipped"]
+        assert math.isnan(engine.step(data[2])) and engine.last_stats.skipped
         with pytest.raises(NonFiniteError, match="2 steps in a row .* last good update \\(2 updates\\)"):
             engine.step(data[3])
     store = StateStore.open(dirs, backend="threads")

@@ -66,7 +66,7 @@ def test_cpu_activation_tier_is_not_pinned(make_dirs):
     with lohan.init(tiny_cfg(n_layer=3), ecfg) as engine:
         engine.step(next(batches(1, 4, 32, 256)))
         assert engine.activations.plan.block_tiers == ("cpu", "cpu", "keep")
-        assert engine.last_metrics["gpu_mem_gib"] is None
+        assert engine.last_stats.gpu_mem_gib is None
         with engine.activations.store.cpu_pool.acquire(4096) as buf:
             assert not buf.tensor.is_pinned()
 

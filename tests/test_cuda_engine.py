@@ -79,7 +79,7 @@ def test_fp32_on_cuda_is_bit_exact_with_a_torch_loop(make_dirs, mode, micro_batc
             assert engine.device.is_cuda
             for batch in batches(5, 4, 32, 256):
                 losses.append(engine.step(batch))
-                assert engine.last_metrics["gpu_mem_gib"] > 0
+                assert engine.last_stats.gpu_mem_gib > 0
             params = engine.state_dict_fp32()
     assert losses == ref_losses, [a - b for a, b in zip(losses, ref_losses)]
     assert_params_equal(params, ref_params)

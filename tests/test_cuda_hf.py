@@ -92,7 +92,7 @@ def test_hf_llama_fine_tuned_on_cuda_follows_a_torch_loop_and_exports(tmp_path, 
         assert engine.device.is_cuda
         for b in data:
             losses.append(engine.step(b))
-            assert engine.last_metrics["gpu_mem_gib"] > 0
+            assert engine.last_stats.gpu_mem_gib > 0
         hf.export_hf(engine, engine.program, path, out)
         state = engine_hf_state(engine, engine.program)
         eval_loss = engine.evaluate(batch)

@@ -166,10 +166,10 @@ def train(build: Callable, ecfg, data) -> Run:
         p0 = engine.state_dict_fp32()
         for k, batch in enumerate(data):
             losses.append(engine.step(batch))
-            norms.append(engine.last_metrics["grad_norm"])
+            norms.append(engine.last_stats.grad_norm)
             if k == 0:
                 grads = first_step_gradients(p0, engine.state_dict_fp32(), ecfg.lr)
-                acts = dict(engine.last_metrics["activations"])
+                acts = dict(engine.last_stats.activations)
         params = engine.state_dict_fp32()
     return Run(losses, norms, grads, params, acts)
 

@@ -261,10 +261,10 @@ def test_engine_is_bit_exact_with_pytorch(hf_dir, make_dirs, family, policy):
         assert isinstance(program, hf.HFBlocks)
         for batch in batches(STEPS):
             losses.append(engine.step(batch))
-        assert engine.last_metrics["activations"]["policy"] == policy
+        assert engine.last_stats.activations["policy"] == policy
         if policy == "swap-all":  # every op of every layer was recorded in forward and replayed in backward
             ops = {n for n, _ in program.modules[1].named_children()}
-            assert len(ops) >= 4 and set(engine.last_metrics["activations"]["swap"]) == ops
+            assert len(ops) >= 4 and set(engine.last_stats.activations["swap"]) == ops
         params = engine_hf_state(engine, program)
     assert losses == ref_losses
     assert losses[-1] != losses[0]

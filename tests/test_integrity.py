@@ -14,9 +14,9 @@ import torch
 from test_store import batch, ecfg, small_model  # the same tiny model, settings and batches
 
 import lohan
-from lohan.runtime.engine import StoreExistsError
 from lohan.store.dirlock import LOCK_NAME, DirectoryInUseError, DirLock
 from lohan.store.integrity import StoreCorruptError
+from lohan.store.opening import StoreExistsError
 from lohan.store.states import StateStore
 
 

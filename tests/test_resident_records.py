@@ -83,7 +83,7 @@ def _run(mcfg, ecfg, data, lookahead=True):
         for k, batch in enumerate(data):
             nxt = data[k + 1] if lookahead and k + 1 < len(data) else None
             losses.append(engine.step(batch, next_batch=nxt))
-            metrics.append(dict(engine.last_metrics))
+            metrics.append(engine.last_stats.to_dict())
         params = engine.state_dict_fp32()
     return losses, metrics, params, resident
 
@@ -143,7 +143,7 @@ def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs
             engine.step(data[2], next_batch=data[3])
         engine.store.volume.backend = faulty.inner
         losses.append(engine.step(data[2], next_batch=data[3]))
-        assert engine.last_metrics["resident_record_hits"] == 0  # the dropped step's bytes were not used
+        assert engine.last_stats.resident_record_hits == 0  # the dropped step's bytes were not used
         real = engine.program.run
         engine.program.run = lambda i, x, t: (_ for _ in ()).throw(OSError("boom")) if i == 1 else real(i, x, t)
         with pytest.raises(OSError, match="boom"):

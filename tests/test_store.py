@@ -112,7 +112,7 @@ def test_resident_blocks_are_bounded_and_reported(make_dirs):
     with lohan.init(small_model(n_layer=6), ecfg(make_dirs(1), prefetch_depth=1)) as engine:
         engine.step(batch())
         # current + 1 prefetched + 1 kept over the forward/backward turn + the tied embedding
-        assert 2 <= engine.last_metrics["max_resident_blocks"] <= 2 * 1 + 1 + 1
+        assert 2 <= engine.last_stats.max_resident_blocks <= 2 * 1 + 1 + 1
         assert engine.streamer.resident == []
 
 

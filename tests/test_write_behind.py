@@ -13,6 +13,7 @@ import pytest
 from test_clipping import STEPS, batches, config, reference, same_weights, tiny_cfg
 
 import lohan
+import lohan.runtime.engine
 from io_engine.faults import inject_faults
 from lohan.runtime.engine import Engine
 from lohan.runtime.offload import GradOffloader
@@ -101,7 +102,7 @@ def test_write_behind_off_commits_every_step_before_it_returns(make_dirs):
     data = list(batches(2))
     with lohan.init(tiny_cfg(), config(dirs, clip_mode="defer", write_behind=False)) as engine:
         engine.step(data[0], next_batch=data[1])
-        assert engine.last_metrics["next_forward_overlapped"]
+        assert engine.last_stats.next_forward_overlapped
         assert not engine.store.staged and _commit_on_disk(dirs) == 1
 
 
@@ -141,7 +142,7 @@ def test_ctrl_c_after_the_commit_is_staged_drops_the_step(make_dirs, monkeypatch
         def interrupted(*a, **k):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(engine, "_record_metrics", interrupted)
+        monkeypatch.setattr(lohan.runtime.engine, "measure", interrupted)  # what the step measured, after its commit
         with pytest.raises(KeyboardInterrupt):
             engine.step(data[1], next_batch=data[2])
         monkeypatch.undo()

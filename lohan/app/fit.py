@@ -121,7 +121,7 @@ def _free_ssd_bytes(dirs: tuple[str, ...], store_name: str | None = None) -> int
 def store_bytes(dirs: tuple[str, ...], name: str) -> int:
     """Disk space the files of store `name` take in `dirs` (and in their data-parallel rank<r> subdirectories):
     blocks allocated, so a preallocated slab counts in full and a sparse one for what it holds."""
-    from lohan.runtime.engine import STORE_SUFFIXES  # (imports torch: fit.py does too)
+    from lohan.store.opening import STORE_SUFFIXES  # (imports torch: fit.py does too)
 
     total, counted = 0, set()
     for d in dirs:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -41,6 +41,9 @@ from rich.progress import (
 )
 
 from lohan.app.layout import PLOT_TAG
+
+if TYPE_CHECKING:
+    from lohan.runtime.step import StepStats
 
 __all__ = [
     "GB",
@@ -260,6 +263,17 @@ class StepMetrics:
             eval_s=eval_s,
             network_bytes=network_bytes,
         )
+
+    @classmethod
+    def from_stats(cls, stats: StepStats, eval_loss: float | None = None, eval_s: float | None = None) -> StepMetrics:
+        """A step's record from what the engine measured (`Engine.last_stats`), with the evaluation after it."""
+        return cls.from_counters(
+            step=stats.step, loss=stats.loss, lr=stats.lr, tokens=stats.tokens, step_s=stats.step_s,
+            flops=stats.flops or 0.0, ssd_read_bytes=stats.ssd_read_bytes, ssd_write_bytes=stats.ssd_write_bytes,
+            cpu_mem_bytes=stats.cpu_mem_bytes, gpu_mem_bytes=stats.gpu_mem_bytes, lanes=stats.lanes,
+            overlap_pct=100 * stats.overlap_efficiency, grad_norm=stats.grad_norm, clip_coef=stats.clip_coef,
+            redone=stats.redone, skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
+            eval_s=eval_s, network_bytes=stats.network_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``.
@@ -557,6 +571,17 @@ class RunSummary:
             min_eval_loss=best_eval[0] if best_eval else None,
             min_eval_step=best_eval[1] if best_eval else None,
         )
+
+    @classmethod
+    def from_stats(cls, stats: StepStats, eval_loss: float | None = None, eval_s: float | None = None) -> StepMetrics:
+        """A step's record from what the engine measured (`Engine.last_stats`), with the evaluation after it."""
+        return cls.from_counters(
+            step=stats.step, loss=stats.loss, lr=stats.lr, tokens=stats.tokens, step_s=stats.step_s,
+            flops=stats.flops or 0.0, ssd_read_bytes=stats.ssd_read_bytes, ssd_write_bytes=stats.ssd_write_bytes,
+            cpu_mem_bytes=stats.cpu_mem_bytes, gpu_mem_bytes=stats.gpu_mem_bytes, lanes=stats.lanes,
+            overlap_pct=100 * stats.overlap_efficiency, grad_norm=stats.grad_norm, clip_coef=stats.clip_coef,
+            redone=stats.redone, skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
+            eval_s=eval_s, network_bytes=stats.network_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record (same rounding as :meth:`StepMetrics.to_dict`)."""

@@ -690,31 +690,19 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
         for s in range(start, steps):
             after = position()  # the data position once this step's batch is consumed
             nxt = next(batches) if s + 1 < steps else None
-            loss = engine.step(batch, next_batch=nxt)
+            engine.step(batch, next_batch=nxt)
             if ctx.main_rank:
                 run_state = save_run_state(run, ctx.seq_len, engine, after, run_state)
             batch = nxt
-            step = engine.last_metrics["step"]
+            step = engine.last_stats.step
             # after the run state is saved: an evaluation reads the committed weights and nothing else
             due = ctx.eval_set is not None and (step == steps or bool(run.eval_every and step % run.eval_every == 0))
             eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
-            sm = _step_metrics(engine.last_metrics, loss, eval_loss, eval_s)
+            sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s)
             history.append(sm)
             if writer is not None:
                 writer.write(sm)
             report_step(bar, sm, steps)
-
-
-def _step_metrics(m: dict[str, Any], loss: float, eval_loss: float | None, eval_s: float | None) -> StepMetrics:
-    """A step's record from the engine's metrics."""
-    return StepMetrics.from_counters(
-        step=m["step"], loss=loss, lr=m["lr"], tokens=m["tokens"], step_s=m["step_s"],
-        flops=(m["tflops"] or 0.0) * 1e12 * m["step_s"], ssd_read_bytes=m["ssd_read_bytes"],
-        ssd_write_bytes=m["ssd_write_bytes"], cpu_mem_bytes=int(m["cpu_mem_gib"] * 2**30),
-        gpu_mem_bytes=None if m["gpu_mem_gib"] is None else int(m["gpu_mem_gib"] * 2**30),
-        lanes=m["lanes"], overlap_pct=100 * m["overlap_efficiency"], grad_norm=m.get("grad_norm"),
-        clip_coef=m.get("clip_coef"), redone=bool(m.get("redone")), skipped=bool(m.get("skipped")),
-        loss_scale=m.get("loss_scale"), eval_loss=eval_loss, eval_s=eval_s, network_bytes=m.get("network_bytes"))
 
 
 def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -43,8 +44,10 @@ import torch.distributed as dist
 
 from io_engine.base import align_up
 from lohan.runtime.device import resolve_device
-from lohan.store.integrity import read_json_checked, write_json_atomic
-from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
+from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from lohan.store.states import BlockLayout, ParamSpec, StateStore, StoreLayout
+
+log = logging.getLogger(__name__)
 
 SHARD_ALIGN = 4096  # elements: every shard starts 4 KiB-aligned in fp32, bf16 and fp16 buffers alike
 PIECE_GRID = 64  # elements: where a shard may cut a parameter (see shard_bounds)
@@ -265,3 +268,52 @@ class DataParallel:
         if self.is_main:
             write_json_atomic(decision_path(base_dirs, name), {"world": self.world, "step": step})
         self.barrier()
+
+
+def check_group(dp: DataParallel, base_dirs: Sequence[str], name: str, resume: bool) -> dict | None:
+    """Before a rank opens its store: the group's commit decision (rank 0 reads it, every rank gets it), and
+    what cannot be resumed by this group refused alike on every rank."""
+    problem, decision = None, None
+    if dp.is_main:
+        try:
+            decision = read_decision(base_dirs, name)
+            single = StateStore.status(list(base_dirs), name).state != "none"
+        except (StoreCorruptError, ValueError, OSError) as e:
+            problem = str(e)
+        else:
+            if resume and decision is not None and decision["world"] != dp.world:
+                problem = (f"{base_dirs[0]} holds the states of a run on {decision['world']} ranks, and this run "
+                           f"has {dp.world}: resume it with {decision['world']} ranks in all (torchrun "
+                           f"--nproc-per-node ...). Another world size would need the optimizer states re-sharded, "
+                           "which lohan does not do; export the model and start a new run to change it")
+            elif resume and decision is None and single:
+                problem = (f"{base_dirs[0]} holds the states of a single-process run; resume it without torchrun "
+                           "(one process), or start a new run in another directory")
+    problem, decision = dp.broadcast((problem, decision))
+    if problem:
+        raise ValueError(problem)
+    return decision if resume else None
+
+
+def join_group(dp: DataParallel, store: StateStore, decision: dict | None, base_dirs: Sequence[str], name: str,
+               rank_dirs: Sequence[str]) -> None:
+    """After a rank opened (or created) its store: bring it to the group's decided step, then record the decision
+    for this group. A rank killed between the two phases of a commit is one step ahead: it goes back to its
+    previous commit (that slot was not written since). Anything else is refused on every rank."""
+    commit = store.commit_state
+    target = decision["step"] if decision else 0
+    problem = None
+    if commit.step == target + 1 and commit.prev is not None and commit.prev["step"] == target:
+        log.info("rank %d: going back from step %d to the group's committed step %d", dp.rank, commit.step, target)
+        store.revert()
+    elif commit.step != target:
+        problem = (f"rank {dp.rank}'s store in {rank_dirs[0]} is committed at step {commit.step}, the group's "
+                   f"commit record ({base_dirs[0]}) at step {target}: the directories do not belong to "
+                   "one run (another run's rank directories, or restored from different backups). Restore them "
+                   "together, or start over with --overwrite")
+    problems = [None] * dp.world
+    dist.all_gather_object(problems, problem, group=dp.group)
+    bad = [p for p in problems if p]
+    if bad:
+        raise StoreCorruptError("; ".join(bad))
+    dp.decide(base_dirs, name, target)

@@ -1,0 +1,302 @@
+"""One training step's decisions and state, apart from the engine that carries them out.
+
+- `StepPlan`: what a step will do, decided in one place before it starts (`StepPlan.make`): the slots it reads and
+  writes, the clip gate (the update runs at once at coefficient 1, or is deferred until the global norm is known),
+  whether a speculated update may be redone, whether the deferred pass runs in forward order with the next
+  step's forward beside it (`follow`), and whether its last writes complete during the next step (`lazy`,
+  write-behind).
+- `StepRun`: the state of the step in progress (its phase, the loss scale, losses, timers, the counters read at
+  its start); the engine keeps none of it in its own attributes, so a step that fails leaves nothing behind.
+- `Settlement`: what the global gradient norm decides (`settle`): the clip coefficient, a redo, a skip.
+- `StepStats`: what a step measured, typed (the run driver, the metrics file and the benchmarks read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+from torch import Tensor
+
+from lohan.config import EngineConfig
+from lohan.runtime.device import Device, Timer
+from lohan.runtime.offload import ClipGate
+from lohan.runtime.optim import AdamWHyper, lr_at
+from lohan.store.states import Commit
+
+if TYPE_CHECKING:
+    from lohan.runtime.engine import Engine
+    from lohan.runtime.passes import Acts
+
+
+class Phase(enum.Enum):
+    """Where a step is; the abort path (`Engine._abort`) undoes what the phase implies."""
+
+    RUNNING = "running"        # forward, backward, settlement, the optimizer pass: nothing committed
+    COMMITTING = "committing"  # the commit (or the skip's) is being written
+    COMMITTED = "committed"    # committed (with write-behind: staged, durable once the tail is written)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's schedule (module docstring), made before anything runs."""
+
+    step: int             # steps committed before this one
+    update: int           # the optimizer update this step applies (1-based; skipped steps apply none)
+    hyper: AdamWHyper
+    read_slot: int
+    write_slot: int
+    gate: ClipGate        # opens at once (clipping off, speculated, in place) or when the norm is known
+    deferred: bool        # the update waits for the gate, gradients stashed meanwhile
+    speculated: bool      # the update runs at coefficient 1 and is redone if the step clips
+    follow: bool          # the deferred pass runs in forward order and the next forward beside it
+    lazy: bool            # write-behind: the pass's last writes and the commit complete in the next step
+    order: tuple[int, ...]
+    next_idx: Tensor | None  # the next batch's ids on the device, when its forward may run beside this step's
+    #                          optimizer pass (a deferred one, or a redone one)
+
+    @staticmethod
+    def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
+             last_coef: float | None, next_idx: Tensor | None, one_process: bool) -> StepPlan:
+        gate = clip_gate(cfg, last_coef)
+        deferred = gate.deferred
+        follow = deferred and next_idx is not None
+        return StepPlan(
+            step=commit.step, update=commit.applied + 1, hyper=AdamWHyper.from_config(cfg, lr_at(cfg, commit.step)),
+            read_slot=read_slot, write_slot=write_slot, gate=gate, deferred=deferred,
+            speculated=not deferred and cfg.max_grad_norm > 0, follow=follow,
+            lazy=follow and cfg.write_behind and one_process,
+            order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
+            next_idx=next_idx)
+
+
+def clip_gate(cfg: EngineConfig, last_coef: float | None) -> ClipGate:
+    """The step's coefficient gate: open at 1 (no clipping, or a speculated update), or deferred until the norm
+    is known. In place (slots=1) nothing may be written before the step is known good. `clip_mode: auto`
+    speculates after a step that did not clip (`last_coef` 1)."""
+    if cfg.slots == 1:
+        return ClipGate(None)
+    if cfg.max_grad_norm <= 0:
+        return ClipGate(1.0)
+    if cfg.clip_mode == "speculate" or (cfg.clip_mode == "auto" and last_coef == 1.0):
+        return ClipGate(1.0)
+    return ClipGate(None)
+
+
+class LossScale:
+    """fp16: the step's dynamic loss scale, as GradScaler keeps it (0-d fp32 tensor), from the commit; on the
+    device where the gradients are unscaled (`put`: the device in one process; data parallel reduces host
+    buffers, then unscales them on the host)."""
+
+    def __init__(self, cfg: EngineConfig, commit: Commit, put: Any) -> None:
+        scale = torch.tensor(commit.loss_scale or cfg.loss_scale, dtype=torch.float32)
+        self.scale = put(scale)
+        self.tracker = put(torch.tensor(commit.growth_tracker, dtype=torch.int32))
+        self.inv_scale = put(scale.double().reciprocal().float())  # as GradScaler.unscale_ computes it
+        self.found_inf = put(torch.zeros(1))
+        self.growth_interval = cfg.loss_scale_growth_interval
+
+    def unscale_(self, grads: list[Tensor]) -> None:
+        """GradScaler.unscale_: the same op, so the same bits and the same inf check."""
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.inv_scale)
+
+    def update(self, device: Device) -> dict[str, Any]:
+        """GradScaler.update (halve after an overflow, double after growth_interval clean steps); the commit's
+        fields."""
+        torch._amp_update_scale_(self.scale, self.tracker, self.found_inf, 2.0, 0.5, self.growth_interval)
+        return {"loss_scale": float(device.fetch(self.scale)), "growth_tracker": int(device.fetch(self.tracker))}
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What the step's global gradient norm decided."""
+
+    skipped: bool               # the loss or the norm is not finite: nothing is applied
+    overflow: bool              # fp16: skipped because the scaled gradients overflowed (GradScaler's skip)
+    redone: bool                # a speculated update clipped after all: redone from the previous slot
+    grad_norm: float
+    clip_coef: float | None     # the coefficient applied (None: clipping off, or skipped)
+    coef: float | None          # the coefficient as computed (1.0 with clipping off; None: skipped)
+    coef_t: Tensor | None       # the same as the host tensor the CPU optimizer multiplies by
+    loss_scale: float | None    # fp16: the scale the step ran with
+
+
+def settle(cfg: EngineConfig, device: Device, loss: float, norms: list[list[Tensor]],
+           norm_order: list[tuple[int, int]] | None, plan: StepPlan, scaler: LossScale | None) -> Settlement:
+    """The step's global gradient norm, exactly as `clip_grad_norm_` computes it (per-parameter norms in the
+    model's parameter order, then the norm of those), and what follows from it; a deferred gate opens."""
+    flat = [norms[i][k] for i, k in norm_order] if norm_order else [t for block in norms for t in block]
+    # on the device, where the norms are (one synchronization a step: the host needs the norm)
+    total = torch.linalg.vector_norm(torch.stack(flat), 2.0)
+    coef_t = torch.tensor(1.0)
+    if cfg.max_grad_norm > 0:
+        coef_t = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
+    total, coef_t = (device.fetch(t) for t in (total, coef_t))  # the CPU optimizer takes a host tensor
+    norm = float(total)
+    scale = float(device.fetch(scaler.scale)) if scaler is not None else None
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        overflow = math.isfinite(loss) and scaler is not None and bool(device.fetch(scaler.found_inf).item())
+        return Settlement(True, overflow, False, norm, None, None, None, scale)
+    coef = float(coef_t)
+    if plan.gate.deferred:
+        plan.gate.open(coef_t)
+    return Settlement(False, False, plan.speculated and coef != 1.0, norm,
+                      coef if cfg.max_grad_norm > 0 else None, coef, coef_t, scale)
+
+
+@dataclass
+class Prepared:
+    """A step's forward, run during the previous step's optimizer pass: the ids and what backward needs."""
+
+    idx: Tensor
+    acts: Acts
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The engine's cumulative counters at a step's start; a step's figures are the differences."""
+
+    io: dict
+    param_wait_s: float
+    param_hash_s: float
+    gather_s: float
+    reduced_bytes: int
+    gathered_bytes: int
+
+    @staticmethod
+    def read(engine: Engine) -> Counters:
+        s, dp = engine.streamer, engine.dp
+        return Counters(engine.store.volume.stats(), s.wait_s, s.hash_s, s.gather_s,
+                        dp.reduced_bytes if dp else 0, dp.gathered_bytes if dp else 0)
+
+
+@dataclass
+class StepRun:
+    """The state of the step in progress (module docstring)."""
+
+    plan: StepPlan
+    idx: Tensor
+    targets: Tensor
+    commit: Commit                  # the commit the step started from
+    visits: list[int]
+    start_s: float
+    counters: Counters
+    prepared: Prepared | None = None
+    scaler: LossScale | None = None
+    phase: Phase = Phase.RUNNING
+    losses: list[Tensor] = field(default_factory=list)
+    fwd_timer: Timer | None = None
+    bwd_timer: Timer | None = None
+    reduce_wait_s: float = 0.0      # data parallel: waits for gradient sums not done when needed
+    next_fwd_s: float = 0.0         # compute seconds of the next step's forward run beside this step's pass
+    tail_s: float = 0.0             # from the end of backward to the end of the optimizer pass, less next_fwd_s
+    activations: dict[str, Any] = field(default_factory=dict)
+    settlement: Settlement | None = None
+
+    def compute_s(self) -> float:
+        return ((self.fwd_timer.seconds() if self.fwd_timer else 0.0)
+                + (self.bwd_timer.seconds() if self.bwd_timer else 0.0) + self.next_fwd_s)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step measured. Rates are derived (properties); `to_dict` gives both, JSON-ready."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens: int                    # every rank's tokens
+    step_s: float
+    flops: float | None            # model FLOPs (forward + backward = 3x forward; recomputation not counted)
+    ssd_read_bytes: int
+    ssd_write_bytes: int
+    lanes: dict[str, float]        # busy seconds: compute, ssd_read, ssd_write, cpu_adam, param_wait, ...
+    cpu_mem_bytes: int             # RSS at the step's end
+    gpu_mem_bytes: int | None      # peak device memory allocated (CUDA only)
+    max_resident_blocks: int
+    resident_records: int          # optimizer records kept in memory across steps
+    resident_record_hits: int      # READs they saved this step
+    activations: dict[str, Any]    # the activation plan and its tier counters
+    next_forward_overlapped: bool  # the next step's forward ran beside this step's optimizer pass
+    deferred: bool                 # the update waited for the global norm (clipping: defer, or in place)
+    grad_norm: float | None = None
+    clip_coef: float | None = None
+    redone: bool = False
+    skipped: bool = False
+    overflow: bool = False
+    loss_scale: float | None = None
+    network_bytes: int | None = None  # data parallel: bytes this rank sent (and received as many)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def tflops(self) -> float | None:
+        return self.flops / self.step_s / 1e12 if self.flops else None
+
+    @property
+    def ssd_read_gbps(self) -> float:
+        return self.ssd_read_bytes / self.step_s / 1e9
+
+    @property
+    def ssd_write_gbps(self) -> float:
+        return self.ssd_write_bytes / self.step_s / 1e9
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """The busiest of the four main lanes over the step's time (1: the step takes no longer than it)."""
+        return max(self.lanes[k] for k in ("compute", "ssd_read", "ssd_write", "cpu_adam")) / self.step_s
+
+    @property
+    def cpu_mem_gib(self) -> float:
+        return self.cpu_mem_bytes / 2**30
+
+    @property
+    def gpu_mem_gib(self) -> float | None:
+        return None if self.gpu_mem_bytes is None else self.gpu_mem_bytes / 2**30
+
+    def to_dict(self) -> dict[str, Any]:
+        derived = ("tokens_per_s", "tflops", "ssd_read_gbps", "ssd_write_gbps", "overlap_efficiency", "cpu_mem_gib",
+                   "gpu_mem_gib")
+        return {**dataclasses.asdict(self), **{k: getattr(self, k) for k in derived}}
+
+
+def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> StepStats:
+    """The step's `StepStats` from the engine's counters now and at the step's start (`overlapped`: the next
+    step's forward ran beside this step's optimizer pass)."""
+    io0, io1, c0 = run.counters.io, engine.store.volume.stats(), run.counters
+    streamer, ago, dp, settled = engine.streamer, engine.offloader, engine.dp, run.settlement
+
+    def lane(direction: str) -> tuple[float, int]:
+        busy = max(d1[direction]["busy_s"] - d0[direction]["busy_s"] for d0, d1 in zip(io0["devices"], io1["devices"]))
+        return busy, io1[f"{direction}_bytes"] - io0[f"{direction}_bytes"]
+
+    (read_s, read_b), (write_s, write_b) = lane("read"), lane("write")
+    lanes = {"compute": run.compute_s(), "ssd_read": read_s, "ssd_write": write_s, "cpu_adam": ago.adam_s,
+             "param_wait": streamer.wait_s - c0.param_wait_s, "optimizer_tail": run.tail_s,
+             # checksums: hashing on the optimizer thread (reads and writes) and of streamed P16
+             "checksum": ago.hash_s + streamer.hash_s - c0.param_hash_s}
+    if dp:  # waits on the other ranks: P16 all-gathers, and gradient sums not done when needed
+        lanes.update(gather=streamer.gather_s - c0.gather_s, reduce_wait=run.reduce_wait_s)
+    tokens = run.idx.numel() * engine.world
+    fpt = engine.flops_per_token
+    return StepStats(
+        step=run.plan.step + 1, loss=loss, lr=run.plan.hyper.lr, tokens=tokens,
+        step_s=time.perf_counter() - run.start_s, flops=3 * fpt(run.idx.shape[1]) * tokens if fpt else None,
+        ssd_read_bytes=read_b, ssd_write_bytes=write_b, lanes=lanes,
+        cpu_mem_bytes=psutil.Process().memory_info().rss,
+        gpu_mem_bytes=engine.device.max_memory_allocated() if engine.device.is_cuda else None,
+        max_resident_blocks=streamer.max_resident, resident_records=len(ago.resident),
+        resident_record_hits=ago.resident_hits, activations=run.activations,
+        next_forward_overlapped=overlapped, deferred=run.plan.deferred,
+        grad_norm=settled.grad_norm, clip_coef=settled.clip_coef, redone=settled.redone, skipped=settled.skipped,
+        overflow=settled.overflow, loss_scale=settled.loss_scale,
+        network_bytes=dp.network_bytes(dp.reduced_bytes - c0.reduced_bytes, dp.gathered_bytes - c0.gathered_bytes)
+        if dp else None)

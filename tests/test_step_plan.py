@@ -1,0 +1,58 @@
+"""`StepPlan.make`: every decision of a step's schedule in one place, from the config, the commit and the last
+step's clip coefficient (pure: no engine, no store)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lohan.config import EngineConfig
+from lohan.runtime.step import StepPlan
+from lohan.store.states import Commit
+
+N = 4
+
+
+def plan(last_coef=None, next_idx=True, one_process=True, **over):
+    cfg = EngineConfig(nvme=["/nonexistent"], cpu_mem="1GiB", **over)
+    commit = Commit(step=5, slot=0, updates=4)
+    nxt = torch.zeros(1, 8, dtype=torch.long) if next_idx else None
+    return StepPlan.make(cfg, commit, 0, 1, N, last_coef, nxt, one_process)
+
+
+def test_counts_and_slots_come_from_the_commit():
+    p = plan()
+    assert (p.step, p.update, p.read_slot, p.write_slot) == (5, 5, 0, 1)  # one skipped step: 4 updates in 5 steps
+    assert p.hyper.lr > 0
+
+
+def test_clipping_off_updates_at_once_in_backward_order():
+    p = plan(max_grad_norm=0.0)
+    assert not p.deferred and not p.speculated and not p.follow and not p.lazy
+    assert not p.gate.deferred and p.order == (3, 2, 1, 0)
+
+
+@pytest.mark.parametrize("mode,last,deferred", [("defer", 1.0, True), ("speculate", 0.5, False),
+                                                ("auto", None, True), ("auto", 0.5, True), ("auto", 1.0, False)])
+def test_clip_mode_decides_deferral(mode, last, deferred):
+    p = plan(last_coef=last, clip_mode=mode, max_grad_norm=1.0)
+    assert p.deferred is deferred and p.speculated is (not deferred)
+    assert p.follow is deferred and p.order == ((0, 1, 2, 3) if deferred else (3, 2, 1, 0))
+
+
+def test_a_deferred_pass_follows_only_with_the_next_batch_and_is_lazy_only_in_one_process():
+    assert not plan(next_idx=False, clip_mode="defer").follow
+    assert plan(clip_mode="defer").lazy
+    assert not plan(clip_mode="defer", write_behind=False).lazy
+    assert not plan(clip_mode="defer", one_process=False).lazy
+    assert plan(clip_mode="defer", one_process=False).follow
+
+
+def test_in_place_slots_always_defer():
+    p = plan(slots=1, max_grad_norm=0.0, last_coef=1.0)
+    assert p.deferred and not p.speculated and p.gate.deferred
+
+
+def test_a_speculated_step_keeps_the_next_batch_for_its_redo():
+    p = plan(clip_mode="speculate")
+    assert not p.follow and p.next_idx is not None  # a redone pass runs in forward order beside the next forward
