@@ -51,7 +51,7 @@ __all__ = [
 Batch = tuple[torch.Tensor, torch.Tensor]
 """``(idx, targets)``: two ``int64`` tensors of shape ``[batch_size, seq_len]``."""
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.txt"
 """The corpus shipped with the repository (prose from Python's stdlib docstrings, PSF License)."""
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
