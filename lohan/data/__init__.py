@@ -24,7 +24,7 @@ Modules, lowest first: :mod:`~lohan.data.tokenizers` (the :class:`Tokenizer` pro
 :func:`eval_batches`, :func:`synthetic_batches`). Import from the package: ``from lohan.data import ...``.
 """
 
-from .batches import BatchIterator, eval_batches, split_micro_batches, synthetic_batches
+from .batches import BatchIterator, eval_batches, synthetic_batches
 from .dataset import Batch, TokenDataset
 from .sources import (
     CHAT_ROLES,
@@ -54,6 +54,5 @@ __all__ = [
     "load_jsonl",
     "load_text",
     "pack_tokens",
-    "split_micro_batches",
     "synthetic_batches",
 ]

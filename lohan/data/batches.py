@@ -11,7 +11,7 @@ import torch
 from .dataset import Batch, TokenDataset, _epoch_seed
 from .sources import IGNORE_INDEX, _check_positive, _is_int
 
-__all__ = ["BatchIterator", "eval_batches", "split_micro_batches", "synthetic_batches"]
+__all__ = ["BatchIterator", "eval_batches", "synthetic_batches"]
 
 
 class BatchIterator:
@@ -240,39 +240,3 @@ def synthetic_batches(
         w = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
         yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
         k += 1
-
-
-def split_micro_batches(idx: torch.Tensor, targets: torch.Tensor, n: int) -> list[Batch]:
-    """Split a batch along dim 0 into ``n`` equal micro-batches (gradient accumulation).
-
-    Args:
-        idx: Inputs ``[batch_size, seq_len]``.
-        targets: Targets, same shape as ``idx``.
-        n: Number of micro-batches; must divide ``batch_size``.
-
-    Returns:
-        ``n`` pairs ``(idx_i, targets_i)`` of shape ``[batch_size // n, seq_len]`` (views, no copy).
-
-    Raises:
-        ValueError: If the shapes differ or ``n`` does not divide ``batch_size``; the message lists
-            the valid values.
-    """
-    if idx.shape != targets.shape:
-        raise ValueError(f"idx {list(idx.shape)} and targets {list(targets.shape)} must have the same shape")
-    if idx.dim() < 1:
-        raise ValueError("idx must have a batch dimension")
-    batch_size = idx.shape[0]
-    if not _is_int(n) or n <= 0 or batch_size % n != 0:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        valid_n = _is_int(n) and n > 0
-        detail = f"does not divide batch_size={batch_size}" if valid_n else "is not a positive integer"
-        multiples = ""
-        if valid_n:
-            lo, hi = (batch_size // n) * n, (batch_size // n + 1) * n
-            example = f"{lo} or {hi}" if lo > 0 else f"{hi}"
-            multiples = f", or change batch_size to a multiple of {n} (e.g. {example})"
-        raise ValueError(
-            f"micro_batches={n!r} {detail}; every micro-batch must have the same size: pick micro_batches "
-            f"from {divisors}{multiples}"
-        )
-    return list(zip(idx.chunk(n, dim=0), targets.chunk(n, dim=0)))
