@@ -387,7 +387,7 @@ class EngineConfig:
 
     heap_reuse: bool = True
     """Have glibc's malloc serve every allocation from its heap and keep what is freed there for reuse
-    (`memory.reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
+    (`runtime/heap.py`, `reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
     freed. A step's biggest temporaries (the logits, the embedding's gradient) are then not page-faulted in
     again every step: the 110M Llama's step spent ~0.3 s of its two cores' time in the kernel doing that.
     Process-wide, and set when the engine is built; False leaves the allocator as it is. No effect where
