@@ -387,7 +387,7 @@ class EngineConfig:
 
     heap_reuse: bool = True
     """Have glibc's malloc serve every allocation from its heap and keep what is freed there for reuse
-    (`memory.reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
+    (`runtime/heap.py`, `reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
     freed. A step's biggest temporaries (the logits, the embedding's gradient) are then not page-faulted in
     again every step: the 110M Llama's step spent ~0.3 s of its two cores' time in the kernel doing that.
     Process-wide, and set when the engine is built; False leaves the allocator as it is. No effect where
@@ -436,6 +436,15 @@ class EngineConfig:
     or fewer SSDs on a fast disk in benchmarks and ablations. Results measured so are emulated."""
 
     def __post_init__(self) -> None:
+        # every problem is reported at once, in field order within each group
+        problems = (self._placement_problems() + self._execution_problems() + self._optimizer_problems()
+                    + self._stability_problems())
+        if problems:
+            raise ValueError("invalid engine config:\n  - " + "\n  - ".join(problems))
+
+    def _placement_problems(self) -> list[str]:
+        """Where states and activations go: the SSD directories, memory budgets and sizes (normalized to
+        bytes), the activation policy, the SSD emulation."""
         problems: list[str] = []
         # `--set engine.nvme=5` or a YAML mapping must be a message, not a TypeError from tuple()
         nvme = (self.nvme,) if isinstance(self.nvme, str | os.PathLike) else tuple(self.nvme) if isinstance(
@@ -467,6 +476,11 @@ class EngineConfig:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))
             except ValueError as e:
                 problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else ""))
+        return problems
+
+    def _execution_problems(self) -> list[str]:
+        """How a step runs: the named choices, the counts, the switches, resident records, the slots."""
+        problems: list[str] = []
         choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": ("bf16", "fp16", "fp32"),
                    "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda", "sim")}
         for name, allowed in choices.items():
@@ -485,6 +499,11 @@ class EngineConfig:
             problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
+        return problems
+
+    def _optimizer_problems(self) -> list[str]:
+        """AdamW and its schedule: warm-up, total steps, lr, betas, eps, weight decay and its exclusions."""
+        problems: list[str] = []
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
             problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
@@ -509,6 +528,11 @@ class EngineConfig:
         if bad:
             problems.append(f"no_decay={self.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
                             "[bias, norm]")
+        return problems
+
+    def _stability_problems(self) -> list[str]:
+        """Clipping, the fp16 loss scale and the limit on non-finite steps in a row."""
+        problems: list[str] = []
         if not (_is_finite(self.max_grad_norm) and self.max_grad_norm >= 0):
             problems.append(f"max_grad_norm={self.max_grad_norm!r} must be a finite number >= 0 (0: no clipping)")
         if self.clip_mode not in ("auto", "speculate", "defer"):
@@ -522,8 +546,7 @@ class EngineConfig:
             problems.append(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be an integer >= 1")
         if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
             problems.append(f"max_bad_steps={self.max_bad_steps!r} must be an integer >= 1")
-        if problems:
-            raise ValueError("invalid engine config:\n  - " + "\n  - ".join(problems))
+        return problems
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """A copy with some fields replaced (re-validated)."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lohan.config import RunConfig
 from lohan.data import (
     DEFAULT_CORPUS,
     IGNORE_INDEX,
@@ -24,7 +25,6 @@ from lohan.data import (
     load_jsonl,
     load_text,
     pack_tokens,
-    split_micro_batches,
     synthetic_batches,
 )
 
@@ -195,24 +195,27 @@ def test_synthetic_batches_deterministic_and_resumable():
 # --------------------------------------------------------------------------------- micro-batches
 
 
-def test_split_micro_batches():
-    idx = torch.arange(12 * 5).reshape(12, 5)
-    parts = split_micro_batches(idx, idx + 1, 3)
+def test_micro_batches_cut_like_the_engine_keep_inputs_and_targets_paired():
+    """The engine cuts a batch into micro-batches with ``tensor.chunk`` along the batch (Engine.step): equal
+    parts, in order, each micro-batch's targets the next tokens of its own inputs."""
+    idx, targets = next(BatchIterator(_windows(200, 5), batch_size=12, seed=3))
+    parts = list(zip(idx.chunk(3), targets.chunk(3)))
     assert len(parts) == 3
     assert all(x.shape == y.shape == (4, 5) for x, y in parts)
     assert torch.equal(torch.cat([x for x, _ in parts]), idx)
-    assert torch.equal(torch.cat([y for _, y in parts]), idx + 1)
+    assert torch.equal(torch.cat([y for _, y in parts]), targets)
+    assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in parts)
 
 
-def test_split_micro_batches_error_names_numbers_and_valid_values():
-    idx = torch.zeros(12, 5, dtype=torch.long)
+def test_micro_batches_not_dividing_the_batch_refused_naming_numbers_and_valid_values():
+    """The run config refuses a micro-batch count that does not divide the batch before any step runs."""
     with pytest.raises(ValueError) as e:
-        split_micro_batches(idx, idx, 5)
+        RunConfig(batch_size=12, engine={"micro_batches": 5})
     msg = str(e.value)
     assert "micro_batches=5" in msg and "batch_size=12" in msg
-    assert "[1, 2, 3, 4, 6, 12]" in msg and "e.g. 10 or 15" in msg
-    with pytest.raises(ValueError, match="positive integer"):
-        split_micro_batches(idx, idx, 0)
+    assert "[1, 2, 3, 4, 6, 12]" in msg and "multiple of 5" in msg
+    with pytest.raises(ValueError, match=r"micro_batches=0 must be an integer >= 1"):
+        RunConfig(batch_size=12, engine={"micro_batches": 0})
 
 
 # -------------------------------------------------------------------------------- shipped corpus

@@ -358,7 +358,7 @@ def test_resume_checks_the_model(hf_dir, make_dirs):
     path = hf_dir("gpt2")
     with init_from_hf(path, engine_config(dirs, act_policy="interblock")) as engine:
         engine.step(next(batches(1)))
-        meta = engine.store.read_model_meta(dirs)
+        meta = engine.store.status(dirs).model
         before = engine_hf_state(engine, engine.program)
     assert meta["kind"] == "hf" and meta["family"] == "gpt2" and meta["config"]["n_embd"] == 32
     assert json.loads(json.dumps(meta)) == meta

@@ -12,6 +12,7 @@ from rich.console import Console
 from lohan.app.metrics import (
     GB,
     GIB,
+    IDLE_LANES,
     MetricsWriter,
     RunSummary,
     StepMetrics,
@@ -54,7 +55,7 @@ def test_from_counters_converts_units():
         ssd_write_bytes=GB,
         cpu_mem_bytes=3 * GIB,
         gpu_mem_bytes=GIB // 2,
-        lanes={"compute": 1.5, "ssd_read": 1.0, "wait": 0.3},
+        lanes={"compute": 1.5, "ssd_read": 1.0, "param_wait": 0.3},
     )
     assert m.tokens_per_s == 2048.0
     assert m.tflops == pytest.approx(3.0)
@@ -64,6 +65,21 @@ def test_from_counters_converts_units():
     assert m.overlap_pct == pytest.approx(50.0)
     with pytest.raises(ValueError, match="step_s=0"):
         StepMetrics.from_counters(step=1, loss=1.0, lr=1.0, tokens=1, step_s=0)
+
+
+def test_idle_lanes_are_the_engines_waiting_lanes(make_dirs):
+    """The waiting lanes left out of the overlap are named as the engine records them: ``param_wait`` in one
+    process (``gather`` and ``reduce_wait`` with data parallelism, see tests/test_parallel.py)."""
+    import lohan
+    from tests.test_engine_equivalence import batches, engine_config, tiny_cfg
+
+    with lohan.init(tiny_cfg(n_layer=2), engine_config(make_dirs(1))) as engine:
+        engine.step(next(batches(1, 2, 16, 256)))
+        lanes = engine.last_metrics["lanes"]
+    assert set(IDLE_LANES) - {"gather", "reduce_wait"} <= set(lanes)
+    work = {name: t for name, t in lanes.items() if name not in IDLE_LANES}
+    waits = dict(work, param_wait=lanes["param_wait"] + 5.0)  # waiting longer is not more overlap
+    assert overlap_percent(waits, 2.0) == overlap_percent(work, 2.0)
 
 
 def test_overlap_percent_bounds():

@@ -1,4 +1,4 @@
-"""Kept blocks (params.py): a released block's P16 stays in the parameter pool while there is room, so
+"""Kept blocks (lohan/runtime/params.py): a released block's P16 stays in the parameter pool while there is room, so
 backward does not read again what forward read, and the next forward uses what the optimizer provided.
 Exactness under every condition is the equivalence tests' job; here: the reads it saves, and exactness
 when the pool is too small to keep everything (kept blocks give way to prefetches)."""

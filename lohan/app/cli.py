@@ -35,7 +35,7 @@ import yaml
 
 from lohan.config import PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # lohan/app/cli.py -> the repository
 
 # flag -> (section, field); section None = RunConfig, "engine" = EngineConfig
 _FLAGS: dict[str, tuple[str | None, str]] = {

@@ -161,7 +161,7 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repea
 @functools.lru_cache(maxsize=8)
 def measure_cpu_adam(numel: int = 1 << 22, compute_dtype: str = "bf16", checksums: bool = True,
                      repeats: int = 3) -> float:
-    """Parameters per second this machine's CPU updates the way the engine's optimizer does (offload.py):
+    """Parameters per second this machine's CPU updates the way the engine's optimizer does (runtime/offload.py):
     the compute-dtype gradient upcast to fp32, torch's fused AdamW on P32, m, v, the P16 copy and, with
     ``checksums``, the XXH3 of the record read and of the one written. Best of ``repeats`` on ``numel``
     parameters (about 100 MB at the default, more than a CPU's last-level cache, as a record fresh

@@ -5,7 +5,7 @@ report it), memory in GiB (2^30 bytes, as ``free -g`` and ``nvidia-smi`` report 
 TFLOPS (10^12 FLOP/s), time in seconds. Rates of one step are averages over its wall time, so the SSD
 figures are what the run achieved, not the device's peak.
 
-Typical use by the engine::
+Typical use by the run driver (:mod:`lohan.app.train`)::
 
     progress = progress_bar(total_steps)
     with progress, MetricsWriter(run_dir / "metrics.jsonl") as writer:
@@ -54,7 +54,6 @@ __all__ = [
     "format_step_line",
     "format_summary",
     "load_metrics",
-    "memory_snapshot",
     "overlap_percent",
     "progress_bar",
     "report_step",
@@ -65,8 +64,10 @@ GB = 10**9
 GIB = 2**30
 """Bytes in a gibibyte (memory: GiB)."""
 
-IDLE_LANES = ("wait", "gather", "reduce_wait")
-"""Lane names that record waiting, not work; :func:`overlap_percent` leaves them out."""
+IDLE_LANES = ("param_wait", "gather", "reduce_wait")
+"""Lane names that record waiting, not work; :func:`overlap_percent` leaves them out. They are the engine's
+(``Engine.last_metrics["lanes"]``): waits for streamed parameters, and with data parallelism for the other
+ranks' parameter all-gathers and gradient sums."""
 
 
 def _json_float(x: float) -> float | str:
@@ -122,21 +123,6 @@ def overlap_percent(
     return 100.0 * min(1.0, max(0.0, (total - step_s) / (total - longest)))
 
 
-def memory_snapshot() -> tuple[int, int | None]:
-    """Current memory use of this process.
-
-    Returns:
-        ``(cpu_rss_bytes, gpu_peak_bytes)``: the resident set size, and the peak CUDA memory allocated by
-        PyTorch since the last ``torch.cuda.reset_peak_memory_stats()`` (None without CUDA).
-    """
-    import psutil  # imported here: only the engine needs it, tests of the formatting do not
-    import torch
-
-    rss = psutil.Process().memory_info().rss
-    gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    return rss, gpu
-
-
 # -------------------------------------------------------------------------------------- one step
 
 
@@ -169,7 +155,7 @@ class StepMetrics:
     gpu_mem_gib: float | None = None
     """Peak GPU memory allocated, GiB; None when running on the CPU."""
     lanes: dict[str, float] = field(default_factory=dict)
-    """Busy seconds per lane (``compute``, ``ssd_read``, ``ssd_write``, ``cpu_adam``, ``wait``, ...)."""
+    """Busy seconds per lane (``compute``, ``ssd_read``, ``ssd_write``, ``cpu_adam``, ``param_wait``, ...)."""
     grad_norm: float | None = None
     """Global L2 norm of the step's gradients (before clipping)."""
     clip_coef: float | None = None
@@ -226,7 +212,7 @@ class StepMetrics:
             flops: Model FLOPs of the step (forward + backward).
             ssd_read_bytes: Bytes read from the SSDs during the step.
             ssd_write_bytes: Bytes written to the SSDs during the step.
-            cpu_mem_bytes: Resident CPU memory (see :func:`memory_snapshot`).
+            cpu_mem_bytes: Resident CPU memory (the process's RSS).
             gpu_mem_bytes: Peak GPU memory, None on the CPU.
             lanes: Busy seconds per lane.
             overlap_pct: Overlap in percent; computed from ``lanes`` by :func:`overlap_percent` if None.

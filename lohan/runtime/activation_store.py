@@ -1,18 +1,20 @@
-"""Activation runtime: carries out a Plan's per-op swap / recompute decisions (DESIGN.md §4.4).
+"""Activation records: carries out a Plan's per-op swap / recompute decisions (DESIGN.md §4.4) for the
+`ActivationManager` (`runtime/activations.py`), which calls it block by block.
 
 The engine runs each transformer block twice: forward under no_grad, and again with grad in
 backward. Between the two, a block needs its input plus whatever the plan swaps:
 
-- Forward: `SelectiveMode(record=...)` watches the aten ops of the block. Ops issued inside a
-  swapped sub-module (tracked by `OpTracker`'s module hooks) have their outputs recorded; the
-  block input and these outputs become one *record*, packed into one contiguous buffer and placed
-  on its tier: ``keep`` (left on the device), ``cpu`` (a budgeted host pool; on a CPU device
-  the tensors themselves, within that budget, instead of a packed copy) or ``ssd`` (written
-  through io_engine and read back one block ahead in backward).
-- Backward: `SelectiveMode(replay=...)` re-runs the block with grad; a swapped op returns its
-  recorded output instead of computing, so only the other ops are recomputed. The dispatch mode
-  sits below autograd, so the op's backward node is recorded as usual and saves what it needs
-  (e.g. attention saves its recorded output and logsumexp; kernels that compute the logsumexp only
+- Forward: `SelectiveMode(tracker, swap)` (no ``replay``) watches the aten ops of the block. Ops
+  issued inside a swapped sub-module (tracked by `OpTracker`'s module hooks) have their outputs
+  recorded; `ActivationStore.put` makes the block input and these outputs one *record*, packed into
+  one contiguous buffer and placed on its tier: ``keep`` (left on the device), ``cpu`` (a budgeted
+  host pool; on a CPU device the tensors themselves, within that budget, instead of a packed copy)
+  or ``ssd`` (written through io_engine and read back one block ahead in backward, `prefetch`).
+- Backward: `ActivationStore.take` hands the record back (`stage` started its copy to the device),
+  and `SelectiveMode(tracker, swap, replay=records)` re-runs the block with grad; a swapped op
+  returns its recorded output instead of computing, so only the other ops are recomputed. The
+  dispatch mode sits below autograd, so the op's backward node is recorded as usual and saves what
+  it needs (e.g. attention saves its recorded output and logsumexp; kernels that compute the logsumexp only
   under grad are asked for it when recording, `_with_logsumexp`).
 
 Why not torch's selective checkpoint (`create_selective_checkpoint_contexts`) plus
@@ -231,9 +233,12 @@ class _Entry:
 class ActivationStore:
     """Holds each (block, micro-batch) record on its tier between forward and backward.
 
-    `cpu` records live in `cpu_pool`, a hard-budgeted host pool. `ssd` records are packed into a
-    staging buffer and written to `volume` at the next free offset; the staging buffer goes back to
-    `staging_pool` when the write completes, and `prefetch` reads records back into it ahead of use.
+    `keep` records stay on the device as they are. `cpu` records live in `cpu_pool`, a hard-budgeted
+    host pool (on a CPU device the tensors are held as they are, counted against that budget). `ssd`
+    records are packed into a staging buffer and written to `volume` at the next free offset; the
+    staging buffer goes back to `staging_pool` when the write completes, and `prefetch` reads records
+    back into it ahead of use. Forward: `put` per record, `end_forward` after the last. Backward:
+    `prefetch`, `stage` (the copy back to the device), `take`, `release`; `end_step` drops the rest.
     """
 
     def __init__(self, device: Device, cpu_pool: BufferPool | None = None, staging_pool: BufferPool | None = None,

@@ -1,10 +1,22 @@
 """ActivationManager: profile -> plan -> tiers, and the per-block record / replay calls of a step.
 
-The engine calls `prepare` once the first transformer block's input exists (that is when the
-shapes are known and the block's parameters are resident), `forward_block` for each transformer
-block and micro-batch, and `backward_inputs` / `done` around each block's recompute in backward.
-Program blocks are [embed, transformer blocks..., head]; the plan covers the transformer blocks,
-so plan block j is program block j + 1.
+The engine (`runtime/engine.py`) drives it in this order each step:
+
+- forward: `needs_prepare` / `prepare` once the first transformer block's input exists (that is when the
+  shapes are known and the block's parameters are resident: it profiles that block, plans, and sets up
+  the tiers; again only when the batch shape or the policy changes), `forward_block` for each
+  transformer block and micro-batch (records the block's input and its swapped ops' outputs on the
+  block's tier), then `end_forward`;
+- backward, block by block from the last: around block i's backward, `prefetch(i - 1)` (the next
+  block's SSD records read back ahead of use) and `stage(i - 1)` (its records copied back to the
+  device beside block i's compute); per micro-batch, `backward_block` (the block input and a `run` that
+  replays the swapped ops while recomputing the others) and `release` once the block's gradients are
+  computed;
+- `end_step` after the step (or on failure), `stats` for the step's metrics, `close` with the engine.
+
+The records themselves live in an `ActivationStore` (`runtime/activation_store.py`), which also defines
+the `SelectiveMode` that records and replays the ops. Program blocks are [embed, transformer blocks...,
+head]; the plan covers the transformer blocks, so plan block j is program block j + 1.
 """
 
 from __future__ import annotations
@@ -32,6 +44,10 @@ log = logging.getLogger(__name__)
 
 
 class ActivationManager:
+    """The activation plan carried out block by block: where each (block, micro-batch) record waits between
+    forward and backward (``keep`` on the device, ``cpu`` main memory, ``ssd``), and which ops are replayed
+    from it rather than recomputed (see the module docstring for the calls of a step)."""
+
     def __init__(self, cfg: EngineConfig, program: Any, device: Device, autocast: Callable[[], Any],
                  engine_pool_bytes: int, model_label: str, param_count: int, p16_itemsize: int,
                  flops_per_token: Callable[[int], float] | None, resident_params: int = 0) -> None:

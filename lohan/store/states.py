@@ -415,12 +415,6 @@ class StateStore:
             raise StoreCorruptError(f"{commit_path} carries no checksums for a checksummed store. {_FIX_META}")
         return cls(volume, layout, dirs[0], name, commit, meta["check_elems"], meta["checksums"])
 
-    @staticmethod
-    def read_model_meta(dirs: Sequence[str], name: str = "lohan") -> dict | None:
-        """The model description of an existing store (committed or being initialized), or None."""
-        path = os.path.join(dirs[0], f"{name}.store.json")
-        return _read_meta(path)["model"] if os.path.exists(path) else None
-
     # --------------------------------------------------------------- commits
     @property
     def step(self) -> int:
