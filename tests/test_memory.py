@@ -94,6 +94,7 @@ def test_peak_rss_stays_within_the_bound_the_plan_states(tmp_path: Path) -> None
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
+import lohan.runtime.engine  # as a run sets it: in Engine.__init__, with everything imported
 from lohan.runtime.heap import reuse_heap
 if sys.argv[1] == "on" and not reuse_heap():
     print("unsupported"); raise SystemExit

@@ -75,7 +75,7 @@ def test_idle_lanes_are_the_engines_waiting_lanes(make_dirs):
 
     with lohan.init(tiny_cfg(n_layer=2), engine_config(make_dirs(1))) as engine:
         engine.step(next(batches(1, 2, 16, 256)))
-        lanes = engine.last_metrics["lanes"]
+        lanes = engine.last_stats.lanes
     assert set(IDLE_LANES) - {"gather", "reduce_wait"} <= set(lanes)
     work = {name: t for name, t in lanes.items() if name not in IDLE_LANES}
     waits = dict(work, param_wait=lanes["param_wait"] + 5.0)  # waiting longer is not more overlap
