@@ -31,9 +31,10 @@ blocks. A buffer is tagged with the (slot, update) whose bytes it holds;
 the next pass uses it only when its read slot and update follow that tag, so a skipped, redone, rolled-back
 or dropped step makes its buffers read from the SSDs again.
 
-A block whose record is larger than `chunk_elems` elements (a 175B layer's is 25 GB) goes through the
-pipeline in chunks: the same READ / ADAM / WRITE per chunk, on the P32, m, v and P16 sub-ranges of the
-record, so the optimizer's memory is bounded by chunks, not by the largest block.
+A block whose record is larger than the store's checksum unit (`StateStore.check_elems` elements; a 175B
+layer's record is 25 GB) goes through the pipeline in chunks of that many elements: the same READ / ADAM /
+WRITE per chunk, on the P32, m, v and P16 sub-ranges of the record, so the optimizer's memory is bounded by
+chunks, not by the largest block, and each READ and WRITE is checked whole.
 """
 
 from __future__ import annotations
@@ -193,20 +194,15 @@ class _Handles:
 class GradOffloader:
     """The optimizer side of one training step, fed block by block from the backward pass."""
 
-    def __init__(self, store: StateStore, pool: BufferPool, mode: str, chunk_elems: int | None = None,
-                 grad_dtype: torch.dtype = torch.float32, decays: list[list[bool]] | None = None,
-                 stash: GradStash | None = None, resident: list[int] | None = None,
-                 thread_init: Callable[[], None] | None = None) -> None:
+    def __init__(self, store: StateStore, pool: BufferPool, mode: str, grad_dtype: torch.dtype = torch.float32,
+                 decays: list[list[bool]] | None = None, stash: GradStash | None = None,
+                 resident: list[int] | None = None, thread_init: Callable[[], None] | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
-        if chunk_elems is not None and (chunk_elems < 4096 or chunk_elems % 4096):
-            raise ValueError(f"chunk_elems={chunk_elems} must be a positive multiple of 4096 (keeps I/O aligned)")
-        # The pipeline's units are the store's checksum units, so each READ and WRITE can be checked whole.
-        if chunk_elems is not None and chunk_elems != store.check_elems:
-            raise ValueError(f"chunk_elems={chunk_elems} differs from the store's checksum unit {store.check_elems}")
         self.store = store
         self.pool = pool
         self.mode = mode
+        # The pipeline's units are the store's checksum units, so each READ and WRITE can be checked whole.
         self.chunk_elems = store.check_elems
         self.grad_dtype = grad_dtype
         self.decays = decays or [[True] * len(b.params) for b in store.layout.blocks]
@@ -264,7 +260,7 @@ class GradOffloader:
         time the gate opens) takes the forward order, so the next step's forward can follow the updates
         (`provide`). `gate` gives the gradient coefficient (default 1: no clipping); a deferred gate holds
         every update (READs still go out) until it opens. With `keep` the gradient buffers are kept after
-        use, for `redo`, until `release_kept`. `provide` receives each unit's new P16 after its update.
+        use, for `begin_redo`, until `release_kept`. `provide` receives each unit's new P16 after its update.
         `lazy`: write-behind (module docstring); `finish` then returns with the tail in flight. The worker
         first completes the previous pass's tail, then calls `before` (if any), then runs this pass.
         """
@@ -323,12 +319,6 @@ class GradOffloader:
         for i, g in zip(order, grads):
             self._queue.put((i, g))
         self._backward_done.set()
-
-    def redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
-             coef: torch.Tensor) -> None:
-        """`begin_redo`, then wait until every block is rewritten."""
-        self.begin_redo(step, hyper, order, read_slot, write_slot, coef)
-        self.finish()
 
     @property
     def busy(self) -> bool:
@@ -468,7 +458,7 @@ class GradOffloader:
         """Block i's pipeline units: the whole record, or chunks of `chunk_elems` elements."""
         n = self.store.layout.blocks[i].numel
         c = self.chunk_elems
-        if c is None or n <= c:
+        if n <= c:
             return [(i, 0, n)]
         return [(i, lo, min(lo + c, n)) for lo in range(0, n, c)]
 
