@@ -52,6 +52,7 @@ from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up, wait_all_handles
 from lohan.crashpoints import crashpoint
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
+from lohan.runtime.records import param_ranges
 from lohan.store.gradstash import GradStash, StashedGrad
 from lohan.store.integrity import Sums, tensor_hash
 from lohan.store.states import RecordView, StateStore, StoreLayout
@@ -205,7 +206,8 @@ class GradOffloader:
         # The pipeline's units are the store's checksum units, so each READ and WRITE can be checked whole.
         self.chunk_elems = store.check_elems
         self.grad_dtype = grad_dtype
-        self.decays = decays or [[True] * len(b.params) for b in store.layout.blocks]
+        decays = decays or [[True] * len(b.params) for b in store.layout.blocks]
+        self.params = [param_ranges(b, d) for b, d in zip(store.layout.blocks, decays, strict=True)]
         self.stash = stash  # where gradients are kept for a redo (clipping); cleared by `release_kept`
         self._gate = ClipGate()
         self._keep = False
@@ -521,16 +523,14 @@ class GradOffloader:
                     self._res[i].tag = None
                 t0 = time.perf_counter()
                 try:
+                    p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
                     if g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
-                        p32, m, v, p16 = self._unit_views(buf, b, lo, hi)
-                        adamw_upcast_(p32, g[lo:hi], m, v, p16, step, hyper, b, lo, self.decays[i],
+                        adamw_upcast_(p32, g[lo:hi], m, v, p16, step, hyper, self.params[i], lo,
                                       lambda piece, coef=coef: self._fp32(piece, coef), UPCAST_ELEMS)
                     elif (lo, hi) == (0, b.numel):
-                        adamw_block_(RecordView(buf.tensor, b, self.store.p16_dtype), g, b, step, hyper,
-                                     self.decays[i])
+                        adamw_block_(p32, g, m, v, p16, step, hyper, self.params[i])
                     else:
-                        p32, m, v, p16 = self._chunk_views(buf, b, hi - lo)
-                        adamw_chunk_(p32, g[lo:hi], m, v, p16, step, hyper, b, lo, self.decays[i])
+                        adamw_chunk_(p32, g[lo:hi], m, v, p16, step, hyper, self.params[i], lo)
                 except BaseException:
                     self._give_back(buf)
                     raise
