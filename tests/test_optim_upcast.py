@@ -10,6 +10,7 @@ from torch.optim.adamw import adamw
 import lohan
 import lohan.runtime.offload
 from lohan.runtime.optim import AdamWHyper, adamw_upcast_
+from lohan.runtime.records import param_ranges
 from lohan.store.states import BlockLayout, ParamSpec, block_views
 from tests.test_clipping import batches, config, tiny_cfg
 
@@ -62,7 +63,7 @@ def test_pieces_update_like_whole_parameters(lo, hi):
 
     p16 = torch.empty(hi - lo, dtype=torch.bfloat16)
     ours = [t[lo:hi].clone() for t in (p32, m, v)]
-    adamw_upcast_(ours[0], g16[lo:hi], ours[1], ours[2], p16, 3, HP, b, lo, decays, upcast, 4096)
+    adamw_upcast_(ours[0], g16[lo:hi], ours[1], ours[2], p16, 3, HP, param_ranges(b, decays), lo, upcast, 4096)
     for got, want in zip(ours, (ref_p[lo:hi], ref_m[lo:hi], ref_v[lo:hi])):
         assert torch.equal(got, want)
     assert torch.equal(p16, ours[0].to(torch.bfloat16))
@@ -73,7 +74,7 @@ def test_limit_must_keep_pieces_aligned():
     b = layout([8192])
     t = torch.zeros(8192)
     with pytest.raises(ValueError, match="multiple of 4096"):
-        adamw_upcast_(t, t, t, t, t.to(torch.bfloat16), 1, HP, b, 0, [True], lambda g: g, 1000)
+        adamw_upcast_(t, t, t, t, t.to(torch.bfloat16), 1, HP, param_ranges(b, [True]), 0, lambda g: g, 1000)
 
 
 def run(ecfg, data):

@@ -16,7 +16,8 @@ import lohan
 import lohan.runtime.engine
 from io_engine.faults import inject_faults
 from lohan.runtime.engine import Engine
-from lohan.runtime.offload import GradOffloader
+from lohan.runtime.offload import UpdatePass
+from lohan.runtime.records import WriteBehind
 from lohan.store.states import StateStore
 
 
@@ -32,25 +33,25 @@ def test_write_behind_is_bit_exact_with_small_pools(make_dirs, monkeypatch, infl
     (A pool of one record used to hang a deferred pass: the read ahead of its first block waited for a
     buffer only that pass could free.)"""
     waited, forced = [], []
-    real_await, real_release = Engine._await_tail, GradOffloader._release_held
+    real_await, real_release = Engine._await_tail, UpdatePass.release_held
 
     def await_tail(self, slot):
         waited.append(self.store.staged and slot == self.store.slot and not self.offloader.tail_done.is_set())
         return real_await(self, slot)
 
     def release_held(self, *args, **kwargs):
-        forced.append(self._gate.deferred is False)
+        forced.append(self.gate.deferred is False)
         return real_release(self, *args, **kwargs)
 
     def finish_tail(self):  # a slow disk: the next backward's reads come while the tail is in flight
-        if self._tail:
+        if self.tail:
             time.sleep(0.1)
         return real_finish(self)
 
-    real_finish = GradOffloader._finish_tail
+    real_finish = WriteBehind.finish_tail
     monkeypatch.setattr(Engine, "_await_tail", await_tail)
-    monkeypatch.setattr(GradOffloader, "_release_held", release_held)
-    monkeypatch.setattr(GradOffloader, "_finish_tail", finish_tail)
+    monkeypatch.setattr(UpdatePass, "release_held", release_held)
+    monkeypatch.setattr(WriteBehind, "finish_tail", finish_tail)
     mcfg = tiny_cfg(n_layer=6)
     ecfg = config(make_dirs(2), clip_mode="defer", prefetch_depth=1, max_inflight_blocks=inflight,
                   write_behind=write_behind, resident_mem=0)  # small pools: READs wait for the room

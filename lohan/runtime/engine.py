@@ -256,7 +256,7 @@ class Engine:
                                 cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
         resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
                                   self.store.check_elems) if cfg.resident_records else [])
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, None, self.grad_dtype, self.decays,
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
                                        self.stash, resident, thread_init=self.device.bind_thread)
         self.streamer.before_read = self._await_tail
         self.activations = ActivationManager(

@@ -1,10 +1,14 @@
-"""CPU AdamW on a block's record, and the learning-rate schedule.
+"""CPU AdamW on a block's flat P32 / m / v / P16 vectors, and the learning-rate schedule.
 
 The update runs torch's fused AdamW kernel (`torch.optim.adamw.adamw(..., fused=True)`) on
 per-parameter views of the block's flat P32/m/v vectors. Using the same functional as
 `torch.optim.AdamW(fused=True)`, on tensors of the same shapes, makes the result bit-identical to
 plain PyTorch training. The kernel releases the GIL, so it overlaps I/O and the compute thread;
 it is 1.2-1.4x DeepSpeedCPUAdam on this kind of machine, which also holds the GIL (DESIGN.md §4.3).
+
+The optimizer knows nothing of the store's record format: the offloader cuts a record buffer into its flat
+sections and describes the block's parameters as `ParamRange`s (where each sits in the flat vector, its shape,
+whether it decays), so the record layout can change without touching the update.
 """
 
 from __future__ import annotations
@@ -18,7 +22,22 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from lohan.config import EngineConfig
-from lohan.store.states import BlockLayout, RecordView, block_views
+
+
+@dataclass(frozen=True)
+class ParamRange:
+    """One parameter of a block, as the optimizer sees it: elements offset..offset+numel of the block's flat
+    vectors, the parameter's shape (the fused kernel must see the shapes torch.optim.AdamW sees) and whether
+    weight decay applies to it."""
+
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    decay: bool = True
+
+
+def _views(flat: torch.Tensor, params: Sequence[ParamRange]) -> list[torch.Tensor]:
+    return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in params]
 
 
 @dataclass(frozen=True)
@@ -100,40 +119,39 @@ def _adamw(p32: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Ten
               weight_decay=hp.weight_decay if decayed else 0.0, eps=hp.eps)
 
 
-def adamw_block_(rec: RecordView, grad: torch.Tensor, block: BlockLayout, step: int, hp: AdamWHyper,
-                 decays: Sequence[bool] | None = None) -> None:
-    """Update one block's record in place: P32, m, v by AdamW at 1-based step `step`, then P16 = P32.
+def adamw_block_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p16: torch.Tensor,
+                 step: int, hp: AdamWHyper, params: Sequence[ParamRange]) -> None:
+    """Update one whole block in place: P32, m, v by AdamW at 1-based step `step`, then P16 = P32.
 
     Args:
-        rec: Views into the block's record buffer (read from the SSD).
-        grad: The block's flat fp32 gradient (numel = block.numel), already clipped.
+        p32, m, v, p16: The block's flat vectors (views into its record buffer, read from the SSD).
+        grad: The block's flat fp32 gradient (same numel), already clipped.
         step: The optimizer step this update makes (1 for the first update), for bias correction.
-        decays: Per parameter, whether weight decay applies (default: every parameter).
+        params: The block's parameters, tiling the flat vectors.
     """
-    decays = list(decays) if decays is not None else [True] * len(block.params)
-    _adamw(block_views(rec.p32, block), block_views(grad, block), block_views(rec.m, block),
-           block_views(rec.v, block), decays, step, hp)
-    rec.p16.copy_(rec.p32)
+    _adamw(_views(p32, params), _views(grad, params), _views(m, params), _views(v, params),
+           [p.decay for p in params], step, hp)
+    p16.copy_(p32)
 
 
 def adamw_chunk_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p16: torch.Tensor,
-                 step: int, hp: AdamWHyper, block: BlockLayout | None = None, lo: int = 0,
-                 decays: Sequence[bool] | None = None) -> None:
+                 step: int, hp: AdamWHyper, params: Sequence[ParamRange] | None = None, lo: int = 0) -> None:
     """AdamW on the flat slice [lo, lo + len) of a block, then P16 = P32. The update is elementwise, so the
-    slice is cut only where the decay differs: into the pieces of the parameters it overlaps."""
-    if block is None or decays is None or all(decays):
+    slice is cut only where the decay differs: into the pieces of the parameters it overlaps (`params`, the
+    block's; None: one decayed vector)."""
+    if params is None or all(p.decay for p in params):
         _adamw([p32], [grad], [m], [v], [True], step, hp)
     else:
         hi = lo + p32.numel()
-        cuts = [(max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo, d) for s, d in zip(block.params, decays)
-                if s.offset < hi and s.offset + s.numel > lo]
+        cuts = [(max(lo, p.offset) - lo, min(hi, p.offset + p.numel) - lo, p.decay) for p in params
+                if p.offset < hi and p.offset + p.numel > lo]
         _adamw([p32[a:z] for a, z, _ in cuts], [grad[a:z] for a, z, _ in cuts], [m[a:z] for a, z, _ in cuts],
                [v[a:z] for a, z, _ in cuts], [d for _, _, d in cuts], step, hp)
     p16.copy_(p32)
 
 
 def adamw_upcast_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p16: torch.Tensor,
-                  step: int, hp: AdamWHyper, block: BlockLayout, lo: int, decays: Sequence[bool],
+                  step: int, hp: AdamWHyper, params: Sequence[ParamRange], lo: int,
                   upcast: Callable[[torch.Tensor], torch.Tensor], limit: int) -> None:
     """AdamW on the flat slice [lo, lo + len) of a block whose gradient `grad` (same slice, any dtype) is made
     fp32 by `upcast` (a copy into a scratch of `limit` elements, scaled when clipping), then P16 = P32.
@@ -148,11 +166,11 @@ def adamw_upcast_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: tor
         raise ValueError(f"limit={limit} must be a multiple of 4096")
     hi = lo + p32.numel()
     pieces: list[tuple[int, int, bool]] = []  # [a, z) relative to lo, and whether it is decayed
-    for spec, decayed in zip(block.params, decays):
+    for spec in params:
         a, end = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
         while a < end:
             z = min(end, spec.offset + ((a - spec.offset) // limit + 1) * limit)
-            pieces.append((a - lo, z - lo, decayed))
+            pieces.append((a - lo, z - lo, spec.decay))
             a = z
     run: list[tuple[int, int, bool]] = []
     for piece in pieces + [None]:
