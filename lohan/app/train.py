@@ -68,6 +68,7 @@ from lohan.runtime.parallel import (
 )
 from lohan.store.dirlock import DirectoryInUseError, DirLock
 from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from lohan.store.opening import CLI, StoreExistsError, check_request
 from lohan.store.states import StateStore, StoreStatus
 
 log = logging.getLogger(__name__)
@@ -543,7 +544,7 @@ def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
     """Refuse what would discard or misread a store, then open it, continue its creation, or create it."""
     run, e = ctx.run, ctx.run.engine
     store_dirs = ctx.dp.rank_dirs(e.nvme) if ctx.dp else e.nvme  # where this process's store lives
-    _check_store(ctx, store_dirs, resume, overwrite)
+    _check_store(ctx, resume, overwrite)
     engine_cfg = e.with_overrides(total_steps=e.total_steps or ctx.steps)
     saved_profile = Path(store_dirs[0]) / f"{e.name}.profile.json"
     if resume and not e.profile_from and saved_profile.exists():
@@ -566,30 +567,16 @@ def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
                       "the same command again") from None
 
 
-def _check_store(ctx: _Run, store_dirs: tuple[str, ...], resume: bool, overwrite: bool) -> StoreStatus:
-    """What the NVMe directories hold, against what was asked (resume, overwrite, a new run; ranks)."""
-    e, world, dp = ctx.run.engine, ctx.world, ctx.dp
+def _check_store(ctx: _Run, resume: bool, overwrite: bool) -> StoreStatus:
+    """What the NVMe directories hold, against what was asked (resume, overwrite, a new run; ranks): the store
+    layer's refusals (`check_request`, worded for the command line), then what only a run knows (its model and
+    settings, its step count)."""
+    e, dp = ctx.run.engine, ctx.dp
     try:
-        status = StateStore.status(store_dirs, e.name)
-        decided = read_decision(e.nvme, e.name)
-    except (StoreCorruptError, ValueError) as err:
+        status = check_request(e.nvme, e.name, resume=resume, overwrite=overwrite, world=ctx.world,
+                               rank=dp.rank if dp else None, must_exist=True, asked=CLI)
+    except (StoreCorruptError, StoreExistsError, ValueError) as err:
         raise Refusal(str(err)) from None
-    if resume and dp and decided is not None and decided["world"] != world:
-        raise Refusal(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks, and this run has "
-                      f"{world}: resume it with {decided['world']} ranks in all. Another world size would need the "
-                      "optimizer states re-sharded, which lohan does not do; export the model and start a new run "
-                      "to change it")
-    if decided is not None and not dp and StateStore.status(e.nvme, e.name).state == "none":
-        raise Refusal(f"{e.nvme[0]} holds the states of a run on {decided['world']} ranks (under rank0 .. "
-                      f"rank{decided['world'] - 1}); launch it as it was: torchrun --nproc-per-node ... with "
-                      f"{decided['world']} ranks in all, and the same command line")
-    if resume and status.state == "none":
-        raise Refusal(f"nothing to resume in {e.nvme[0]}: it holds no lohan store named {e.name!r}. Check the "
-                      "--nvme path (and engine.name), or drop --resume to start a new run")
-    if not resume and not overwrite and status.state != "none":
-        what = "continue it" if status.state == "complete" else "continue it where it stopped"
-        raise Refusal(f"{e.nvme[0]} already holds {status.describe()}. Pass --resume to {what}, or --overwrite to "
-                      "discard it and start over")
     if resume:
         try:
             check_resumable(ctx.run, ctx.seq_len, ctx.model, status.model)

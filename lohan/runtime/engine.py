@@ -75,7 +75,7 @@ from lohan.runtime.step import (
 )
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
-from lohan.store.opening import open_or_create
+from lohan.store.opening import check_request, open_or_create
 from lohan.store.states import DTYPES, StoreLayout, block_views, plan_layout
 
 log = logging.getLogger(__name__)
@@ -226,6 +226,8 @@ class Engine:
             if self.dp:
                 init_block = _shard_init(init_block, self.layout, layout, self.bounds, self.dp.rank)
                 decision = check_group(self.dp, self._base_dirs, cfg.name, resume)
+            else:
+                check_request(dirs, cfg.name, resume=resume, overwrite=overwrite)
             self.store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress,
                                         optimizer_chunk_elems(layout, cfg))
             if self.dp:

@@ -44,35 +44,15 @@ import torch.distributed as dist
 
 from io_engine.base import align_up
 from lohan.runtime.device import resolve_device
-from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from lohan.store.group import decision_path, rank_dir, read_decision
+from lohan.store.integrity import StoreCorruptError, write_json_atomic
+from lohan.store.opening import check_request
 from lohan.store.states import BlockLayout, ParamSpec, StateStore, StoreLayout
 
 log = logging.getLogger(__name__)
 
 SHARD_ALIGN = 4096  # elements: every shard starts 4 KiB-aligned in fp32, bf16 and fp16 buffers alike
 PIECE_GRID = 64  # elements: where a shard may cut a parameter (see shard_bounds)
-
-_FIX_DECISION = ("The group's commit record cannot be trusted; restore the directories from a backup, or start "
-                 "over with --overwrite")
-
-
-def decision_path(base_dirs: Sequence[str], name: str) -> str:
-    """Where rank 0 keeps the group's commit decision: beside rank 0's store."""
-    return os.path.join(rank_dir(base_dirs[0], 0), f"{name}.dp.json")
-
-
-def rank_dir(base: str, rank: int) -> str:
-    return os.path.join(base, f"rank{rank}")
-
-
-def read_decision(base_dirs: Sequence[str], name: str) -> dict | None:
-    """The group's last committed step and world size (None: no data-parallel store there)."""
-    path = decision_path(base_dirs, name)
-    if not os.path.exists(path):
-        return None
-    data = read_json_checked(path, "data-parallel commit record", _FIX_DECISION)
-    return {"world": int(data["world"]), "step": int(data["step"])}
-
 
 def shard_bounds(block: BlockLayout, world: int) -> tuple[int, ...] | None:
     """Element boundaries [0, S, 2S, ..., numel] of the ranks' shards of a block (S a multiple of
@@ -272,23 +252,14 @@ class DataParallel:
 
 def check_group(dp: DataParallel, base_dirs: Sequence[str], name: str, resume: bool) -> dict | None:
     """Before a rank opens its store: the group's commit decision (rank 0 reads it, every rank gets it), and
-    what cannot be resumed by this group refused alike on every rank."""
+    what cannot be resumed by this group (`check_request`) refused alike on every rank."""
     problem, decision = None, None
     if dp.is_main:
         try:
+            check_request(base_dirs, name, resume=resume, overwrite=True, world=dp.world, rank=dp.rank)
             decision = read_decision(base_dirs, name)
-            single = StateStore.status(list(base_dirs), name).state != "none"
         except (StoreCorruptError, ValueError, OSError) as e:
             problem = str(e)
-        else:
-            if resume and decision is not None and decision["world"] != dp.world:
-                problem = (f"{base_dirs[0]} holds the states of a run on {decision['world']} ranks, and this run "
-                           f"has {dp.world}: resume it with {decision['world']} ranks in all (torchrun "
-                           f"--nproc-per-node ...). Another world size would need the optimizer states re-sharded, "
-                           "which lohan does not do; export the model and start a new run to change it")
-            elif resume and decision is None and single:
-                problem = (f"{base_dirs[0]} holds the states of a single-process run; resume it without torchrun "
-                           "(one process), or start a new run in another directory")
     problem, decision = dp.broadcast((problem, decision))
     if problem:
         raise ValueError(problem)

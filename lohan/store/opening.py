@@ -4,23 +4,84 @@ everything else with the reason (a store is never discarded silently)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from lohan.config import EngineConfig
+from lohan.store.group import rank_dir, read_decision
 from lohan.store.integrity import unit_bounds
 from lohan.store.states import StateStore, StoreLayout, StoreStatus
+
+
+@dataclass(frozen=True)
+class Asked:
+    """How the caller names what a refusal asks for: the API's keywords, or the command line's flags."""
+
+    resume: str
+    overwrite: str
+    launch: str  # how a data-parallel group is started
+    nvme: str    # where the store is looked for
+    fresh: str   # how a new run is asked for instead of a resume
+    same: str    # what a relaunch repeats
+
+
+API = Asked("resume=True", "overwrite=True", "torchrun", "the nvme directories (and name)", "pass resume=False",
+            "the same settings")
+CLI = Asked("--resume", "--overwrite", "torchrun --nproc-per-node ...", "the --nvme path (and engine.name)",
+            "drop --resume", "the same command line")
+
+
+class StoreRequestError(ValueError):
+    """What the directories hold cannot be used as asked (resume, a new run, the number of ranks)."""
 
 
 class StoreExistsError(FileExistsError):
     """The directories already hold a store (complete or half-built) and neither resume nor overwrite was asked."""
 
-    def __init__(self, directory: str, status: StoreStatus) -> None:
+    def __init__(self, directory: str, status: StoreStatus, asked: Asked = API) -> None:
         self.directory, self.status = directory, status
-        what = "continue it" if status.state == "complete" else "continue its initialization"
-        super().__init__(f"{directory} already holds {status.describe()}; pass resume=True to {what}, or "
-                         "overwrite=True to start over (its contents are lost), or use another name/directory")
+        if asked is API:
+            what = "continue it" if status.state == "complete" else "continue its initialization"
+            text = (f"{directory} already holds {status.describe()}; pass {asked.resume} to {what}, or "
+                    f"{asked.overwrite} to start over (its contents are lost), or use another name/directory")
+        else:
+            what = "continue it" if status.state == "complete" else "continue it where it stopped"
+            text = (f"{directory} already holds {status.describe()}. Pass {asked.resume} to {what}, or "
+                    f"{asked.overwrite} to discard it and start over")
+        super().__init__(text)
+
+
+def check_request(base_dirs: Sequence[str], name: str, *, resume: bool, overwrite: bool, world: int = 1,
+                  rank: int | None = None, must_exist: bool = False, asked: Asked = API) -> StoreStatus:
+    """What the NVMe directories hold against what was asked, refused alike wherever a run starts (the command
+    line before anything is built, `lohan.init`, rank 0 of a torchrun group for the group); returns the status
+    of the store this process would open. `rank`: this process's rank in a data-parallel group (its store is in
+    `<dir>/rank<r>`), None in one process. `must_exist`: a resume with nothing to resume is refused (the API
+    starts a new store instead). Raises StoreExistsError, or StoreRequestError with the reason and the fix."""
+    dirs = [rank_dir(d, rank) for d in base_dirs] if rank is not None else list(base_dirs)
+    status = StateStore.status(dirs, name)
+    decided = read_decision(base_dirs, name)
+    where = base_dirs[0]
+    if rank is not None and resume and decided is not None and decided["world"] != world:
+        raise StoreRequestError(
+            f"{where} holds the states of a run on {decided['world']} ranks, and this run has {world}: resume it "
+            f"with {decided['world']} ranks in all ({asked.launch}). Another world size would need the optimizer "
+            "states re-sharded, which lohan does not do; export the model and start a new run to change it")
+    if rank is not None and resume and decided is None and StateStore.status(list(base_dirs), name).state != "none":
+        raise StoreRequestError(f"{where} holds the states of a single-process run; resume it without torchrun "
+                                "(one process), or start a new run in another directory")
+    if rank is None and decided is not None and status.state == "none":
+        raise StoreRequestError(
+            f"{where} holds the states of a run on {decided['world']} ranks (under rank0 .. rank{decided['world'] - 1});"
+            f" launch it as it was: {asked.launch} with {decided['world']} ranks in all, and {asked.same}")
+    if must_exist and resume and status.state == "none":
+        raise StoreRequestError(f"nothing to resume in {where}: it holds no lohan store named {name!r}. Check "
+                                f"{asked.nvme}, or {asked.fresh} to start a new run")
+    if not resume and not overwrite and status.state != "none":
+        raise StoreExistsError(dirs[0], status, asked)
+    return status
 
 
 def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, model_meta: dict,
@@ -30,7 +91,7 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
     (nothing there, or overwrite). Anything else is refused: a store is never discarded silently. `check_elems`:
     the optimizer's unit, in which the records' checksums are taken."""
     status = StateStore.status(dirs, cfg.name)
-    if status.state != "none" and not resume and not overwrite:
+    if status.state != "none" and not resume and not overwrite:  # (check_request, for a caller that did not ask)
         raise StoreExistsError(dirs[0], status)
     if status.state in ("complete", "partial") and resume and status.model != model_meta:
         raise ValueError(f"the store in {dirs[0]} holds another model ({status.model}); cannot resume it with "
