@@ -37,6 +37,7 @@ from lohan.plan.planner import (
 )
 from lohan.runtime.device import resolve_device
 from lohan.runtime.optim import AdamWHyper, adamw_chunk_
+from lohan.store.files import run_files
 from lohan.store.integrity import tensor_hash
 
 ASSUMED_SSD_GBPS = 2.0
@@ -121,8 +122,6 @@ def _free_ssd_bytes(dirs: tuple[str, ...], store_name: str | None = None) -> int
 def store_bytes(dirs: tuple[str, ...], name: str) -> int:
     """Disk space the files of store `name` take in `dirs` (and in their data-parallel rank<r> subdirectories):
     blocks allocated, so a preallocated slab counts in full and a sparse one for what it holds."""
-    from lohan.store.opening import STORE_SUFFIXES  # (imports torch: fit.py does too)
-
     total, counted = 0, set()
     for d in dirs:
         if not os.path.isdir(d):
@@ -130,8 +129,8 @@ def store_bytes(dirs: tuple[str, ...], name: str) -> int:
         places = [d] + [os.path.join(d, r) for r in sorted(os.listdir(d)) if r.startswith("rank")
                         and os.path.isdir(os.path.join(d, r))]
         for place in places:
-            for suffix in STORE_SUFFIXES + ("-probe.slab", "-probe.volume.json"):
-                path = os.path.join(place, name + suffix)
+            for filename in run_files(name):
+                path = os.path.join(place, filename)
                 try:
                     st = os.stat(path)
                 except FileNotFoundError:

@@ -24,12 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lohan.models import EXPORT_MARKER
+from lohan.store.files import is_run_file
 
 PLOT_TAG = "lohan metrics plot"
 """The PNG ``Software`` text of the metrics plot (metrics.plot_metrics)."""
-STORE_FILE_SUFFIXES = (".dp.json", ".slab", ".volume.json", ".store.json", ".commit.json", ".init.json", ".run.json",
-                       ".profile.json", "-act.slab", "-act.volume.json", "-grad.slab", "-grad.volume.json",
-                       "-probe.slab", "-probe.volume.json")
 
 
 @dataclass(frozen=True)
@@ -143,7 +141,7 @@ def _clash(a: Place, b: Place, store: str) -> str | None:
 
 
 def _store_file(name: str, store: str) -> bool:
-    return any(name == store + s or name.startswith(store + s + ".") for s in STORE_FILE_SUFFIXES)
+    return is_run_file(name, store)
 
 
 def is_lohan_metrics(path: Path) -> bool:

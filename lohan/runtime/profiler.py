@@ -26,6 +26,7 @@ from io_engine.base import align_up
 from lohan.plan.planner import Hardware, OpProfile
 from lohan.runtime.activation_store import TENSOR_ALIGN, OpTracker, SelectiveMode, block_ops
 from lohan.runtime.device import Device
+from lohan.store.files import remove_volume
 
 
 def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
@@ -113,7 +114,7 @@ def measure_ssd_bandwidth(dirs: list[str], backend: str, name: str, nbytes: int 
     Uses a scratch volume `<name>-probe` that is removed afterwards; the store is never touched.
     """
     nbytes = max(request_bytes, nbytes // request_bytes * request_bytes)
-    _remove_volume(list(dirs), f"{name}-probe")  # left by a killed run
+    remove_volume(list(dirs), f"{name}-probe")  # left by a killed run
     vol = open_volume(list(dirs), nbytes, backend=backend, name=f"{name}-probe", emulate_ssd_gbps=emulate_ssd_gbps)
     try:
         pool = vol.buffer_pool(nbytes)
@@ -137,17 +138,8 @@ def measure_ssd_bandwidth(dirs: list[str], backend: str, name: str, nbytes: int 
         buf.release()
     finally:
         vol.close()
-        _remove_volume(list(dirs), f"{name}-probe")
+        remove_volume(list(dirs), f"{name}-probe")
     return nbytes / read_s, nbytes / write_s
-
-
-def _remove_volume(dirs: list[str], name: str) -> None:
-    for d in dirs:
-        for suffix in (".slab", ".volume.json"):
-            try:
-                os.remove(os.path.join(d, name + suffix))
-            except FileNotFoundError:
-                pass
 
 
 def hardware_name(device: Device, n_ssd: int) -> str:

@@ -16,7 +16,6 @@ that use took. The stash itself owns what it keeps in RAM until `clear()` at the
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ import torch
 
 from io_engine import AlignedBuffer, BufferPool, Handle, Volume, open_volume
 from io_engine.base import align_up
+from lohan.store.files import remove_volume
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,4 @@ class GradStash:
         if self._volume is not None:
             volume, self._volume = self._volume, None
             volume.close()
-            for d in self.dirs:  # scratch: nothing in it outlives the step
-                for suffix in (".slab", ".volume.json"):
-                    path = os.path.join(d, f"{self.name}{suffix}")
-                    if os.path.exists(path):
-                        os.unlink(path)
+            remove_volume(self.dirs, self.name)  # scratch: nothing in it outlives the step

@@ -3,13 +3,13 @@ everything else with the reason (a store is never discarded silently)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from lohan.config import EngineConfig
+from lohan.store.files import remove_files, run_files
 from lohan.store.group import rank_dir, read_decision
 from lohan.store.integrity import unit_bounds
 from lohan.store.states import StateStore, StoreLayout, StoreStatus
@@ -121,15 +121,6 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
                              emulate_ssd_gbps=cfg.emulate_ssd_gbps, check_elems=check_elems, checksums=cfg.checksums)
 
 
-STORE_SUFFIXES = (".dp.json", ".dp.json.tmp", ".slab", ".volume.json", ".volume.json.tmp", ".store.json", ".store.json.tmp", ".commit.json",
-                  ".commit.json.tmp", ".init.json", ".init.json.tmp", ".run.json", ".run.json.tmp", ".profile.json",
-                  "-act.slab", "-act.volume.json", "-grad.slab", "-grad.volume.json")
-
-
 def remove_store(dirs: list[str], name: str) -> None:
-    """Remove the files of the run `name` (`STORE_SUFFIXES`) from `dirs`; nothing else."""
-    for d in dirs:
-        for suffix in STORE_SUFFIXES:
-            path = os.path.join(d, f"{name}{suffix}")
-            if os.path.exists(path):
-                os.unlink(path)
+    """Remove the files of run `name` (`files.run_files`) from `dirs`; nothing else."""
+    remove_files(dirs, run_files(name))

@@ -39,6 +39,7 @@ from torch import nn
 from io_engine import ALIGN, Volume, open_volume
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
+from lohan.store.files import VOLUME_SUFFIXES
 from lohan.store.integrity import (
     StoreCorruptError,
     Sums,
@@ -375,7 +376,7 @@ class StateStore:
                 raise StoreCorruptError(f"{meta_path} (store description) is missing beside its commit record. "
                                         f"{_FIX_META}")
             stray = any(os.path.exists(os.path.join(x, f"{name}{suffix}")) for x in dirs
-                        for suffix in (".slab", ".volume.json"))
+                        for suffix in VOLUME_SUFFIXES)
             return StoreStatus("stray" if stray else "none")
         meta = _read_meta(meta_path)
         n_blocks = len(meta["layout"]["blocks"])
