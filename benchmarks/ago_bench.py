@@ -500,11 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import lohan
-    from io_engine.base import align_up
     from lohan.config import EngineConfig, get_model_config
     from lohan.models.adapter import GPTBlocks
     from lohan.models.gpt import build_model
-    from lohan.runtime.engine import plan_host_memory
+    from lohan.plan.pools import PoolGeometry, plan_host_memory
     from lohan.store.states import plan_layout
 
     if args.threads is not None:
@@ -521,13 +520,14 @@ def main(argv: list[str] | None = None) -> int:
                         micro_batches=args.micro_batches, backend=args.backend, prefetch_depth=args.prefetch_depth,
                         max_inflight_blocks=args.max_inflight_blocks, name=STORE_NAME,
                         resident_mem=0)  # the modes are compared on the records they stream, not on RAM
-    # What each mode's buffer pools need (lohan.runtime.engine.plan_host_memory), for cpu_mem=auto and the report.
+    # What each mode's buffer pools need (lohan.plan.pools.plan_host_memory), for cpu_mem=auto and the report.
     program = GPTBlocks(build_model(mcfg, device="meta"))
     layout = plan_layout(program.modules, program.names, args.compute_dtype, base.slots)
     owners = sorted({o for i in range(len(program.modules)) for o, _ in program.external_params(i)})
-    tied = sum(align_up(4 * layout.blocks[o].params[p].numel) for i in range(len(program.modules))
-               for o, p in program.external_params(i))
-    plans = {mode: plan_host_memory(layout, base.with_overrides(mode=mode), len(owners), tied) for mode in args.modes}
+    tied = tuple(layout.blocks[o].params[p].numel for i in range(len(program.modules))
+                 for o, p in program.external_params(i))
+    geometry = PoolGeometry(layout, tied=tied, owners=len(owners))
+    plans = {mode: plan_host_memory(geometry, base.with_overrides(mode=mode)).parts() for mode in args.modes}
     need = max(sum(p.values()) for p in plans.values())
     cpu_mem = (math.ceil(need / (GiB // 4)) * (GiB // 4)) if args.cpu_mem == "auto" else args.cpu_mem
     ecfg = base.with_overrides(cpu_mem=cpu_mem, mode=args.modes[0])

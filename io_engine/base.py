@@ -25,12 +25,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+# ALIGN, align_up, ...: torch-free (align.py, which the planning layer imports), re-exported here
+from .align import ALIGN, align_down, align_up, is_aligned, size_text  # noqa: F401
+
 if TYPE_CHECKING:
     from .faults import Fault
-
-# O_DIRECT needs buffer address, file offset and length aligned to the logical block size
-# (512 B on most NVMe, 4 KiB on 4Kn drives). 4 KiB satisfies both and equals the page size.
-ALIGN = 4096
 
 
 class IOEngineError(OSError):
@@ -96,26 +95,6 @@ class VolumeConfigError(ValueError):
 
 class BudgetExceededError(MemoryError):
     """A buffer request cannot be satisfied within the pool's hard byte budget."""
-
-
-def size_text(n: float) -> str:
-    """Bytes for a message, in the unit that shows them (a 6 MiB disk is not '0.01 GiB')."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def is_aligned(value: int, align: int = ALIGN) -> bool:
-    return value % align == 0
-
-
-def align_down(value: int, align: int = ALIGN) -> int:
-    return value - value % align
-
-
-def align_up(value: int, align: int = ALIGN) -> int:
-    return -(-value // align) * align
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

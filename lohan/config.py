@@ -371,7 +371,7 @@ class EngineConfig:
     so that only the others are read from the SSDs each step (every record is still written: the commit
     needs it there). The pool streams the other records through `max_inflight_blocks` buffers beside the
     records bigger than those (a tied embedding's: one buffer for it instead of `max_inflight_blocks`,
-    `offload.record_pool_bytes`), and `resident_mem` gives it room for more. With `resident_mem: 0` the 110M
+    `plan.pools.record_pool_bytes`), and `resident_mem` gives it room for more. With `resident_mem: 0` the 110M
     Llama reads 1.0 instead of 1.3 GB per step; with the default every record stays and nothing is read.
     False: every record is read every step, through `max_inflight_blocks` buffers of the largest."""
 

@@ -5,6 +5,7 @@ the fp32 weights (`state_dict_fp32`, gathered from every rank) to `out`."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
@@ -38,12 +39,17 @@ def main(spec_path: str) -> None:
             nxt = data[s + 1] if spec.get("next_batch") and s + 1 < spec["steps"] else None
             losses.append(engine.step(data[s], next_batch=nxt))
         metrics = engine.last_stats
+        # what this rank's host pools were budgeted and took (tests/test_memory_model.py)
+        scratch = engine.offloader._upcast
+        memory = {"plan": dataclasses.asdict(engine.host_memory),
+                  "pools": {name: getattr(engine, name).stats() for name in ("params_pool", "grads_pool", "records_pool")},
+                  "upcast": 0 if scratch is None else scratch.numel() * scratch.element_size()}
         eval_loss = engine.evaluate(data[0])
         weights = engine.state_dict_fp32()
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "weights": weights, "start": start, "eval": eval_loss,
                     "lanes": metrics.lanes, "tokens": metrics.tokens,
-                    "network_bytes": metrics.network_bytes}, spec["out"])
+                    "network_bytes": metrics.network_bytes, "memory": memory}, spec["out"])
     leave_group(True)
 
 

@@ -1,7 +1,7 @@
 """The package layout is the architecture (README "Architecture"): each subpackage is a layer and imports only
-the layers below it. config <- plan <- {store, models, data} <- runtime <- app, with io_engine below store and
-knowing nothing of lohan. The planning layer is torch-free: the dry run and the capacity CLI price a plan
-before torch is loaded."""
+the layers below it. config <- plan <- {store, models, data} <- runtime <- app, with io_engine at the bottom (the
+planning layer prices buffers with its torch-free `io_engine.align`) and knowing nothing of lohan. The planning
+layer is torch-free: the dry run and the capacity CLI price a plan before torch is loaded."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # rank of each layer; a module may import its own layer's modules (same package) and any lower rank
 LAYERS = {
-    "lohan.config": 0, "lohan.crashpoints": 0,
-    "lohan.plan": 1, "io_engine": 1,
+    "io_engine": 0, "lohan.config": 0, "lohan.crashpoints": 0,
+    "lohan.plan": 1,
     "lohan.store": 2, "lohan.models": 2, "lohan.data": 2,
     "lohan.runtime": 3,
     "lohan.app": 4, "lohan.capacity": 4, "lohan": 4,  # the package's public entry points (init, init_from_hf)

@@ -40,6 +40,7 @@ from lohan.plan.planner import (
     walk,
     walk_order,
 )
+from lohan.plan.pools import UPCAST_ELEMS
 
 PAPER_256 = "rtx4090,12xP5510,256GB"
 
@@ -506,15 +507,18 @@ def test_engine_pools_come_off_the_ram_budget() -> None:
     cfg, hw = get_model_config("13b"), parse_hardware(PAPER_256)
     big, tied = cfg.block_param_count(), cfg.vocab_size * cfg.d_model
     pools = engine_pools(cfg, "bf16", prefetch_depth=2, max_inflight=3, micro_batches=1)
-    # a 13b block's record (4.4 GB) is bigger than the optimizer chunk: the pool holds 3 chunks
-    # one micro-batch: bf16 gradient buffers (nothing to accumulate)
-    assert pools == {"params": 6 * 2 * big, "grads": 2 * 2 * big + 2 * tied, "optimizer": 3 * OPT_CHUNK_BYTES}
+    # a 13b block's record (4.4 GB) is bigger than the optimizer chunk: the pool holds 3 chunks (of a whole number
+    # of 4096 elements, as the engine cuts them: a little under OPT_CHUNK_BYTES), and the optimizer upcasts the
+    # bf16 gradients through a 16 MiB fp32 scratch; one micro-batch: bf16 gradient buffers (nothing to accumulate)
+    chunk = OPT_CHUNK_BYTES // 14 // 4096 * 4096
+    upcast = 4 * UPCAST_ELEMS
+    assert pools == {"params": 6 * 2 * big, "grads": 2 * 2 * big + 2 * tied, "optimizer": 3 * 14 * chunk + upcast}
     assert engine_pools(cfg, "bf16", micro_batches=2)["grads"] == 2 * 4 * big + 2 * 4 * tied
     small = get_model_config("tiny")
     emb, block = 14 * small.embed_param_count(), 14 * small.block_param_count()
-    assert engine_pools(small, resident=False)["optimizer"] == 3 * max(block, emb)
+    assert engine_pools(small, resident=False)["optimizer"] == 3 * max(block, emb) + upcast
     # resident records: the embedding (the biggest record) stays, the layers stream through three buffers
-    assert emb > block and engine_pools(small)["optimizer"] == min(3 * emb, emb + 3 * block)
+    assert emb > block and engine_pools(small)["optimizer"] == min(3 * emb, emb + 3 * block) + upcast
     assert engine_pools(small)["params"] <= 2 * small.param_count()  # never more than the whole model
     assert reserve_engine_pools(hw, cfg).mem_avail == int(0.9 * hw.ram) - sum(pools.values())
 

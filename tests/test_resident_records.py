@@ -13,8 +13,13 @@ from test_clipping import STEPS, batches, check, config, reference, same_weights
 import lohan
 from io_engine.base import align_up
 from io_engine.faults import inject_faults
-from lohan.runtime.engine import plan_host_memory
-from lohan.runtime.offload import chunk_record_bytes, plan_resident, record_pool_bytes
+from lohan.plan.pools import (
+    PoolGeometry,
+    chunk_record_bytes,
+    plan_host_memory,
+    plan_resident,
+    record_pool_bytes,
+)
 from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
 
 
@@ -209,7 +214,7 @@ def _plan(**kw):
     """plan_host_memory of a synthetic model (an embedding 3.6x a layer, twelve layers, a norm)."""
     layout = _layout([3_600_000] + [1_000_000] * 12 + [4096])
     ecfg = config(["d"], **kw)
-    return ecfg, lambda free=None: plan_host_memory(layout, ecfg, 1, 0, free=free)
+    return ecfg, lambda free=None: plan_host_memory(PoolGeometry(layout, owners=1), ecfg, free=free).parts()
 
 
 def test_resident_mem_auto_takes_half_of_what_cpu_mem_and_free_memory_leave():

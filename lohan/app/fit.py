@@ -35,6 +35,7 @@ from lohan.plan.planner import (
     capacity,
     parse_hardware,
 )
+from lohan.plan.pools import ram_budget
 from lohan.runtime.device import resolve_device
 from lohan.runtime.optim import AdamWHyper, adamw_chunk_
 from lohan.store.files import run_files
@@ -256,7 +257,7 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
         notes.append("device is the CPU: 'GPU' memory is main memory, host copies assumed 20 GB/s; compute and "
                      "AdamW share the cores, so the gpu and cpu lanes add up more than the overlapped model says")
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
-                  bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=int(ram * 0.9), gpu_mem=int(dev_mem),
+                  bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=ram_budget(ram), gpu_mem=int(dev_mem),
                   ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme, store_name), cpu_adam_params_per_s=adam)
     held = store_bytes(tuple(nvme), store_name)
     notes.append("SSD space: what is free on the --nvme filesystems" + (f", plus the {held / 2**30:.2f} GiB the "

@@ -30,7 +30,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from io_engine import IOEngineError, VolumeConfigError
-from io_engine.base import align_up
 from lohan.app.fit import (
     data_parallel_machine,
     described_hardware,
@@ -286,19 +285,19 @@ def _schedule_line(e: EngineConfig) -> str:
 
 
 def _resident_line(engine: Engine) -> str:
-    """How many blocks' optimizer records stay in memory (offload.plan_resident), and what keeps them all."""
+    """How many blocks' optimizer records stay in memory (plan.pools.plan_resident), and what keeps them all."""
     blocks = engine.store.layout.blocks
     resident = engine.offloader.resident
     if not engine.cfg.resident_records:
         return "none (engine.resident_records=false)"
     line = f"{len(resident)} of {len(blocks)} blocks"
     if len(resident) < len(blocks):
-        missing = sum(align_up(b.record_bytes) for b in blocks) - engine.records_pool.budget_bytes
-        if all(b.numel <= engine.store.check_elems for b in blocks) and missing > 0 and engine.cfg.resident_mem != "all":
-            plan = engine.memory_plan
-            need = plan["resident"] + missing
+        plan = engine.host_memory
+        need = plan.resident_all  # what resident_mem takes to keep every record that can stay (pools.resident_every)
+        if all(b.numel <= engine.store.check_elems for b in blocks) and need > plan.resident \
+                and engine.cfg.resident_mem != "all":
             if engine.cfg.resident_mem == "auto":  # auto takes half of what cpu_mem leaves after the other pools
-                others = sum(plan.values()) - plan["resident"]
+                others = plan.total - plan.resident
                 cpu = math.ceil((others + 2 * need) / 2**28) / 4
                 line += f"; --cpu-mem {cpu:g}GiB keeps all of them (resident_mem auto takes half of what it leaves)"
             else:
@@ -309,7 +308,7 @@ def _resident_line(engine: Engine) -> str:
 def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str) -> None:
     e = run.engine
     layout = engine.store.layout
-    plan = engine.memory_plan
+    plan = engine.host_memory
     n_params = engine.layout.param_count  # the whole model (a rank's store holds its shards)
     ranks = f" (rank {engine.dp.rank}'s shards; every rank holds as much)" if engine.dp else ""
     console.print(
@@ -321,10 +320,8 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"{layout.slots} slot(s) over {len(e.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
         f"{engine.store.volume.backend.name}")
     console.print(
-        f"  main memory: {sum(plan.values()) / 2**30:.2f} of {e.cpu_mem / 2**30:.2f} GiB budgeted "
-        f"(params {plan['params'] / 2**20:.0f} MiB, grads {plan['grads'] / 2**20:.0f} MiB, optimizer "
-        f"{plan['optimizer'] / 2**20:.0f} MiB, resident records {plan['resident'] / 2**20:.0f} MiB) | device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, "
-        f"activations {e.act_policy}")
+        f"  main memory: {plan.total / 2**30:.2f} of {plan.budget / 2**30:.2f} GiB budgeted ({plan.describe()}) | "
+        f"device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}")
     console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
     if engine.cfg.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size
         console.print(f"  [yellow]warning:[/yellow] lr {engine.cfg.lr:g} is far above what AdamW training uses "

@@ -2,7 +2,10 @@
 
 - `planner`: hardware descriptions, the activation profile, the cost model and Algorithm 1, the capacity
   planner and the GPU memory plan.
-- `memory`: what a run holds in main memory, and the bound on its peak RSS.
+- `records`: the record geometry (P32 | m | v | P16 per block, 4 KiB-aligned sections), which the store lays out.
+- `pools`: the engine's main-memory pools (`plan_host_memory`), which the engine allocates, the capacity planner
+  prices and the run header prints.
+- `memory`: the bound on a run's peak RSS (cpu_mem and what no budget covers).
 
 Nothing here imports torch or touches a file beyond reading a hardware description: the dry run, the
 capacity CLI and the run header price a plan before torch is loaded.

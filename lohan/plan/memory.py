@@ -3,8 +3,8 @@ checked by `benchmarks/soak.py` and `tests/test_memory.py`.
 
     peak RSS <= cpu_mem + overhead
 
-`cpu_mem` bounds what the engine allocates on purpose: its buffer pools (`Engine.memory_plan`, hard
-budgets) and the activation records the plan keeps in main memory (the CPU tier: a hard-budgeted pool
+`cpu_mem` bounds what the engine allocates on purpose: its buffer pools (`pools.plan_host_memory`, hard
+budgets, which the upcast scratch the optimizer allocates itself is counted in) and the activation records the plan keeps in main memory (the CPU tier: a hard-budgeted pool
 sized from what `cpu_mem` leaves after the pools). The overhead is what no budget covers:
 
 - process: the RSS measured once the engine is built, before the first step: Python, torch and the

@@ -78,6 +78,8 @@ from pathlib import Path
 from typing import Any
 
 from lohan.config import PRESETS, ModelConfig, parse_bytes
+from lohan.plan import pools
+from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 
 __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
@@ -103,8 +105,6 @@ LANE_DOC = {
     "fill": "pipeline head and tail: one block's worth of every lane but the slowest",
 }
 """One line per term of the cost model, printed under the plan (see the module docstring)."""
-OS_RESERVE = 0.10
-"""Fraction of main memory left to the OS, page cache and the Python process itself."""
 
 _ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 GiB = 2**30
@@ -684,7 +684,7 @@ def parse_hardware(desc: str) -> Hardware:
     cpu_name, adam = cpus[0] if cpus else ("", DEFAULT_CPU[0] * _cpu_preset(DEFAULT_CPU[1]).adam_params_per_s)
     name = ",".join([gpu_name, *(f"{n}x{m.upper()}" for n, m, _ in ssds), ram_text, *([cpu_name] if cpu_name else [])])
     return Hardware(name, gpu.flops, gpu.link_bw, sum(n * s.effective_read for n, _, s in ssds),
-                    sum(n * s.effective_write for n, _, s in ssds), int(ram * (1 - OS_RESERVE)),
+                    sum(n * s.effective_write for n, _, s in ssds), ram_budget(ram),
                     gpu.mem, ram, sum(n * s.capacity for n, _, s in ssds), adam)
 
 
@@ -696,49 +696,30 @@ def _cpu_preset(name: str) -> CpuSpec:
 
 # ------------------------------------------------------------------------------ capacity planner
 
-OPT_CHUNK_BYTES = 512 * 2**20
-"""The engine's default ``opt_chunk_bytes``: bigger optimizer records are updated in chunks."""
-
-
 def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: int = 2,
-                 max_inflight: int = 3, micro_batches: int = 1, grad_buffers: int = 2,
+                 max_inflight: int = 3, micro_batches: int = 1, block_grads: bool = True,
                  opt_chunk_bytes: int = OPT_CHUNK_BYTES, resident: bool = True) -> dict[str, int]:
-    """Main-memory pools of the engine, mirroring ``engine.plan_host_memory`` (without alignment).
+    """Main-memory pools of the engine for a model: ``pools.plan_host_memory`` (the engine's own function) on the
+    model's blocks (``pools.model_geometry``), without the 4 KiB padding of each buffer.
 
-    params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block,
-    at most every block; grads: ``grad_buffers`` fp32 block buffers (one filling, one queued) plus the
-    tied weight's per micro-batch copies; optimizer: ``max_inflight`` records of P32, m, v, P16 of the
-    largest block, or of a chunk of ``opt_chunk_bytes`` when records are bigger; with ``resident`` records
-    (``offload.record_pool_bytes``) no more than the records bigger than the streamed ones plus
-    ``max_inflight`` of those (a tied embedding stays: one buffer for it instead of ``max_inflight``).
+    params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block, at most every
+    block; grads: two block buffers (one filling, one queued; ``pools.grad_dtype``) plus the tied weight's per
+    micro-batch copies (``block_grads=False``: only those, for a design that counts the gradients itself);
+    optimizer: ``max_inflight`` records of the largest block, or of an ``opt_chunk_bytes`` chunk when records are
+    bigger, with ``resident`` records no more than the records bigger than the streamed ones plus ``max_inflight``
+    of those (a tied embedding stays: one buffer for it instead of ``max_inflight``), and the fp32 scratch bf16
+    gradients are upcast into. Without clipping, resident_mem or a gradient stash (see :func:`capacity`).
     """
-    s = _itemsize(compute_dtype)
-    # engine.grad_dtype: bf16 gradients are kept as they are unless accumulated; fp16 ones are scaled: fp32
-    g = s if micro_batches == 1 and compute_dtype == "bf16" else 4
-    big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
-    total = cfg.param_count()
-    tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
-    return {"params": min((2 * prefetch_depth + 1 + (1 if tied else 0)) * big, total) * s,
-            "grads": (grad_buffers * g * big if grad_buffers < 2 else min(grad_buffers * big, total) * g)
-            + micro_batches * g * tied,
-            "optimizer": _record_pool(cfg, s, max_inflight, opt_chunk_bytes, resident)}
-
-
-def _record_pool(cfg: ModelConfig, s: int, inflight: int, chunk: int, resident: bool) -> int:
-    """``offload.record_pool_bytes`` on the model's blocks (embedding, layers, head), without alignment."""
-    recs = [(12 + s) * n for n in (cfg.embed_param_count(), cfg.head_param_count())] \
-        + [(12 + s) * cfg.block_param_count()] * cfg.n_layer
-    caps = [min(r, chunk) for r in recs]
-    top = inflight * max(caps)
-    if not resident:
-        return top
-    return min([top] + [sum(c for c in caps if c > t) + inflight * t for t in sorted({0, *caps})
-                        if not any(c > t and r > chunk for c, r in zip(caps, recs))])
+    ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, resident=resident,
+                             opt_chunk_bytes=opt_chunk_bytes)
+    plan = pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype), ecfg, check=False)
+    return {"params": plan.params, "grads": (plan.grads if block_grads else 0) + plan.tied_grads,
+            "optimizer": plan.records + plan.upcast}
 
 
 def _ram_budget(hw: Hardware) -> int:
     # A measured Hardware may not know the RAM size; its mem_avail is then the whole budget.
-    return int(hw.ram * (1 - OS_RESERVE)) if hw.ram else hw.mem_avail
+    return ram_budget(hw.ram) if hw.ram else hw.mem_avail
 
 
 def reserve_engine_pools(hw: Hardware, cfg: ModelConfig, **pool_args: Any) -> Hardware:
@@ -850,7 +831,7 @@ def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype
     """
     s = _itemsize(compute_dtype)
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
-    g = 2 if compute_dtype == "bf16" and micro_batches * world == 1 else 4  # engine.grad_dtype
+    g = pools.grad_itemsize(compute_dtype, micro_batches, world)  # the host gradient buffers' dtype
     mb = math.ceil(batch / micro_batches)
     micro = analytic_profile(cfg, mb, seq, hw, compute_dtype)
     full = analytic_profile(cfg, batch, seq, hw, compute_dtype)
@@ -924,22 +905,33 @@ def _judge(design: str, cfg: ModelConfig, batch: int, seq: int, hw: Hardware, pl
 
 
 def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, pool: int, extra: int | str,
-                     opt_chunk_bytes: int = OPT_CHUNK_BYTES) -> tuple[int, int]:
-    """(bytes `resident_mem` adds to a record pool of `pool` bytes, parameters whose records then stay in
-    memory): ``engine.resident_extra`` and ``offload.plan_resident`` in whole-model terms, without alignment.
-    `extra`: bytes, or ``all``. Records bigger than ``opt_chunk_bytes`` are updated in chunks and never stay."""
-    s = _itemsize(compute_dtype)
-    recs = [(12 + s) * n for n in (cfg.embed_param_count(), cfg.head_param_count())] \
-        + [(12 + s) * cfg.block_param_count()] * cfg.n_layer
-    whole = sum(r for r in recs if r <= opt_chunk_bytes)
-    streamed = max((opt_chunk_bytes for r in recs if r > opt_chunk_bytes), default=0)
-    every = max(0, whole + max_inflight * streamed - pool)
-    add = every if extra == "all" else min(int(extra), every)
-    if pool + add >= whole + max_inflight * streamed:  # every record that can stay does
-        return add, whole // (12 + s)
-    # else the pool streams the largest records that fit `max_inflight` times and keeps what is left beside them
-    t = max([streamed] + [r for r in recs if r <= opt_chunk_bytes and r * max_inflight <= pool])
-    return add, min(whole, max(0, pool + add - max_inflight * t)) // (12 + s)
+                     opt_chunk_bytes: int = OPT_CHUNK_BYTES, micro_batches: int = 1,
+                     clip: bool = False) -> tuple[int, int]:
+    """(bytes `resident_mem` adds, parameters whose records then stay in memory) for the optimizer's share of
+    the pools `pool` (:func:`engine_pools`' ``optimizer``: the record pool and the fp32 upcast scratch):
+    ``pools.resident_extra`` and ``pools.plan_resident`` on the model's blocks, without alignment. `extra`:
+    bytes, or ``all``. Records bigger than ``opt_chunk_bytes`` are updated in chunks and never stay."""
+    ecfg = pools.pool_config(compute_dtype, micro_batches, max_inflight=max_inflight, clip=clip, resident_mem=extra,
+                             opt_chunk_bytes=opt_chunk_bytes)
+    layout = pools.model_geometry(cfg, compute_dtype).store
+    chunk = pools.optimizer_chunk_elems(layout, ecfg)
+    g = pools.grad_itemsize(compute_dtype, micro_batches)
+    records = pool - pools.upcast_bytes(layout, chunk, g, clip)
+    add = pools.resident_extra(layout, ecfg, chunk, records, align=1)
+    kept = pools.plan_resident(layout, records + add, max_inflight, chunk, align=1)
+    return add, sum(layout.blocks[i].numel for i in kept)
+
+
+def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batches: int, prefetch_depth: int,
+                 max_inflight: int, slots: int, keep_grads: bool, resident_mem: int | str,
+                 cpu_mem: int | None) -> pools.HostMemoryPlan:
+    """The engine's host memory plan for the model on this machine (unchecked: :func:`_judge` judges it), with
+    cpu_mem the run's budget within what the machine's RAM gives (:func:`_ram_budget`)."""
+    budget = _ram_budget(hw)
+    limit = min(cpu_mem, budget) if cpu_mem and budget else (cpu_mem or budget)
+    ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, slots=slots,
+                             clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit)
+    return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots), ecfg, free=budget, check=False)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
@@ -947,36 +939,30 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
              keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None) -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
-    buffers in main memory). With ``keep_grads`` (gradient clipping, or in-place slots) the step's
-    gradients are also kept: in the main memory left over, the rest on the SSDs (the engine's stash).
+    buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
+    the step's gradients are also kept, in fp32 unless bf16 with one micro-batch (``pools.grad_dtype``): in the
+    main memory ``cpu_mem`` leaves after the pools (``grad_stash``), the rest on the SSDs (the engine's stash).
 
-    ``resident_mem`` (the engine's setting: bytes, ``all`` or ``auto``, then bounded by ``cpu_mem`` as the
-    engine bounds it) keeps optimizer records in memory across steps: they are written each step but not
-    read (``Profile.resident_params``). 0 (the default, and the paper's method) keeps only what the record
-    pool holds beside its streaming buffers."""
-    pool_args = dict(compute_dtype=compute_dtype, prefetch_depth=prefetch_depth,
-                     max_inflight=max_inflight, micro_batches=micro_batches)
-    pools = engine_pools(cfg, **pool_args)
-    g = _itemsize(compute_dtype) if micro_batches == 1 else 4
-    if resident_mem == "auto":  # engine.plan_host_memory: half of what the budget leaves after pools and stash
-        budget = min(cpu_mem, _ram_budget(hw)) if cpu_mem else _ram_budget(hw)
-        left = budget - sum(pools.values())
-        left -= min(g * cfg.param_count(), max(0, left)) if keep_grads else 0
-        resident_mem = max(0, left) // 2
-    extra, resident_params = resident_records(cfg, compute_dtype, max_inflight, pools["optimizer"], resident_mem)
-    if extra:
-        pools["resident"] = extra
+    The main-memory parts are ``pools.plan_host_memory``'s, the engine's own function; activations get what the
+    RAM budget leaves after them. ``resident_mem`` (the engine's setting: bytes, ``all`` or ``auto``, then
+    bounded by ``cpu_mem`` as the engine bounds it) keeps optimizer records in memory across steps: they are
+    written each step but not read (``Profile.resident_params``). 0 (the default, and the paper's method) keeps
+    only what the record pool holds beside its streaming buffers."""
+    host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
+                        resident_mem, cpu_mem)
+    parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
+    layout = pools.model_geometry(cfg, compute_dtype, slots).store
+    resident_params = sum(layout.blocks[i].numel for i in host.resident_blocks)
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
-    reserved = reserve_engine_pools(hw, cfg, **pool_args)
-    reserved = dataclasses.replace(reserved, mem_avail=max(0, reserved.mem_avail - extra))
+    reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
     plan = algorithm1(dataclasses.replace(profile, resident_params=min(resident_params, profile.param_count)))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
-    if keep_grads:  # what the RAM left after the pools and activations cannot keep goes to the SSDs
-        states += max(0, g * cfg.param_count() - max(0, _ram_budget(hw) - sum(pools.values()) - plan.cpu_bytes))
+    if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
+        states += host.grad_itemsize * cfg.param_count() - host.grad_stash
     return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
-                  {**pools, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
+                  {**parts, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
 
 
 def activations_in_ram_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int,
@@ -991,15 +977,15 @@ def activations_in_ram_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq:
     """
     s = _itemsize(compute_dtype)
     grads = (s + 4 if grad_bytes_per_param is None else grad_bytes_per_param) * cfg.param_count()
-    pools = engine_pools(cfg, compute_dtype, prefetch_depth, max_inflight, micro_batches, grad_buffers=0,
-                         resident=False)
+    engine = engine_pools(cfg, compute_dtype, prefetch_depth, max_inflight, micro_batches, block_grads=False,
+                          resident=False)
     profile = analytic_profile(cfg, batch, seq, hw, compute_dtype)
     # Activations never go to SSD in this design: plan as if main memory held them, then check it does.
     everything = dataclasses.replace(hw, mem_avail=cfg.n_layer * profile.input_bytes)
     plan = forced_plan(dataclasses.replace(profile, hardware=everything), "interblock")
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, ())
     return _judge("activations in main memory (ZeRO-Infinity style)", cfg, batch, seq, hw, plan, gpu,
-                  {**pools, "gradients": grads, "checkpoints": plan.cpu_bytes}, 2 * (12 + s) * cfg.param_count(), 0)
+                  {**engine, "gradients": grads, "checkpoints": plan.cpu_bytes}, 2 * (12 + s) * cfg.param_count(), 0)
 
 
 def max_batch(cfg: ModelConfig, hw: Hardware, seq: int, compute_dtype: str = "bf16", micro_batches: int = 1,

@@ -35,21 +35,24 @@ import psutil
 import torch
 from torch import Tensor
 
-from io_engine.base import align_up, size_text
 from lohan.config import EngineConfig, ModelConfig, get_model_config
 from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram, GPTBlocks
 from lohan.models.gpt import GPT, block_generator, build_model, init_block_
+from lohan.plan import pools
+from lohan.plan.pools import (  # noqa: F401  (MemoryPlanError, resident_extra: importable from here as before)
+    MemoryPlanError,
+    PoolGeometry,
+    keeps_all_grads,
+    optimizer_chunk_elems,
+    plan_host_memory,
+    plan_resident,
+    resident_extra,
+)
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, resolve_device
 from lohan.runtime.heap import release_free_memory, reuse_heap
-from lohan.runtime.offload import (
-    GradOffloader,
-    chunk_record_bytes,
-    plan_resident,
-    record_pool_bytes,
-    upcast_bytes,
-)
+from lohan.runtime.offload import GradOffloader
 from lohan.runtime.optim import decay_mask
 from lohan.runtime.parallel import (
     DataParallel,
@@ -81,100 +84,28 @@ from lohan.store.states import DTYPES, StoreLayout, block_views, plan_layout
 log = logging.getLogger(__name__)
 
 
-class MemoryPlanError(ValueError):
-    """The main-memory budget cannot hold the engine's minimum working set."""
-
-
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradients; the last good state is committed."""
 
 
-def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
-    """Elements per optimizer chunk: `opt_chunk_bytes` of record, a multiple of 4096 (aligned I/O)."""
-    per_elem = 12 + layout.blocks[0].p16_itemsize
-    return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
-
-
 def grad_dtype(cfg: EngineConfig, world: int = 1) -> torch.dtype:
-    """dtype of the host gradient buffers. With one micro-batch nothing is accumulated, and the bf16
-    gradients of bf16 parameters are kept as they are (half the memory of fp32; the optimizer upcasts
-    them exactly, chunk by chunk). Accumulation over micro-batches or ranks, and fp32 compute, use fp32."""
-    return torch.bfloat16 if cfg.compute_dtype == "bf16" and cfg.micro_batches * world == 1 else torch.float32
+    """dtype of the host gradient buffers: the planning layer's rule (`lohan.plan.pools.grad_dtype`: bf16 kept
+    as it is with one micro-batch and one rank, fp32 otherwise) as a torch dtype."""
+    return DTYPES[pools.grad_dtype(cfg.compute_dtype, cfg.micro_batches, world)]
 
 
-def keeps_all_grads(cfg: EngineConfig) -> bool:
-    """Whether a step holds every block's gradient at once (see plan_host_memory)."""
-    return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
-
-
-def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int, room: int = 0) -> int:
-    """Bytes `resident_mem` adds to a record pool of `pool` bytes: at most what keeps every record resident that
-    can be (offload.plan_resident: not those updated in chunks, which keep their streaming buffers); `auto`
-    takes up to `room`."""
-    if not cfg.resident_records:
-        return 0
-    whole = sum(align_up(b.record_bytes) for b in local.blocks if b.numel <= chunk)
-    streamed = max((align_up(chunk_record_bytes(chunk, b.p16_itemsize)) for b in local.blocks if b.numel > chunk),
-                   default=0)
-    every = max(0, whole + cfg.max_inflight_blocks * streamed - pool)
-    if cfg.resident_mem == "all":
-        return every
-    return min(max(0, room) if cfg.resident_mem == "auto" else cfg.resident_mem, every)
-
-
-def plan_host_memory(layout: StoreLayout, cfg: EngineConfig, keep_blocks: int, tied_bytes: int,
-                     local: StoreLayout | None = None, p16_bytes: list[int] | None = None,
-                     world: int = 1, free: int | None = None) -> dict[str, int]:
-    """Bytes each engine pool needs; raises MemoryPlanError (with the minimum cpu_mem) if over budget.
-
-    `resident_mem: auto` takes half of what cpu_mem leaves after the other pools and the gradient stash, and
-    of what `free` (this process's share of the machine's available memory) leaves after them: the other
-    half stays for swapped activations (swap.ActivationManager.mem_avail) and the rest of the process.
-
-    Data parallel: `local` is the rank's store (its shards), `p16_bytes` the size of each block's gathered
-    P16 buffer; whole-block gradients are reduced, then the rank's shard of each is kept for its optimizer."""
-    local = local or layout
-    p16 = p16_bytes or [b.p16_bytes for b in layout.blocks]
-    chunk = optimizer_chunk_elems(local, cfg)
-    pool = record_pool_bytes(local, cfg.max_inflight_blocks, chunk, cfg.resident_records)
-    gdtype = grad_dtype(cfg, world)
-    grads = [align_up(gdtype.itemsize * b.numel) for b in layout.blocks]
-    shards = [align_up(gdtype.itemsize * b.numel) for b in local.blocks]
-    # one filling, one queued (serial mode: every block's gradient until backward ends); data parallel:
-    # one filling, one being reduced, and the shards of them as above
-    kept = sum(shards) if cfg.mode == "serial" else min(2 * max(shards), sum(shards))
-    need = {
-        # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks,
-        # but never more than every block at once (small models)
-        "params": min((2 * cfg.prefetch_depth + 1 + keep_blocks) * max(p16), sum(p16)),
-        "grads": (kept if local is layout else min(2 * max(grads), sum(grads)) + kept)
-        + cfg.micro_batches * tied_bytes,
-        # records in flight (offload.record_pool_bytes), plus the fp32 scratch gradients are upcast / scaled
-        # into (offload.upcast_bytes)
-        "optimizer": pool + upcast_bytes(local, chunk, gdtype, clip=cfg.max_grad_norm > 0),
-        # more records kept from step to step (offload.plan_resident: no more than all of them); auto: below
-        "resident": 0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, pool),
-    }
-    total = sum(need.values())
-    if keeps_all_grads(cfg) and cfg.mode != "serial":
-        # Clipping (a deferred or redone update) and in-place updates (slots=1: nothing is written before the
-        # step is known to be finite) keep the step's gradients: in main memory as far as cpu_mem allows,
-        # the rest on the SSDs (gradstash.py)
-        need["grad_stash"] = min(sum(shards), max(0, cfg.cpu_mem - total))
-        total += need["grad_stash"]
-    if cfg.resident_mem == "auto":
-        left = cfg.cpu_mem - total if free is None else min(cfg.cpu_mem, free) - total
-        need["resident"] = resident_extra(local, cfg, chunk, pool, room=left // 2)
-        total += need["resident"]
-    if total > cfg.cpu_mem:
-        parts = ", ".join(f"{k} {size_text(v)}" for k, v in need.items())
-        raise MemoryPlanError(
-            f"cpu_mem={size_text(cfg.cpu_mem)} is too small for this model: the engine needs "
-            f"{size_text(total)} ({parts}). Raise cpu_mem to at least {size_text(total)}"
-            + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
-
-            + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if need["resident"] else ""))
-    return need
+def pool_geometry(program: BlockProgram, layout: StoreLayout, local: StoreLayout | None = None,
+                  bounds: list[tuple[int, ...] | None] | None = None, world: int = 1) -> PoolGeometry:
+    """What the host pools of a program's engine are sized from (`lohan.plan.pools`): its blocks' records, the
+    tied weights its blocks borrow and, data parallel, the rank's shards (`local`, cut at `bounds`) with each
+    block's P16 gathered from every rank's shard."""
+    n = len(program.modules)
+    borrowed = [(o, p) for i in range(n) for o, p in program.external_params(i)]
+    return PoolGeometry(
+        layout, local,
+        p16_bytes=tuple(b.p16_bytes if bd is None else world * (bd[1] - bd[0]) * b.p16_itemsize
+                        for b, bd in zip(layout.blocks, bounds or [None] * n)),
+        tied=tuple(layout.blocks[o].params[p].numel for o, p in borrowed), owners=len({o for o, _ in borrowed}))
 
 
 class Engine:
@@ -210,14 +141,12 @@ class Engine:
         self.bounds = [shard_bounds(b, self.world) for b in self.layout.blocks]
         layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
         self.grad_dtype = grad_dtype(cfg, self.world)
-        tied = sum(align_up(self.grad_dtype.itemsize * self.layout.blocks[o].params[p].numel)
-                   for i in range(n) for o, p in program.external_params(i))
-        p16_bytes = [b.p16_bytes if bd is None else self.world * (bd[1] - bd[0]) * b.p16_itemsize
-                     for b, bd in zip(self.layout.blocks, self.bounds)]
+        geometry = pool_geometry(program, self.layout, layout if self.dp else None, self.bounds, self.world)
         # the machine's available memory, shared by the ranks on this host (resident_mem: auto)
         free = psutil.virtual_memory().available // (self.dp.local_world if self.dp else 1)
-        self.memory_plan = plan_host_memory(self.layout, cfg, len(self._owners), tied, layout if self.dp else None,
-                                            p16_bytes, self.world, free)
+        # every pool below is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
+        self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize)
+        self.memory_plan = self.host_memory.parts()
         dirs = list(cfg.nvme)
         for d in dirs:
             os.makedirs(d, exist_ok=True)
@@ -241,21 +170,20 @@ class Engine:
         # page-locked only where buffers cross to or from a GPU (P16 in, gradients out): the optimizer records
         # never leave main memory, and page-locked memory is scarce
         pin = self.device.is_cuda
-        self.params_pool = volume.buffer_pool(self.memory_plan["params"], pin=pin)
-        self.grads_pool = volume.buffer_pool(self.memory_plan["grads"] + self.memory_plan.get("grad_stash", 0), pin=pin)
-        # the optimizer's share of the plan also holds the fp32 upcast scratch, which the offloader
-        # allocates itself: the record pool gets the rest, so the two together stay within the plan
-        upcast = upcast_bytes(layout, optimizer_chunk_elems(layout, cfg), grad_dtype(cfg), clip=cfg.max_grad_norm > 0)
-        self.records_pool = volume.buffer_pool(self.memory_plan["optimizer"] + self.memory_plan["resident"] - upcast)
+        plan = self.host_memory
+        self.params_pool = volume.buffer_pool(plan.params, pin=pin)
+        self.grads_pool = volume.buffer_pool(plan.grads + plan.tied_grads + plan.grad_stash, pin=pin)
+        # the optimizer's share of the plan also holds the fp32 upcast scratch (plan.upcast), which the offloader
+        # allocates itself: the record pool gets the records and the resident room
+        self.records_pool = volume.buffer_pool(plan.records + plan.resident)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
                                       self.dp, self.bounds)
         self.decays = [shard_decays(full, own, decay_mask(m, cfg.no_decay))
                        for full, own, m in zip(self.layout.blocks, layout.blocks, program.modules)]
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
-        # serial mode holds every gradient in its pool already: the stash keeps those very buffers
-        stash_ram = sum(align_up(g) for g in grad_bytes) if cfg.mode == "serial" else self.memory_plan.get("grad_stash")
-        self.stash = (GradStash(dirs, grad_bytes, self.grads_pool, stash_ram, cfg.name, cfg.backend, cfg.chunk_bytes,
-                                cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
+        # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
+        self.stash = (GradStash(dirs, grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
+                                cfg.chunk_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
         resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
                                   self.store.check_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
@@ -263,7 +191,7 @@ class Engine:
         self.streamer.before_read = self._await_tail
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
-            engine_pool_bytes=sum(self.memory_plan.values()),
+            engine_pool_bytes=plan.total,
             model_label=str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))),
             param_count=self.layout.param_count, p16_itemsize=self.store.p16_dtype.itemsize,
             flops_per_token=flops_per_token,

@@ -26,9 +26,9 @@ READs the next forward waits for have the SSDs first, and the writes still in fl
 `drain_tail`) retires them, and the next pass starts only after them (its `before` hook then makes the step's
 staged commit durable). `tail_done` tells readers of that slot when its bytes are all written.
 
-Resident records (`plan_resident`, `records.ResidentRecords`): the record buffers of some blocks stay in the
+Resident records (`lohan.plan.pools.plan_resident`, `records.ResidentRecords`): the record buffers of some blocks stay in the
 pool from one step to the next. Each step still WRITEs them (the commit needs every record on the SSDs), but
-the next step finds their bytes in memory and skips their READ. The pool (`record_pool_bytes`) is the least
+the next step finds their bytes in memory and skips their READ. The pool (`pools.record_pool_bytes`) is the least
 that streams the other records through `max_inflight_blocks` buffers while the records bigger than those stay
 (a tied embedding's, 3.5x a layer's: one buffer for it instead of `max_inflight_blocks`), never more than
 `max_inflight_blocks` of the largest; `resident_mem` gives it more, and the room beyond the streaming buffers
@@ -56,6 +56,13 @@ import torch
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
+from lohan.plan import pools
+from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool sizes, defined in the planning layer)
+    UPCAST_ELEMS,
+    chunk_record_bytes,
+    plan_resident,
+    record_pool_bytes,
+)
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
 from lohan.runtime.records import (
     BufState,
@@ -80,67 +87,11 @@ Provide = Callable[[int, int, int, torch.Tensor], None]
 (before its WRITE completes); called on the worker thread, in pipeline order."""
 
 
-def chunk_record_bytes(n: int, p16_itemsize: int) -> int:
-    """Buffer bytes of a chunk of n elements: P32 | m | v | P16, each section 4 KiB-aligned."""
-    return 3 * align_up(4 * n) + align_up(p16_itemsize * n)
-
-
-UPCAST_ELEMS = 1 << 22
-"""Most elements of gradient the optimizer upcasts (bf16) or scales (clipping) at once: 16 MiB of fp32."""
-
-
-def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype, clip: bool = False) -> int:
-    """Bytes of the fp32 scratch the optimizer upcasts bf16 gradients (and scales clipped ones) into
-    (`GradOffloader._fp32`): UPCAST_ELEMS, or the largest pipeline unit (a whole block, or a chunk) if
-    smaller; 0 when the gradients are fp32 already and never scaled."""
-    if grad_dtype == torch.float32 and not clip:
-        return 0
-    return 4 * min(UPCAST_ELEMS, max(b.numel if chunk_elems is None else min(b.numel, chunk_elems)
-                                      for b in layout.blocks))
-
-
-def record_pool_bytes(layout: StoreLayout, inflight: int, chunk_elems: int, resident: bool) -> int:
-    """The record pool's size before `resident_mem`: `inflight` buffers of the largest record (or chunk). With
-    resident records, no more than the least pool that streams the rest through `inflight` buffers while every
-    record bigger than them stays: min over t of (records above t) + inflight x t. A tied embedding's record,
-    3.5x a layer's, then takes one buffer instead of three (the 110M Llama's pool: 0.64 instead of 1.03 GB),
-    and plan_resident keeps it. Pure."""
-    whole = [b.numel <= chunk_elems for b in layout.blocks]
-    caps = [align_up(b.record_bytes if w else chunk_record_bytes(chunk_elems, b.p16_itemsize))
-            for b, w in zip(layout.blocks, whole)]
-    top = inflight * max(b.record_bytes if w else chunk_record_bytes(chunk_elems, b.p16_itemsize)
-                         for b, w in zip(layout.blocks, whole))
-    if not resident:
-        return top
-    return min([top] + [sum(c for c in caps if c > t) + inflight * t for t in sorted({0, *caps})
-                        if not any(c > t and not w for c, w in zip(caps, whole))])
-
-
-def plan_resident(layout: StoreLayout, budget: int, inflight: int, chunk_elems: int) -> list[int]:
-    """Blocks whose records stay resident in a record pool of `budget` bytes (module docstring): the most bytes
-    that fit beside `inflight` buffers of the largest record still streamed, lowest blocks first (the deferred
-    pass and the next forward start there). Blocks updated in chunks are always streamed. Pure."""
-    def cap(b) -> int:
-        return align_up(b.record_bytes if b.numel <= chunk_elems else chunk_record_bytes(chunk_elems, b.p16_itemsize))
-
-    whole = [b.numel <= chunk_elems for b in layout.blocks]
-    caps = [cap(b) for b in layout.blocks]
-    best: list[int] = []
-    # t: the largest record still streamed (0: none); every record larger than t must be resident
-    for t in sorted({0, *caps}):
-        if any(c > t and not w for c, w in zip(caps, whole)):
-            continue
-        chosen = [i for i, c in enumerate(caps) if c > t]
-        room = budget - sum(caps[i] for i in chosen) - (inflight * t if t else 0)
-        if room < 0:
-            continue
-        for i, c in enumerate(caps):
-            if c <= t and whole[i] and c <= room:
-                chosen.append(i)
-                room -= c
-        if sum(caps[i] for i in chosen) > sum(caps[i] for i in best):
-            best = sorted(chosen)
-    return best
+def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype | str | int,
+                 clip: bool = False) -> int:
+    """`lohan.plan.pools.upcast_bytes` at this module's `UPCAST_ELEMS`, the pieces `_fp32` works in (the scratch
+    and the pieces change together when a test shrinks them)."""
+    return pools.upcast_bytes(layout, chunk_elems, grad_dtype, clip, limit=UPCAST_ELEMS)
 
 
 class ClipGate:

@@ -39,6 +39,7 @@ from torch import nn
 from io_engine import ALIGN, Volume, open_volume
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
+from lohan.plan.records import BlockLayout, ParamSpec, StoreLayout  # the record geometry (re-exported)
 from lohan.store.files import VOLUME_SUFFIXES
 from lohan.store.integrity import (
     StoreCorruptError,
@@ -54,88 +55,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter inside a block's flat vector."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int  # elements from the start of the block vector
-    numel: int
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """Where one block's record lives and how its flat vector maps to parameters."""
-
-    index: int
-    name: str
-    params: tuple[ParamSpec, ...]
-    numel: int
-    p16_itemsize: int
-    offset: int  # bytes from the start of a slot
-
-    @property
-    def state_bytes(self) -> int:
-        """Padded size of each fp32 region (P32, m, v)."""
-        return align_up(4 * self.numel)
-
-    @property
-    def p16_bytes(self) -> int:
-        return align_up(self.p16_itemsize * self.numel)
-
-    @property
-    def record_bytes(self) -> int:
-        return 3 * self.state_bytes + self.p16_bytes
-
-    @property
-    def p16_start(self) -> int:
-        """Offset of P16 inside the record."""
-        return 3 * self.state_bytes
-
-
-@dataclass(frozen=True)
-class StoreLayout:
-    """The whole store: blocks, P16 dtype and slot count; serializable to JSON."""
-
-    blocks: tuple[BlockLayout, ...]
-    p16_dtype: str
-    slots: int
-
-    @property
-    def slot_bytes(self) -> int:
-        last = self.blocks[-1]
-        return last.offset + last.record_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.slots * self.slot_bytes
-
-    @property
-    def param_count(self) -> int:
-        return sum(b.numel for b in self.blocks)
-
-    def record_offset(self, block: int, slot: int) -> int:
-        return slot * self.slot_bytes + self.blocks[block].offset
-
-    def p16_offset(self, block: int, slot: int) -> int:
-        return self.record_offset(block, slot) + self.blocks[block].p16_start
-
-    def to_json(self) -> dict:
-        return {"p16_dtype": self.p16_dtype, "slots": self.slots,
-                "blocks": [{**asdict(b), "params": [asdict(p) for p in b.params]} for b in self.blocks]}
-
-    @staticmethod
-    def from_json(data: dict) -> StoreLayout:
-        blocks = tuple(
-            BlockLayout(index=b["index"], name=b["name"], numel=b["numel"], p16_itemsize=b["p16_itemsize"],
-                        offset=b["offset"],
-                        params=tuple(ParamSpec(p["name"], tuple(p["shape"]), p["offset"], p["numel"])
-                                     for p in b["params"]))
-            for b in data["blocks"])
-        return StoreLayout(blocks, data["p16_dtype"], data["slots"])
 
 
 def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: str, slots: int) -> StoreLayout:

@@ -1,0 +1,339 @@
+"""The engine's main-memory pools, priced once (issue 27): what `Engine.__init__` allocates, what the capacity
+planner and the dry run price, and what the run header prints all come from :func:`plan_host_memory`.
+
+The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.BufferPool`):
+
+- params: the P16 buffers of the blocks being streamed: the current block, ``prefetch_depth`` read ahead and as
+  many kept over the forward/backward turn, plus the blocks a tied weight is borrowed from (kept all step);
+  never more than every block at once (small models);
+- grads: the host gradient buffers (``grad_dtype``): one block filling while the one before is queued for the
+  optimizer (serial mode: every block's until backward ends); data parallel: the whole block being reduced and
+  the rank's shards; plus, per micro-batch, the borrowed gradients of the tied weights;
+- optimizer: the record pool (``record_pool_bytes``: ``max_inflight_blocks`` records, or chunks, in flight, the
+  records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into
+  (``upcast_bytes``; the offloader allocates it itself, so the record pool's budget is the plan's ``records``);
+- resident: more room in the record pool, for records kept from step to step (``resident_mem``);
+- grad_stash: the step's gradients kept for a clipped (deferred or redone) update, or until an in-place step is
+  known to be finite (``keeps_all_grads``), as far as ``cpu_mem`` allows; the rest goes to the SSDs
+  (``store.gradstash``). In serial mode the grads pool holds them already.
+
+Torch-free: the geometry is a :class:`~lohan.plan.records.StoreLayout` (records laid out by
+``lohan.plan.records``, the store's own geometry) and the settings an ``EngineConfig``. With ``align=1`` the same
+arithmetic prices a model's pools without the 4 KiB padding of each section and buffer (the capacity planner's
+figures; the engine's are at most a few KiB per buffer above them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from io_engine.align import ALIGN, align_up, size_text
+from lohan.config import EngineConfig, ModelConfig
+from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, layout_of, record_bytes
+
+__all__ = [
+    "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
+    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "optimizer_chunk_elems", "upcast_bytes",
+    "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "model_geometry",
+    "plan_host_memory", "pool_config", "chunk_record_bytes",
+]
+
+OS_RESERVE = 0.10
+"""Fraction of main memory left to the OS, page cache and the Python process itself (the one definition: the
+hardware description, the detected machine and the capacity planner's RAM budget all take it off)."""
+
+UPCAST_ELEMS = 1 << 22
+"""Most elements of gradient the optimizer upcasts (bf16) or scales (clipping) at once: 16 MiB of fp32."""
+
+OPT_CHUNK_BYTES = 512 * 2**20
+"""The engine's default ``opt_chunk_bytes``: bigger optimizer records are updated in chunks."""
+
+
+class MemoryPlanError(ValueError):
+    """The main-memory budget cannot hold the engine's minimum working set."""
+
+
+def ram_budget(ram: int) -> int:
+    """What a machine with ``ram`` bytes of RAM gives a run: all of it less :data:`OS_RESERVE`."""
+    return int(ram * (1 - OS_RESERVE))
+
+
+def grad_dtype(compute_dtype: str, micro_batches: int = 1, world: int = 1) -> str:
+    """The dtype of the host gradient buffers, as a compute-dtype name. With one micro-batch and one rank nothing
+    is accumulated, and the bf16 gradients of bf16 parameters are kept as they are (half the memory of fp32; the
+    optimizer upcasts them exactly, chunk by chunk). Accumulation over micro-batches or ranks, fp32 compute and
+    fp16 (whose gradients are unscaled from the loss scale on the host) use fp32."""
+    return "bf16" if compute_dtype == "bf16" and micro_batches * world == 1 else "fp32"
+
+
+def grad_itemsize(compute_dtype: str, micro_batches: int = 1, world: int = 1) -> int:
+    """Bytes per element of the host gradient buffers (:func:`grad_dtype`)."""
+    return P16_ITEMSIZE[grad_dtype(compute_dtype, micro_batches, world)]
+
+
+def keeps_all_grads(cfg: EngineConfig) -> bool:
+    """Whether a step holds every block's gradient at once: serial mode updates after backward; clipping needs the
+    global norm (a deferred or redone update); slots=1 writes nothing before the step is known to be finite."""
+    return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
+
+
+def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
+    """Elements per optimizer chunk: `opt_chunk_bytes` of record, a multiple of 4096 (aligned I/O)."""
+    per_elem = 12 + layout.blocks[0].p16_itemsize
+    return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
+
+
+def _itemsize(dtype: object) -> int:
+    """Bytes per element of a dtype given as an itemsize, a compute-dtype name or a torch dtype (`.itemsize`)."""
+    if isinstance(dtype, int):
+        return dtype
+    if isinstance(dtype, str):
+        return P16_ITEMSIZE[dtype]
+    return int(dtype.itemsize)  # type: ignore[attr-defined]
+
+
+def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: object, clip: bool = False,
+                 limit: int | None = None) -> int:
+    """Bytes of the fp32 scratch the optimizer upcasts bf16 gradients (and scales clipped ones) into
+    (`GradOffloader._fp32`): `limit` (:data:`UPCAST_ELEMS`) elements, or the largest pipeline unit (a whole
+    block, or a chunk) if smaller; 0 when the gradients are fp32 already and never scaled. `grad_dtype`: an
+    itemsize, a dtype name or a torch dtype."""
+    if _itemsize(grad_dtype) == 4 and not clip:
+        return 0
+    limit = UPCAST_ELEMS if limit is None else limit
+    return 4 * min(limit, max(b.numel if chunk_elems is None else min(b.numel, chunk_elems) for b in layout.blocks))
+
+
+def _caps(layout: StoreLayout, chunk_elems: int, align: int) -> tuple[list[bool], list[int]]:
+    """Per block: updated whole (not in chunks), and the buffer one of its pipeline units takes."""
+    whole = [b.numel <= chunk_elems for b in layout.blocks]
+    caps = [record_bytes(b.numel if w else chunk_elems, b.p16_itemsize, align) for b, w in zip(layout.blocks, whole)]
+    return whole, caps
+
+
+def record_pool_bytes(layout: StoreLayout, inflight: int, chunk_elems: int, resident: bool, align: int = ALIGN) -> int:
+    """The record pool's size before `resident_mem`: `inflight` buffers of the largest record (or chunk). With
+    resident records, no more than the least pool that streams the rest through `inflight` buffers while every
+    record bigger than them stays: min over t of (records above t) + inflight x t. A tied embedding's record,
+    3.5x a layer's, then takes one buffer instead of three (the 110M Llama's pool: 0.64 instead of 1.03 GB),
+    and plan_resident keeps it. Pure."""
+    whole, caps = _caps(layout, chunk_elems, align)
+    top = inflight * max(caps)
+    if not resident:
+        return top
+    return min([top] + [sum(c for c in caps if c > t) + inflight * t for t in sorted({0, *caps})
+                        if not any(c > t and not w for c, w in zip(caps, whole))])
+
+
+def plan_resident(layout: StoreLayout, budget: int, inflight: int, chunk_elems: int, align: int = ALIGN) -> list[int]:
+    """Blocks whose records stay resident in a record pool of `budget` bytes (`runtime.offload`'s docstring): the
+    most bytes that fit beside `inflight` buffers of the largest record still streamed, lowest blocks first (the
+    deferred pass and the next forward start there). Blocks updated in chunks are always streamed. Pure."""
+    whole, caps = _caps(layout, chunk_elems, align)
+    best: list[int] = []
+    # t: the largest record still streamed (0: none); every record larger than t must be resident
+    for t in sorted({0, *caps}):
+        if any(c > t and not w for c, w in zip(caps, whole)):
+            continue
+        chosen = [i for i, c in enumerate(caps) if c > t]
+        room = budget - sum(caps[i] for i in chosen) - (inflight * t if t else 0)
+        if room < 0:
+            continue
+        for i, c in enumerate(caps):
+            if c <= t and whole[i] and c <= room:
+                chosen.append(i)
+                room -= c
+        if sum(caps[i] for i in chosen) > sum(caps[i] for i in best):
+            best = sorted(chosen)
+    return best
+
+
+def resident_every(layout: StoreLayout, inflight: int, chunk_elems: int, pool: int, align: int = ALIGN) -> int:
+    """Bytes a record pool of `pool` bytes lacks to keep every record that can stay (all but those updated in
+    chunks, which keep `inflight` streaming buffers of a chunk): what `resident_mem: all` adds."""
+    whole, caps = _caps(layout, chunk_elems, align)
+    streamed = max((c for c, w in zip(caps, whole) if not w), default=0)
+    return max(0, sum(c for c, w in zip(caps, whole) if w) + inflight * streamed - pool)
+
+
+def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int, room: int = 0,
+                   align: int = ALIGN) -> int:
+    """Bytes `resident_mem` adds to a record pool of `pool` bytes: at most what keeps every record resident that
+    can be (:func:`resident_every`); `auto` takes up to `room`."""
+    if not cfg.resident_records:
+        return 0
+    every = resident_every(local, cfg.max_inflight_blocks, chunk, pool, align)
+    if cfg.resident_mem == "all":
+        return every
+    return min(max(0, room) if cfg.resident_mem == "auto" else int(cfg.resident_mem), every)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What the pools are sized from: the records, the tied weights and, data parallel, the rank's shards.
+
+    Attributes:
+        layout: the whole blocks (their element counts and P16 item size).
+        local: the rank's store, its shards of each block (data parallel); None: `layout` (one process).
+        p16_bytes: each block's P16 buffer as streamed (data parallel: gathered from every rank's shard);
+            None: each block's P16 section.
+        tied: the element count of each tied weight a block borrows, once per borrowing.
+        owners: blocks a tied weight is borrowed from (their P16 stays all step).
+        align: the padding of each section and buffer: ALIGN in the engine, 1 to price a model unpadded.
+    """
+
+    layout: StoreLayout
+    local: StoreLayout | None = None
+    p16_bytes: tuple[int, ...] | None = None
+    tied: tuple[int, ...] = ()
+    owners: int = 0
+    align: int = ALIGN
+
+    @property
+    def store(self) -> StoreLayout:
+        """The layout this process's records have (its shards, or the whole blocks)."""
+        return self.local if self.local is not None else self.layout
+
+    @property
+    def p16(self) -> tuple[int, ...]:
+        if self.p16_bytes is not None:
+            return self.p16_bytes
+        return tuple(align_up(b.p16_itemsize * b.numel, self.align) for b in self.layout.blocks)
+
+
+def model_geometry(cfg: ModelConfig, compute_dtype: str = "bf16", slots: int = 2, align: int = 1) -> PoolGeometry:
+    """The geometry of the in-house GPT's blocks (`models.adapter.GPTBlocks`): the embedding, `n_layer`
+    transformer blocks and the head, whose tied LM weight is the embedding's `wte` (borrowed, not stored twice).
+    `align=1` (default): the capacity planner's unpadded figures; `align=ALIGN`: the engine's, exactly."""
+    numels = [cfg.embed_param_count(), *[cfg.block_param_count()] * cfg.n_layer, cfg.head_param_count()]
+    names = ["embed", *(f"block{i}" for i in range(cfg.n_layer)), "head"]
+    tied = (cfg.vocab_size * cfg.d_model,) if cfg.tie_embeddings else ()
+    return PoolGeometry(layout_of(numels, compute_dtype, slots, names), tied=tied, owners=len(tied), align=align)
+
+
+@dataclass(frozen=True)
+class HostMemoryPlan:
+    """Bytes of each main-memory pool of the engine (module docstring); each is a hard budget.
+
+    `params`, `grads` (block buffers) + `tied_grads`, `records` + `resident` (the record pool's budget), `upcast`
+    and `grad_stash` add up to `total`, which is at most `budget` (cpu_mem) when :func:`plan_host_memory` checks.
+    """
+
+    params: int
+    grads: int
+    tied_grads: int
+    records: int
+    upcast: int
+    resident: int
+    grad_stash: int
+    budget: int
+    grad_itemsize: int
+    chunk_elems: int
+    has_stash: bool = False
+    """A step keeps its gradients beyond the grads pool (clipping or slots=1, not serial mode)."""
+    stash_ram: int | None = None
+    """RAM the gradient stash keeps the step's gradients in (serial mode: the grads pool's own buffers)."""
+    resident_all: int = 0
+    """What `resident_mem` would add to keep every record that can stay (`resident_mem: all`)."""
+    resident_blocks: tuple[int, ...] = ()
+    """Blocks whose records the record pool keeps from step to step (:func:`plan_resident`)."""
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.tied_grads + self.records + self.upcast + self.resident
+                + self.grad_stash)
+
+    def parts(self) -> dict[str, int]:
+        """The pools as the engine budgets them, for messages and `Engine.memory_plan`: `grads` with the tied
+        weights' copies, `optimizer` the record pool with the upcast scratch; `grad_stash` when a stash exists."""
+        out = {"params": self.params, "grads": self.grads + self.tied_grads, "optimizer": self.records + self.upcast,
+               "resident": self.resident}
+        if self.has_stash:
+            out["grad_stash"] = self.grad_stash
+        return out
+
+    def describe(self) -> str:
+        """Every part, finer than :meth:`parts`, for the run header."""
+        rows = [("params", self.params), ("grads", self.grads + self.tied_grads), ("optimizer records", self.records),
+                ("upcast scratch", self.upcast), ("resident records", self.resident)]
+        if self.has_stash:
+            rows.append(("gradient stash", self.grad_stash))
+        return ", ".join(f"{k} {size_text(v)}" for k, v in rows)
+
+
+def pool_config(compute_dtype: str = "bf16", micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3,
+                slots: int = 2, clip: bool = False, resident: bool = True, resident_mem: int | str = 0,
+                cpu_mem: int = 0, opt_chunk_bytes: int = OPT_CHUNK_BYTES, mode: str = "optimized") -> EngineConfig:
+    """The engine settings the pools depend on, for planners that know them as flat arguments; `clip`: gradients
+    are clipped (any `max_grad_norm` > 0 prices the same)."""
+    return EngineConfig(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
+                        max_inflight_blocks=max_inflight, slots=slots, max_grad_norm=1.0 if clip else 0.0,
+                        resident_records=resident, resident_mem=resident_mem if resident else 0, cpu_mem=cpu_mem,
+                        opt_chunk_bytes=opt_chunk_bytes, mode=mode)
+
+
+def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, free: int | None = None,
+                     grad_size: int | None = None, check: bool = True) -> HostMemoryPlan:
+    """Bytes of every pool of the engine's main memory (module docstring); raises MemoryPlanError (with the
+    least cpu_mem that fits) when they exceed `cfg.cpu_mem`, unless `check` is off (the capacity planner judges).
+
+    `resident_mem: auto` takes half of what cpu_mem leaves after the other pools and the gradient stash, and
+    of what `free` (this process's share of the machine's available memory) leaves after them: the other
+    half stays for swapped activations (runtime.activations.ActivationManager) and the rest of the process.
+
+    Data parallel (`world` > 1): `geometry.local` is the rank's store (its shards), `geometry.p16_bytes` each
+    block's gathered P16 buffer; whole-block gradients are reduced, then the rank's shard of each is kept for
+    its optimizer. `grad_size`: the gradient buffers' itemsize when the engine overrides :func:`grad_dtype`.
+    """
+    local, a = geometry.store, geometry.align
+    chunk = optimizer_chunk_elems(local, cfg)
+    inflight = cfg.max_inflight_blocks
+    records = record_pool_bytes(local, inflight, chunk, cfg.resident_records, a)
+    g = grad_size or grad_itemsize(cfg.compute_dtype, cfg.micro_batches, world)
+    whole = [align_up(g * b.numel, a) for b in geometry.layout.blocks]
+    shards = [align_up(g * b.numel, a) for b in local.blocks]
+    # one filling, one queued (serial mode: every block's gradient until backward ends); data parallel: one
+    # filling, one being reduced, and the shards of them as above
+    kept = sum(shards) if cfg.mode == "serial" else min(2 * max(shards), sum(shards))
+    p16 = geometry.p16
+    plan = HostMemoryPlan(
+        # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks, but never
+        # more than every block at once (small models)
+        params=min((2 * cfg.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)),
+        grads=kept if world == 1 else min(2 * max(whole), sum(whole)) + kept,
+        tied_grads=cfg.micro_batches * sum(align_up(g * n, a) for n in geometry.tied),
+        records=records, upcast=upcast_bytes(local, chunk, g, clip=cfg.max_grad_norm > 0),
+        # more records kept from step to step (no more than all of them); auto: below
+        resident=0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, records, align=a),
+        grad_stash=0, budget=int(cfg.cpu_mem), grad_itemsize=g, chunk_elems=chunk,
+        resident_all=resident_every(local, inflight, chunk, records, a) if cfg.resident_records else 0)
+    if keeps_all_grads(cfg) and cfg.mode != "serial":
+        # Clipping (a deferred or redone update) and in-place updates (slots=1: nothing is written before the
+        # step is known to be finite) keep the step's gradients: in main memory as far as cpu_mem allows,
+        # the rest on the SSDs (store.gradstash)
+        stash = min(sum(shards), max(0, plan.budget - plan.total))
+        plan = replace(plan, grad_stash=stash, has_stash=True, stash_ram=stash)
+    elif cfg.mode == "serial":  # the grads pool holds every gradient: the stash keeps those very buffers
+        plan = replace(plan, stash_ram=sum(shards))
+    if cfg.resident_mem == "auto":
+        left = (plan.budget if free is None else min(plan.budget, free)) - plan.total
+        plan = replace(plan, resident=resident_extra(local, cfg, chunk, records, room=left // 2, align=a))
+    if cfg.resident_records:
+        plan = replace(plan, resident_blocks=tuple(plan_resident(local, records + plan.resident, inflight, chunk, a)))
+    if check:
+        _check(plan, cfg)
+    return plan
+
+
+def _check(plan: HostMemoryPlan, cfg: EngineConfig) -> None:
+    """Refuse a plan over cpu_mem, saying what each pool takes and what to change."""
+    if plan.total <= plan.budget:
+        return
+    total = plan.total
+    parts = ", ".join(f"{k} {size_text(v)}" for k, v in plan.parts().items())
+    raise MemoryPlanError(
+        f"cpu_mem={size_text(plan.budget)} is too small for this model: the engine needs "
+        f"{size_text(total)} ({parts}). Raise cpu_mem to at least {size_text(total)}"
+        + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
+        + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if plan.resident else ""))
+

@@ -1,0 +1,269 @@
+"""One model of host memory (lohan/plan/pools.py): the engine budgets every buffer pool at the plan's figure and
+stays within it, the capacity planner prices a model with the same function, and the gradient dtype is one rule
+(fp16 gradients are fp32 on the host, as the engine keeps them).
+
+The grid: compute dtype x clipping x slots x micro-batches x resident_mem x world size x tied embedding x mode at
+the plan level (every combination; a data-parallel rank's shards as the engine cuts them, without torchrun), a
+pairwise subset built and stepped twice, one real two-rank run, and a run's peak RSS against its stated bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import lohan
+from io_engine.align import ALIGN, align_up
+from lohan.config import EngineConfig, get_model_config
+from lohan.models.adapter import GPTBlocks
+from lohan.models.gpt import build_model
+from lohan.plan.planner import capacity, engine_pools, parse_hardware
+from lohan.plan.pools import (
+    MemoryPlanError,
+    grad_itemsize,
+    model_geometry,
+    plan_host_memory,
+    plan_resident,
+    ram_budget,
+)
+from lohan.runtime.engine import pool_geometry
+from lohan.runtime.parallel import shard_bounds, shard_layout
+from lohan.store.states import plan_layout
+
+REPO = Path(__file__).resolve().parent.parent
+MiB, GiB = 1 << 20, 1 << 30
+MODEL = dict(vocab_size=512, n_layer=2, d_model=64, n_head=4, seq_len=32)
+CPU_MEM = 512 * MiB
+HW = "rtx4090,1xP5510,64GB"
+
+DTYPES, CLIPS, SLOTS, MICRO, RESIDENT, TIED = ("fp32", "bf16", "fp16"), (0.0, 1.0), (1, 2), (1, 2), (0, MiB, "auto"), \
+    (True, False)
+
+
+def model(tied: bool):
+    return get_model_config("tiny", **MODEL, tie_embeddings=tied)
+
+
+def engine_config(dirs=("unused",), **kw) -> EngineConfig:
+    base = dict(nvme=tuple(dirs), cpu_mem=CPU_MEM, backend="threads", lr=1e-3, warmup_steps=0, total_steps=4,
+                seed=5)
+    return EngineConfig(**{**base, **kw})
+
+
+def geometry(mcfg, ecfg: EngineConfig, world: int = 1, rank: int = 0):
+    """The engine's geometry of the model (its real modules on the meta device), for one rank of `world`."""
+    program = GPTBlocks(build_model(mcfg, device="meta"))
+    layout = plan_layout(program.modules, program.names, ecfg.compute_dtype, ecfg.slots)
+    if world == 1:
+        return pool_geometry(program, layout)
+    bounds = [shard_bounds(b, world) for b in layout.blocks]
+    assert any(bd is not None for bd in bounds), "the test model is too small to shard"
+    return pool_geometry(program, layout, shard_layout(layout, bounds, rank), bounds, world)
+
+
+# ------------------------------------------------------------------------------------ the plan, every combination
+@pytest.mark.parametrize("dtype,tied,world", list(itertools.product(DTYPES, TIED, (1, 2))))
+def test_the_plan_over_the_grid(dtype, tied, world):
+    """Every pool's figure follows the rules the engine allocates by, for every combination of the settings."""
+    mcfg = model(tied)
+    for clip, slots, micro, resident, mode in itertools.product(CLIPS, SLOTS, MICRO, RESIDENT, ("optimized", "serial")):
+        ecfg = engine_config(compute_dtype=dtype, max_grad_norm=clip, slots=slots, micro_batches=micro,
+                             resident_mem=resident, mode=mode)
+        geom = geometry(mcfg, ecfg, world)
+        plan = plan_host_memory(geom, ecfg, world)
+        case = (clip, slots, micro, resident, mode)
+        g = 2 if dtype == "bf16" and micro * world == 1 else 4  # fp16 gradients are fp32 on the host
+        assert plan.grad_itemsize == g == grad_itemsize(dtype, micro, world), case
+        shards = [align_up(g * b.numel) for b in geom.store.blocks]
+        whole = [align_up(g * b.numel) for b in geom.layout.blocks]
+        kept = sum(shards) if mode == "serial" else min(2 * max(shards), sum(shards))
+        assert plan.grads == (kept if world == 1 else min(2 * max(whole), sum(whole)) + kept), case
+        assert plan.tied_grads == micro * (align_up(g * mcfg.vocab_size * mcfg.d_model) if tied else 0), case
+        assert max(geom.p16) <= plan.params <= sum(geom.p16), case
+        assert (plan.upcast > 0) == (g == 2 or clip > 0), case  # bf16 gradients are upcast, clipped ones scaled
+        # the stash: clipping or slots=1 keep the step's gradients beyond the grads pool, as far as cpu_mem allows
+        assert plan.has_stash == ((clip > 0 or slots == 1) and mode != "serial"), case
+        others = plan.total - plan.grad_stash - plan.resident
+        if plan.has_stash:
+            # taken before resident_mem auto, after a resident_mem size
+            assert plan.grad_stash == plan.stash_ram == min(sum(shards), CPU_MEM - others - (
+                plan.resident if resident != "auto" else 0)), case
+        elif mode == "serial":
+            assert plan.stash_ram == sum(shards) and plan.grad_stash == 0, case
+        # resident_mem: a size is capped at every record that can stay; auto takes half of what cpu_mem leaves
+        if resident == "auto":
+            assert plan.resident == min(plan.resident_all, (CPU_MEM - plan.total + plan.resident) // 2), case
+        else:
+            assert plan.resident == min(resident, plan.resident_all), case
+        # the record pool's budget holds its resident records beside max_inflight streaming buffers
+        chosen = plan_resident(geom.store, plan.records + plan.resident, ecfg.max_inflight_blocks, plan.chunk_elems)
+        assert tuple(chosen) == plan.resident_blocks and plan.total <= CPU_MEM, case
+        assert sum(plan.parts().values()) == plan.total, case
+        if world == 1:
+            _check_capacity_prices_the_same(mcfg, ecfg, plan, case)
+
+
+def _check_capacity_prices_the_same(mcfg, ecfg: EngineConfig, plan, case) -> None:
+    """The capacity planner's geometry of the ModelConfig is the engine's layout: with the engine's alignment the
+    same plan, field for field; unpadded (the planner's figures) at most a few KiB a buffer below it; and the
+    parts `capacity` reports for main memory are that plan's."""
+    dtype, slots = ecfg.compute_dtype, ecfg.slots
+    assert plan_host_memory(model_geometry(mcfg, dtype, slots, align=ALIGN), ecfg) == plan, case
+    free = ram_budget(parse_hardware(HW).ram)
+    bare = plan_host_memory(model_geometry(mcfg, dtype, slots), ecfg, free=free)
+    padded, unpadded = plan.parts(), bare.parts()
+    buffers = 4 * (3 * len(model_geometry(mcfg).layout.blocks) + ecfg.max_inflight_blocks + ecfg.micro_batches)
+    for k in ("params", "grads", "optimizer", "grad_stash"):
+        if k in padded:
+            assert 0 <= padded[k] - unpadded[k] < buffers * ALIGN, (k, case)
+    if ecfg.mode != "optimized":
+        return
+    cap = capacity(mcfg, parse_hardware(HW), 2, 32, dtype, ecfg.micro_batches, slots=slots,
+                   keep_grads=ecfg.max_grad_norm > 0, resident_mem=ecfg.resident_mem, cpu_mem=CPU_MEM)
+    assert {k: v for k, v in cap.cpu_parts.items() if k != "activations"} == \
+        {k: v for k, v in unpadded.items() if v or k != "resident"}, case
+    if ecfg.max_grad_norm == 0 and ecfg.resident_mem == 0 and slots == 2:
+        pools = engine_pools(mcfg, dtype, micro_batches=ecfg.micro_batches)
+        assert pools == {k: unpadded[k] for k in ("params", "grads", "optimizer")}, case
+
+
+def test_a_plan_over_cpu_mem_is_refused_with_the_least_that_fits():
+    mcfg, ecfg = model(True), engine_config(cpu_mem=64 * 1024, max_grad_norm=0.0, resident_mem=0)
+    with pytest.raises(MemoryPlanError, match=r"cpu_mem=64\.00 KiB is too small .* Raise cpu_mem to at least "):
+        plan_host_memory(geometry(mcfg, ecfg), ecfg)
+    need = plan_host_memory(geometry(mcfg, ecfg), ecfg, check=False).total
+    assert plan_host_memory(geometry(mcfg, ecfg), ecfg.with_overrides(cpu_mem=need)).total == need
+
+
+# ------------------------------------------------------------------------- built engines, a pairwise subset
+PAIRWISE = [  # every pair of values of (dtype, max_grad_norm, slots, micro_batches, resident_mem, tied) appears
+    ("fp32", 0.0, 1, 1, 0, True), ("fp32", 1.0, 2, 2, MiB, False), ("bf16", 0.0, 1, 2, "auto", False),
+    ("fp16", 1.0, 2, 1, "auto", True), ("bf16", 0.0, 2, 1, MiB, True), ("fp16", 1.0, 1, 2, 0, False),
+    ("bf16", 1.0, 2, 1, 0, False), ("fp16", 0.0, 1, 2, MiB, True), ("fp32", 0.0, 1, 1, "auto", True),
+]
+FREE = 64 * GiB  # the machine's available memory the engine sees (resident_mem: auto), fixed for the test
+
+
+def _batches(steps: int, micro: int):
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        x = torch.randint(0, MODEL["vocab_size"], (2 * micro, MODEL["seq_len"] + 1), generator=g)
+        yield x[:, :-1], x[:, 1:]
+
+
+def test_the_pairwise_subset_covers_every_pair():
+    values = [DTYPES, CLIPS, SLOTS, MICRO, RESIDENT, TIED]
+    for i, j in itertools.combinations(range(len(values)), 2):
+        seen = {(c[i], c[j]) for c in PAIRWISE}
+        assert seen == set(itertools.product(values[i], values[j])), (i, j)
+
+
+@pytest.mark.parametrize("dtype,clip,slots,micro,resident,tied", PAIRWISE)
+def test_the_engine_budgets_each_pool_at_the_plan_and_stays_within_it(make_dirs, monkeypatch, dtype, clip, slots,
+                                                                      micro, resident, tied):
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=FREE))
+    mcfg = model(tied)
+    ecfg = engine_config(make_dirs(1), compute_dtype=dtype, max_grad_norm=clip, slots=slots, micro_batches=micro,
+                         resident_mem=resident)
+    with lohan.init(mcfg, ecfg) as engine:
+        plan = engine.host_memory
+        # the plan of the engine's own layout, and of the capacity planner's geometry of the model: the same
+        assert plan == plan_host_memory(geometry(mcfg, ecfg), ecfg, free=FREE)
+        assert plan == plan_host_memory(model_geometry(mcfg, dtype, slots, align=ALIGN), ecfg, free=FREE)
+        assert engine.memory_plan == plan.parts()
+        assert engine.grad_dtype.itemsize == plan.grad_itemsize
+        pools = {"params": engine.params_pool, "grads": engine.grads_pool, "records": engine.records_pool}
+        assert pools["params"].budget_bytes == plan.params
+        assert pools["grads"].budget_bytes == plan.grads + plan.tied_grads + plan.grad_stash
+        assert pools["records"].budget_bytes == plan.records + plan.resident
+        assert tuple(engine.offloader.resident) == plan.resident_blocks
+        if engine.stash is not None:
+            assert engine.stash.ram_bytes == plan.stash_ram
+        for batch in _batches(2, micro):
+            engine.step(batch)
+            for name, pool in pools.items():
+                assert pool.allocated <= pool.budget_bytes, name
+        scratch = engine.offloader._upcast
+        scratch_bytes = 0 if scratch is None else scratch.numel() * scratch.element_size()
+        assert scratch_bytes <= plan.upcast
+        for name, pool in pools.items():
+            assert 0 < pool.peak_allocated <= pool.budget_bytes, name
+        assert sum(p.peak_allocated for p in pools.values()) + scratch_bytes <= plan.total <= ecfg.cpu_mem
+        if engine.stash is not None:
+            assert engine.stash.ram_used <= plan.stash_ram
+
+
+def test_a_data_parallel_rank_budgets_its_pools_at_the_plan_of_its_shards(tmp_path):
+    """Two ranks (gloo, launched as torchrun would): rank 0's pools are budgeted at the plan of its shards as this
+    test computes it without launching anything, bf16 gradients are fp32 (summed over ranks), and what the
+    pools took stays within it."""
+    from test_parallel import MODEL as DP_MODEL
+    from test_parallel import engine_kw, launch
+
+    engine = engine_kw(str(tmp_path / "nvme"), compute_dtype="bf16", resident_mem=0)
+    codes, log = launch(tmp_path, 2, engine, steps=2)
+    assert codes == [0, 0], log
+    memory = torch.load(tmp_path / "run.pt")["memory"]
+    ecfg = EngineConfig(**{**engine, "nvme": tuple(engine["nvme"]), "betas": tuple(engine["betas"]),
+                           "cpu_mem": engine["cpu_mem"] // 2})  # two ranks on this machine share cpu_mem
+    plan = plan_host_memory(geometry(get_model_config("tiny", **DP_MODEL), ecfg, world=2, rank=0), ecfg, world=2)
+    assert memory["plan"] == dataclasses.asdict(plan)
+    assert plan.grad_itemsize == 4 and plan.upcast > 0  # fp32 gradients, scaled into the scratch (clipping)
+    pools = memory["pools"]
+    assert pools["params_pool"]["budget_bytes"] == plan.params
+    assert pools["grads_pool"]["budget_bytes"] == plan.grads + plan.tied_grads + plan.grad_stash
+    assert pools["records_pool"]["budget_bytes"] == plan.records + plan.resident
+    assert all(0 < p["peak_allocated"] <= p["budget_bytes"] for p in pools.values()), pools
+    assert memory["upcast"] <= plan.upcast
+
+
+# ---------------------------------------------------------------- fp16 with clipping: the old undercount
+def test_the_capacity_plan_stashes_fp16_gradients_at_four_bytes_a_parameter():
+    """fp16 gradients are unscaled and clipped in fp32 on the host (the engine's buffers are fp32): the capacity
+    plan's gradient stash counts 4 bytes per parameter, in main memory as far as cpu_mem allows and the rest on
+    the SSDs (it counted 2, as if they were kept in fp16)."""
+    mcfg, hw = get_model_config("13b"), parse_hardware("rtx4090,12xP5510,256GB")
+    n = mcfg.param_count()
+    for cpu_mem in (None, 16 * GiB, 4 * GiB):  # all of them in RAM, some of them, none (the pools take 4 GiB+)
+        cap = capacity(mcfg, hw, 1, 1024, "fp16", keep_grads=True, cpu_mem=cpu_mem)
+        spilled = cap.ssd_states_bytes - 2 * 14 * n
+        assert cap.cpu_parts["grad_stash"] + spilled == 4 * n, cpu_mem
+    assert spilled == 4 * n
+    # and the engine keeps them so: its gradient buffers for fp16 are fp32
+    ecfg = engine_config(compute_dtype="fp16", max_grad_norm=1.0)
+    plan = plan_host_memory(geometry(model(True), ecfg), ecfg)
+    assert plan.grad_itemsize == 4
+    assert plan.grad_stash == sum(align_up(4 * b.numel) for b in geometry(model(True), ecfg).store.blocks)
+
+
+@pytest.mark.slow  # as tests/test_memory.py's RSS test: a child's peak RSS under a concurrent load can exceed it
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss of one child via os.wait4 (Linux)")
+def test_peak_rss_of_an_fp16_run_with_clipping_stays_within_the_stated_bound(tmp_path: Path) -> None:
+    """finetune.py in a child process, fp16 with clipping (fp32 gradients kept for the clipped update): its
+    kernel-measured peak RSS is at most the `peak RSS at most X GiB` its header states, and the header's main
+    memory line counts the gradient stash."""
+    cmd = [sys.executable, "finetune.py", "--model", "tiny", "--layers", "2", "--data", "synthetic",
+           "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--cpu-mem", "256MiB",
+           "--compute-dtype", "fp16", "--max-grad-norm", "1.0",
+           "--nvme", str(tmp_path / "nvme"), "--metrics", str(tmp_path / "metrics.jsonl")]
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen from waiting again
+    assert child.returncode == 0, out
+    assert re.search(r"main memory: .*gradient stash [\d.]+ [KMG]iB", out), out
+    stated = re.search(r"peak RSS at most ([\d.]+) GiB = cpu_mem ([\d.]+) \+ overhead ([\d.]+)", out)
+    assert stated, f"the header states no RSS bound:\n{out}"
+    bound = float(stated.group(1)) * GiB
+    peak = usage.ru_maxrss * 1024  # KiB on Linux
+    assert peak <= bound, f"peak RSS {peak / GiB:.3f} GiB above the stated {bound / GiB:.3f} GiB:\n{out}"
