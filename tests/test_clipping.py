@@ -12,8 +12,8 @@ import torch
 import lohan
 from lohan.config import EngineConfig, get_model_config
 from lohan.models.gpt import build_model
-from lohan.runtime.engine import NonFiniteError
 from lohan.runtime.optim import decay_mask, lr_factor, param_groups
+from lohan.runtime.step import NonFiniteError
 from lohan.store.states import StateStore
 
 STEPS = 8

@@ -1,4 +1,4 @@
-"""The optimizer pipeline's record buffers as named states (lohan/runtime/records.py): an illegal transition is
+"""The optimizer pipeline's record buffers as named states (lohan/runtime/record_buffers.py): an illegal transition is
 refused with the unit and the states, every buffer is back in the pool (or resident) when a pass is over, and a
 write-behind pass leaves its tail WRITING until it is drained."""
 
@@ -10,7 +10,7 @@ import pytest
 from test_clipping import batches, config, tiny_cfg
 
 import lohan
-from lohan.runtime.records import BufState, Ledger, RecordBuffer
+from lohan.runtime.record_buffers import BufState, Ledger, RecordBuffer
 
 
 def _buffer(unit=(3, 0, 8), resident: bool = False):

@@ -10,7 +10,7 @@ from torch.optim.adamw import adamw
 import lohan
 import lohan.runtime.offload
 from lohan.runtime.optim import AdamWHyper, adamw_upcast_
-from lohan.runtime.records import param_ranges
+from lohan.runtime.record_buffers import param_ranges
 from lohan.store.states import BlockLayout, ParamSpec, block_views
 from tests.test_clipping import batches, config, tiny_cfg
 

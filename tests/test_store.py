@@ -11,7 +11,7 @@ import torch
 import lohan
 import lohan.runtime.offload
 from lohan.config import EngineConfig, get_model_config
-from lohan.runtime.engine import MemoryPlanError
+from lohan.plan.pools import MemoryPlanError
 from lohan.store.states import StateStore
 
 

@@ -17,7 +17,7 @@ import lohan.runtime.engine
 from io_engine.faults import inject_faults
 from lohan.runtime.engine import Engine
 from lohan.runtime.offload import UpdatePass
-from lohan.runtime.records import WriteBehind
+from lohan.runtime.record_buffers import WriteBehind
 from lohan.store.states import StateStore
 
 

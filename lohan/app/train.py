@@ -57,7 +57,8 @@ from lohan.data import (
     eval_batches,
     synthetic_batches,
 )
-from lohan.runtime.engine import Engine, MemoryPlanError, NonFiniteError, init
+from lohan.plan.pools import MemoryPlanError
+from lohan.runtime.engine import Engine, init
 from lohan.runtime.parallel import (
     DataParallel,
     init_from_env,
@@ -65,6 +66,7 @@ from lohan.runtime.parallel import (
     network_bytes_per_step,
     read_decision,
 )
+from lohan.runtime.step import NonFiniteError
 from lohan.store.dirlock import DirectoryInUseError, DirLock
 from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from lohan.store.opening import CLI, StoreExistsError, check_request

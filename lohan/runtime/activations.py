@@ -38,7 +38,8 @@ from lohan.crashpoints import crashpoint
 from lohan.plan.planner import POLICIES, OpProfile, Plan, Profile, make_plan
 from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
 from lohan.runtime.device import Device
-from lohan.runtime.profiler import _remove_volume, measure_hardware, profile_block
+from lohan.runtime.profiler import measure_hardware, profile_block
+from lohan.store.files import remove_volume
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class ActivationManager:
         staging = None
         if n_ssd:
             dirs = list(self.cfg.nvme)
-            _remove_volume(dirs, self.act_name)
+            remove_volume(dirs, self.act_name)
             self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.chunk_bytes, backend=self.cfg.backend,
                                        name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
             staging = self._volume.buffer_pool(2 * m * cap, pin=self.device.is_cuda)
@@ -246,7 +247,7 @@ class ActivationManager:
         if self._volume is not None:
             self._volume.close()
             self._volume = None
-            _remove_volume(list(self.cfg.nvme), self.act_name)
+            remove_volume(list(self.cfg.nvme), self.act_name)
 
     def close(self) -> None:
         self.close_tiers()

@@ -40,17 +40,15 @@ from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram, GPTBlocks
 from lohan.models.gpt import GPT, block_generator, build_model, init_block_
 from lohan.plan import pools
-from lohan.plan.pools import (  # noqa: F401  (MemoryPlanError, resident_extra: importable from here as before)
-    MemoryPlanError,
+from lohan.plan.pools import (
     PoolGeometry,
     keeps_all_grads,
     optimizer_chunk_elems,
     plan_host_memory,
     plan_resident,
-    resident_extra,
 )
 from lohan.runtime.activations import ActivationManager
-from lohan.runtime.device import Device, resolve_device
+from lohan.runtime.device import Device
 from lohan.runtime.heap import release_free_memory, reuse_heap
 from lohan.runtime.offload import GradOffloader
 from lohan.runtime.optim import decay_mask
@@ -58,7 +56,6 @@ from lohan.runtime.parallel import (
     DataParallel,
     check_group,
     join_group,
-    local_cuda_index,
     shard_bounds,
     shard_decays,
     shard_layout,
@@ -68,24 +65,22 @@ from lohan.runtime.passes import BlockPasses, visit_order
 from lohan.runtime.step import (
     Counters,
     LossScale,
+    NextForward,
     Phase,
-    Prepared,
     StepPlan,
     StepRun,
     StepStats,
     measure,
+    rank_batch,
     settle,
+    skip_outcome,
 )
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
 from lohan.store.opening import check_request, open_or_create
-from lohan.store.states import DTYPES, StoreLayout, block_views, plan_layout
+from lohan.store.states import DTYPES, StateStore, StoreLayout, plan_layout
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradients; the last good state is committed."""
 
 
 def grad_dtype(cfg: EngineConfig, world: int = 1) -> torch.dtype:
@@ -120,57 +115,47 @@ class Engine:
         self.dp = dp if dp is not None else DataParallel.detect()
         self.world = self.dp.world if self.dp else 1
         self._base_dirs = tuple(cfg.nvme)
-        if self.dp:
-            local = self.dp.local_world
-            cfg = cfg.with_overrides(
-                nvme=self.dp.rank_dirs(cfg.nvme), cpu_mem=cfg.cpu_mem // local,
-                emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None)
-        self.cfg = cfg
-        self.program = program
+        self.cfg = cfg = self.dp.rank_config(cfg) if self.dp else cfg
+        self.program, self.flops_per_token = program, flops_per_token
         if cfg.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
             reuse_heap()
-        gpu = self.dp is not None and resolve_device(cfg.device) == "cuda"
-        # a rank's own GPU (the one parallel.init_from_env selected: by LOCAL_RANK, or the only one it sees)
-        self.device = Device(f"cuda:{local_cuda_index(self.dp.local_rank, torch.cuda.device_count())}" if gpu
-                             else cfg.device)
+        self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
-        self.flops_per_token = flops_per_token
-        n = len(program.modules)
-        self._owners = sorted({owner for i in range(n) for owner, _ in program.external_params(i)})
         self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots)  # whole blocks
         self.bounds = [shard_bounds(b, self.world) for b in self.layout.blocks]
-        layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
+        local_layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
         self.grad_dtype = grad_dtype(cfg, self.world)
-        geometry = pool_geometry(program, self.layout, layout if self.dp else None, self.bounds, self.world)
+        geometry = pool_geometry(program, self.layout, local_layout if self.dp else None, self.bounds, self.world)
         # the machine's available memory, shared by the ranks on this host (resident_mem: auto)
         free = psutil.virtual_memory().available // (self.dp.local_world if self.dp else 1)
-        # every pool below is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
+        # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
         self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize)
         self.memory_plan = self.host_memory.parts()
-        dirs = list(cfg.nvme)
-        for d in dirs:
-            os.makedirs(d, exist_ok=True)
-        self._lock = DirLock(dirs)  # before anything in the directories is read or written
+        if self.dp:
+            init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
+        self.store, self._lock = _open_store(cfg, local_layout, model_meta, init_block, resume, overwrite, progress,
+                                             self.dp, self._base_dirs)
         try:
-            if self.dp:
-                init_block = _shard_init(init_block, self.layout, layout, self.bounds, self.dp.rank)
-                decision = check_group(self.dp, self._base_dirs, cfg.name, resume)
-            else:
-                check_request(dirs, cfg.name, resume=resume, overwrite=overwrite)
-            self.store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress,
-                                        optimizer_chunk_elems(layout, cfg))
-            if self.dp:
-                join_group(self.dp, self.store, decision, self._base_dirs, cfg.name, dirs)
+            self._build(local_layout, str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
         except BaseException:
-            if hasattr(self, "store"):
-                self.store.close()
+            self.store.close()
             self._lock.release()
             raise
-        volume = self.store.volume
+        self.last_stats: StepStats | None = None  # what the last step measured
+        self._broken: str | None = None
+        self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
+        # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
+        self._norm_order = program.param_order() if hasattr(program, "param_order") else None
+        self._closed = False
+        self._trimmed = False  # memory.release_free_memory after the first step
+
+    def _build(self, layout: StoreLayout, label: str) -> None:
+        """The components, on the store just opened: the host pools (at the memory plan's figures), the parameter
+        streamer, the gradient stash, the optimizer pipeline, the activation manager and the block passes."""
+        cfg, plan, program, volume = self.cfg, self.host_memory, self.program, self.store.volume
         # page-locked only where buffers cross to or from a GPU (P16 in, gradients out): the optimizer records
         # never leave main memory, and page-locked memory is scarce
         pin = self.device.is_cuda
-        plan = self.host_memory
         self.params_pool = volume.buffer_pool(plan.params, pin=pin)
         self.grads_pool = volume.buffer_pool(plan.grads + plan.tied_grads + plan.grad_stash, pin=pin)
         # the optimizer's share of the plan also holds the fp32 upcast scratch (plan.upcast), which the offloader
@@ -178,23 +163,21 @@ class Engine:
         self.records_pool = volume.buffer_pool(plan.records + plan.resident)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
                                       self.dp, self.bounds)
+        self.streamer.before_read = self._await_tail
         self.decays = [shard_decays(full, own, decay_mask(m, cfg.no_decay))
                        for full, own, m in zip(self.layout.blocks, layout.blocks, program.modules)]
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
-        self.stash = (GradStash(dirs, grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
+        self.stash = (GradStash(list(cfg.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
                                 cfg.chunk_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
         resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
                                   self.store.check_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
                                        self.stash, resident, thread_init=self.device.bind_thread)
-        self.streamer.before_read = self._await_tail
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
-            engine_pool_bytes=plan.total,
-            model_label=str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))),
-            param_count=self.layout.param_count, p16_itemsize=self.store.p16_dtype.itemsize,
-            flops_per_token=flops_per_token,
+            engine_pool_bytes=plan.total, model_label=label, param_count=self.layout.param_count,
+            p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
             # the share of the states kept in memory (a rank's of its shards: the same share of the model)
             resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
             // max(1, sum(b.numel for b in layout.blocks)))
@@ -202,15 +185,8 @@ class Engine:
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,
                                   self.dp, self.bounds, direct=(not self.device.is_host and cfg.micro_batches == 1
                                                                 and self.store.p16_dtype == self.grad_dtype))
-        self.last_stats: StepStats | None = None  # what the last step measured
-        self._broken: str | None = None
-        self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
         # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
-        self._prepared: Prepared | None = None
-        # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
-        self._norm_order = program.param_order() if hasattr(program, "param_order") else None
-        self._closed = False
-        self._trimmed = False  # memory.release_free_memory after the first step
+        self._next = NextForward(self.device, self.streamer, self.activations)
 
     # ------------------------------------------------------------------ step
     @property
@@ -242,7 +218,7 @@ class Engine:
         except BaseException:
             self.store.discard_staged()
             self.offloader.forget_tail_error()
-            self._drop_prepared()
+            self._next.drop()
             log.error("step %d could not be made durable; the state committed at step %d stands", lost,
                       self.store.step)
             raise
@@ -284,7 +260,7 @@ class Engine:
         try:
             loss = self._train(run)
             self._conclude(run, loss)
-            self.last_stats = measure(self, run, loss, overlapped=self._prepared is not None)
+            self.last_stats = measure(self, run, loss, overlapped=self._next.held)
         except BaseException:
             self._abort(run)
             raise
@@ -300,7 +276,7 @@ class Engine:
         idx, targets = self._check_batch(batch)
         start_s, counters = time.perf_counter(), Counters.read(self)
         self.offloader.reset_stats()
-        prepared = self._take_prepared(idx)
+        prepared = self._next.take(idx)
         self.device.reset_peak_memory()
         idx, targets = self.device.put(idx), self.device.put(targets)
         store, n = self.store, len(self.program.modules)
@@ -333,7 +309,7 @@ class Engine:
         if self.dp:
             loss = self.dp.sum(loss)
         t_tail = time.perf_counter()
-        run.activations = self._end_backward(plan.read_slot)
+        run.activations = self.passes.end_backward(plan.read_slot)
         if plan.follow:
             self.streamer.expect(list(range(n)), lambda: self.offloader.failure)
         run.settlement = settle(self.cfg, self.device, loss, norms, self._norm_order, plan, run.scaler)
@@ -341,7 +317,7 @@ class Engine:
             self._last_coef = run.settlement.coef
         self._finish_updates(run)
         run.tail_s = max(0.0, time.perf_counter() - t_tail - run.next_fwd_s)
-        if self._prepared is None:
+        if not self._next.held:
             self.streamer.release_all()
         return loss
 
@@ -367,7 +343,7 @@ class Engine:
         fwd_t = None
         if follow:
             acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
-            self._prepared = Prepared(plan.next_idx, acts)
+            self._next.keep(plan.next_idx, acts)
         self.offloader.finish()
         run.next_fwd_s = fwd_t.seconds() if fwd_t else 0.0
 
@@ -391,28 +367,13 @@ class Engine:
         if run.phase is Phase.RUNNING:
             self._rollback(run.plan.step)
         elif run.phase is Phase.COMMITTING:
-            self._drop_prepared()
+            self._next.drop()
         elif run.plan.lazy and self.store.staged:
             self.store.discard_staged()
-            self._drop_prepared()
+            self._next.drop()
 
     def _check_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """The rank's part of a batch: all of it in one process; data parallel, every rank is given the same
-        (global) batch and takes its slice, rows [r*B/N, (r+1)*B/N), as one process's micro-batches are cut."""
-        idx, targets = batch
-        m_count = self.cfg.micro_batches
-        if idx.shape != targets.shape or idx.dim() != 2:
-            raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
-                             f"and {tuple(targets.shape)}")
-        if self.world > 1 and idx.shape[0] % (m_count * self.world):
-            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count} x "
-                             f"{self.world} ranks; every rank gets batch / {self.world} sequences")
-        if idx.shape[0] % m_count:
-            raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={m_count}")
-        if self.world > 1:
-            rows = idx.shape[0] // self.world
-            idx, targets = (t[self.dp.rank * rows:(self.dp.rank + 1) * rows] for t in (idx, targets))
-        return idx, targets
+        return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
 
     def _commit(self, step: int, slot: int, **kw: Any) -> None:
         """Commit `step` (data parallel: locally, keeping the previous commit, then the group decides)."""
@@ -429,61 +390,18 @@ class Engine:
         nxt, _ = self._check_batch(next_batch)
         return self.device.put(nxt) if nxt.shape == idx.shape else None
 
-    def _take_prepared(self, idx: Tensor) -> Prepared | None:
-        """The forward the previous step ran for this batch, if it ran one for these very ids. Another batch
-        discards it (the resident parameters are the committed ones either way and stay)."""
-        prepared, self._prepared = self._prepared, None
-        if prepared is None:
-            return None
-        if prepared.idx.shape == idx.shape and torch.equal(self.device.fetch(prepared.idx), idx):
-            return prepared
-        self.activations.end_step()
-        return None
-
-    def _drop_prepared(self) -> None:
-        """Forget the next step's forward and what it holds (blocks, activations)."""
-        if self._prepared is not None:
-            self._prepared = None
-            self.streamer.release_all()
-            self.streamer.drop_kept()
-            self.activations.end_step()
-
-    def _end_backward(self, read_slot: int) -> dict[str, Any]:
-        """After backward: the blocks of the slot read this step and the step's activations are done with
-        (that slot is the next one written, so its blocks are not kept: they would take the room of the
-        blocks the optimizer provides for the next forward). Returns the activation counters."""
-        self.streamer.release_all()
-        self.streamer.invalidate(read_slot)
-        act_stats = self.activations.stats()
-        self.activations.end_step()
-        return act_stats
-
     def _skip(self, run: StepRun, loss: float, scaler: dict[str, Any]) -> None:
-        """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were. An
-        fp16 overflow (finite loss, gradients too large for the scale) is GradScaler's ordinary skip: the
-        scale was lowered, and it does not count as a bad step."""
-        step, commit, settled = run.plan.step, run.commit, run.settlement
+        """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were
+        (`step.skip_outcome`: what is committed, and whether the run must stop)."""
         self.flush()  # the last step's staged commit (its pass ran, or failed, on the worker before this one)
-        if settled.overflow:
-            self._commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied,
-                         bad_streak=commit.bad_streak, **scaler)
-            log.info("step %d: fp16 gradients overflowed; skipped, loss scale lowered to %s", step + 1,
-                     scaler["loss_scale"])
-            return
-        streak = commit.bad_streak + 1
-        self._commit(step + 1, commit.slot, sums=commit.sums, updates=commit.applied, bad_streak=streak, **scaler)
-        log.warning("step %d skipped: loss %s, gradient norm %s are not finite (%d in a row); the states of the "
-                    "last good update stand", step + 1, loss, settled.grad_norm, streak)
-        if streak >= self.cfg.max_bad_steps:
-            raise NonFiniteError(
-                f"{streak} steps in a row (up to step {step + 1}) had a non-finite loss or gradients (last: loss "
-                f"{loss}, gradient norm {settled.grad_norm}); stopping. The states of the last good update "
-                f"({commit.applied} updates) are committed and intact. Lower the learning rate, check the data, or "
-                "raise engine.max_bad_steps")
+        commit, fatal = skip_outcome(run, loss, scaler, self.cfg.max_bad_steps)
+        self._commit(run.plan.step + 1, run.commit.slot, **commit)
+        if fatal is not None:
+            raise fatal
 
     def _rollback(self, step: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
-        self._prepared = None
+        self._next.forget()
         self.streamer.release_all()  # first: a pass providing the next forward's blocks may wait for room
         self.offloader.abort()
         self.streamer.release_all()
@@ -497,11 +415,8 @@ class Engine:
             self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
                             "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
             return
-        try:  # nothing current was touched: the last commit stands
-            c = self.store.commit_state
-            self.store.commit(c.step, c.slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
-                              loss_scale=c.loss_scale, growth_tracker=c.growth_tracker,  # fp16: as committed
-                              keep_prev=self.dp is not None)  # (the other ranks may be gone: no decision)
+        try:  # nothing current was touched: the last commit stands (the other ranks may be gone: no decision)
+            self.store.recommit(keep_prev=self.dp is not None)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
                         "points at it", self.store.step, e)
@@ -520,11 +435,7 @@ class Engine:
             raise RuntimeError(self._broken)
         self.flush()  # it reads the committed slot, whose last writes may still be in flight
         idx, targets = self._check_batch(batch)
-        try:
-            losses = self.passes.evaluate(self.store.slot, self.device.put(idx), self.device.put(targets))
-            loss = self.passes.host_sum(losses)
-        finally:
-            self.streamer.release_all()
+        loss = self.passes.evaluate(self.store.slot, self.device.put(idx), self.device.put(targets))
         return self.dp.sum(loss) if self.dp else loss
 
     # -------------------------------------------------------------- access
@@ -543,13 +454,8 @@ class Engine:
         the ranks' shards; every rank calls it for the same blocks in the same order)."""
         self.flush()
         own = self.store.read_params(block)
-        bd = self.bounds[block]
-        if bd is not None:
-            size = bd[1] - bd[0]
-            whole = torch.zeros(self.world * size, dtype=torch.float32)
-            whole[self.dp.rank * size:self.dp.rank * size + sum(t.numel() for t in own)] = torch.cat(own)
-            self.dp.all_gather_(whole, size)
-            own = block_views(whole, self.layout.blocks[block])
+        if self.bounds[block] is not None:
+            own = self.dp.gather_block(own, self.bounds[block], self.layout.blocks[block])
         return [t.to(dtype) for t in own]
 
     @property
@@ -569,7 +475,7 @@ class Engine:
 
     def _close(self) -> None:
         self._closed = True
-        self._prepared = None
+        self._next.forget()
         self.offloader.close()  # its worker thread lives as long as the engine
         self.streamer.release_all()
         self.activations.close()
@@ -598,6 +504,34 @@ class _Whole:
         self.layout = engine.layout
         self.read_params = engine.read_params
         self.step_count = engine.step_count
+
+
+def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_block: Callable[[int], list[Tensor]],
+                resume: bool, overwrite: bool, progress: Callable[[int, int], None] | None, dp: DataParallel | None,
+                base_dirs: tuple[str, ...]) -> tuple[StateStore, DirLock]:
+    """Lock the run's directories, refuse what they cannot give this run (`check_request`; data parallel, alike
+    on every rank), then open the store, continue its creation or create it (`open_or_create`); a rank is brought
+    to its group's committed step. Returns the store and the held lock."""
+    dirs = list(cfg.nvme)
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    lock = DirLock(dirs)  # before anything in the directories is read or written
+    store = None
+    try:
+        if dp:
+            decision = check_group(dp, base_dirs, cfg.name, resume)
+        else:
+            check_request(dirs, cfg.name, resume=resume, overwrite=overwrite)
+        store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress,
+                               optimizer_chunk_elems(layout, cfg))
+        if dp:
+            join_group(dp, store, decision, base_dirs, cfg.name, dirs)
+    except BaseException:
+        if store is not None:
+            store.close()
+        lock.release()
+        raise
+    return store, lock
 
 
 def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, local: StoreLayout,

@@ -16,17 +16,17 @@ Modes:
 worker runs unit by unit as a READ step, an update step and an emit step. The fused AdamW kernel and the I/O
 release the GIL. Memory is bounded by the record pool (`max_inflight_blocks` records): a READ waits for a
 buffer when the pipeline is full, which also bounds the writes in flight. Each buffer's life (READING, READY,
-UPDATING, HELD, WRITING, back to FREE or RESIDENT) is a checked state machine, `records.py`; the optimizer gets
+UPDATING, HELD, WRITING, back to FREE or RESIDENT) is a checked state machine, `record_buffers.py`; the optimizer gets
 flat P32, m, v, P16 views cut from a buffer and never sees the record format.
 
-Write-behind (`begin_step(lazy=True)`, a deferred pass the next forward follows; `records.WriteBehind`): once
+Write-behind (`begin_step(lazy=True)`, a deferred pass the next forward follows; `record_buffers.WriteBehind`): once
 the gate is open, an updated record's WRITE is held back (HELD) until its buffer is needed for a READ, so the
 READs the next forward waits for have the SSDs first, and the writes still in flight when the pass ends form the
 *tail*: they complete while the next step's backward runs, their buffers stay WRITING until the next pass (or
 `drain_tail`) retires them, and the next pass starts only after them (its `before` hook then makes the step's
 staged commit durable). `tail_done` tells readers of that slot when its bytes are all written.
 
-Resident records (`lohan.plan.pools.plan_resident`, `records.ResidentRecords`): the record buffers of some blocks stay in the
+Resident records (`lohan.plan.pools.plan_resident`, `record_buffers.ResidentRecords`): the record buffers of some blocks stay in the
 pool from one step to the next. Each step still WRITEs them (the commit needs every record on the SSDs), but
 the next step finds their bytes in memory and skips their READ. The pool (`pools.record_pool_bytes`) is the least
 that streams the other records through `max_inflight_blocks` buffers while the records bigger than those stay
@@ -64,7 +64,7 @@ from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool size
     record_pool_bytes,
 )
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
-from lohan.runtime.records import (
+from lohan.runtime.record_buffers import (
     BufState,
     Handles,
     Ledger,

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from io_engine.base import align_up
+from lohan.config import EngineConfig
 from lohan.runtime.device import resolve_device
 from lohan.store.group import decision_path, rank_dir, read_decision
 from lohan.store.integrity import StoreCorruptError, write_json_atomic
@@ -224,6 +225,29 @@ class DataParallel:
         self.gathered_bytes += flat.numel() * flat.element_size()
         return dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group,
                                            async_op=async_op)
+
+    def rank_config(self, cfg: EngineConfig) -> EngineConfig:
+        """The rank's own settings: its directories (`DIR/rank<r>`) and its share of the host's memory and
+        emulated disk speed (the ranks on a host share them)."""
+        local = self.local_world
+        return cfg.with_overrides(nvme=self.rank_dirs(cfg.nvme), cpu_mem=cfg.cpu_mem // local,
+                                  emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None)
+
+    def device_name(self, device: str) -> str:
+        """The rank's device: on CUDA its own GPU (the one `init_from_env` selected: by LOCAL_RANK, or the only
+        one it sees); otherwise `device` as configured."""
+        if resolve_device(device) != "cuda":
+            return device
+        return f"cuda:{local_cuda_index(self.local_rank, torch.cuda.device_count())}"
+
+    def gather_block(self, own: list[torch.Tensor], bounds: tuple[int, ...], block: BlockLayout) -> list[torch.Tensor]:
+        """A sharded block's whole fp32 parameters from every rank's shard (`own`: this rank's pieces; every rank
+        calls it for the same blocks in the same order)."""
+        size = bounds[1] - bounds[0]
+        whole = torch.zeros(self.world * size, dtype=torch.float32)
+        whole[self.rank * size:self.rank * size + sum(t.numel() for t in own)] = torch.cat(own)
+        self.all_gather_(whole, size)
+        return [whole[p.offset:p.offset + p.numel].view(p.shape) for p in block.params]
 
     def sum(self, x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)

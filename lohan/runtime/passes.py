@@ -108,9 +108,16 @@ class BlockPasses:
         acts_mgr.end_forward()
         return acts, timer
 
-    def evaluate(self, slot: int, idx: Tensor, targets: Tensor) -> list[Tensor]:
-        """Every block forward under no_grad on the slot's weights, the head included; returns the micro-batches'
-        losses, each scaled as a step scales them (its mean / the micro-batch count / the world size)."""
+    def evaluate(self, slot: int, idx: Tensor, targets: Tensor) -> float:
+        """Every block forward under no_grad on the slot's weights, the head included; returns the sum of the
+        micro-batches' losses, each scaled as a step scales them (its mean / the micro-batch count / the world
+        size). Every block is released at the end, whatever happens."""
+        try:
+            return self.host_sum(self._evaluate(slot, idx, targets))
+        finally:
+            self.streamer.release_all()
+
+    def _evaluate(self, slot: int, idx: Tensor, targets: Tensor) -> list[Tensor]:
         m_count = self.cfg.micro_batches
         xs = list(idx.chunk(m_count))
         tgt_mb = targets.chunk(m_count)
@@ -149,6 +156,16 @@ class BlockPasses:
         self.gpu_plan = gpu_need(mcfg, batch, seq, hw, self.cfg.compute_dtype, self.cfg.micro_batches,
                                  self.cfg.prefetch_depth, self.activations.plan.swap, self.world)
         check_gpu_budget(self.gpu_plan, budget, f"{mcfg.name} at batch {batch} x seq {seq} on {self.device.type}")
+
+    def end_backward(self, read_slot: int) -> dict[str, Any]:
+        """After backward: the blocks of the slot read this step and the step's activations are done with
+        (that slot is the next one written, so its blocks are not kept: they would take the room of the
+        blocks the optimizer provides for the next forward). Returns the activation counters."""
+        self.streamer.release_all()
+        self.streamer.invalidate(read_slot)
+        stats = self.activations.stats()
+        self.activations.end_step()
+        return stats
 
     # --------------------------------------------------------------- backward
     def backward(self, run: StepRun, acts: Acts, tgt_mb: tuple[Tensor, ...]) -> list[list[Tensor]]:

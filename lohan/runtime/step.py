@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,16 @@ from lohan.runtime.optim import AdamWHyper, lr_at
 from lohan.store.states import Commit
 
 if TYPE_CHECKING:
+    from lohan.runtime.activations import ActivationManager
     from lohan.runtime.engine import Engine
+    from lohan.runtime.params import ParamStreamer
     from lohan.runtime.passes import Acts
+
+log = logging.getLogger("lohan.runtime.engine")  # (a step's messages, as the engine's)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradients; the last good state is committed."""
 
 
 class Phase(enum.Enum):
@@ -150,12 +159,93 @@ def settle(cfg: EngineConfig, device: Device, loss: float, norms: list[list[Tens
                       coef if cfg.max_grad_norm > 0 else None, coef, coef_t, scale)
 
 
+def skip_outcome(run: StepRun, loss: float, scaler: dict[str, Any],
+                 max_bad_steps: int) -> tuple[dict[str, Any], NonFiniteError | None]:
+    """A skipped step's commit (the previous states, its batch consumed) and whether the run must stop. An fp16
+    overflow (finite loss, gradients too large for the scale) is GradScaler's ordinary skip: the scale was
+    lowered, and it does not count as a bad step; `max_bad_steps` non-finite steps in a row stop the run."""
+    step, commit, settled = run.plan.step, run.commit, run.settlement
+    kept = {"sums": commit.sums, "updates": commit.applied, **scaler}
+    if settled.overflow:
+        log.info("step %d: fp16 gradients overflowed; skipped, loss scale lowered to %s", step + 1,
+                 scaler["loss_scale"])
+        return {**kept, "bad_streak": commit.bad_streak}, None
+    streak = commit.bad_streak + 1
+    log.warning("step %d skipped: loss %s, gradient norm %s are not finite (%d in a row); the states of the "
+                "last good update stand", step + 1, loss, settled.grad_norm, streak)
+    fatal = None
+    if streak >= max_bad_steps:
+        fatal = NonFiniteError(
+            f"{streak} steps in a row (up to step {step + 1}) had a non-finite loss or gradients (last: loss "
+            f"{loss}, gradient norm {settled.grad_norm}); stopping. The states of the last good update "
+            f"({commit.applied} updates) are committed and intact. Lower the learning rate, check the data, or "
+            "raise engine.max_bad_steps")
+    return {**kept, "bad_streak": streak}, fatal
+
+
+def rank_batch(batch: tuple[Tensor, Tensor], micro_batches: int, world: int, rank: int) -> tuple[Tensor, Tensor]:
+    """The rank's part of a batch: all of it in one process; data parallel, every rank is given the same
+    (global) batch and takes its slice, rows [r*B/N, (r+1)*B/N), as one process's micro-batches are cut."""
+    idx, targets = batch
+    if idx.shape != targets.shape or idx.dim() != 2:
+        raise ValueError(f"batch must be (ids, targets) of equal shape [batch, seq]; got {tuple(idx.shape)} "
+                         f"and {tuple(targets.shape)}")
+    if world > 1 and idx.shape[0] % (micro_batches * world):
+        raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={micro_batches} x "
+                         f"{world} ranks; every rank gets batch / {world} sequences")
+    if idx.shape[0] % micro_batches:
+        raise ValueError(f"batch size {idx.shape[0]} is not divisible by micro_batches={micro_batches}")
+    if world > 1:
+        rows = idx.shape[0] // world
+        idx, targets = (t[rank * rows:(rank + 1) * rows] for t in (idx, targets))
+    return idx, targets
+
+
 @dataclass
 class Prepared:
     """A step's forward, run during the previous step's optimizer pass: the ids and what backward needs."""
 
     idx: Tensor
     acts: Acts
+
+
+class NextForward:
+    """The next step's forward, run beside this step's optimizer pass (`step(next_batch=...)`): kept until the next
+    step takes it for the very same ids, or dropped with what it holds (blocks, activations)."""
+
+    def __init__(self, device: Device, streamer: ParamStreamer, activations: ActivationManager) -> None:
+        self.device, self.streamer, self.activations = device, streamer, activations
+        self._prepared: Prepared | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._prepared is not None
+
+    def keep(self, idx: Tensor, acts: Acts) -> None:
+        self._prepared = Prepared(idx, acts)
+
+    def take(self, idx: Tensor) -> Prepared | None:
+        """The forward run for these ids, if one was. Another batch discards it (the resident parameters are the
+        committed ones either way and stay)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        if prepared.idx.shape == idx.shape and torch.equal(self.device.fetch(prepared.idx), idx):
+            return prepared
+        self.activations.end_step()
+        return None
+
+    def drop(self) -> None:
+        """Forget it and release what it holds (it ran on parameters that are not to be used uncommitted)."""
+        if self._prepared is not None:
+            self._prepared = None
+            self.streamer.release_all()
+            self.streamer.drop_kept()
+            self.activations.end_step()
+
+    def forget(self) -> None:
+        """Forget it; the caller releases the blocks and activations itself (a rollback, closing)."""
+        self._prepared = None
 
 
 @dataclass(frozen=True)

@@ -358,6 +358,13 @@ class StateStore:
             self.commit_state = dataclasses.replace(self.commit_state, dirty=True, time=time.time())
             write_json_atomic(self.commit_path, asdict(self.commit_state))
 
+    def recommit(self, keep_prev: bool = False) -> None:
+        """Write the current commit again, as it is (after a failed step: the commit record, which a step in place
+        marked dirty, names the last good state once more). fp16's loss scale and tracker stay as committed."""
+        c = self.commit_state
+        self.commit(c.step, c.slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
+                    loss_scale=c.loss_scale, growth_tracker=c.growth_tracker, keep_prev=keep_prev)
+
     def commit(self, step: int, slot: int, sums: Sums | None = None, updates: int | None = None,
                bad_streak: int = 0, loss_scale: float | None = None, growth_tracker: int = 0,
                keep_prev: bool = False, durable: bool = True) -> None:
