@@ -448,12 +448,18 @@ class HFBlocks:
         tok_index = [n for n, _ in self.embed.named_parameters()].index(f"{self._tokens_attr}.weight")
         self._tied_ref = (0, tok_index)
 
-        # HF state-dict names of every block's parameters (module identity is stable; the streamer
-        # only swaps the entries of `module._parameters`)
+        self._param_names = self._state_dict_names(model)
+        self._cache: dict[tuple, list[tuple[tuple, dict]]] = {}
+        self._probe_lock = threading.Lock()  # the probe's stand-in weights are swapped per dtype and device
+
+
+    def _state_dict_names(self, model: nn.Module) -> list[list[str]]:
+        """HF state-dict names of every block's parameters (module identity is stable; the streamer only swaps the
+        entries of `module._parameters`); every parameter of the model must be in a block."""
         module_names: dict[int, str] = {}
         for name, module in model.named_modules():
             module_names.setdefault(id(module), name)
-        self._param_names: list[list[str]] = []
+        out: list[list[str]] = []
         covered: set[int] = set()
         for block in self.modules:
             names = []
@@ -461,13 +467,11 @@ class HFBlocks:
                 owner, _, leaf_name = pname.rpartition(".")
                 names.append(f"{module_names[id(block.get_submodule(owner))]}.{leaf_name}")
                 covered.add(id(p))
-            self._param_names.append(names)
+            out.append(names)
         missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
-            raise NotImplementedError(f"{family}: parameters outside the embed/layers/head blocks: {missing[:5]}")
-        self._cache: dict[tuple, list[tuple[tuple, dict]]] = {}
-        self._probe_lock = threading.Lock()  # the probe's stand-in weights are swapped per dtype and device
-
+            raise NotImplementedError(f"{self.family}: parameters outside the embed/layers/head blocks: {missing[:5]}")
+        return out
     def _find_decoder(self) -> tuple[str, nn.Module, str]:
         """(name, module, layer-list attribute) of the module holding the token embedding and the layer list."""
         tokens = self.model.get_input_embeddings()
