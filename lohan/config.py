@@ -246,7 +246,7 @@ def parse_bytes(value: int | str) -> int:
     raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
 
 
-SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "chunk_bytes", "opt_chunk_bytes", "resident_mem")
+SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "stripe_bytes", "opt_chunk_bytes", "resident_mem")
 """EngineConfig fields that hold byte sizes (a user writes them with a unit: `8GiB`)."""
 
 
@@ -404,8 +404,8 @@ class EngineConfig:
     backend: str = "auto"
     """io_engine backend: ``auto``, ``aio`` or ``threads``."""
 
-    chunk_bytes: int | str = "1MiB"
-    """Stripe unit over the SSD directories."""
+    stripe_bytes: int | str = "1MiB"
+    """Stripe unit over the SSD directories (each volume's striping; the optimizer's unit is `opt_chunk_bytes`)."""
 
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda``, or ``sim``: the CPU simulating a separate device, whose
@@ -470,7 +470,7 @@ class EngineConfig:
         if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
                                                       and self.emulate_ssd_gbps > 0):
             problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
-        for name in ("cpu_mem", "chunk_bytes", "opt_chunk_bytes") + (() if self.resident_mem in ("all", "auto")
+        for name in ("cpu_mem", "stripe_bytes", "opt_chunk_bytes") + (() if self.resident_mem in ("all", "auto")
                                                                     else ("resident_mem",)):
             try:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))

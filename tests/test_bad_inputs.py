@@ -208,6 +208,8 @@ CASES = [
          r"unknown run setting 'stepz' \(valid: .*steps"),
     Case("yaml-unknown-engine-key", lambda t, m: yaml_config(t, "model: tiny\nengine:\n  prefetch: 3\n"),
          r"unknown engine setting 'prefetch' \(valid: .*prefetch_depth"),
+    Case("set-renamed-engine-key", lambda t, m: preset(t, "--set", "engine.chunk_bytes=2MiB"),
+         r"engine setting 'chunk_bytes' is now 'stripe_bytes"),
     Case("config-missing", lambda t, m: ["--config", str(t / "nope.yaml")],
          r"config file .*nope\.yaml does not exist; pass a YAML file"),
     Case("config-is-a-directory", lambda t, m: ["--config", str(t)], r"is a directory; pass a YAML file"),

@@ -194,7 +194,7 @@ def test_resident_mem_all_reserves_nothing_for_records_updated_in_chunks(make_di
     """Blocks bigger than a chunk keep streaming: `all` keeps every other record and adds no more."""
     ecfg = config(make_dirs(1), clip_mode="defer", opt_chunk_bytes=4096 * 16 * 4, resident_mem="all")
     with lohan.init(tiny_cfg(n_layer=3, vocab_size=4096), ecfg) as engine:
-        blocks, chunk = engine.layout.blocks, engine.store.check_elems
+        blocks, chunk = engine.layout.blocks, engine.store.chunk_elems
         chunked = [b.index for b in blocks if b.numel > chunk]
         assert chunked and set(engine.offloader.resident) == {b.index for b in blocks} - set(chunked)
         whole = sum(align_up(b.record_bytes) for b in blocks if b.numel <= chunk)

@@ -247,13 +247,17 @@ def _resolve_inputs(raw: dict, config: Path) -> dict:
     return raw
 
 
+RENAMED = {"chunk_bytes": ("stripe_bytes", "the SSD volumes' stripe unit; the optimizer's unit is opt_chunk_bytes")}
+"""Engine settings that were renamed: a config or --set that uses the old name is told the new one."""
+
+
 def _make_run_config(raw: dict, engine: dict) -> RunConfig:
     problems = []
     known = {f.name for f in dataclasses.fields(RunConfig)}
     problems += [f"unknown run setting {k!r} (valid: {', '.join(sorted(known))})" for k in raw if k not in known]
     known_e = {f.name for f in dataclasses.fields(EngineConfig)}
-    problems += [f"unknown engine setting {k!r} (valid: {', '.join(sorted(known_e))})" for k in engine
-                 if k not in known_e]
+    problems += [f"engine setting {k!r} is now {RENAMED[k][0]!r} ({RENAMED[k][1]})" if k in RENAMED else
+                 f"unknown engine setting {k!r} (valid: {', '.join(sorted(known_e))})" for k in engine if k not in known_e]
     problems += unitless_size_problems(engine)
     if problems:
         raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))

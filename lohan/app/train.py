@@ -296,7 +296,7 @@ def _resident_line(engine: Engine) -> str:
     if len(resident) < len(blocks):
         plan = engine.host_memory
         need = plan.resident_all  # what resident_mem takes to keep every record that can stay (pools.resident_every)
-        if all(b.numel <= engine.store.check_elems for b in blocks) and need > plan.resident \
+        if all(b.numel <= engine.store.chunk_elems for b in blocks) and need > plan.resident \
                 and engine.cfg.resident_mem != "all":
             if engine.cfg.resident_mem == "auto":  # auto takes half of what cpu_mem leaves after the other pools
                 others = plan.total - plan.resident
@@ -856,7 +856,7 @@ def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named:
             console.print(f"[red]error:[/red] {escape(dirs[0])} holds {status.describe()}: nothing to verify")
             return 2
         with DirLock(list(dirs)):
-            store = StateStore.open(list(dirs), e.backend, e.chunk_bytes, e.name)
+            store = StateStore.open(list(dirs), e.backend, e.stripe_bytes, e.name)
             try:
                 with Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TextColumn("blocks"),
                               TimeElapsedColumn(), console=console, transient=True) as bar:

@@ -24,11 +24,11 @@ The lanes, each a resource that works in parallel with the others (the time one 
 - ``g2m`` (PCIe device -> host): the swapped activations in forward; the G16 gradients in backward, which
   active gradient offloading hands to the CPU optimizer block by block.
 - ``ssd`` (simplex: its reads and writes add): forward reads P16 and writes the activations main memory
-  cannot hold; backward reads P16 again, the optimizer's P32, m, v (``store.py``: one record per block,
+  cannot hold; backward reads P16 again, the optimizer's P32, m, v (``store/states.py``: one record per block,
   ``P32 | m | v | P16``; the optimizer reads the first three and writes the whole record) and the
   overflowed activations, and writes P32, m, v, P16. So per step the SSDs read ``(12 + 2 s) P`` and write
   ``(12 + s) P`` bytes, at the *effective* bandwidths of :class:`Hardware` (see :class:`SsdSpec`); the
-  records kept in main memory across steps (``Profile.resident_params``, ``offload.plan_resident``) are
+  records kept in main memory across steps (``Profile.resident_params``, ``pools.plan_resident``) are
   written but not read: ``12 R`` bytes less.
 - ``cpu`` (backward only): the CPU AdamW, ``P / cpu_adam_params_per_s`` (the fp32 master, m and v
   updated and the P16 copy made). Active gradient offloading (DESIGN §4.3) runs the optimizer of block i
@@ -780,7 +780,7 @@ and step, which keeps the gap small; 10% is a round margin above that, not a mea
 HOST_SHARED_PARTS = ("params", "gradient accumulators", "cuBLAS workspace", "fragmentation")
 """Parts of :func:`gpu_need` that add nothing to main memory when the CPU is the device: its parameters and
 gradient accumulators are the host pools' own buffers, cuBLAS does not run, and the C allocator's slack
-is ``memory.SLACK_BYTES``'s to count."""
+is ``plan.memory.SLACK_BYTES``'s to count."""
 _GPU_FIXES = ("a smaller batch or more engine.micro_batches (activations and logits are per micro-batch), "
               "a shorter sequence, a lower engine.prefetch_depth (fewer blocks held), an act_policy that "
               "swaps more (interblock or the planner's plan instead of recompute-all), or, if the memory "

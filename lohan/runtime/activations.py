@@ -159,7 +159,7 @@ class ActivationManager:
         if n_ssd:
             dirs = list(self.cfg.nvme)
             remove_volume(dirs, self.act_name)
-            self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.chunk_bytes, backend=self.cfg.backend,
+            self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.stripe_bytes, backend=self.cfg.backend,
                                        name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
             staging = self._volume.buffer_pool(2 * m * cap, pin=self.device.is_cuda)
         self._io0 = self._io_snapshot()

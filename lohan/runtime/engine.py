@@ -169,9 +169,9 @@ class Engine:
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
         self.stash = (GradStash(list(cfg.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
-                                cfg.chunk_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
+                                cfg.stripe_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
         resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
-                                  self.store.check_elems) if cfg.resident_records else [])
+                                  self.store.chunk_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
                                        self.stash, resident, thread_init=self.device.bind_thread)
         self.activations = ActivationManager(

@@ -36,7 +36,7 @@ holds more resident blocks. A buffer is tagged with the (slot, update) whose byt
 it only when its read slot and update follow that tag, so a skipped, redone, rolled-back or dropped step makes
 its buffers read from the SSDs again.
 
-A block whose record is larger than the store's checksum unit (`StateStore.check_elems` elements; a 175B
+A block whose record is larger than the store's checksum unit (`StateStore.chunk_elems` elements; a 175B
 layer's record is 25 GB) goes through the pipeline in chunks of that many elements: the same READ / ADAM /
 WRITE per chunk, on the P32, m, v and P16 sub-ranges of the record, so the optimizer's memory is bounded by
 chunks, not by the largest block, and each READ and WRITE is checked whole.
@@ -443,7 +443,7 @@ class GradOffloader:
         self.pool = pool
         self.mode = mode
         # The pipeline's units are the store's checksum units, so each READ and WRITE can be checked whole.
-        self.chunk_elems = store.check_elems
+        self.chunk_elems = store.chunk_elems
         self.grad_dtype = grad_dtype
         decays = decays or [[True] * len(b.params) for b in layout.blocks]
         self.params = [param_ranges(b, d) for b, d in zip(layout.blocks, decays, strict=True)]

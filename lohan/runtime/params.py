@@ -284,7 +284,7 @@ class ParamStreamer:
             padded = self._padded(buf, i)
             t0 = time.perf_counter()
             try:
-                for lo, hi in unit_bounds(numel, self.store.check_elems):
+                for lo, hi in unit_bounds(numel, self.store.chunk_elems):
                     self.store.check_unit(i, lo, "p16", tensor_hash(padded[start + lo:start + hi]), slot=slot)
             except BaseException:
                 buf.release()

@@ -58,7 +58,7 @@ class GradStash:
     """Keeps the gradients of one step: up to `ram_bytes` in RAM, the rest on a spill volume over `dirs`."""
 
     def __init__(self, dirs: Sequence[str], block_bytes: Sequence[int], pool: BufferPool, ram_bytes: int,
-                 name: str, backend: str = "auto", chunk_bytes: int = 1 << 20,
+                 name: str, backend: str = "auto", stripe_bytes: int = 1 << 20,
                  emulate_ssd_gbps: float | None = None) -> None:
         self.dirs = list(dirs)
         self.block_bytes = [align_up(b) for b in block_bytes]
@@ -66,7 +66,7 @@ class GradStash:
         self.pool = pool
         self.ram_bytes = ram_bytes
         self.name = f"{name}-grad"
-        self._volume_args = dict(backend=backend, chunk_bytes=chunk_bytes, emulate_ssd_gbps=emulate_ssd_gbps)
+        self._volume_args = dict(backend=backend, chunk_bytes=stripe_bytes, emulate_ssd_gbps=emulate_ssd_gbps)
         self._volume: Volume | None = None
         self._ram: dict[int, AlignedBuffer] = {}
         self._writes: dict[int, tuple[Handle, AlignedBuffer]] = {}

@@ -6,7 +6,7 @@ writes is hashed on the write path (xxHash XXH3-64, ~10 GB/s per core here, and 
 so the optimizer thread hashes while the device computes) and the hashes are committed with the step
 that wrote them (`<name>.commit.json`); every read is checked against the committed hashes.
 
-Units. A block's record is checked in *units* of `check_elems` elements (the optimizer's chunk size,
+Units. A block's record is checked in *units* of `chunk_elems` elements (the optimizer's chunk size,
 fixed when the store is created), so whatever reads or writes a unit can hash exactly it: per unit,
 `state` = hash of its P32, m and v elements (in that order) and `p16` = hash of its P16 elements.
 Padding bytes between sections are not covered (they carry nothing).
@@ -43,9 +43,9 @@ def tensor_hash(*tensors: torch.Tensor) -> int:
     return h.intdigest()
 
 
-def unit_bounds(numel: int, check_elems: int) -> list[tuple[int, int]]:
+def unit_bounds(numel: int, chunk_elems: int) -> list[tuple[int, int]]:
     """Element ranges [lo, hi) of a block's checksum units."""
-    return [(lo, min(lo + check_elems, numel)) for lo in range(0, numel, check_elems)]
+    return [(lo, min(lo + chunk_elems, numel)) for lo in range(0, numel, chunk_elems)]
 
 
 def json_checksum(data: dict[str, Any]) -> str:

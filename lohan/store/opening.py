@@ -86,9 +86,9 @@ def check_request(base_dirs: Sequence[str], name: str, *, resume: bool, overwrit
 
 def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, model_meta: dict,
                    init_block: Callable[[int], list[Tensor]], resume: bool, overwrite: bool,
-                   progress: Callable[[int, int], None] | None, check_elems: int) -> StateStore:
+                   progress: Callable[[int, int], None] | None, chunk_elems: int) -> StateStore:
     """Open the store in `dirs` (resume), continue its interrupted initialization (resume), or create it
-    (nothing there, or overwrite). Anything else is refused: a store is never discarded silently. `check_elems`:
+    (nothing there, or overwrite). Anything else is refused: a store is never discarded silently. `chunk_elems`:
     the optimizer's unit, in which the records' checksums are taken."""
     status = StateStore.status(dirs, cfg.name)
     if status.state != "none" and not resume and not overwrite:  # (check_request, for a caller that did not ask)
@@ -97,28 +97,28 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
         raise ValueError(f"the store in {dirs[0]} holds another model ({status.model}); cannot resume it with "
                          f"{model_meta}")
     if status.state == "complete" and resume:
-        store = StateStore.open(dirs, cfg.backend, cfg.chunk_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
+        store = StateStore.open(dirs, cfg.backend, cfg.stripe_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
         problem = None
         if store.layout != layout:
             problem = "was laid out for other settings (slots or compute_dtype differ)"
-        elif any(unit_bounds(b.numel, store.check_elems) != unit_bounds(b.numel, check_elems) for b in layout.blocks):
+        elif any(unit_bounds(b.numel, store.chunk_elems) != unit_bounds(b.numel, chunk_elems) for b in layout.blocks):
             per_elem = 12 + layout.blocks[0].p16_itemsize
             problem = (f"was created with other optimizer chunks (resume with --set "
-                       f"engine.opt_chunk_bytes={store.check_elems * per_elem})")
+                       f"engine.opt_chunk_bytes={store.chunk_elems * per_elem})")
         if problem:
             store.close()
             raise ValueError(f"the store in {dirs[0]} {problem}; resume with the settings it was created with")
         return store
     if status.state == "partial" and resume:
         return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
-                                 chunk_bytes=cfg.chunk_bytes, name=cfg.name, progress=progress,
-                                 emulate_ssd_gbps=cfg.emulate_ssd_gbps, check_elems=check_elems,
+                                 stripe_bytes=cfg.stripe_bytes, name=cfg.name, progress=progress,
+                                 emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems,
                                  checksums=cfg.checksums)
     if status.state != "none":  # overwrite, or the slab files of a creation that stopped before its first block
         remove_store(dirs, cfg.name)
     return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
-                             chunk_bytes=cfg.chunk_bytes, name=cfg.name, progress=progress,
-                             emulate_ssd_gbps=cfg.emulate_ssd_gbps, check_elems=check_elems, checksums=cfg.checksums)
+                             stripe_bytes=cfg.stripe_bytes, name=cfg.name, progress=progress,
+                             emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems, checksums=cfg.checksums)
 
 
 def remove_store(dirs: list[str], name: str) -> None:

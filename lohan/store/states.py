@@ -105,7 +105,7 @@ class Commit:
     bad_streak: int = 0          # consecutive steps skipped for non-finite loss or gradients
     loss_scale: float | None = None   # fp16: the dynamic loss scale and its growth tracker (GradScaler's state)
     growth_tracker: int = 0
-    prev: dict | None = None   # data parallel: the commit before this one, until the group has decided (parallel.py)
+    prev: dict | None = None   # data parallel: the commit before this one, until the group has decided (runtime/parallel.py)
 
     @property
     def applied(self) -> int:
@@ -146,7 +146,7 @@ class StateStore:
     """
 
     def __init__(self, volume: Volume, layout: StoreLayout, meta_dir: str, name: str, commit: Commit,
-                 check_elems: int, checksums: bool) -> None:
+                 chunk_elems: int, checksums: bool) -> None:
         self.volume = volume
         self.layout = layout
         self.name = name
@@ -156,16 +156,16 @@ class StateStore:
         self.commit_state = commit
         self._staged: Commit | None = None  # the durable commit while a newer one is staged
         self.p16_dtype = DTYPES[layout.p16_dtype]
-        self.check_elems = check_elems
+        self.chunk_elems = chunk_elems
         self.checksums = checksums
 
     # ------------------------------------------------------------------ build
     @classmethod
     def create(cls, dirs: Sequence[str], layout: StoreLayout, model_meta: dict,
                init_block: Callable[[int], list[torch.Tensor]], staging_budget: int,
-               backend: str = "auto", chunk_bytes: int = 1 << 20, name: str = "lohan",
+               backend: str = "auto", stripe_bytes: int = 1 << 20, name: str = "lohan",
                progress: Callable[[int, int], None] | None = None,
-               emulate_ssd_gbps: float | None = None, check_elems: int | None = None,
+               emulate_ssd_gbps: float | None = None, chunk_elems: int | None = None,
                checksums: bool = True) -> StateStore:
         """Create the volume and write every block's initial record into slot 0, one block at a time.
 
@@ -175,7 +175,7 @@ class StateStore:
         creation was interrupted (killed, disk full, Ctrl-C) continues from the first missing block
         when `create` is called again with the same layout and model.
         """
-        check = check_elems or align_up(max(b.numel for b in layout.blocks), 4096)
+        check = chunk_elems or align_up(max(b.numel for b in layout.blocks), 4096)
         meta_path = os.path.join(dirs[0], f"{name}.store.json")
         init_path = os.path.join(dirs[0], f"{name}.init.json")
         start, sums = 0, []
@@ -189,7 +189,7 @@ class StateStore:
                 done = read_json_checked(init_path, "initialization progress", _FIX_META)
                 if done.get("volume_id") == meta["volume_id"]:
                     start, sums = int(done["blocks_done"]), list(done["sums"])
-        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name,
+        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=stripe_bytes, backend=backend, name=name,
                              emulate_ssd_gbps=emulate_ssd_gbps)
         try:
             if os.path.exists(meta_path) and _read_meta(meta_path)["volume_id"] != volume.volume_id:
@@ -245,14 +245,14 @@ class StateStore:
                     p16: torch.Tensor) -> list[list[int]]:
         """Per-unit [state, p16] checksums of a whole block's sections (flat views of numel elements)."""
         return [[tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]), tensor_hash(p16[lo:hi])]
-                for lo, hi in unit_bounds(b.numel, self.check_elems)]
+                for lo, hi in unit_bounds(b.numel, self.chunk_elems)]
 
     def _initial_sums(self, b: BlockLayout, params: list[torch.Tensor]) -> list[list[int]]:
         """Checksums of a block's initial record computed from its parameters, unit by unit (one unit's
         copy in memory at a time: a big block is never assembled)."""
         flats = [p.detach().reshape(-1) for p in params]
         out = []
-        for lo, hi in unit_bounds(b.numel, self.check_elems):
+        for lo, hi in unit_bounds(b.numel, self.chunk_elems):
             p32 = torch.empty(hi - lo, dtype=torch.float32)
             for spec, flat in zip(b.params, flats):
                 a, z = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
@@ -310,7 +310,7 @@ class StateStore:
         return StoreStatus("partial", meta["model"], 0, done, n_blocks)
 
     @classmethod
-    def open(cls, dirs: Sequence[str], backend: str = "auto", chunk_bytes: int = 1 << 20,
+    def open(cls, dirs: Sequence[str], backend: str = "auto", stripe_bytes: int = 1 << 20,
              name: str = "lohan", emulate_ssd_gbps: float | None = None) -> StateStore:
         """Open an existing store at its last commit."""
         meta_path = os.path.join(dirs[0], f"{name}.store.json")
@@ -323,7 +323,7 @@ class StateStore:
             raise RuntimeError(f"{commit_path}: the store was being updated in place when its process stopped "
                                "(slots=1), so its states are mixed; restore a checkpoint or start over")
         layout = StoreLayout.from_json(meta["layout"])
-        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=chunk_bytes, backend=backend, name=name,
+        volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=stripe_bytes, backend=backend, name=name,
                              emulate_ssd_gbps=emulate_ssd_gbps)
         if volume.volume_id != meta["volume_id"]:
             volume.close()
@@ -435,13 +435,13 @@ class StateStore:
         but the commit says otherwise."""
         if self.sums is None:
             return
-        k = lo // self.check_elems
+        k = lo // self.chunk_elems
         want = self.sums[block][k][0 if what == "state" else 1]
         if got == want:
             return
         b = self.layout.blocks[block]
         slot = self.slot if slot is None else slot
-        hi = min(lo + self.check_elems, b.numel)
+        hi = min(lo + self.chunk_elems, b.numel)
         if what == "state":
             off, nbytes = self.layout.record_offset(block, slot) + 4 * lo, 3 * b.state_bytes
             sections = "P32/m/v"
@@ -464,7 +464,7 @@ class StateStore:
         problems = []
         for b in self.layout.blocks:
             rec = self.layout.record_offset(b.index, self.slot)
-            for lo, hi in unit_bounds(b.numel, self.check_elems):
+            for lo, hi in unit_bounds(b.numel, self.chunk_elems):
                 n = hi - lo
                 secs = [torch.empty(4 * n, dtype=torch.uint8) for _ in range(3)]
                 p16 = torch.empty(b.p16_itemsize * n, dtype=torch.uint8)
@@ -492,7 +492,7 @@ class StateStore:
         n, sb = b.numel, b.state_bytes
         p32 = buf[:4 * n].view(torch.float32)
         m, v = buf[sb:sb + 4 * n].view(torch.float32), buf[2 * sb:2 * sb + 4 * n].view(torch.float32)
-        for lo, hi in unit_bounds(n, self.check_elems):
+        for lo, hi in unit_bounds(n, self.chunk_elems):
             self.check_unit(block, lo, "state", tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]))
         return [t.to(dtype).clone() for t in block_views(p32, b)]
 
