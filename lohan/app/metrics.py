@@ -558,17 +558,6 @@ class RunSummary:
             min_eval_step=best_eval[1] if best_eval else None,
         )
 
-    @classmethod
-    def from_stats(cls, stats: StepStats, eval_loss: float | None = None, eval_s: float | None = None) -> StepMetrics:
-        """A step's record from what the engine measured (`Engine.last_stats`), with the evaluation after it."""
-        return cls.from_counters(
-            step=stats.step, loss=stats.loss, lr=stats.lr, tokens=stats.tokens, step_s=stats.step_s,
-            flops=stats.flops or 0.0, ssd_read_bytes=stats.ssd_read_bytes, ssd_write_bytes=stats.ssd_write_bytes,
-            cpu_mem_bytes=stats.cpu_mem_bytes, gpu_mem_bytes=stats.gpu_mem_bytes, lanes=stats.lanes,
-            overlap_pct=100 * stats.overlap_efficiency, grad_norm=stats.grad_norm, clip_coef=stats.clip_coef,
-            redone=stats.redone, skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
-            eval_s=eval_s, network_bytes=stats.network_bytes)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record (same rounding as :meth:`StepMetrics.to_dict`)."""
         return _json_safe(dataclasses.asdict(self))
