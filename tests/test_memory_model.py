@@ -245,12 +245,11 @@ def test_the_capacity_plan_stashes_fp16_gradients_at_four_bytes_a_parameter():
     assert plan.grad_stash == sum(align_up(4 * b.numel) for b in geometry(model(True), ecfg).store.blocks)
 
 
-@pytest.mark.slow  # as tests/test_memory.py's RSS test: a child's peak RSS under a concurrent load can exceed it
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss of one child via os.wait4 (Linux)")
 def test_peak_rss_of_an_fp16_run_with_clipping_stays_within_the_stated_bound(tmp_path: Path) -> None:
     """finetune.py in a child process, fp16 with clipping (fp32 gradients kept for the clipped update): its
     kernel-measured peak RSS is at most the `peak RSS at most X GiB` its header states, and the header's main
-    memory line counts the gradient stash."""
+    memory line counts the gradient stash. (Measured here: 0.54 GiB against a stated 0.85.)"""
     cmd = [sys.executable, "finetune.py", "--model", "tiny", "--layers", "2", "--data", "synthetic",
            "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--cpu-mem", "256MiB",
            "--compute-dtype", "fp16", "--max-grad-norm", "1.0",
