@@ -12,13 +12,12 @@ import dataclasses
 import itertools
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from test_memory import run_measuring_peak
 
 import lohan
 from io_engine.align import ALIGN, align_up
@@ -245,24 +244,17 @@ def test_the_capacity_plan_stashes_fp16_gradients_at_four_bytes_a_parameter():
     assert plan.grad_stash == sum(align_up(4 * b.numel) for b in geometry(model(True), ecfg).store.blocks)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss of one child via os.wait4 (Linux)")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM of the child (Linux /proc)")
 def test_peak_rss_of_an_fp16_run_with_clipping_stays_within_the_stated_bound(tmp_path: Path) -> None:
-    """finetune.py in a child process, fp16 with clipping (fp32 gradients kept for the clipped update): its
-    kernel-measured peak RSS is at most the `peak RSS at most X GiB` its header states, and the header's main
-    memory line counts the gradient stash. (Measured here: 0.54 GiB against a stated 0.85.)"""
-    cmd = [sys.executable, "finetune.py", "--model", "tiny", "--layers", "2", "--data", "synthetic",
-           "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--cpu-mem", "256MiB",
-           "--compute-dtype", "fp16", "--max-grad-norm", "1.0",
-           "--nvme", str(tmp_path / "nvme"), "--metrics", str(tmp_path / "metrics.jsonl")]
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen from waiting again
-    assert child.returncode == 0, out
+    """finetune.py in a child process, fp16 with clipping (fp32 gradients kept for the clipped update): its peak
+    RSS (test_memory.run_measuring_peak) is at most the `peak RSS at most X GiB` its header states, and the
+    header's main memory line counts the gradient stash. (Measured here: 0.54 GiB against a stated 0.85.)"""
+    out, peak = run_measuring_peak(["--model", "tiny", "--layers", "2", "--data", "synthetic", "--batch-size", "2",
+                                    "--seq-len", "32", "--steps", "2", "--cpu-mem", "256MiB", "--compute-dtype",
+                                    "fp16", "--max-grad-norm", "1.0", "--nvme", str(tmp_path / "nvme"),
+                                    "--metrics", str(tmp_path / "metrics.jsonl")])
     assert re.search(r"main memory: .*gradient stash [\d.]+ [KMG]iB", out), out
     stated = re.search(r"peak RSS at most ([\d.]+) GiB = cpu_mem ([\d.]+) \+ overhead ([\d.]+)", out)
     assert stated, f"the header states no RSS bound:\n{out}"
     bound = float(stated.group(1)) * GiB
-    peak = usage.ru_maxrss * 1024  # KiB on Linux
     assert peak <= bound, f"peak RSS {peak / GiB:.3f} GiB above the stated {bound / GiB:.3f} GiB:\n{out}"
