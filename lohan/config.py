@@ -246,7 +246,8 @@ def parse_bytes(value: int | str) -> int:
     raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
 
 
-SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "stripe_bytes", "opt_chunk_bytes", "resident_mem")
+SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "stripe_bytes", "opt_chunk_bytes", "resident_mem",
+               "readahead_mem")
 """EngineConfig fields that hold byte sizes (a user writes them with a unit: `8GiB`)."""
 
 
@@ -385,6 +386,17 @@ class EngineConfig:
     ``auto`` (within an 8 GiB ``cpu_mem``) and steps in 1.14 instead of 1.58 s with ``0``, at 2.93 instead of
     2.09 GiB peak RSS. A value other than ``auto`` and ``0`` needs ``resident_records``."""
 
+    readahead_mem: int | str = "auto"
+    """Main memory (part of ``cpu_mem``) for optimizer records read during backward ahead of an update that
+    waits for the global gradient norm (a clipped step's deferred update, and every update with ``slots=1``):
+    those READs then run under backward instead of after it, beside the CPU work and the device. Used in
+    ``optimized`` mode only (``serial`` reads nothing before backward ends, ``naive`` one block at a time).
+    ``auto``: what ``resident_mem: auto`` leaves of its half of the memory ``cpu_mem`` and the machine's
+    available memory leave after the other pools and the gradient stash (so with ``resident_mem: 0`` that
+    whole half), never more than reading every record ahead takes; ``0``: only the record pool's
+    ``max_inflight_blocks`` buffers read ahead. Resident records serve the same purpose and more (their
+    READs are never made), so ``auto`` gives them the memory first."""
+
     heap_reuse: bool = True
     """Have glibc's malloc serve every allocation from its heap and keep what is freed there for reuse
     (`runtime/heap.py`, `reuse_heap`), instead of mapping each tensor over 32 MiB afresh and unmapping it when it is
@@ -471,11 +483,13 @@ class EngineConfig:
                                                       and self.emulate_ssd_gbps > 0):
             problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
         for name in ("cpu_mem", "stripe_bytes", "opt_chunk_bytes") + (() if self.resident_mem in ("all", "auto")
-                                                                    else ("resident_mem",)):
+                                                                    else ("resident_mem",)) + (
+                () if self.readahead_mem == "auto" else ("readahead_mem",)):
             try:
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))
             except ValueError as e:
-                problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else ""))
+                problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else
+                                                  ", or 'auto'" if name == "readahead_mem" else ""))
         return problems
 
     def _execution_problems(self) -> list[str]:
@@ -493,6 +507,8 @@ class EngineConfig:
         for name in (f.name for f in dataclasses.fields(self) if f.type in ("bool", bool)):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        if _is_int(self.readahead_mem) and self.readahead_mem < 0:
+            problems.append(f"readahead_mem={self.readahead_mem} must be >= 0 (or 'auto')")
         if _is_int(self.resident_mem) and self.resident_mem < 0:
             problems.append(f"resident_mem={self.resident_mem} must be >= 0 (or 'auto', 'all')")
         elif self.resident_mem not in (0, "auto") and not self.resident_records:

@@ -27,11 +27,13 @@ from lohan.models.gpt import build_model
 from lohan.plan.planner import capacity, engine_pools, parse_hardware
 from lohan.plan.pools import (
     MemoryPlanError,
+    defers,
     grad_itemsize,
     model_geometry,
     plan_host_memory,
     plan_resident,
     ram_budget,
+    readahead_every,
 )
 from lohan.runtime.engine import pool_geometry
 from lohan.runtime.parallel import shard_bounds, shard_layout
@@ -90,7 +92,7 @@ def test_the_plan_over_the_grid(dtype, tied, world):
         assert (plan.upcast > 0) == (g == 2 or clip > 0), case  # bf16 gradients are upcast, clipped ones scaled
         # the stash: clipping or slots=1 keep the step's gradients beyond the grads pool, as far as cpu_mem allows
         assert plan.has_stash == ((clip > 0 or slots == 1) and mode != "serial"), case
-        others = plan.total - plan.grad_stash - plan.resident
+        others = plan.total - plan.grad_stash - plan.resident - plan.readahead
         if plan.has_stash:
             # taken before resident_mem auto, after a resident_mem size
             assert plan.grad_stash == plan.stash_ram == min(sum(shards), CPU_MEM - others - (
@@ -99,9 +101,19 @@ def test_the_plan_over_the_grid(dtype, tied, world):
             assert plan.stash_ram == sum(shards) and plan.grad_stash == 0, case
         # resident_mem: a size is capped at every record that can stay; auto takes half of what cpu_mem leaves
         if resident == "auto":
-            assert plan.resident == min(plan.resident_all, (CPU_MEM - plan.total + plan.resident) // 2), case
+            assert plan.resident == min(plan.resident_all, (CPU_MEM - plan.total + plan.resident + plan.readahead)
+                                        // 2), case
         else:
             assert plan.resident == min(resident, plan.resident_all), case
+        # the read-ahead room (a step that may defer its update, optimized mode): what resident_mem auto leaves of
+        # its half, never more than holding every record at once takes
+        if defers(ecfg):
+            every = readahead_every(geom.store, plan.chunk_elems, plan.records + plan.resident)
+            before = plan.total - plan.readahead - (plan.resident if resident == "auto" else 0)
+            share = (CPU_MEM - before) // 2 - (plan.resident if resident == "auto" else 0)
+            assert plan.readahead_all == every and plan.readahead == min(every, share), case
+        else:
+            assert plan.readahead == plan.readahead_all == 0, case
         # the record pool's budget holds its resident records beside max_inflight streaming buffers
         chosen = plan_resident(geom.store, plan.records + plan.resident, ecfg.max_inflight_blocks, plan.chunk_elems)
         assert tuple(chosen) == plan.resident_blocks and plan.total <= CPU_MEM, case
@@ -183,7 +195,7 @@ def test_the_engine_budgets_each_pool_at_the_plan_and_stays_within_it(make_dirs,
         pools = {"params": engine.params_pool, "grads": engine.grads_pool, "records": engine.records_pool}
         assert pools["params"].budget_bytes == plan.params
         assert pools["grads"].budget_bytes == plan.grads + plan.tied_grads + plan.grad_stash
-        assert pools["records"].budget_bytes == plan.records + plan.resident
+        assert pools["records"].budget_bytes == plan.records + plan.resident + plan.readahead
         assert tuple(engine.offloader.resident) == plan.resident_blocks
         if engine.stash is not None:
             assert engine.stash.ram_bytes == plan.stash_ram
@@ -220,7 +232,7 @@ def test_a_data_parallel_rank_budgets_its_pools_at_the_plan_of_its_shards(tmp_pa
     pools = memory["pools"]
     assert pools["params_pool"]["budget_bytes"] == plan.params
     assert pools["grads_pool"]["budget_bytes"] == plan.grads + plan.tied_grads + plan.grad_stash
-    assert pools["records_pool"]["budget_bytes"] == plan.records + plan.resident
+    assert pools["records_pool"]["budget_bytes"] == plan.records + plan.resident + plan.readahead
     assert all(0 < p["peak_allocated"] <= p["budget_bytes"] for p in pools.values()), pools
     assert memory["upcast"] <= plan.upcast
 

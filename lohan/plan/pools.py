@@ -13,6 +13,8 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
   records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into
   (``upcast_bytes``; the offloader allocates it itself, so the record pool's budget is the plan's ``records``);
 - resident: more room in the record pool, for records kept from step to step (``resident_mem``);
+- readahead: more room in the record pool, for records read during backward ahead of an update that waits for
+  the global norm (``readahead_mem``; optimized mode, when a step may defer its update: :func:`defers`);
 - grad_stash: the step's gradients kept for a clipped (deferred or redone) update, or until an in-place step is
   known to be finite (``keeps_all_grads``), as far as ``cpu_mem`` allows; the rest goes to the SSDs
   (``store.gradstash``). In serial mode the grads pool holds them already.
@@ -33,8 +35,8 @@ from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, la
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
-    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "optimizer_chunk_elems", "upcast_bytes",
-    "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "model_geometry",
+    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "defers", "optimizer_chunk_elems", "upcast_bytes",
+    "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
     "plan_host_memory", "pool_config", "chunk_record_bytes",
 ]
 
@@ -75,6 +77,13 @@ def keeps_all_grads(cfg: EngineConfig) -> bool:
     """Whether a step holds every block's gradient at once: serial mode updates after backward; clipping needs the
     global norm (a deferred or redone update); slots=1 writes nothing before the step is known to be finite."""
     return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
+
+
+def defers(cfg: EngineConfig) -> bool:
+    """Whether a step's update may wait for the global gradient norm with READs issued ahead during backward: in
+    optimized mode, with clipping (unless every step speculates) or in place (slots=1). The read-ahead room
+    (``readahead_mem``) is planned only then."""
+    return cfg.mode == "optimized" and (cfg.slots == 1 or (cfg.max_grad_norm > 0 and cfg.clip_mode != "speculate"))
 
 
 def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
@@ -168,6 +177,14 @@ def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int,
     return min(max(0, room) if cfg.resident_mem == "auto" else int(cfg.resident_mem), every)
 
 
+def readahead_every(layout: StoreLayout, chunk_elems: int, pool: int, align: int = ALIGN) -> int:
+    """Bytes a record pool of `pool` bytes lacks to hold every record at once: the most read-ahead room
+    (``readahead_mem``) can use, every READ of a deferred update then issued during backward."""
+    total = sum(record_bytes(min(chunk_elems, b.numel - lo), b.p16_itemsize, align)
+                for b in layout.blocks for lo in range(0, b.numel, chunk_elems))
+    return max(0, total - pool)
+
+
 @dataclass(frozen=True)
 class PoolGeometry:
     """What the pools are sized from: the records, the tied weights and, data parallel, the rank's shards.
@@ -215,8 +232,9 @@ def model_geometry(cfg: ModelConfig, compute_dtype: str = "bf16", slots: int = 2
 class HostMemoryPlan:
     """Bytes of each main-memory pool of the engine (module docstring); each is a hard budget.
 
-    `params`, `grads` (block buffers) + `tied_grads`, `records` + `resident` (the record pool's budget), `upcast`
-    and `grad_stash` add up to `total`, which is at most `budget` (cpu_mem) when :func:`plan_host_memory` checks.
+    `params`, `grads` (block buffers) + `tied_grads`, `records` + `resident` + `readahead` (the record pool's
+    budget), `upcast` and `grad_stash` add up to `total`, which is at most `budget` (cpu_mem) when
+    :func:`plan_host_memory` checks.
     """
 
     params: int
@@ -237,11 +255,15 @@ class HostMemoryPlan:
     """What `resident_mem` would add to keep every record that can stay (`resident_mem: all`)."""
     resident_blocks: tuple[int, ...] = ()
     """Blocks whose records the record pool keeps from step to step (:func:`plan_resident`)."""
+    readahead: int = 0
+    """Room in the record pool for READs issued during backward ahead of a deferred update (``readahead_mem``)."""
+    readahead_all: int = 0
+    """What reading every record ahead would take (:func:`readahead_every`), where a step may defer."""
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.tied_grads + self.records + self.upcast + self.resident
-                + self.grad_stash)
+                + self.readahead + self.grad_stash)
 
     def parts(self) -> dict[str, int]:
         """The pools as the engine budgets them, for messages and `Engine.memory_plan`: `grads` with the tied
@@ -250,6 +272,8 @@ class HostMemoryPlan:
                "resident": self.resident}
         if self.has_stash:
             out["grad_stash"] = self.grad_stash
+        if self.readahead:
+            out["readahead"] = self.readahead
         return out
 
     def describe(self) -> str:
@@ -258,6 +282,8 @@ class HostMemoryPlan:
                 ("upcast scratch", self.upcast), ("resident records", self.resident)]
         if self.has_stash:
             rows.append(("gradient stash", self.grad_stash))
+        if self.readahead:
+            rows.append(("read-ahead records", self.readahead))
         return ", ".join(f"{k} {size_text(v)}" for k, v in rows)
 
 
@@ -315,11 +341,18 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         plan = replace(plan, grad_stash=stash, has_stash=True, stash_ram=stash)
     elif cfg.mode == "serial":  # the grads pool holds every gradient: the stash keeps those very buffers
         plan = replace(plan, stash_ram=sum(shards))
+    # half of what cpu_mem (and the machine) leave goes to records: resident ones first (auto), read-ahead room
+    # with the rest of that half (auto); the other half stays for swapped activations and the process
+    share = max(0, (plan.budget if free is None else min(plan.budget, free)) - plan.total) // 2
     if cfg.resident_mem == "auto":
-        left = (plan.budget if free is None else min(plan.budget, free)) - plan.total
-        plan = replace(plan, resident=resident_extra(local, cfg, chunk, records, room=left // 2, align=a))
+        plan = replace(plan, resident=resident_extra(local, cfg, chunk, records, room=share, align=a))
+        share -= plan.resident
     if cfg.resident_records:
         plan = replace(plan, resident_blocks=tuple(plan_resident(local, records + plan.resident, inflight, chunk, a)))
+    if defers(cfg):
+        every = readahead_every(local, chunk, records + plan.resident, a)
+        want = share if cfg.readahead_mem == "auto" else int(cfg.readahead_mem)
+        plan = replace(plan, readahead=min(want, every), readahead_all=every)
     if check:
         _check(plan, cfg)
     return plan
@@ -335,5 +368,6 @@ def _check(plan: HostMemoryPlan, cfg: EngineConfig) -> None:
         f"cpu_mem={size_text(plan.budget)} is too small for this model: the engine needs "
         f"{size_text(total)} ({parts}). Raise cpu_mem to at least {size_text(total)}"
         + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
-        + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if plan.resident else ""))
+        + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if plan.resident else "")
+        + (" / readahead_mem" if plan.readahead else ""))
 

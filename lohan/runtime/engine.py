@@ -159,8 +159,8 @@ class Engine:
         self.params_pool = volume.buffer_pool(plan.params, pin=pin)
         self.grads_pool = volume.buffer_pool(plan.grads + plan.tied_grads + plan.grad_stash, pin=pin)
         # the optimizer's share of the plan also holds the fp32 upcast scratch (plan.upcast), which the offloader
-        # allocates itself: the record pool gets the records and the resident room
-        self.records_pool = volume.buffer_pool(plan.records + plan.resident)
+        # allocates itself: the record pool gets the records, the resident room and the read-ahead room
+        self.records_pool = volume.buffer_pool(plan.records + plan.resident + plan.readahead)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
                                       self.dp, self.bounds)
         self.streamer.before_read = self._await_tail
@@ -170,7 +170,9 @@ class Engine:
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
         self.stash = (GradStash(list(cfg.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
                                 cfg.stripe_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
-        resident = (plan_resident(layout, self.records_pool.budget_bytes, cfg.max_inflight_blocks,
+        # (on the pool without the read-ahead room: that room is for one backward, not from step to step; the
+        # store's chunk, which a resumed store keeps)
+        resident = (plan_resident(layout, plan.records + plan.resident, cfg.max_inflight_blocks,
                                   self.store.chunk_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
                                        self.stash, resident, thread_init=self.device.bind_thread)

@@ -190,7 +190,7 @@ class UpdatePass:
                 rb = self._read(k, unit, prefetch)
                 if not self._update(rb, grad):
                     return False
-                self._emit(rb)
+                self._emit(rb, reads_pending=self._reads_pending(k))
         finally:
             if grad is not None:
                 self._done_with(current, grad)
@@ -251,9 +251,15 @@ class UpdatePass:
         ago.adam_s += time.perf_counter() - t0
         return True
 
-    def _emit(self, rb: RecordBuffer) -> None:
+    def _reads_pending(self, k: int) -> bool:
+        """Whether a unit after unit k still waits for its READ: not issued yet (`reads` holds only units after
+        k), or in flight."""
+        return (len(self.units) - k - 1 > len(self.reads)
+                or any(rb.state is BufState.READING for rb in self.reads.values()))
+
+    def _emit(self, rb: RecordBuffer, reads_pending: bool = True) -> None:
         """The emit step: the new P16 to `provide`, the checksums of what will reach the SSDs, then the WRITE
-        (held back, with write-behind)."""
+        (with write-behind, held back while READs are still to come: they have the SSDs first)."""
         ago = self.ago
         i, lo, hi = rb.unit
         p32, m, v, p16 = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
@@ -264,13 +270,16 @@ class UpdatePass:
             self.sums.setdefault(i, []).append([tensor_hash(p32, m, v), tensor_hash(p16)])
             ago.hash_s += time.perf_counter() - t0
         self.in_hand = None
-        if self.lazy:
+        if self.lazy and reads_pending:
             ago.behind.hold(rb)
         else:
+            # (once every READ is done, the SSDs have nothing better to do: a write held now would only
+            # lengthen the tail the next step's backward waits on before its own reads)
             self._issue_write(rb)
         if lo == 0:
             ago.blocks_written += 1
-        self._reap(wait=ago.mode == "naive")
+        if not self.lazy or reads_pending:  # (a lazy pass's last writes are its tail: reaped, and any failure
+            self._reap(wait=ago.mode == "naive")  # met, in the next step, as when they were held to the end)
 
     def _cleanup(self) -> None:
         """Give back every buffer the pass still holds (a failure or an abort leaves some), each once its I/O is
@@ -378,6 +387,8 @@ class UpdatePass:
         ahead of the gradients; the last blocks of backward then wait on their reads after the device is
         done (a tied embedding's record is the largest and comes last). Reads go out in unit order and
         are consumed in that order, so the buffers they hold are always released."""
+        if len(self.units) - k <= len(self.reads):  # every READ from unit k on is issued (`reads` holds units >= k)
+            return
         self._reap(wait=False)
         pool = self.ago.pool
         for unit in self.units[k:]:
