@@ -350,3 +350,15 @@ def test_fp16_scale_survives_a_failed_step(make_dirs, monkeypatch):
             before.loss_scale, before.growth_tracker)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("slots", [2, 1])
+@pytest.mark.parametrize("mode", ["serial", "naive", "optimized"])
+@pytest.mark.parametrize("readahead", ["auto", 0])
+def test_every_step_clipped_is_bit_exact(make_dirs, slots, mode, readahead):
+    """Early fine-tuning clips most steps: every step clips here (a tiny max_grad_norm), in place or with two slots,
+    the next batch known (its forward runs beside each deferred pass), with the read-ahead room or without it."""
+    ecfg = config(make_dirs(2), slots=slots, mode=mode, max_grad_norm=1e-3, readahead_mem=readahead)
+    metrics = check(tiny_cfg(), ecfg, lookahead=True)
+    assert all(m["clip_coef"] < 1 and m["deferred"] and not m["redone"] for m in metrics), metrics
+    assert all(m["next_forward_overlapped"] for m in metrics[:-1])

@@ -53,6 +53,11 @@ def test_in_place_slots_always_defer():
     assert p.deferred and not p.speculated and p.gate.deferred
 
 
+def test_in_place_the_next_forward_follows_the_pass_but_nothing_is_written_behind():
+    p = plan(slots=1, write_behind=True)
+    assert p.follow and p.order == (0, 1, 2, 3) and not p.lazy  # no previous commit would stand meanwhile
+
+
 def test_a_speculated_step_keeps_the_next_batch_for_its_redo():
     p = plan(clip_mode="speculate")
     assert not p.follow and p.next_idx is not None  # a redone pass runs in forward order beside the next forward

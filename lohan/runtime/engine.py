@@ -385,9 +385,10 @@ class Engine:
             self.dp.decide(self._base_dirs, self.cfg.name, step)
 
     def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
-        """The next batch's ids on the device when its forward may run during this step's optimizer pass:
-        two slots (the pass writes the other one), and the same shape (no new activation profile)."""
-        if next_batch is None or self.cfg.slots < 2:
+        """The next batch's ids on the device when its forward may run during this step's optimizer pass: the
+        same shape (no new activation profile). In place (slots=1) too: that forward takes every block's new P16
+        from the pass, never from the slot being rewritten."""
+        if next_batch is None:
             return None
         nxt, _ = self._check_batch(next_batch)
         return self.device.put(nxt) if nxt.shape == idx.shape else None

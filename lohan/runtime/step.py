@@ -80,7 +80,9 @@ class StepPlan:
             step=commit.step, update=commit.applied + 1, hyper=AdamWHyper.from_config(cfg, lr_at(cfg, commit.step)),
             read_slot=read_slot, write_slot=write_slot, gate=gate, deferred=deferred,
             speculated=not deferred and cfg.max_grad_norm > 0, follow=follow,
-            lazy=follow and cfg.write_behind and one_process,
+            # (write-behind stages a commit whose last writes are still in flight: with two slots the previous
+            # commit stands meanwhile; in place there is none)
+            lazy=follow and cfg.write_behind and one_process and cfg.slots == 2,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
             next_idx=next_idx)
 
