@@ -326,11 +326,15 @@ class EngineConfig:
     only known at the end of backward: see `clip_mode`."""
 
     clip_mode: str = "auto"
-    """How updates overlap backward when clipping. ``speculate``: update each block with coefficient 1 as
-    its gradients arrive and redo the step's optimizer pass from the previous slot (kept gradients, exact
-    coefficient) when the step's norm says clipping applies. ``defer``: read ahead during backward but
-    update only once the norm is known. ``auto``: speculate when the previous step was not clipped, else
-    defer (so steady clipping costs no redo). With ``slots=1`` only ``defer`` is possible."""
+    """How updates overlap backward when clipping (every choice gives the same bits). ``speculate``: update each
+    block with coefficient 1 as its gradients arrive and redo the step's optimizer pass from the previous slot
+    (kept gradients, exact coefficient) when the step's norm says clipping applies: best when steps rarely clip,
+    a clipped step costs a second pass. ``defer``: read ahead during backward (up to ``readahead_mem``) and update
+    once the norm is known, in forward order with the next step's forward beside it: best when most steps clip
+    (early fine-tuning). ``auto``: choose per step (`runtime/clip_schedule.py`): speculate when the chance that
+    the step clips, estimated from the recent norms, times a redo's cost is below what deferring costs, both
+    measured as the run goes (the cost model's figures until then); data parallel ranks speculate after an
+    unclipped step and defer after a clipped one. With ``slots=1`` only ``defer`` is possible."""
 
     loss_scale: float = 65536.0
     """fp16 only: the initial dynamic loss scale (`torch.amp.GradScaler`'s ``init_scale``). The loss is

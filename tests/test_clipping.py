@@ -116,8 +116,9 @@ def test_clipping_is_bit_exact(make_dirs, mode, clip_mode):
         assert not any(redone)
     elif clip_mode == "speculate":
         assert redone == [c < 1 for c in coefs]  # exactly the clipped steps were redone
-    else:  # auto: defers after a clipped step, so only a clipped step after an unclipped one is redone
-        assert all(r == (c < 1 and i > 0 and coefs[i - 1] == 1) for i, (r, c) in enumerate(zip(redone, coefs)))
+    else:  # auto: each step speculates or defers by the running norm and the costs; only a clipped one is redone
+        assert all(c < 1 and not m["deferred"] for r, c, m in zip(redone, coefs, metrics) if r)
+        assert metrics[0]["deferred"]  # nothing is known of the norm before the first step
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -131,13 +132,12 @@ def test_next_forward_beside_the_deferred_or_redone_pass_is_bit_exact(make_dirs,
     """Told the next batch, a step whose optimizer pass runs after backward (deferred, or a redo) runs it in
     forward order with the next forward beside it, on each block's new parameters: the same bits."""
     metrics = check(tiny_cfg(), config(make_dirs(2), clip_mode=clip_mode), lookahead=True)
-    coefs = [m["clip_coef"] for m in metrics]
-    deferred = [clip_mode == "defer" or (clip_mode == "auto" and (i == 0 or coefs[i - 1] < 1))
-                for i in range(len(metrics))]
+    deferred = [m["deferred"] for m in metrics]
+    assert all(deferred) if clip_mode == "defer" else not any(deferred) if clip_mode == "speculate" else deferred[0]
     tails = [d or m["redone"] for d, m in zip(deferred, metrics)]  # a pass after backward
     follows = [m["next_forward_overlapped"] for m in metrics]
     assert follows[:-1] == tails[:-1] and not follows[-1], (follows, tails)  # the last step has no next batch
-    assert any(tails[:-1]) and (clip_mode == "defer" or not all(tails)), tails
+    assert any(tails[:-1]) and (clip_mode != "speculate" or not all(tails)), tails
 
 
 @pytest.mark.parametrize("tied", [True, False])

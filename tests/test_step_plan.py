@@ -13,11 +13,11 @@ from lohan.store.states import Commit
 N = 4
 
 
-def plan(last_coef=None, next_idx=True, one_process=True, **over):
+def plan(speculate=False, next_idx=True, one_process=True, **over):
     cfg = EngineConfig(nvme=["/nonexistent"], cpu_mem="1GiB", **over)
     commit = Commit(step=5, slot=0, updates=4)
     nxt = torch.zeros(1, 8, dtype=torch.long) if next_idx else None
-    return StepPlan.make(cfg, commit, 0, 1, N, last_coef, nxt, one_process)
+    return StepPlan.make(cfg, commit, 0, 1, N, speculate, nxt, one_process)
 
 
 def test_counts_and_slots_come_from_the_commit():
@@ -32,24 +32,24 @@ def test_clipping_off_updates_at_once_in_backward_order():
     assert not p.gate.deferred and p.order == (3, 2, 1, 0)
 
 
-@pytest.mark.parametrize("mode,last,deferred", [("defer", 1.0, True), ("speculate", 0.5, False),
-                                                ("auto", None, True), ("auto", 0.5, True), ("auto", 1.0, False)])
-def test_clip_mode_decides_deferral(mode, last, deferred):
-    p = plan(last_coef=last, clip_mode=mode, max_grad_norm=1.0)
+@pytest.mark.parametrize("speculate", [True, False])
+def test_the_schedule_decides_deferral(speculate):
+    p = plan(speculate=speculate, max_grad_norm=1.0)
+    deferred = not speculate
     assert p.deferred is deferred and p.speculated is (not deferred)
     assert p.follow is deferred and p.order == ((0, 1, 2, 3) if deferred else (3, 2, 1, 0))
 
 
 def test_a_deferred_pass_follows_only_with_the_next_batch_and_is_lazy_only_in_one_process():
-    assert not plan(next_idx=False, clip_mode="defer").follow
-    assert plan(clip_mode="defer").lazy
-    assert not plan(clip_mode="defer", write_behind=False).lazy
-    assert not plan(clip_mode="defer", one_process=False).lazy
-    assert plan(clip_mode="defer", one_process=False).follow
+    assert not plan(next_idx=False).follow
+    assert plan().lazy
+    assert not plan(write_behind=False).lazy
+    assert not plan(one_process=False).lazy
+    assert plan(one_process=False).follow
 
 
 def test_in_place_slots_always_defer():
-    p = plan(slots=1, max_grad_norm=0.0, last_coef=1.0)
+    p = plan(slots=1, max_grad_norm=0.0, speculate=True)
     assert p.deferred and not p.speculated and p.gate.deferred
 
 
@@ -59,5 +59,5 @@ def test_in_place_the_next_forward_follows_the_pass_but_nothing_is_written_behin
 
 
 def test_a_speculated_step_keeps_the_next_batch_for_its_redo():
-    p = plan(clip_mode="speculate")
+    p = plan(speculate=True)
     assert not p.follow and p.next_idx is not None  # a redone pass runs in forward order beside the next forward

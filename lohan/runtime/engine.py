@@ -48,6 +48,7 @@ from lohan.plan.pools import (
     plan_resident,
 )
 from lohan.runtime.activations import ActivationManager
+from lohan.runtime.clip_schedule import ClipSchedule
 from lohan.runtime.device import Device
 from lohan.runtime.heap import release_free_memory, reuse_heap
 from lohan.runtime.offload import GradOffloader
@@ -143,7 +144,7 @@ class Engine:
             raise
         self.last_stats: StepStats | None = None  # what the last step measured
         self._broken: str | None = None
-        self._last_coef: float | None = None  # the previous step's clip coefficient (clip_mode=auto guesses by it)
+        self.clip_schedule = ClipSchedule(self.cfg, by_cost=self.dp is None)  # speculate or defer (clip_mode)
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
@@ -263,6 +264,7 @@ class Engine:
             loss = self._train(run)
             self._conclude(run, loss)
             self.last_stats = measure(self, run, loss, overlapped=self._next.held)
+            self.clip_schedule.observe(self.last_stats)
         except BaseException:
             self._abort(run)
             raise
@@ -286,7 +288,9 @@ class Engine:
         scaler = None
         if self.cfg.compute_dtype == "fp16":
             scaler = LossScale(self.cfg, commit, self.device.put if self.dp is None else (lambda t: t))
-        plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(), n, self._last_coef,
+        estimate = self.activations.plan.estimate if self.activations.plan is not None else None
+        speculate = self.clip_schedule.speculate(estimate)
+        plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(), n, speculate,
                              self._overlappable(idx, next_batch), one_process=self.dp is None)
         run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
         store.begin_step()
@@ -315,8 +319,6 @@ class Engine:
         if plan.follow:
             self.streamer.expect(list(range(n)), lambda: self.offloader.failure)
         run.settlement = settle(self.cfg, self.device, loss, norms, self._norm_order, plan, run.scaler)
-        if run.settlement.coef is not None:
-            self._last_coef = run.settlement.coef
         self._finish_updates(run)
         run.tail_s = max(0.0, time.perf_counter() - t_tail - run.next_fwd_s)
         if not self._next.held:

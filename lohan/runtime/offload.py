@@ -14,14 +14,18 @@ Modes:
 `GradOffloader` lives as long as the engine and owns one worker thread; each step's `begin_step` makes an
 `UpdatePass` (the step's hyper-parameters, slots, gate, gradients, checksums and buffers in flight) that the
 worker runs unit by unit as a READ step, an update step and an emit step. The fused AdamW kernel and the I/O
-release the GIL. Memory is bounded by the record pool (`max_inflight_blocks` records): a READ waits for a
-buffer when the pipeline is full, which also bounds the writes in flight. Each buffer's life (READING, READY,
+release the GIL. Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and
+read-ahead rooms of `lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds
+the writes in flight. In optimized mode the READs run ahead of the gradients while the pool has room; a deferred
+pass (its update waits for the global norm) so reads during backward as many records as the read-ahead room
+(`readahead_mem`) holds, and only the rest after it. Each buffer's life (READING, READY,
 UPDATING, HELD, WRITING, back to FREE or RESIDENT) is a checked state machine, `record_buffers.py`; the optimizer gets
 flat P32, m, v, P16 views cut from a buffer and never sees the record format.
 
 Write-behind (`begin_step(lazy=True)`, a deferred pass the next forward follows; `record_buffers.WriteBehind`): once
 the gate is open, an updated record's WRITE is held back (HELD) until its buffer is needed for a READ, so the
-READs the next forward waits for have the SSDs first, and the writes still in flight when the pass ends form the
+READs the next forward waits for have the SSDs first; once no READ is left to come (the read-ahead room held them
+all) the WRITEs go out at once, and the writes still in flight when the pass ends (or not yet reaped) form the
 *tail*: they complete while the next step's backward runs, their buffers stay WRITING until the next pass (or
 `drain_tail`) retires them, and the next pass starts only after them (its `before` hook then makes the step's
 staged commit durable). `tail_done` tells readers of that slot when its bytes are all written.

@@ -72,8 +72,8 @@ class StepPlan:
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
-             last_coef: float | None, next_idx: Tensor | None, one_process: bool) -> StepPlan:
-        gate = clip_gate(cfg, last_coef)
+             speculate: bool, next_idx: Tensor | None, one_process: bool) -> StepPlan:
+        gate = clip_gate(cfg, speculate)
         deferred = gate.deferred
         follow = deferred and next_idx is not None
         return StepPlan(
@@ -87,15 +87,14 @@ class StepPlan:
             next_idx=next_idx)
 
 
-def clip_gate(cfg: EngineConfig, last_coef: float | None) -> ClipGate:
+def clip_gate(cfg: EngineConfig, speculate: bool) -> ClipGate:
     """The step's coefficient gate: open at 1 (no clipping, or a speculated update), or deferred until the norm
-    is known. In place (slots=1) nothing may be written before the step is known good. `clip_mode: auto`
-    speculates after a step that did not clip (`last_coef` 1)."""
+    is known. In place (slots=1) nothing may be written before the step is known good. With clipping on,
+    `speculate` is the schedule's choice (`clip_schedule.ClipSchedule`: `clip_mode`, and for `auto` the running
+    norm and what each way costs)."""
     if cfg.slots == 1:
         return ClipGate(None)
-    if cfg.max_grad_norm <= 0:
-        return ClipGate(1.0)
-    if cfg.clip_mode == "speculate" or (cfg.clip_mode == "auto" and last_coef == 1.0):
+    if cfg.max_grad_norm <= 0 or speculate:
         return ClipGate(1.0)
     return ClipGate(None)
 

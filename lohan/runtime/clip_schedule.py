@@ -1,0 +1,113 @@
+"""`clip_mode: auto`, step by step: speculate or defer, from the running gradient norm and what each costs.
+
+With exact global-norm clipping the coefficient is known only at the end of backward. A step either
+*speculates* (updates each block at coefficient 1 during backward, and redoes the whole optimizer pass from the
+previous slot if the step clips after all) or *defers* (reads ahead during backward and updates once the norm is
+known, in forward order with the next step's forward beside it). Both give the same bits; they differ in time:
+
+- a deferred step costs ``defer`` seconds more than a speculated step that was right, clipped or not;
+- a speculated step that clips costs ``redo`` seconds more (the optimizer pass runs twice, its I/O included).
+
+So speculating pays when ``p_clip * redo < defer`` (`lohan.plan.clipping.should_speculate`), with ``p_clip`` the
+probability that this step clips, estimated from the recent norms (`lohan.plan.clipping.clip_probability`).
+Steady clipping (early fine-tuning) then defers every step and never redoes; norms well below the limit speculate;
+and where deferring costs nothing or less than a right speculation (``defer <= 0``: a CPU device that shares its
+cores with the optimizer, where the update beside the next forward hides better than under backward) the schedule
+defers whatever the norm.
+
+The costs are measured: the step time of each kind, in steady state only (a step of the same kind as the one
+before: a deferred step that follows another runs no forward of its own but the next one's, a speculated step
+that follows another runs its own; mixed neighbours would count one forward twice or not at all), as moving
+averages. Until both kinds are measured the cost model prices them (`planner.Estimate`: ``t_iter``,
+``t_deferred``, ``t_redo``), scaled by what the measured kind says of the model's accuracy; without either, the
+rule of old: speculate after a step that did not clip. Data parallel ranks keep to that rule (their choices must
+agree, and their step times do not).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from lohan.config import EngineConfig
+from lohan.plan.clipping import clip_probability, should_speculate
+
+if TYPE_CHECKING:
+    from lohan.plan.planner import Estimate
+    from lohan.runtime.step import StepStats
+
+HISTORY = 16
+"""Recent gradient norms the clip probability is estimated from."""
+
+SMOOTHING = 0.3
+"""Weight of the newest step time in a kind's moving average."""
+
+KINDS = ("speculated", "deferred", "redone")
+
+
+class ClipSchedule:
+    """The speculate-or-defer choice of `clip_mode` (module docstring), fed each step's `StepStats`."""
+
+    def __init__(self, cfg: EngineConfig, by_cost: bool = True) -> None:
+        self.cfg = cfg
+        # data parallel: every rank must choose alike (a deferred pass gathers the next forward's blocks from
+        # the other ranks), and their step times differ; the coefficient, a global figure, is the same on all
+        self.by_cost = by_cost
+        self.norms: deque[float] = deque(maxlen=HISTORY)
+        self.last_coef: float | None = None
+        self.step_s: dict[str, float | None] = dict.fromkeys(KINDS)  # steady-state moving averages
+        self._prev: str | None = None
+        self.last_choice: dict[str, float | str | None] = {}  # why the last step was scheduled as it was
+
+    def speculate(self, estimate: Estimate | None = None) -> bool:
+        """Whether the next step speculates (clipping on, two slots: `step.clip_gate` decides the rest)."""
+        mode = self.cfg.clip_mode
+        if mode != "auto":
+            return mode == "speculate"
+        if not self.norms:  # the first step: nothing known of the norm
+            self.last_choice = {"rule": "first step"}
+            return False
+        costs = self.costs(estimate) if self.by_cost else None
+        if costs is None:
+            self.last_choice = {"rule": "last step", "last_coef": self.last_coef}
+            return self.last_coef == 1.0
+        defer, redo = costs
+        p = clip_probability(list(self.norms), self.cfg.max_grad_norm)
+        choice = should_speculate(p, defer, redo)
+        self.last_choice = {"rule": "cost", "p_clip": p, "defer_s": defer, "redo_s": redo}
+        return choice
+
+    def costs(self, estimate: Estimate | None) -> tuple[float, float] | None:
+        """(defer, redo): seconds a deferred step, and a redone one, take beyond a right speculation; measured
+        where known, else the cost model's, scaled by the measured kind's ratio to the model (None: neither)."""
+        modeled = None
+        if estimate is not None and getattr(estimate, "t_deferred", 0) and getattr(estimate, "t_redo", 0):
+            modeled = {"speculated": estimate.t_iter, "deferred": estimate.t_deferred, "redone": estimate.t_redo}
+        have = {k: v for k, v in self.step_s.items() if v is not None}
+        if modeled is None and not all(k in have for k in KINDS):
+            return None
+        if modeled is not None:
+            ratios = [have[k] / modeled[k] for k in have if modeled[k] > 0]
+            scale = sum(ratios) / len(ratios) if ratios else 1.0
+            t = {k: have.get(k, modeled[k] * scale) for k in KINDS}
+        else:
+            t = have
+        return t["deferred"] - t["speculated"], max(0.0, t["redone"] - t["speculated"])
+
+    def observe(self, stats: StepStats) -> None:
+        """A committed step's outcome: its norm, its coefficient and, in steady state, its time."""
+        if stats.skipped:
+            self._prev = None
+            return
+        if stats.grad_norm is not None and math.isfinite(stats.grad_norm):
+            self.norms.append(stats.grad_norm)
+        if stats.clip_coef is not None:
+            self.last_coef = stats.clip_coef
+        kind = "redone" if stats.redone else "deferred" if stats.deferred else "speculated"
+        steady = self._prev == ("speculated" if kind == "redone" else kind)
+        if steady:
+            old = self.step_s[kind]
+            self.step_s[kind] = stats.step_s if old is None else (1 - SMOOTHING) * old + SMOOTHING * stats.step_s
+        # a redone step ran its pass after backward with the next forward beside it, as a deferred one does
+        self._prev = "deferred" if kind == "redone" and stats.next_forward_overlapped else kind

@@ -1,0 +1,101 @@
+"""`ClipSchedule`: `clip_mode: auto` speculates or defers each step from the running norm and what each way costs
+(measured in steady state, else the cost model's figures, else the rule of old: speculate after an unclipped
+step)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lohan.config import EngineConfig
+from lohan.runtime.clip_schedule import ClipSchedule
+
+
+def cfg(**kw) -> EngineConfig:
+    return EngineConfig(nvme=["/nonexistent"], cpu_mem="1GiB", max_grad_norm=1.0, **kw)
+
+
+def stats(norm: float, step_s: float = 1.0, deferred: bool = False, redone: bool = False, skipped: bool = False,
+          overlapped: bool = True) -> SimpleNamespace:
+    coef = min(1.0, 1.0 / (norm + 1e-6))
+    return SimpleNamespace(grad_norm=norm, clip_coef=None if skipped else coef, deferred=deferred, redone=redone,
+                           skipped=skipped, step_s=step_s, next_forward_overlapped=overlapped)
+
+
+def estimate(t_iter=4.0, t_deferred=5.0, t_redo=7.0) -> SimpleNamespace:
+    return SimpleNamespace(t_iter=t_iter, t_deferred=t_deferred, t_redo=t_redo)
+
+
+@pytest.mark.parametrize("mode,expected", [("speculate", True), ("defer", False)])
+def test_a_fixed_clip_mode_is_obeyed(mode, expected):
+    s = ClipSchedule(cfg(clip_mode=mode))
+    assert s.speculate(estimate()) is expected
+    s.observe(stats(0.1))
+    assert s.speculate(estimate()) is expected
+
+
+def test_the_first_step_defers_then_steady_clipping_keeps_deferring():
+    s = ClipSchedule(cfg())
+    assert s.speculate(estimate()) is False
+    for _ in range(5):
+        s.observe(stats(3.0, deferred=True))
+        assert s.speculate(estimate()) is False
+    assert s.last_choice["rule"] == "cost" and s.last_choice["p_clip"] > 0.9
+
+
+def test_norms_far_below_the_limit_speculate():
+    s = ClipSchedule(cfg())
+    for _ in range(5):
+        s.observe(stats(0.05))
+    assert s.speculate(estimate()) is True
+
+
+def test_without_costs_the_rule_of_old_speculates_after_an_unclipped_step():
+    s = ClipSchedule(cfg())
+    s.observe(stats(0.5))
+    assert s.speculate(None) is True
+    s.observe(stats(2.0))
+    assert s.speculate(None) is False
+    assert s.last_choice["rule"] == "last step"
+
+
+def test_data_parallel_keeps_to_the_rule_of_old_whatever_the_costs():
+    s = ClipSchedule(cfg(), by_cost=False)
+    s.observe(stats(0.05))
+    assert s.speculate(estimate(t_deferred=1.0)) is True  # (by cost it would defer: deferring is cheaper)
+    s.observe(stats(5.0))
+    assert s.speculate(estimate(t_deferred=1.0)) is False
+
+
+def test_measured_steady_costs_replace_the_model_and_a_cheaper_deferral_wins_even_far_below_the_limit():
+    s = ClipSchedule(cfg())
+    for _ in range(3):  # speculated steps after speculated ones: steady, 5 s each
+        s.observe(stats(0.05, step_s=5.0))
+    for _ in range(3):  # deferred after deferred: 4 s (the next forward hidden beside the update)
+        s.observe(stats(0.05, step_s=4.0, deferred=True))
+    assert s.step_s["speculated"] == pytest.approx(5.0) and s.step_s["deferred"] == pytest.approx(4.0)
+    defer, redo = s.costs(estimate())
+    assert defer == pytest.approx(-1.0)
+    assert s.speculate(estimate()) is False  # deferring costs less than a right speculation
+
+
+def test_only_steady_steps_are_timed():
+    s = ClipSchedule(cfg())
+    s.observe(stats(0.05, step_s=9.0, deferred=True))  # the first: nothing before it
+    s.observe(stats(0.05, step_s=3.0))  # after a deferred one: its forward ran in that step
+    assert s.step_s == {"speculated": None, "deferred": None, "redone": None}
+    s.observe(stats(0.05, step_s=5.0))
+    s.observe(stats(2.0, step_s=8.0, redone=True))  # a redo after a speculated step: its own forward, timed
+    assert s.step_s["speculated"] == 5.0 and s.step_s["redone"] == 8.0
+    s.observe(stats(0.05, step_s=1.0, skipped=True))  # a skipped step breaks the run
+    s.observe(stats(0.05, step_s=7.0))
+    assert s.step_s["speculated"] == 5.0
+
+
+def test_the_model_is_scaled_by_what_the_measured_kind_says_of_it():
+    s = ClipSchedule(cfg())
+    for _ in range(3):
+        s.observe(stats(0.9, step_s=8.0))  # measured 2x the model's t_iter
+    defer, redo = s.costs(estimate(t_iter=4.0, t_deferred=5.0, t_redo=7.0))
+    assert defer == pytest.approx(2.0) and redo == pytest.approx(6.0)
