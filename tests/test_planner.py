@@ -691,3 +691,40 @@ def test_capacity_prices_the_resident_records_the_engine_keeps() -> None:
     add, kept = resident_records(cfg, "bf16", 3, engine_pools(cfg)["optimizer"], 0)
     assert add == 0 and kept == cfg.embed_param_count()
 
+
+def test_capacity_prices_the_read_ahead_room_of_a_deferred_update() -> None:
+    """A run that may defer its update (clipping, or slots=1) gets the read-ahead room (`readahead_mem`, auto by
+    default): main memory in `cpu_parts`, and the records it holds read during backward in the estimate. None
+    without clipping (two slots), or with clip_mode speculate, or readahead_mem 0."""
+    cfg, hw = get_model_config("tiny", n_layer=12), parse_hardware("rtx4090,1xP5510,64GB")
+    n, per = cfg.param_count(), 12 + 2
+    roomy = capacity(cfg, hw, 4, 256, keep_grads=True, cpu_mem=8 * 2**30)
+    room = roomy.cpu_parts["readahead"]
+    assert room > 0 and roomy.plan.estimate.read_ahead_bytes == 12 * min(room // per, n - cfg.embed_param_count())
+    assert 0 < roomy.plan.estimate.t_deferred
+    tight = capacity(cfg, hw, 4, 256, keep_grads=True, cpu_mem=8 * 2**30, readahead_mem=room // 2)
+    assert tight.cpu_parts["readahead"] == room // 2
+    assert tight.plan.estimate.read_ahead_bytes == 12 * (room // 2 // per)
+    assert tight.plan.estimate.t_deferred >= roomy.plan.estimate.t_deferred
+    for kw in (dict(), dict(keep_grads=True, clip_mode="speculate"), dict(keep_grads=True, readahead_mem=0)):
+        cap = capacity(cfg, hw, 4, 256, cpu_mem=8 * 2**30, **kw)
+        assert "readahead" not in cap.cpu_parts and cap.plan.estimate.read_ahead_bytes == 0, kw
+    # slots=1 always defers, and its next forward runs after the update (follow off): more than with two slots
+    one = capacity(cfg, hw, 4, 256, slots=1, cpu_mem=8 * 2**30)
+    assert one.cpu_parts["readahead"] > 0
+    assert one.plan.estimate.t_deferred > capacity(cfg, hw, 4, 256, keep_grads=True, cpu_mem=8 * 2**30,
+                                                   slots=2).plan.estimate.t_deferred
+
+
+def test_the_dry_run_report_says_what_clipping_costs() -> None:
+    """fit_report: the clipping lines when the run clips; slots=1 predicts the deferred step (every update waits)."""
+    from lohan.app.fit import described_hardware, fit_report
+    cfg, machine = get_model_config("tiny", n_layer=12), described_hardware("rtx4090,1xP5510,64GB")
+    clipped = fit_report(cfg, machine, 4, 256, keep_grads=True, cpu_mem=8 * 2**30)
+    assert "clipping: a step whose update waits for the global norm" in clipped.format()
+    assert clipped.step_s == clipped.capacity.plan.estimate.t_iter and not clipped.waits
+    plain = fit_report(cfg, machine, 4, 256, cpu_mem=8 * 2**30)
+    assert "clipping:" not in plain.format() and "optimizer after backward (serial mode)" in plain.format()
+    one = fit_report(cfg, machine, 4, 256, slots=1, keep_grads=True, clips=False, cpu_mem=8 * 2**30)
+    assert one.waits and one.step_s == one.capacity.plan.estimate.t_deferred and "clipping:" not in one.format()
+    assert "every update waits for the global norm" in one.format()

@@ -1018,19 +1018,22 @@ def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, po
 
 def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batches: int, prefetch_depth: int,
                  max_inflight: int, slots: int, keep_grads: bool, resident_mem: int | str,
-                 cpu_mem: int | None) -> pools.HostMemoryPlan:
+                 cpu_mem: int | None, readahead_mem: int | str = "auto",
+                 clip_mode: str = "auto") -> pools.HostMemoryPlan:
     """The engine's host memory plan for the model on this machine (unchecked: :func:`_judge` judges it), with
     cpu_mem the run's budget within what the machine's RAM gives (:func:`_ram_budget`)."""
     budget = _ram_budget(hw)
     limit = min(cpu_mem, budget) if cpu_mem and budget else (cpu_mem or budget)
     ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, slots=slots,
-                             clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit)
+                             clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit, readahead_mem=readahead_mem,
+                             clip_mode=clip_mode)
     return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots), ecfg, free=budget, check=False)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
-             keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None) -> Capacity:
+             keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
+             readahead_mem: int | str = "auto", clip_mode: str = "auto") -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -1041,16 +1044,22 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     RAM budget leaves after them. ``resident_mem`` (the engine's setting: bytes, ``all`` or ``auto``, then
     bounded by ``cpu_mem`` as the engine bounds it) keeps optimizer records in memory across steps: they are
     written each step but not read (``Profile.resident_params``). 0 (the default, and the paper's method) keeps
-    only what the record pool holds beside its streaming buffers."""
+    only what the record pool holds beside its streaming buffers. ``readahead_mem`` (bytes or ``auto``, the
+    engine's setting) is the room for records read during backward ahead of an update that waits for the norm,
+    planned when a step may (``pools.defers``: clipping under ``clip_mode`` auto or defer, or ``slots=1``); the
+    records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
-                        resident_mem, cpu_mem)
+                        resident_mem, cpu_mem, readahead_mem, clip_mode)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
     layout = pools.model_geometry(cfg, compute_dtype, slots).store
-    resident_params = sum(layout.blocks[i].numel for i in host.resident_blocks)
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
-    plan = algorithm1(dataclasses.replace(profile, resident_params=min(resident_params, profile.param_count)))
+    resident = min(sum(layout.blocks[i].numel for i in host.resident_blocks), profile.param_count)
+    # the room holds whole records (P32, m, v, P16) of parameters not resident
+    ahead = min(host.readahead // (12 + profile.p16_itemsize), profile.param_count - resident)
+    plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
+                                          follow=slots == 2))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
