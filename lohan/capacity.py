@@ -26,7 +26,7 @@ def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, co
     hw = parse_hardware(hardware)
     kw = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth)
     ours = capacity(cfg, hw, batch, seq, **kw)
-    lines = [ours.format(), "", ours.plan.format_table(), ""]
+    lines = [ours.format(), "", ours.plan.format_table(clip=False), ""]  # priced without clipping (no stash)
     best = max_batch(cfg, hw, seq, **kw)
     lines.append(f"largest batch for {model} at seq {seq}: {best}" if best else
                  f"{model} does not fit at any batch size at seq {seq}")

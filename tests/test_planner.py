@@ -18,6 +18,7 @@ from lohan.plan.planner import (
     OPT_CHUNK_BYTES,
     POLICIES,
     CpuSpec,
+    Estimate,
     Hardware,
     OpProfile,
     Plan,
@@ -106,6 +107,105 @@ def test_cpu_lane_can_bind_backward_and_unknown_rate_is_not_priced() -> None:
     unknown = estimate(make_profile([("x", 1.0, 1)], **kw), [])
     assert unknown.lanes_b["cpu"] == 0.0 and unknown.bottleneck_b == "gpu"
     assert "bottleneck (b)" in slow.format_lanes() and "CPU AdamW" in slow.format_lanes()
+
+
+def clip_profile(follow: bool = True) -> Profile:
+    """test_estimate_matches_the_equations' profile with 2 resident params and 4 read ahead of P = 10."""
+    p = make_profile([("x", 100.0, 7), ("y", 50.0, 3)], n_blocks=5, input_bytes=2, param_count=10,
+                     flop_f=1000.0, thp_g=10.0, bw_g=2.0, bw_s2m=4.0, bw_m2s=8.0, mem_avail=20, cpu_adam=0.1)
+    return dataclasses.replace(p, resident_params=2, readahead_params=4, follow=follow)
+
+
+def test_clipped_steps_match_the_equations() -> None:
+    """t_deferred and t_redo, the module docstring's equations, on a hand-made profile (swap x: A_G2M 36, alpha 16).
+    Backward without the optimizer (B0): gpu 225, g2m 10, m2g 28, ssd (P16 20 + alpha 16) / 4 = 9, so 216 s of
+    SSD idle; writes W = 140 / 8 = 17.5; the non-resident reads 12 * 8 / 4 = 24, of which 12 * 4 / 4 = 12 ahead."""
+    def phase(lanes: dict[str, float]) -> float:
+        return max(lanes.values()) + (sum(lanes.values()) - max(lanes.values())) / 5
+
+    e = estimate(clip_profile(), ["x"])
+    assert e.t_f == pytest.approx(107.0) and e.read_ahead_bytes == 48
+    # follow: the read-ahead (12) and all the writes (17.5) fit the idle SSD time of backward; the update phase has
+    # the next forward beside AdamW (its P16 from the update: only its overflow writes, 16 / 8, on the SSDs)
+    backward = {"gpu": 225.0, "g2m": 10.0, "m2g": 28.0, "ssd": 9 + 12 + 17.5, "cpu": 0.0}
+    update = {"gpu": 100.0, "g2m": 18.0, "m2g": 10.0, "cpu": 100.0, "ssd": 24 - 12 + 17.5 - 17.5 + 2}
+    assert e.t_deferred == pytest.approx(phase(backward) + phase(update))
+    # the redo reads every record (resident ones too) and writes them, with the next forward beside it
+    redo = {"gpu": 100.0, "g2m": 18.0, "m2g": 10.0, "cpu": 100.0, "ssd": 12 * 10 / 4 + 17.5 + 2}
+    assert e.t_redo == pytest.approx(e.t_iter + phase(redo) - e.t_f)
+    # slots=1: no write-behind, the update alone, then the next forward (T_f)
+    one = estimate(clip_profile(follow=False), ["x"])
+    backward = {"gpu": 225.0, "g2m": 10.0, "m2g": 28.0, "ssd": 9 + 12, "cpu": 0.0}
+    update = {"cpu": 100.0, "ssd": 24 - 12 + 17.5}
+    assert one.t_deferred == pytest.approx(e.t_f + phase(backward) + phase(update))
+    assert one.t_redo == pytest.approx(e.t_iter + phase({"cpu": 100.0, "ssd": 30 + 17.5}))
+    assert (one.t_iter, one.t_serial) == (e.t_iter, e.t_serial)  # the speculated step does not change
+
+
+def test_read_ahead_fills_only_the_idle_ssd_time_of_backward() -> None:
+    """An SSD-bound backward has no idle SSD time: the read-ahead and the writes all stay in the update phase."""
+    p = dataclasses.replace(clip_profile(), hardware=dataclasses.replace(clip_profile().hardware, bw_s2m=0.01))
+    full, none = estimate(p, ["x"]), estimate(dataclasses.replace(p, readahead_params=0), ["x"])
+    assert full.t_deferred == none.t_deferred and full.read_ahead_bytes == 48 and none.read_ahead_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_clipped_step_costs_are_ordered_and_read_ahead_never_hurts(seed: int) -> None:
+    """More read-ahead never lengthens a deferred step; with every record read ahead it costs no more than the
+    optimizer after backward; a redone step costs more than an unclipped one."""
+    rng = random.Random(seed)
+    base = random_profile(rng)
+    base = dataclasses.replace(base, hardware=dataclasses.replace(
+        base.hardware, cpu_adam_params_per_s=rng.choice([0.0, rng.uniform(1e8, 1e10)])))
+    resident = rng.randint(0, base.param_count)
+    swap = [op.name for op in base.ops[:rng.randint(0, len(base.ops))]]
+    for follow in (True, False):
+        times = []
+        for k in range(6):
+            p = dataclasses.replace(base, resident_params=resident, follow=follow,
+                                    readahead_params=(base.param_count - resident) * k // 5)
+            times.append(estimate(p, swap).t_deferred)
+        assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:])), times
+        e = estimate(p, swap)
+        assert e.t_deferred <= e.t_serial * (1 + 1e-12)
+        assert e.t_redo >= e.t_iter
+
+
+@pytest.mark.parametrize("model,batch", [("6b", 8), ("13b", 32), ("70b", 8)])
+def test_on_the_paper_machine_a_clipped_step_costs_more_than_an_unclipped_one(model: str, batch: int) -> None:
+    """Compute- or CPU-bound: speculating right is the fastest; deferring costs no more than a redo, nor than the
+    optimizer after backward once the read-ahead room holds every record."""
+    profile = analytic_profile(get_model_config(model), batch, 1024, parse_hardware("rtx4090,12xP5510,768GB"))
+    e = estimate(profile, [])
+    assert e.t_iter < e.t_deferred < e.t_redo and e.t_deferred < e.t_serial
+    ahead = estimate(dataclasses.replace(profile, readahead_params=profile.param_count), [])
+    assert ahead.t_deferred <= e.t_deferred
+
+
+def test_clipping_lines_and_old_estimates() -> None:
+    """The lanes end with what clipping costs (when the run clips) and the serial step; an estimate saved before
+    t_deferred existed still loads, and prints no clipping line."""
+    e = estimate(clip_profile(), ["x"])
+    text = e.format_lanes()
+    assert "clipping: a step whose update waits for the global norm (0.00 GB read ahead during backward)" in text
+    assert f"{e.t_deferred / e.t_iter:.2f}x" in text and "its optimizer pass redone" in text
+    assert "optimizer after backward (serial mode)" in text
+    assert "clipping" not in e.format_lanes(clip=False) and "serial mode" in e.format_lanes(clip=False)
+    old = {k: v for k, v in e.to_dict().items() if k not in ("t_deferred", "t_redo", "read_ahead_bytes")}
+    loaded = Estimate.from_dict(json.loads(json.dumps(old)))
+    assert loaded.t_deferred == 0.0 and "clipping" not in loaded.format_lanes()
+    assert Estimate.from_dict(json.loads(json.dumps(e.to_dict()))) == e
+
+
+def test_profile_read_ahead_is_validated_and_old_profiles_load() -> None:
+    p = clip_profile(follow=False)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    old = {k: v for k, v in p.to_dict().items() if k not in ("readahead_params", "follow")}
+    assert Profile.from_dict(old).readahead_params == 0 and Profile.from_dict(old).follow
+    with pytest.raises(ValueError, match="readahead_params"):
+        dataclasses.replace(p, readahead_params=9)  # 2 resident + 9 > 10
+    with pytest.raises(ValueError, match="readahead_params"):
+        dataclasses.replace(p, readahead_params=-1)
 
 
 def test_alpha_is_the_overflow_and_feeds_the_ssd_lanes() -> None:
@@ -590,3 +690,41 @@ def test_capacity_prices_the_resident_records_the_engine_keeps() -> None:
     assert 0 < read(tight) < read(lean)
     add, kept = resident_records(cfg, "bf16", 3, engine_pools(cfg)["optimizer"], 0)
     assert add == 0 and kept == cfg.embed_param_count()
+
+
+def test_capacity_prices_the_read_ahead_room_of_a_deferred_update() -> None:
+    """A run that may defer its update (clipping, or slots=1) gets the read-ahead room (`readahead_mem`, auto by
+    default): main memory in `cpu_parts`, and the records it holds read during backward in the estimate. None
+    without clipping (two slots), or with clip_mode speculate, or readahead_mem 0."""
+    cfg, hw = get_model_config("tiny", n_layer=12), parse_hardware("rtx4090,1xP5510,64GB")
+    n, per = cfg.param_count(), 12 + 2
+    roomy = capacity(cfg, hw, 4, 256, keep_grads=True, cpu_mem=8 * 2**30)
+    room = roomy.cpu_parts["readahead"]
+    assert room > 0 and roomy.plan.estimate.read_ahead_bytes == 12 * min(room // per, n - cfg.embed_param_count())
+    assert 0 < roomy.plan.estimate.t_deferred
+    tight = capacity(cfg, hw, 4, 256, keep_grads=True, cpu_mem=8 * 2**30, readahead_mem=room // 2)
+    assert tight.cpu_parts["readahead"] == room // 2
+    assert tight.plan.estimate.read_ahead_bytes == 12 * (room // 2 // per)
+    assert tight.plan.estimate.t_deferred >= roomy.plan.estimate.t_deferred
+    for kw in (dict(), dict(keep_grads=True, clip_mode="speculate"), dict(keep_grads=True, readahead_mem=0)):
+        cap = capacity(cfg, hw, 4, 256, cpu_mem=8 * 2**30, **kw)
+        assert "readahead" not in cap.cpu_parts and cap.plan.estimate.read_ahead_bytes == 0, kw
+    # slots=1 always defers, and its next forward runs after the update (follow off): more than with two slots
+    one = capacity(cfg, hw, 4, 256, slots=1, cpu_mem=8 * 2**30)
+    assert one.cpu_parts["readahead"] > 0
+    assert one.plan.estimate.t_deferred > capacity(cfg, hw, 4, 256, keep_grads=True, cpu_mem=8 * 2**30,
+                                                   slots=2).plan.estimate.t_deferred
+
+
+def test_the_dry_run_report_says_what_clipping_costs() -> None:
+    """fit_report: the clipping lines when the run clips; slots=1 predicts the deferred step (every update waits)."""
+    from lohan.app.fit import described_hardware, fit_report
+    cfg, machine = get_model_config("tiny", n_layer=12), described_hardware("rtx4090,1xP5510,64GB")
+    clipped = fit_report(cfg, machine, 4, 256, keep_grads=True, cpu_mem=8 * 2**30)
+    assert "clipping: a step whose update waits for the global norm" in clipped.format()
+    assert clipped.step_s == clipped.capacity.plan.estimate.t_iter and not clipped.waits
+    plain = fit_report(cfg, machine, 4, 256, cpu_mem=8 * 2**30)
+    assert "clipping:" not in plain.format() and "optimizer after backward (serial mode)" in plain.format()
+    one = fit_report(cfg, machine, 4, 256, slots=1, keep_grads=True, clips=False, cpu_mem=8 * 2**30)
+    assert one.waits and one.step_s == one.capacity.plan.estimate.t_deferred and "clipping:" not in one.format()
+    assert "every update waits for the global norm" in one.format()

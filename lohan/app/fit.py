@@ -303,6 +303,11 @@ class FitReport:
     tflops: float
     tokens_per_s: float
     epoch_s: float | None
+    clips: bool = False
+    """The run clips its gradients (max_grad_norm > 0): the plan says what a clipped step costs."""
+    waits: bool = False
+    """Every update waits for the step's global norm (slots=1, or clip_mode defer): ``step_s`` is the estimate's
+    ``t_deferred``, not ``t_iter``."""
 
     @property
     def fits(self) -> bool:
@@ -310,9 +315,11 @@ class FitReport:
 
     def format(self) -> str:
         c = self.capacity
-        lines = [c.format(), "", c.plan.format_table(), "", f"rates: {self.machine.hardware.describe()}",
-                 f"predicted step {self.step_s:.4g} s | {self.tokens_per_s:,.3g} tokens/s | "
-                 f"{self.tflops:.3g} TFLOPS (model FLOPs)"
+        lines = [c.format(), "", c.plan.format_table(clip=self.clips), "",
+                 f"rates: {self.machine.hardware.describe()}",
+                 f"predicted step {self.step_s:.4g} s"
+                 + (" (every update waits for the global norm)" if self.waits else "")
+                 + f" | {self.tokens_per_s:,.3g} tokens/s | {self.tflops:.3g} TFLOPS (model FLOPs)"
                  + (f" | epoch {_duration(self.epoch_s)}" if self.epoch_s else "")]
         lines += [f"  note: {n}" for n in self.machine.notes]
         return "\n".join(lines)
@@ -348,16 +355,25 @@ def data_parallel_machine(machine: Machine, world: int, local_world: int) -> Mac
 def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, compute_dtype: str = "bf16",
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
                slots: int = 2, keep_grads: bool = False, resident_mem: int | str = 0,
-               cpu_mem: int | None = None) -> FitReport:
+               cpu_mem: int | None = None, readahead_mem: int | str = "auto", clip_mode: str = "auto",
+               clips: bool | None = None) -> FitReport:
+    """The capacity plan of a run and its predicted speed. ``keep_grads``: the step keeps its gradients (clipping
+    or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says). The predicted step is
+    the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
+    norm (slots=1, or clipping with ``clip_mode`` defer)."""
+    clips = keep_grads if clips is None else clips
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
-                   keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem)
+                   keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
+                   clip_mode=clip_mode)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, machine.hardware)
-    step_s = cap.plan.estimate.t_iter
+    waits = slots == 1 or (clips and clip_mode == "defer")
+    est = cap.plan.estimate
+    step_s = est.t_deferred if waits and est.t_deferred else est.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
-                     steps_per_epoch * step_s if steps_per_epoch else None)
+                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits)
 
 
 def _with_device_in_ram(cap: Capacity, hw: Hardware) -> Capacity:

@@ -511,7 +511,9 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
         report = fit_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, e.compute_dtype,
                             e.micro_batches, e.prefetch_depth, ctx.per_epoch, slots=e.slots,
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1,
-                            resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem)
+                            resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem,
+                            readahead_mem=e.readahead_mem if e.mode == "optimized" else 0, clip_mode=e.clip_mode,
+                            clips=e.max_grad_norm > 0)
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:

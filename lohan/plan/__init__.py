@@ -6,6 +6,8 @@
 - `pools`: the engine's main-memory pools (`plan_host_memory`), which the engine allocates, the capacity planner
   prices and the run header prints.
 - `memory`: the bound on a run's peak RSS (cpu_mem and what no budget covers).
+- `clipping`: whether a clipped run's next step should speculate its update or defer it (the recent gradient
+  norms against the cost model's, then the measured, costs of a deferred and a redone step).
 
 Nothing here imports torch or touches a file beyond reading a hardware description: the dry run, the
 capacity CLI and the run header price a plan before torch is loaded.

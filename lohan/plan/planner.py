@@ -52,6 +52,41 @@ done). That ``fill`` is the non-overlapped head and tail; the paper's equations 
 schedule, the engine's ``offload=serial``): backward without the optimizer's lanes, then a phase of
 ``cpu`` and the optimizer's SSD traffic. ``t_serial / t_iter`` is the gain of active gradient offloading.
 
+Clipping (``engine.max_grad_norm`` > 0) needs the global gradient norm, known only when backward ends. ``T_iter``
+is a *speculated* step that did not clip: every block updated at coefficient 1 under backward. Two more steps
+are priced, each counted from its backward's start to the next step's (so its forward is the next step's, and
+an unclipped step costs ``T_iter``; ``phase(L) = max(L) + (sum(L) - max(L)) / n``, the pipeline above):
+
+- ``t_deferred``, a step whose update waits for the norm (``clip_mode: auto`` after a clipped step, ``defer``,
+  and every step with ``slots=1``). Backward runs the lanes ``B0`` of ``t_serial``'s backward (no ``cpu``, the
+  SSDs read P16 and the overflow); the SSD time the slowest of them leaves idle, ``idle = max(B0) - B0[ssd]``,
+  takes first the READs of the records the read-ahead room holds (``Profile.readahead_params``), then, with
+  ``follow`` (two slots: the next batch's forward follows the update block by block), the previous step's writes
+  still in flight (write-behind). The update phase ``U`` then runs AdamW over every block with the remaining
+  READs and the writes, and with ``follow`` the next step's forward beside it, whose P16 come straight from the
+  update (its ``gpu``, ``g2m`` and ``m2g`` lanes and its overflow writes, no P16 from the SSDs)::
+
+      read  = 12 (P - R) / bw_s2m;  ahead = min(12 RA / bw_s2m, idle);  W = (12 + s) P / bw_m2s
+      spill = min(W, idle - ahead) if follow else 0
+      B_def = B0 + {ssd: ahead + spill}
+      U     = {cpu: P / rate, ssd: read - ahead + W - spill}  [+ T_f's gpu, g2m, m2g and alpha / bw_m2s: follow]
+      t_deferred = [T_f if not follow] + phase(B_def) + phase(U)
+
+  The model counts the read-ahead under backward only as far as the SSDs are idle there: a READ beyond it would
+  lengthen backward by as much as it shortens the update at best, and the read then counts in ``U``. So more
+  read-ahead never lengthens ``t_deferred``. It is the cost in steady clipping: after a speculated step no
+  write is behind, and the first deferred step is shorter by at most ``spill``. It can undercut ``T_iter`` when
+  the SSDs bind: its forward reads no P16 from them.
+- ``t_redo``, a speculated step that clipped: ``T_iter``, then the optimizer pass again from the previous slot
+  (every record read, resident ones too: their buffers hold the wrong update) with the next forward beside it
+  when ``follow``::
+
+      R_redo = {cpu: P / rate, ssd: 12 P / bw_s2m + W}  [+ the next forward's lanes as in U: follow]
+      t_redo = T_iter + phase(R_redo) - [T_f if follow]
+
+The gradients a deferred or redone update takes are assumed in main memory (a stash spilled to the SSDs adds its
+writes and reads). ``lohan.plan.clipping`` weighs ``t_deferred - T_iter`` against ``t_redo - T_iter`` to choose.
+
 Why Algorithm 1 may stop at the first op that does not help: taking ops by decreasing offload benefit
 ``OB = flops/bytes`` makes ``FLOP_r`` a convex decreasing piecewise-linear function of ``A_G2M``; every
 transfer lane is linear or (through ``alpha``) convex increasing in it, and sums and maxima of convex
@@ -192,6 +227,12 @@ class Profile:
     hardware: Hardware
     source: str  # "measured" | "analytic"
     resident_params: int = 0  # params whose optimizer records stay in main memory (P32, m, v not read)
+    readahead_params: int = 0
+    """Params whose records the read-ahead room holds: read during backward ahead of a deferred update
+    (``pools.HostMemoryPlan.readahead``), none of them resident."""
+    follow: bool = True
+    """The next step's forward runs beside a deferred or redone update (two slots, the next batch known);
+    False with ``slots=1``, whose next forward starts after the update."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -203,6 +244,8 @@ class Profile:
             problems.append(f"n_blocks={self.n_blocks} must be >= 1")
         if not 0 <= self.resident_params <= self.param_count:
             problems.append(f"resident_params={self.resident_params} must be in [0, param_count]")
+        if not 0 <= self.readahead_params <= self.param_count - max(0, self.resident_params):
+            problems.append(f"readahead_params={self.readahead_params} must be in [0, param_count - resident_params]")
         if any(op.flops < 0 or op.bytes < 0 for op in self.ops) or self.input_bytes < 0:
             problems.append("op flops/bytes and input_bytes must be >= 0")
         if problems:
@@ -265,6 +308,12 @@ class Estimate:
     """The step with the optimizer after backward (ZeRO-Infinity's schedule) instead of under it."""
     traffic: dict[str, float] = dataclasses.field(default_factory=dict)
     """Bytes per step: ``m2g``/``g2m`` over PCIe, ``ssd_read``/``ssd_write``; ``adam_params`` updated."""
+    t_deferred: float = 0.0
+    """A clipped step: its update waits for the global norm (module docstring). 0: not priced (an old estimate)."""
+    t_redo: float = 0.0
+    """A speculated step that clipped: ``t_iter`` and its optimizer pass redone after backward."""
+    read_ahead_bytes: int = 0
+    """P32, m, v bytes the read-ahead room holds (``12 * Profile.readahead_params``), read ahead of a deferred update."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -273,8 +322,9 @@ class Estimate:
     def from_dict(d: Mapping[str, Any]) -> Estimate:
         return Estimate(**{**d, "swap": tuple(d["swap"])})
 
-    def format_lanes(self) -> str:
-        """Seconds each lane is busy per step, forward and backward, one line per term, and the bottleneck."""
+    def format_lanes(self, clip: bool = True) -> str:
+        """Seconds each lane is busy per step, forward and backward, one line per term, and the bottleneck; then
+        what clipping costs (``clip``: the run clips) and the optimizer after backward (serial mode)."""
         lines = [f"{'lane':<6}{'forward':>10}{'backward':>10}  term"]
         for lane in LANES_B:
             f, b = self.lanes_f.get(lane), self.lanes_b.get(lane)
@@ -285,16 +335,58 @@ class Estimate:
             lines.append(f"{lane:<6}{cell_f:>10}{cell_b:>10}  {LANE_DOC[lane]}{mark}")
         lines.append(f"{'fill':<6}{_secs(self.fill_f):>10}{_secs(self.fill_b):>10}  {LANE_DOC['fill']}")
         lines.append(f"T_f = {_secs(self.t_f)} (bottleneck {self.bottleneck_f}), T_b = {_secs(self.t_b)} "
-                     f"(bottleneck {self.bottleneck_b}), T_iter = {_secs(self.t_iter)}"
-                     + (f"; optimizer after backward instead: {_secs(self.t_serial)} "
-                        f"({self.t_serial / self.t_iter:.2f}x)" if self.t_serial and self.t_iter else ""))
+                     f"(bottleneck {self.bottleneck_b}), T_iter = {_secs(self.t_iter)}")
+        lines += self._clip_lines(clip)
         return "\n".join(lines)
+
+    def _clip_lines(self, clip: bool) -> list[str]:
+        """What clipping costs (when the run clips and the estimate prices it) and the serial schedule's step."""
+        def ratio(t: float) -> str:
+            return f"{_secs(t)} ({t / self.t_iter:.2f}x)" if self.t_iter else _secs(t)
+        lines = []
+        if clip and self.t_deferred:
+            ahead = f"{_gb(self.read_ahead_bytes)} read ahead" if self.read_ahead_bytes else "no read-ahead room"
+            lines += [f"clipping: a step whose update waits for the global norm ({ahead} during backward) takes "
+                      f"{ratio(self.t_deferred)};",
+                      f"          a speculated step that clipped after all (its optimizer pass redone) "
+                      f"{ratio(self.t_redo)}; one that did not clip, T_iter"]
+        if self.t_serial:
+            lines.append(f"optimizer after backward (serial mode): {ratio(self.t_serial)}")
+        return lines
 
 
 def _pipeline(lanes: Mapping[str, float], n_blocks: int) -> tuple[float, float]:
     """(slowest lane, fill): ``n_blocks`` identical blocks through the lanes take ``max + (sum - max) / n``."""
     slowest = max(lanes.values())
     return slowest, (sum(lanes.values()) - slowest) / max(1, n_blocks)
+
+
+def _phase(lanes: Mapping[str, float], n_blocks: int) -> float:
+    """A phase's time: its pipeline's slowest lane plus the fill."""
+    return sum(_pipeline(lanes, n_blocks))
+
+
+def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[str, float], cpu: float,
+             alpha: int, t_f: float, t_iter: float) -> tuple[float, float]:
+    """(t_deferred, t_redo), the module docstring's equations: ``serial_b`` is backward without the optimizer
+    (``B0``), ``cpu`` the AdamW lane, ``alpha`` the activation overflow."""
+    hw, n, p = profile.hardware, profile.n_blocks, profile.param_count
+    writes = profile.states / hw.bw_m2s
+    read = 12 * (p - profile.resident_params) / hw.bw_s2m
+    idle = max(serial_b.values()) - serial_b["ssd"]
+    # READs issued ahead fill the SSD time backward leaves idle; write-behind (follow only) takes what they leave
+    ahead = min(12 * profile.readahead_params / hw.bw_s2m, idle)
+    spill = min(writes, idle - ahead) if profile.follow else 0.0
+    backward = {**serial_b, "ssd": serial_b["ssd"] + ahead + spill}
+    # with follow, the next forward runs beside the update: its P16 come from it, not from the SSDs
+    beside = {k: lanes_f[k] for k in ("gpu", "g2m", "m2g")} if profile.follow else {}
+    overflow = alpha / hw.bw_m2s if profile.follow else 0.0
+    update = {**beside, "cpu": cpu, "ssd": read - ahead + writes - spill + overflow}
+    t_deferred = (0.0 if profile.follow else t_f) + _phase(backward, n) + _phase(update, n)
+    # a redo reads every record from the previous slot: resident buffers hold the speculated update
+    redo = {**beside, "cpu": cpu, "ssd": 12 * p / hw.bw_s2m + writes + overflow}
+    t_redo = t_iter + _phase(redo, n) - (t_f if profile.follow else 0.0)
+    return t_deferred, t_redo
 
 
 def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float) -> Estimate:
@@ -314,13 +406,14 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     # The optimizer after backward: backward keeps its own traffic, then the optimizer's lanes run alone.
     serial_b = {**lanes_b, "cpu": 0.0, "ssd": (p16 + alpha) / hw.bw_s2m}
     serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
-    t_serial = t_f + sum(_pipeline(serial_b, n)) + sum(_pipeline(serial_opt, n))
+    t_serial = t_f + _phase(serial_b, n) + _phase(serial_opt, n)
+    t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_f + t_b)
     traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + p16),
                "ssd_read": float(2 * p16 + opt_read + alpha), "ssd_write": float(states + alpha),
                "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
-                    fill_f, fill_b, t_serial, traffic)
+                    fill_f, fill_b, t_serial, traffic, t_deferred, t_redo, 12 * profile.readahead_params)
 
 
 def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
@@ -391,7 +484,8 @@ class Plan:
             start = end + 1
         return "blocks " + ", ".join(runs)
 
-    def format_table(self) -> str:
+    def format_table(self, clip: bool = True) -> str:
+        """The walk, the tiers and the chosen point's lanes; ``clip``: the run clips (:meth:`Estimate.format_lanes`)."""
         rows = self.points or (self.estimate,)
         head = (f"{'':2}{'#':>2}  {'swap (cumulative)':<18}{'A_G2M':>11}{'to SSD':>11}{'FLOP_r':>12}"
                 f"{'T_f':>10}{'T_b':>10}{'T_iter':>10}  bottleneck f/b")
@@ -414,7 +508,7 @@ class Plan:
         lines.append(f"{self.tier_summary()} (cpu {_gb(self.cpu_bytes)}, ssd {_gb(self.ssd_bytes)})")
         lines.append(_CASES.get(self.case, "") or f"forced policy {self.policy!r} (not chosen by Algorithm 1)")
         lines.append("lanes of the chosen point (seconds each resource is busy per step):")
-        lines += ["  " + line for line in self.estimate.format_lanes().splitlines()]
+        lines += ["  " + line for line in self.estimate.format_lanes(clip).splitlines()]
         return "\n".join(lines)
 
 
@@ -924,19 +1018,22 @@ def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, po
 
 def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batches: int, prefetch_depth: int,
                  max_inflight: int, slots: int, keep_grads: bool, resident_mem: int | str,
-                 cpu_mem: int | None) -> pools.HostMemoryPlan:
+                 cpu_mem: int | None, readahead_mem: int | str = "auto",
+                 clip_mode: str = "auto") -> pools.HostMemoryPlan:
     """The engine's host memory plan for the model on this machine (unchecked: :func:`_judge` judges it), with
     cpu_mem the run's budget within what the machine's RAM gives (:func:`_ram_budget`)."""
     budget = _ram_budget(hw)
     limit = min(cpu_mem, budget) if cpu_mem and budget else (cpu_mem or budget)
     ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, slots=slots,
-                             clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit)
+                             clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit, readahead_mem=readahead_mem,
+                             clip_mode=clip_mode)
     return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots), ecfg, free=budget, check=False)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
-             keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None) -> Capacity:
+             keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
+             readahead_mem: int | str = "auto", clip_mode: str = "auto") -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -947,16 +1044,22 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     RAM budget leaves after them. ``resident_mem`` (the engine's setting: bytes, ``all`` or ``auto``, then
     bounded by ``cpu_mem`` as the engine bounds it) keeps optimizer records in memory across steps: they are
     written each step but not read (``Profile.resident_params``). 0 (the default, and the paper's method) keeps
-    only what the record pool holds beside its streaming buffers."""
+    only what the record pool holds beside its streaming buffers. ``readahead_mem`` (bytes or ``auto``, the
+    engine's setting) is the room for records read during backward ahead of an update that waits for the norm,
+    planned when a step may (``pools.defers``: clipping under ``clip_mode`` auto or defer, or ``slots=1``); the
+    records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
-                        resident_mem, cpu_mem)
+                        resident_mem, cpu_mem, readahead_mem, clip_mode)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
     layout = pools.model_geometry(cfg, compute_dtype, slots).store
-    resident_params = sum(layout.blocks[i].numel for i in host.resident_blocks)
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
-    plan = algorithm1(dataclasses.replace(profile, resident_params=min(resident_params, profile.param_count)))
+    resident = min(sum(layout.blocks[i].numel for i in host.resident_blocks), profile.param_count)
+    # the room holds whole records (P32, m, v, P16) of parameters not resident
+    ahead = min(host.readahead // (12 + profile.p16_itemsize), profile.param_count - resident)
+    plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
+                                          follow=slots == 2))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs

@@ -289,13 +289,16 @@ class HostMemoryPlan:
 
 def pool_config(compute_dtype: str = "bf16", micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3,
                 slots: int = 2, clip: bool = False, resident: bool = True, resident_mem: int | str = 0,
-                cpu_mem: int = 0, opt_chunk_bytes: int = OPT_CHUNK_BYTES, mode: str = "optimized") -> EngineConfig:
+                cpu_mem: int = 0, opt_chunk_bytes: int = OPT_CHUNK_BYTES, mode: str = "optimized",
+                readahead_mem: int | str = "auto", clip_mode: str = "auto") -> EngineConfig:
     """The engine settings the pools depend on, for planners that know them as flat arguments; `clip`: gradients
-    are clipped (any `max_grad_norm` > 0 prices the same)."""
+    are clipped (any `max_grad_norm` > 0 prices the same). `readahead_mem` and `clip_mode` decide the read-ahead
+    room (:func:`defers`)."""
     return EngineConfig(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
                         max_inflight_blocks=max_inflight, slots=slots, max_grad_norm=1.0 if clip else 0.0,
                         resident_records=resident, resident_mem=resident_mem if resident else 0, cpu_mem=cpu_mem,
-                        opt_chunk_bytes=opt_chunk_bytes, mode=mode)
+                        opt_chunk_bytes=opt_chunk_bytes, mode=mode, readahead_mem=readahead_mem,
+                        clip_mode=clip_mode if clip else "auto")
 
 
 def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, free: int | None = None,

@@ -51,7 +51,8 @@ class ActivationManager:
 
     def __init__(self, cfg: EngineConfig, program: Any, device: Device, autocast: Callable[[], Any],
                  engine_pool_bytes: int, model_label: str, param_count: int, p16_itemsize: int,
-                 flops_per_token: Callable[[int], float] | None, resident_params: int = 0) -> None:
+                 flops_per_token: Callable[[int], float] | None, resident_params: int = 0,
+                 readahead_params: int = 0) -> None:
         self.cfg = cfg
         self.program = program
         self.device = device
@@ -62,6 +63,8 @@ class ActivationManager:
         self.p16_itemsize = p16_itemsize
         self.flops_per_token = flops_per_token
         self.resident_params = resident_params  # whose records are not read each step (the planner's SSD lane)
+        # whose records the read-ahead room holds: read during backward ahead of a deferred update (t_deferred)
+        self.readahead_params = readahead_params
         n = len(program.modules)
         self.inner = range(1, n - 1)
         self.tracker = OpTracker(program.modules[i] for i in self.inner)
@@ -95,6 +98,14 @@ class ActivationManager:
         free = psutil.virtual_memory().available
         return max(0, min(int(self.cfg.cpu_mem), free) - self.engine_pool_bytes)
 
+    def _optimizer_fields(self, param_count: int) -> dict[str, Any]:
+        """The profile's fields on the optimizer's records: resident ones, those read ahead (never more than the
+        parameters not resident: the profile checks it), and whether the next forward follows a deferred update
+        (two slots)."""
+        resident = min(self.resident_params, param_count)
+        return {"resident_params": resident, "readahead_params": min(self.readahead_params, param_count - resident),
+                "follow": self.cfg.slots == 2}
+
     def needs_prepare(self, batch: int, seq: int) -> bool:
         return len(self.inner) > 0 and self._shape != (batch, seq)
 
@@ -120,7 +131,7 @@ class ActivationManager:
             profile = dataclasses.replace(
                 profile, ops=tuple(dataclasses.replace(p, bytes=o.bytes * m) for p, o in zip(profile.ops, ops)),
                 input_bytes=in_bytes * m, hardware=dataclasses.replace(profile.hardware, mem_avail=mem),
-                resident_params=min(self.resident_params, profile.param_count))
+                **self._optimizer_fields(profile.param_count))
         else:
             if self._hardware is None:
                 self._hardware = measure_hardware(self.device, list(self.cfg.nvme), self.cfg.backend,
@@ -134,7 +145,7 @@ class ActivationManager:
                               ops=tuple(OpProfile(o.name, o.flops * m, o.bytes * m) for o in ops),
                               input_bytes=in_bytes * m, param_count=self.param_count,
                               p16_itemsize=self.p16_itemsize, flop_f=float(flop_f), hardware=hw, source="measured",
-                              resident_params=self.resident_params)
+                              **self._optimizer_fields(self.param_count))
             crashpoint("profile.measured")
             with contextlib.suppress(OSError):
                 profile.save(os.path.join(self.cfg.nvme[0], f"{self.cfg.name}.profile.json"))
