@@ -74,7 +74,6 @@ def test_measured_steady_costs_replace_the_model_and_a_cheaper_deferral_wins_eve
         s.observe(stats(0.05, step_s=5.0))
     for _ in range(3):  # deferred after deferred: 4 s (the next forward hidden beside the update)
         s.observe(stats(0.05, step_s=4.0, deferred=True))
-    assert s.step_s["speculated"] == pytest.approx(5.0) and s.step_s["deferred"] == pytest.approx(4.0)
     defer, redo = s.costs(estimate())
     assert defer == pytest.approx(-1.0)
     assert s.speculate(estimate()) is False  # deferring costs less than a right speculation
@@ -84,13 +83,12 @@ def test_only_steady_steps_are_timed():
     s = ClipSchedule(cfg())
     s.observe(stats(0.05, step_s=9.0, deferred=True))  # the first: nothing before it
     s.observe(stats(0.05, step_s=3.0))  # after a deferred one: its forward ran in that step
-    assert s.step_s == {"speculated": None, "deferred": None, "redone": None}
+    assert s.costs(estimate()) == pytest.approx((1.0, 3.0))  # nothing measured: the model's
     s.observe(stats(0.05, step_s=5.0))
     s.observe(stats(2.0, step_s=8.0, redone=True))  # a redo after a speculated step: its own forward, timed
-    assert s.step_s["speculated"] == 5.0 and s.step_s["redone"] == 8.0
     s.observe(stats(0.05, step_s=1.0, skipped=True))  # a skipped step breaks the run
     s.observe(stats(0.05, step_s=7.0))
-    assert s.step_s["speculated"] == 5.0
+    assert s._costs.measured == {"speculated": 5.0, "redone": 8.0}
 
 
 def test_the_model_is_scaled_by_what_the_measured_kind_says_of_it():

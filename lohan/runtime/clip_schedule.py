@@ -18,9 +18,9 @@ defers whatever the norm.
 The costs are measured: the step time of each kind, in steady state only (a step of the same kind as the one
 before: a deferred step that follows another runs no forward of its own but the next one's, a speculated step
 that follows another runs its own; mixed neighbours would count one forward twice or not at all), as moving
-averages. Until both kinds are measured the cost model prices them (`planner.Estimate`: ``t_iter``,
-``t_deferred``, ``t_redo``), scaled by what the measured kind says of the model's accuracy; without either, the
-rule of old: speculate after a step that did not clip. Data parallel ranks keep to that rule (their choices must
+averages (`lohan.plan.clipping.ClipCosts`). A kind not measured yet is the cost model's figure (`planner.Estimate`:
+``t_iter``, ``t_deferred``, ``t_redo``, priced on the profile of the first step) scaled by what the measured kinds
+say of the model's accuracy; before that plan exists, the rule of old: speculate after a step that did not clip. Data parallel ranks keep to that rule (their choices must
 agree, and their step times do not).
 """
 
@@ -31,7 +31,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from lohan.config import EngineConfig
-from lohan.plan.clipping import clip_probability, should_speculate
+from lohan.plan.clipping import ClipCosts, clip_probability, should_speculate
 
 if TYPE_CHECKING:
     from lohan.plan.planner import Estimate
@@ -39,11 +39,6 @@ if TYPE_CHECKING:
 
 HISTORY = 16
 """Recent gradient norms the clip probability is estimated from."""
-
-SMOOTHING = 0.3
-"""Weight of the newest step time in a kind's moving average."""
-
-KINDS = ("speculated", "deferred", "redone")
 
 
 class ClipSchedule:
@@ -56,7 +51,8 @@ class ClipSchedule:
         self.by_cost = by_cost
         self.norms: deque[float] = deque(maxlen=HISTORY)
         self.last_coef: float | None = None
-        self.step_s: dict[str, float | None] = dict.fromkeys(KINDS)  # steady-state moving averages
+        self._costs: ClipCosts | None = None  # made from the first estimate (the plan of the first step)
+        self._early: list[tuple[str, float]] = []  # steady step times measured before that
         self._prev: str | None = None
         self.last_choice: dict[str, float | str | None] = {}  # why the last step was scheduled as it was
 
@@ -73,27 +69,20 @@ class ClipSchedule:
             self.last_choice = {"rule": "last step", "last_coef": self.last_coef}
             return self.last_coef == 1.0
         defer, redo = costs
-        p = clip_probability(list(self.norms), self.cfg.max_grad_norm)
-        choice = should_speculate(p, defer, redo)
+        p = clip_probability(list(self.norms), self.cfg.max_grad_norm, HISTORY)
         self.last_choice = {"rule": "cost", "p_clip": p, "defer_s": defer, "redo_s": redo}
-        return choice
+        return should_speculate(p, defer, redo)
 
     def costs(self, estimate: Estimate | None) -> tuple[float, float] | None:
-        """(defer, redo): seconds a deferred step, and a redone one, take beyond a right speculation; measured
-        where known, else the cost model's, scaled by the measured kind's ratio to the model (None: neither)."""
-        modeled = None
-        if estimate is not None and getattr(estimate, "t_deferred", 0) and getattr(estimate, "t_redo", 0):
-            modeled = {"speculated": estimate.t_iter, "deferred": estimate.t_deferred, "redone": estimate.t_redo}
-        have = {k: v for k, v in self.step_s.items() if v is not None}
-        if modeled is None and not all(k in have for k in KINDS):
-            return None
-        if modeled is not None:
-            ratios = [have[k] / modeled[k] for k in have if modeled[k] > 0]
-            scale = sum(ratios) / len(ratios) if ratios else 1.0
-            t = {k: have.get(k, modeled[k] * scale) for k in KINDS}
-        else:
-            t = have
-        return t["deferred"] - t["speculated"], max(0.0, t["redone"] - t["speculated"])
+        """(defer, redo): seconds a deferred step, and a redone one, take beyond a right speculation
+        (`lohan.plan.clipping.ClipCosts`: measured where known, else the cost model's, scaled); None before the
+        cost model has priced them."""
+        if self._costs is None and estimate is not None and estimate.t_deferred > 0 and estimate.t_redo > 0:
+            self._costs = ClipCosts.from_estimate(estimate)
+            for kind, step_s in self._early:
+                self._costs.observe(kind, step_s)
+            self._early.clear()
+        return self._costs.costs() if self._costs is not None else None
 
     def observe(self, stats: StepStats) -> None:
         """A committed step's outcome: its norm, its coefficient and, in steady state, its time."""
@@ -105,9 +94,10 @@ class ClipSchedule:
         if stats.clip_coef is not None:
             self.last_coef = stats.clip_coef
         kind = "redone" if stats.redone else "deferred" if stats.deferred else "speculated"
-        steady = self._prev == ("speculated" if kind == "redone" else kind)
-        if steady:
-            old = self.step_s[kind]
-            self.step_s[kind] = stats.step_s if old is None else (1 - SMOOTHING) * old + SMOOTHING * stats.step_s
+        if self._prev == ("speculated" if kind == "redone" else kind):  # steady (module docstring)
+            if self._costs is not None:
+                self._costs.observe(kind, stats.step_s)
+            else:
+                self._early.append((kind, stats.step_s))
         # a redone step ran its pass after backward with the next forward beside it, as a deferred one does
         self._prev = "deferred" if kind == "redone" and stats.next_forward_overlapped else kind

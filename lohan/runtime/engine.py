@@ -183,6 +183,9 @@ class Engine:
             p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
             # the share of the states kept in memory (a rank's of its shards: the same share of the model)
             resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
+            // max(1, sum(b.numel for b in layout.blocks)),
+            # the records the read-ahead room holds (the same share of the whole model as of the rank's shards)
+            readahead_params=self.layout.param_count * (plan.readahead // (12 + self.store.p16_dtype.itemsize))
             // max(1, sum(b.numel for b in layout.blocks)))
         self.passes = BlockPasses(cfg, program, self.layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,
