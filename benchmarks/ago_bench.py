@@ -407,6 +407,10 @@ def _metrics_record(engine: Any, m: Any, where: dict[str, Any], counters: tuple[
                 "idle": d["machine_idle"] / (cores * step_s)},
         "rss_peak_bytes": rss_peak, "cpu_mem_gib_end": m.cpu_mem_gib,
         "max_resident_blocks": m.max_resident_blocks,
+        # every opening profiles a block and plans the activations anew (act_policy plan): a plan that differs
+        # between openings changes the work, so it is kept per step and compared (check_activation_plans)
+        "activation_plan": ({k: m.activations.get(k) for k in ("policy", "swap", "tiers")}
+                            if m.activations else None),
     }
 
 
@@ -600,6 +604,19 @@ def check_machine(case: str, mode: str, sm: dict) -> list[str]:
         notes.append(f"{case}/{mode}: a measured step had {sm['other_busy_max']:.0%} of the cores busy outside "
                      "this process (other processes, interrupts, kernel I/O workers)")
     return notes
+
+
+def check_activation_plans(records: list[dict]) -> list[str]:
+    """A note when the measured steps ran under more than one activation plan, with the (case, mode) pairs of
+    each: the plan comes from a profile measured at every opening, so timing noise can change it."""
+    pairs: dict[str, set[str]] = {}
+    for r in records:
+        if not r["warmup"] and r.get("activation_plan"):
+            pairs.setdefault(json.dumps(r["activation_plan"], sort_keys=True), set()).add(f"{r['case']}/{r['mode']}")
+    if len(pairs) < 2:
+        return []
+    return [f"the measured steps ran under {len(pairs)} activation plans: "
+            + "; ".join(f"{plan} in {', '.join(sorted(where))}" for plan, where in pairs.items())]
 
 
 def _dig(d: Any, *keys: str) -> Any:
@@ -893,6 +910,7 @@ def build_report(args: argparse.Namespace, bench: Bench, run: Run) -> dict:
     notes = [n for case, cs in cases.items() for n in check_case(case, cs)]
     notes += [n for case, cs in cases.items() for mode, sm in cs["modes"].items() for n in check_machine(case, mode, sm)]
     notes += attach_plans(cases, run.openings, run.baseline_rss, run.activations["total"])
+    notes += check_activation_plans(run.records)
     peak_rss = max(r["rss_peak_bytes"] for r in run.records)
     limit = run.baseline_rss + bench.base.cpu_mem + run.activations["total"]
     headline = headline_keys(cases, peak_rss, limit)

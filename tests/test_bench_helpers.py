@@ -202,3 +202,13 @@ def test_ago_bench_end_to_end_on_the_tiny_preset(tmp_path):
     assert plan["total"] == sum(v for k, v in plan.items() if k != "total") and "grad_stash" in plan
     assert "| case | max_grad_norm |" in out.with_suffix(".md").read_text()
     assert [p.name for p in nvme.iterdir() if p.name.startswith(ago_bench.STORE_NAME)] == []  # the run's files
+
+
+def test_ago_bench_notes_measured_steps_under_different_activation_plans():
+    plan = {"policy": "plan", "swap": ["fc"], "tiers": {"keep": 0, "cpu": 12, "ssd": 0}}
+    recs = [_ago_record("noclip", m, 0, 1.0) | {"activation_plan": plan} for m in ("serial", "optimized")]
+    assert ago_bench.check_activation_plans(recs) == []
+    recs.append(_ago_record("clipped", "naive", 0, 1.0) | {"activation_plan": plan | {"swap": []}})
+    recs.append(_ago_record("clipped", "serial", 0, 1.0, warmup=True) | {"activation_plan": plan | {"swap": ["x"]}})
+    (note,) = ago_bench.check_activation_plans(recs)  # the warm-up step's plan does not count
+    assert note.startswith("the measured steps ran under 2 activation plans") and "noclip/optimized, noclip/serial" in note
