@@ -1,10 +1,12 @@
-"""benchmarks/duplex.py end to end on a few MiB, vs_deepspeed.py's CPU accounting (no DeepSpeed run), and
-step_timeline.py's phase windows over synthetic /proc samples."""
+"""benchmarks/duplex.py end to end on a few MiB, vs_deepspeed.py's CPU accounting (no DeepSpeed run),
+step_timeline.py's phase windows over synthetic /proc samples, and ago_bench.py's summaries over synthetic step
+records and end to end on the tiny preset."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import ago_bench  # noqa: E402
 import duplex  # noqa: E402
 import step_timeline as stl  # noqa: E402
 import vs_deepspeed as vd  # noqa: E402
@@ -99,3 +102,113 @@ def test_vs_deepspeed_keys_for_the_defaults_and_for_the_lean_setting():
                             "rss_ratio_vs_zero_infinity": True}  # the targets judge the defaults only
     del rows["lohan-lean"]
     assert vd.keys(rows)["speed_vs_torch_lean"] is None
+
+
+def _ago_record(case, mode, rnd, step_s, warmup=False, coef=None, deferred=False, redone=False, overlapped=False):
+    """A step record as ago_bench.timed_step writes it, with made-up figures."""
+    lanes = dict.fromkeys(ago_bench.LANES, 0.1) | {"compute": step_s / 2}
+    return {"case": case, "mode": mode, "round": rnd, "index": 0, "warmup": warmup, "step": 1, "loss": 10.0,
+            "grad_norm": 2.0, "clip_coef": coef, "deferred": deferred, "redone": redone,
+            "next_forward_overlapped": overlapped, "skipped": False, "step_s": step_s, "wall_s": step_s,
+            "tokens_per_s": 512 / step_s, "tflops": None, "ssd_read_gbps": 1.0, "ssd_write_gbps": 1.0,
+            "ssd_read_bytes": 10**9, "ssd_write_bytes": 10**9, "lanes": lanes, "overlap_efficiency": 0.5,
+            "compute_thread": {"grad_buffer_wait_s": 0.0, "param_buffer_wait_s": 0.0, "commit_s": 0.0,
+                               "unaccounted_s": 0.0},
+            "ago": {"grad_wait_s": 0.0, "read_wait_s": 0.0, "busy_s": 1.0}, "disk_busy_s": 1.0,
+            "other_disk_bytes": 0, "cpu": {"proc_busy": 0.9, "other_busy": 0.0, "idle": 0.1},
+            "rss_peak_bytes": 2 << 30}
+
+
+def test_ago_bench_summaries_per_case_with_a_missing_mode():
+    """Speedups are per case (ratio of medians, per-round pairs), the clipping shares cover every mode's measured
+    steps, a step that did not clip in the clipped case gets a note, and what was not run is None."""
+    times = {("noclip", "serial"): (6.0, 6.4), ("noclip", "optimized"): (4.0, 4.0),
+             ("clipped", "serial"): (7.0, 7.0), ("clipped", "optimized"): (5.0, 5.6)}
+    recs = []
+    for (case, mode), per_round in times.items():
+        clipped = case == "clipped"
+        for rnd, t in enumerate(per_round):
+            recs.append(_ago_record(case, mode, rnd, 99.0, warmup=True, coef=0.01 if clipped else None))
+            # one step of the clipped case did not clip, and its update was speculated rather than deferred
+            miss = clipped and mode == "optimized" and rnd == 1
+            recs.append(_ago_record(case, mode, rnd, t, coef=(1.0 if miss else 0.02) if clipped else None,
+                                    deferred=clipped and not miss, overlapped=clipped and not miss))
+    cases = {c: ago_bench.case_summary(recs, c, ["serial", "naive", "optimized"],
+                                       ago_bench.case_overrides(c, 0.05)) for c in ("noclip", "clipped")}
+    noclip, clipped = cases["noclip"], cases["clipped"]
+    assert set(noclip["modes"]) == {"serial", "optimized"}  # naive did not run
+    assert noclip["modes"]["serial"]["step_s"] == pytest.approx(6.2)  # warm-up steps left out
+    assert noclip["speedups"]["optimized_vs_serial"]["ratio_of_medians"] == pytest.approx(6.2 / 4.0)
+    assert noclip["speedups"]["optimized_vs_serial"]["paired_all"] == pytest.approx([1.5, 1.6])
+    assert noclip["speedups"]["optimized_vs_naive"] is None and noclip["speedups"]["naive_vs_serial"] is None
+    assert clipped["speedups"]["optimized_vs_serial"]["ratio_of_medians"] == pytest.approx(7.0 / 5.3)
+    assert clipped["overrides"] == {"max_grad_norm": 0.05} and noclip["overrides"] == {"max_grad_norm": 0.0}
+    assert clipped["clipped_fraction"] == pytest.approx(0.75) and clipped["deferred_fraction"] == pytest.approx(0.75)
+    assert clipped["next_forward_overlapped_fraction"] == pytest.approx(0.75) and clipped["redone_fraction"] == 0
+    assert noclip["clipped_fraction"] == 0 and noclip["deferred_fraction"] == 0
+    assert clipped["modes"]["optimized"]["clip"]["clipped_fraction"] == pytest.approx(0.5)
+    notes = ago_bench.check_case("clipped", clipped)
+    assert len(notes) == 2 and "clipped_fraction = 0.75" in notes[0] and "deferred_fraction" in notes[1]
+    assert ago_bench.check_case("noclip", noclip) == []
+
+    h = ago_bench.headline_keys(cases, peak_rss=3 << 30, limit=4 << 30)
+    assert h["speedup_vs_serial"] == pytest.approx(7.0 / 5.3)  # the clipped case is the headline
+    assert h["speedup_vs_serial_noclip"] == pytest.approx(6.2 / 4.0)
+    assert h["speedup_vs_serial_paired"] == pytest.approx(statistics.median([7.0 / 5.0, 7.0 / 5.6]))
+    assert h["speedup_vs_serial_unclipped"] is None and h["speedup_vs_serial_unclipped_paired"] is None
+    assert h["speedup_vs_naive"] is None and h["clipped_fraction"] == pytest.approx(0.75)
+    assert h["step_s_optimized"] == pytest.approx(5.3) and h["within_memory_budget"] is True
+    assert h["ideal_step_s"] == pytest.approx(3.5)  # serial's compute lane, longer than optimized's disk_busy
+    assert ago_bench.targets_met(h) == {"speedup_vs_serial>=1.25": True, "speedup_vs_serial_noclip>=1.3": True,
+                                        "peak_rss<=cpu_mem+activations+baseline": True}
+    del cases["clipped"]["modes"]["optimized"]
+    cases["clipped"]["speedups"] = dict.fromkeys(cases["clipped"]["speedups"])
+    h = ago_bench.headline_keys(cases, peak_rss=5 << 30, limit=4 << 30)
+    assert h["speedup_vs_serial"] is None and h["overlap_efficiency"] is None and h["efficiency_vs_ideal"] is None
+    assert h["peak_rss_gib"] == pytest.approx(5.0) and h["within_memory_budget"] is False
+    assert ago_bench.targets_met(h)["speedup_vs_serial>=1.25"] is None
+    assert "| clipped | 0.05 | 7.00 | n/a | n/a | n/a | n/a | n/a | 0.75 |" in ago_bench.case_table(cases)
+
+
+def test_ago_bench_rounds_run_every_pair_once_in_rotated_orders():
+    pairs = [(c, m) for c in ago_bench.ALL_CASES for m in ago_bench.ALL_MODES]
+    orders = [ago_bench.round_order(pairs, r, 3) for r in range(3)]
+    assert all(sorted(o) == sorted(pairs) for o in orders)
+    assert len({o[0] for o in orders}) == 3 and len({o[-1] for o in orders}) == 3
+    assert len({o[0][0] for o in orders}) == 3  # 9 pairs over 3 rounds: each round starts with another case
+
+
+def test_ago_bench_end_to_end_on_the_tiny_preset(tmp_path):
+    """Every case and mode on one store (max_grad_norm changes between openings of it), the report's keys, the
+    cases verified from the engine's own step stats, and the store removed at the end."""
+    out, nvme = tmp_path / "r.json", tmp_path / "nvme"
+    assert ago_bench.main(["--model", "tiny", "--seq-len", "32", "--rounds", "1", "--steps", "1",
+                           "--warmup-steps", "1", "--backend", "threads", "--cpu-mem", "2GiB",
+                           "--nvme", str(nvme), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for key in ("speedup_vs_serial", "speedup_vs_serial_noclip", "speedup_vs_serial_unclipped", "speedup_vs_naive",
+                "speedup_vs_serial_paired", "overlap_efficiency", "peak_rss_gib", "within_memory_budget"):
+        assert report[key] == report["headline"][key] and report[key] is not None, key
+    cases = report["cases"]
+    assert list(cases) == ["noclip", "clipped", "unclipped"]
+    assert all(set(cs["modes"]) == {"serial", "naive", "optimized"} for cs in cases.values())
+    assert cases["clipped"]["clipped_fraction"] == 1 and cases["clipped"]["deferred_fraction"] == 1
+    assert cases["unclipped"]["deferred_fraction"] == 0 and cases["unclipped"]["clipped_fraction"] == 0
+    assert cases["noclip"]["deferred_fraction"] == 0
+    assert not [n for n in report["notes"] if "expected" in n]
+    steps = report["records"]
+    assert len(steps) == 9 * 2 and [r["batch_index"] for r in steps] == list(range(18))  # distinct batches
+    plan = cases["clipped"]["modes"]["optimized"]["memory_plan"]
+    assert plan["total"] == sum(v for k, v in plan.items() if k != "total") and "grad_stash" in plan
+    assert "| case | max_grad_norm |" in out.with_suffix(".md").read_text()
+    assert [p.name for p in nvme.iterdir() if p.name.startswith(ago_bench.STORE_NAME)] == []  # the run's files
+
+
+def test_ago_bench_notes_measured_steps_under_different_activation_plans():
+    plan = {"policy": "plan", "swap": ["fc"], "tiers": {"keep": 0, "cpu": 12, "ssd": 0}}
+    recs = [_ago_record("noclip", m, 0, 1.0) | {"activation_plan": plan} for m in ("serial", "optimized")]
+    assert ago_bench.check_activation_plans(recs) == []
+    recs.append(_ago_record("clipped", "naive", 0, 1.0) | {"activation_plan": plan | {"swap": []}})
+    recs.append(_ago_record("clipped", "serial", 0, 1.0, warmup=True) | {"activation_plan": plan | {"swap": ["x"]}})
+    (note,) = ago_bench.check_activation_plans(recs)  # the warm-up step's plan does not count
+    assert note.startswith("the measured steps ran under 2 activation plans") and "noclip/optimized, noclip/serial" in note
