@@ -30,7 +30,7 @@ meanwhile. Each run's store (10.6 GB for 350m) is deleted as soon as the run end
 
 Run (from the repository root):
     .venv/bin/python benchmarks/ago_cli.py 2>&1 | tee benchmarks/results/ago_cli.log
-    .venv/bin/python benchmarks/ago_cli.py --model tiny --steps 4 --rounds 1 --out /tmp/ago_cli_tiny.json
+    .venv/bin/python benchmarks/ago_cli.py --model tiny --steps 4 --rounds 1 --out benchmarks/scratch/ago_cli_tiny.json
 Keys of the report: see benchmarks/README.md.
 """
 
