@@ -193,7 +193,7 @@ def test_ago_bench_end_to_end_on_the_tiny_preset(tmp_path):
     assert list(cases) == ["noclip", "clipped", "unclipped"]
     assert all(set(cs["modes"]) == {"serial", "naive", "optimized"} for cs in cases.values())
     assert cases["clipped"]["clipped_fraction"] == 1 and cases["clipped"]["deferred_fraction"] == 1
-    assert cases["unclipped"]["deferred_fraction"] == 0 and cases["unclipped"]["clipped_fraction"] == 0
+    assert cases["unclipped"]["redone_fraction"] == 0 and cases["unclipped"]["clipped_fraction"] == 0
     assert cases["noclip"]["deferred_fraction"] == 0
     assert not [n for n in report["notes"] if "expected" in n]
     steps = report["records"]
@@ -212,3 +212,68 @@ def test_ago_bench_notes_measured_steps_under_different_activation_plans():
     recs.append(_ago_record("clipped", "serial", 0, 1.0, warmup=True) | {"activation_plan": plan | {"swap": ["x"]}})
     (note,) = ago_bench.check_activation_plans(recs)  # the warm-up step's plan does not count
     assert note.startswith("the measured steps ran under 2 activation plans") and "noclip/optimized, noclip/serial" in note
+
+
+# ---------------------------------------------------------------- benchmarks/ago_cli.py (AGO through finetune.py)
+import ago_cli  # noqa: E402
+
+
+def _ago_cli_run(rnd, case, mode, times, rc=0):
+    recs = [{"step": k + 1, "step_s": t, "tokens_per_s": 512 / t, "grad_norm": 3.0,
+             "clip_coef": (0.25 if case == "clipped" else None), "redone": k == 3, "skipped": False,
+             "lanes": {"compute": t / 2, "optimizer_tail": t / 10}} for k, t in enumerate(times)]
+    if mode == "optimized" and case == "clipped":
+        for r in recs:
+            r["deferred"] = True
+    return {"round": rnd, "case": case, "mode": mode, "command": f"finetune.py --mode {mode}", "rc": rc,
+            "wall_s": 1.0, "records": recs}
+
+
+def test_ago_cli_summary_leaves_warmup_out_and_keys_judge_the_ordering():
+    base = {"serial": 4.0, "naive": 3.0, "optimized": 2.0}
+    runs = [_ago_cli_run(r, c, m, [9.0, 8.0, base[m] + 0.1 * r, base[m] + 0.2 * r])
+            for r in range(2) for c in ("clipped", "noclip") for m in base]
+    runs.append(_ago_cli_run(1, "noclip", "optimized", [9.0, 9.0, 0.1], rc=1))  # failed: not summarized
+    summary = ago_cli.summarize(runs, warmup=2)
+    opt = summary["clipped"]["optimized"]
+    assert opt["step_s_all"] == [2.0, 2.0, 2.1, 2.2] and opt["median_s_per_step"] == pytest.approx(2.05)
+    assert opt["step_s_by_round"] == {"0": [2.0, 2.0], "1": [2.1, 2.2]}
+    assert opt["warmup_step_s"] == [[9.0, 8.0], [9.0, 8.0]] and opt["runs"] == 2
+    assert opt["optimizer_tail_s"] == pytest.approx(0.205) and opt["lanes"]["compute"] == pytest.approx(1.025)
+    assert opt["frac_clipped"] == 1.0 and opt["frac_redone"] == 0.5 and opt["frac_deferred"] == 1.0
+    assert opt["frac_next_forward_overlapped"] is None and "next_forward_overlapped" in opt["fields_missing"]
+    assert summary["clipped"]["serial"]["frac_deferred"] is None
+    assert summary["noclip"]["naive"]["frac_clipped"] == 0.0 and summary["noclip"]["optimized"]["runs"] == 2
+    k = ago_cli.keys(summary)
+    assert k["speedup_vs_serial"] == pytest.approx(4.05 / 2.05)
+    assert k["speedup_vs_naive"] == pytest.approx(3.05 / 2.05)
+    assert k["speedup_vs_serial_noclip"] == pytest.approx(4.05 / 2.05)
+    assert k["ordering_holds"] is True and k["ordering_by_case"] == {"clipped": True, "noclip": True}
+    assert k["clipped_fraction"] == 1.0
+    summary["noclip"]["naive"]["median_s_per_step"] = 2.0  # optimized no longer fastest there
+    assert ago_cli.keys(summary)["ordering_holds"] is False
+    del summary["clipped"]
+    k = ago_cli.keys(summary)
+    assert k["speedup_vs_serial"] is None and k["clipped_fraction"] is None
+    assert ago_cli.schedule(["a", "b"], ["x", "y"], 2) == [
+        (0, "a", "x"), (0, "a", "y"), (0, "b", "x"), (0, "b", "y"),
+        (1, "a", "y"), (1, "b", "x"), (1, "b", "y"), (1, "a", "x")]
+
+
+def test_ago_cli_runs_finetune_on_the_tiny_preset(tmp_path, capsys):
+    out, scratch = tmp_path / "res" / "ago_cli.json", tmp_path / "scratch"
+    rc = ago_cli.main(["--model", "tiny", "--steps", "3", "--seq-len", "32", "--rounds", "1", "--cases", "clipped",
+                       "--modes", "serial", "optimized", "--pause", "0", "--scratch", str(scratch), "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert len(report["commands"]) == 2 and all("--mode" in c and "engine.resident_mem=0" in c
+                                                for c in report["commands"])
+    for mode in ("serial", "optimized"):
+        s = report["cases"]["clipped"][mode]
+        assert s["n_measured_steps"] == 1 and len(s["warmup_step_s"][0]) == 2 and s["median_s_per_step"] > 0
+        assert "optimizer_tail" in s["lanes"]
+    assert report["clipped_fraction"] == 1.0  # random init: every step clips at the default norm 1.0
+    assert report["ordering_holds"] in (True, False) and report["git_commit"]
+    assert "## clipped" in out.with_suffix(".md").read_text()
+    assert not scratch.exists()  # stores, metrics files and logs removed
+    assert "run 2/2" in capsys.readouterr().out

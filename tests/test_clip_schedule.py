@@ -97,3 +97,19 @@ def test_the_model_is_scaled_by_what_the_measured_kind_says_of_it():
         s.observe(stats(0.9, step_s=8.0))  # measured 2x the model's t_iter
     defer, redo = s.costs(estimate(t_iter=4.0, t_deferred=5.0, t_redo=7.0))
     assert defer == pytest.approx(2.0) and redo == pytest.approx(6.0)
+
+
+def test_a_schedule_never_measured_is_tried_for_two_steps_where_that_is_cheap():
+    s = ClipSchedule(cfg())
+    s.observe(stats(0.05, deferred=True))
+    choices = []
+    for k in range(120):  # deferring is priced cheaper by the model: every step defers, but speculation is tried
+        sp = s.speculate(estimate(t_deferred=3.0))
+        choices.append(sp)
+        s.observe(stats(0.05, step_s=5.0 if sp else 4.0, deferred=not sp))
+    assert choices.count(True) == 2 and choices[choices.index(True) + 1]  # two in a row: the second is timed
+    assert s._costs.measured["speculated"] == 5.0  # measured now: no more probes
+    s2 = ClipSchedule(cfg())
+    for _ in range(120):  # every step clips: speculating would redo, so it is never tried
+        assert s2.speculate(estimate()) is False
+        s2.observe(stats(3.0, deferred=True))

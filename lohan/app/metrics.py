@@ -162,6 +162,10 @@ class StepMetrics:
     """Factor the gradients were multiplied by (``clip_grad_norm_``'s, at most 1); None without clipping."""
     redone: bool = False
     """The speculative update guessed the clip coefficient wrong and was redone from the previous slot."""
+    deferred: bool = False
+    """The update waited for the global gradient norm (clipping's deferred schedule, or slots=1)."""
+    next_forward_overlapped: bool = False
+    """The next step's forward ran beside this step's optimizer pass (a deferred or redone one)."""
     skipped: bool = False
     """The loss or the gradients were not finite: the step was not applied (its batch is consumed)."""
     loss_scale: float | None = None
@@ -195,6 +199,8 @@ class StepMetrics:
         grad_norm: float | None = None,
         clip_coef: float | None = None,
         redone: bool = False,
+        deferred: bool = False,
+        next_forward_overlapped: bool = False,
         skipped: bool = False,
         loss_scale: float | None = None,
         eval_loss: float | None = None,
@@ -242,6 +248,8 @@ class StepMetrics:
             grad_norm=grad_norm,
             clip_coef=clip_coef,
             redone=redone,
+            deferred=deferred,
+            next_forward_overlapped=next_forward_overlapped,
             skipped=skipped,
             loss_scale=loss_scale,
             eval_loss=None if eval_loss is None else float(eval_loss),
@@ -258,7 +266,8 @@ class StepMetrics:
             flops=stats.flops or 0.0, ssd_read_bytes=stats.ssd_read_bytes, ssd_write_bytes=stats.ssd_write_bytes,
             cpu_mem_bytes=stats.cpu_mem_bytes, gpu_mem_bytes=stats.gpu_mem_bytes, lanes=stats.lanes,
             overlap_pct=100 * stats.overlap_efficiency, grad_norm=stats.grad_norm, clip_coef=stats.clip_coef,
-            redone=stats.redone, skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
+            redone=stats.redone, deferred=stats.deferred, next_forward_overlapped=stats.next_forward_overlapped,
+            skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
             eval_s=eval_s, network_bytes=stats.network_bytes)
 
     def to_dict(self) -> dict[str, Any]:

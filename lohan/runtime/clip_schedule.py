@@ -40,6 +40,13 @@ if TYPE_CHECKING:
 HISTORY = 16
 """Recent gradient norms the clip probability is estimated from."""
 
+PROBE_EVERY = 50
+"""Steps after which a schedule never measured is tried for two steps (the second one is timed), where trying it
+is cheap: deferring (its modeled cost), or speculating while a clip is unlikely (`PROBE_P_CLIP`). Otherwise a run
+that always makes one choice would price the other from the model alone."""
+
+PROBE_P_CLIP = 0.1
+
 
 class ClipSchedule:
     """The speculate-or-defer choice of `clip_mode` (module docstring), fed each step's `StepStats`."""
@@ -54,6 +61,8 @@ class ClipSchedule:
         self._costs: ClipCosts | None = None  # made from the first estimate (the plan of the first step)
         self._early: list[tuple[str, float]] = []  # steady step times measured before that
         self._prev: str | None = None
+        self._since_probe = 0  # steps since the last probe (or the start)
+        self._probe_left = 0  # steps of the probe still to run
         self.last_choice: dict[str, float | str | None] = {}  # why the last step was scheduled as it was
 
     def speculate(self, estimate: Estimate | None = None) -> bool:
@@ -70,8 +79,24 @@ class ClipSchedule:
             return self.last_coef == 1.0
         defer, redo = costs
         p = clip_probability(list(self.norms), self.cfg.max_grad_norm, HISTORY)
+        choice = should_speculate(p, defer, redo)
         self.last_choice = {"rule": "cost", "p_clip": p, "defer_s": defer, "redo_s": redo}
-        return should_speculate(p, defer, redo)
+        if self._probe(choice, p):
+            self.last_choice["rule"] = "probe"
+            return not choice
+        return choice
+
+    def _probe(self, choice: bool, p_clip: float) -> bool:
+        """Whether this step tries the other schedule (`PROBE_EVERY`)."""
+        if self._probe_left:
+            self._probe_left -= 1
+            return True
+        other = "deferred" if choice else "speculated"
+        cheap = other == "deferred" or p_clip < PROBE_P_CLIP
+        if other in self._costs.measured or not cheap or self._since_probe < PROBE_EVERY:
+            return False
+        self._since_probe, self._probe_left = 0, 1
+        return True
 
     def costs(self, estimate: Estimate | None) -> tuple[float, float] | None:
         """(defer, redo): seconds a deferred step, and a redone one, take beyond a right speculation
@@ -86,6 +111,7 @@ class ClipSchedule:
 
     def observe(self, stats: StepStats) -> None:
         """A committed step's outcome: its norm, its coefficient and, in steady state, its time."""
+        self._since_probe += 1
         if stats.skipped:
             self._prev = None
             return
