@@ -391,15 +391,14 @@ class EngineConfig:
     2.09 GiB peak RSS. A value other than ``auto`` and ``0`` needs ``resident_records``."""
 
     readahead_mem: int | str = "auto"
-    """Main memory (part of ``cpu_mem``) for optimizer records read during backward ahead of an update that
-    waits for the global gradient norm (a clipped step's deferred update, and every update with ``slots=1``):
-    those READs then run under backward instead of after it, beside the CPU work and the device. Used in
-    ``optimized`` mode only (``serial`` reads nothing before backward ends, ``naive`` one block at a time).
-    ``auto``: what ``resident_mem: auto`` leaves of its half of the memory ``cpu_mem`` and the machine's
-    available memory leave after the other pools and the gradient stash (so with ``resident_mem: 0`` that
-    whole half), never more than reading every record ahead takes; ``0``: only the record pool's
-    ``max_inflight_blocks`` buffers read ahead. Resident records serve the same purpose and more (their
-    READs are never made), so ``auto`` gives them the memory first."""
+    """Main memory (part of ``cpu_mem``) for optimizer records READ ahead of their update, in ``optimized`` mode:
+    during backward, ahead of an update that waits for the global gradient norm (a clipped step's deferred
+    update, every update with ``slots=1``), so those READs run under backward instead of after it; and ahead of
+    the gradients when the update runs during backward (the SSDs' pace evens out). ``auto``: what ``resident_mem:
+    auto`` leaves of its half of the memory ``cpu_mem`` and the machine's available memory leave after the other
+    pools and the gradient stash (so with ``resident_mem: 0`` that whole half), never more than reading every
+    record ahead takes; ``0``: only the record pool's ``max_inflight_blocks`` buffers read ahead. Resident records
+    serve the same purpose and more (their READs are never made), so ``auto`` gives them the memory first."""
 
     heap_reuse: bool = True
     """Have glibc's malloc serve every allocation from its heap and keep what is freed there for reuse

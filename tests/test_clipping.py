@@ -361,4 +361,5 @@ def test_every_step_clipped_is_bit_exact(make_dirs, slots, mode, readahead):
     ecfg = config(make_dirs(2), slots=slots, mode=mode, max_grad_norm=1e-3, readahead_mem=readahead)
     metrics = check(tiny_cfg(), ecfg, lookahead=True)
     assert all(m["clip_coef"] < 1 and m["deferred"] and not m["redone"] for m in metrics), metrics
-    assert all(m["next_forward_overlapped"] for m in metrics[:-1])
+    # (serial mode is the ablation's baseline: nothing runs beside its optimizer pass)
+    assert [m["next_forward_overlapped"] for m in metrics] == [mode != "serial"] * (STEPS - 1) + [False]

@@ -27,13 +27,13 @@ from lohan.models.gpt import build_model
 from lohan.plan.planner import capacity, engine_pools, parse_hardware
 from lohan.plan.pools import (
     MemoryPlanError,
-    defers,
     grad_itemsize,
     model_geometry,
     plan_host_memory,
     plan_resident,
     ram_budget,
     readahead_every,
+    reads_ahead,
 )
 from lohan.runtime.engine import pool_geometry
 from lohan.runtime.parallel import shard_bounds, shard_layout
@@ -107,7 +107,7 @@ def test_the_plan_over_the_grid(dtype, tied, world):
             assert plan.resident == min(resident, plan.resident_all), case
         # the read-ahead room (a step that may defer its update, optimized mode): what resident_mem auto leaves of
         # its half, never more than holding every record at once takes
-        if defers(ecfg):
+        if reads_ahead(ecfg):
             every = readahead_every(geom.store, plan.chunk_elems, plan.records + plan.resident)
             before = plan.total - plan.readahead - (plan.resident if resident == "auto" else 0)
             share = (CPU_MEM - before) // 2 - (plan.resident if resident == "auto" else 0)

@@ -8,7 +8,8 @@ import math
 import re
 
 import pytest
-from test_clipping import STEPS, batches, check, config, reference, same_weights, tiny_cfg
+from test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
+from test_clipping import config as _config
 
 import lohan
 from io_engine.base import align_up
@@ -21,6 +22,12 @@ from lohan.plan.pools import (
     record_pool_bytes,
 )
 from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
+
+
+def config(dirs, **kw):
+    """test_clipping's, without the read-ahead room (optimized mode's, `readahead_mem`): these tests size the record
+    pool by its resident records."""
+    return _config(dirs, **{"readahead_mem": 0, **kw})
 
 
 def _layout(sizes: list[int]) -> StoreLayout:

@@ -61,13 +61,14 @@ an unclipped step costs ``T_iter``; ``phase(L) = max(L) + (sum(L) - max(L)) / n`
   and every step with ``slots=1``). Backward runs the lanes ``B0`` of ``t_serial``'s backward (no ``cpu``, the
   SSDs read P16 and the overflow); the SSD time the slowest of them leaves idle, ``idle = max(B0) - B0[ssd]``,
   takes first the READs of the records the read-ahead room holds (``Profile.readahead_params``), then, with
-  ``follow`` (two slots: the next batch's forward follows the update block by block), the previous step's writes
-  still in flight (write-behind). The update phase ``U`` then runs AdamW over every block with the remaining
-  READs and the writes, and with ``follow`` the next step's forward beside it, whose P16 come straight from the
+  ``follow`` and ``write_behind`` (two slots: the next batch's forward follows the update block by block, and
+  the update's last writes complete during the next backward), the previous step's writes still in flight. The
+  update phase ``U`` then runs AdamW over every block with the remaining READs and the writes, and with ``follow``
+  (the next batch known; in place too) the next step's forward beside it, whose P16 come straight from the
   update (its ``gpu``, ``g2m`` and ``m2g`` lanes and its overflow writes, no P16 from the SSDs)::
 
       read  = 12 (P - R) / bw_s2m;  ahead = min(12 RA / bw_s2m, idle);  W = (12 + s) P / bw_m2s
-      spill = min(W, idle - ahead) if follow else 0
+      spill = min(W, idle - ahead) if follow and write_behind else 0
       B_def = B0 + {ssd: ahead + spill}
       U     = {cpu: P / rate, ssd: read - ahead + W - spill}  [+ T_f's gpu, g2m, m2g and alpha / bw_m2s: follow]
       t_deferred = [T_f if not follow] + phase(B_def) + phase(U)
@@ -231,8 +232,11 @@ class Profile:
     """Params whose records the read-ahead room holds: read during backward ahead of a deferred update
     (``pools.HostMemoryPlan.readahead``), none of them resident."""
     follow: bool = True
-    """The next step's forward runs beside a deferred or redone update (two slots, the next batch known);
-    False with ``slots=1``, whose next forward starts after the update."""
+    """The next step's forward runs beside a deferred or redone update (the next batch known, as the training
+    loop always gives it); False: it starts after the update."""
+    write_behind: bool = True
+    """The writes still in flight when a deferred update ends complete during the next backward (two slots, one
+    process: `engine.write_behind`); False with ``slots=1``, whose step is committed only once written."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -374,9 +378,9 @@ def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[s
     writes = profile.states / hw.bw_m2s
     read = 12 * (p - profile.resident_params) / hw.bw_s2m
     idle = max(serial_b.values()) - serial_b["ssd"]
-    # READs issued ahead fill the SSD time backward leaves idle; write-behind (follow only) takes what they leave
+    # READs issued ahead fill the SSD time backward leaves idle; write-behind (with follow) takes what they leave
     ahead = min(12 * profile.readahead_params / hw.bw_s2m, idle)
-    spill = min(writes, idle - ahead) if profile.follow else 0.0
+    spill = min(writes, idle - ahead) if profile.follow and profile.write_behind else 0.0
     backward = {**serial_b, "ssd": serial_b["ssd"] + ahead + spill}
     # with follow, the next forward runs beside the update: its P16 come from it, not from the SSDs
     beside = {k: lanes_f[k] for k in ("gpu", "g2m", "m2g")} if profile.follow else {}
@@ -1046,7 +1050,7 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     written each step but not read (``Profile.resident_params``). 0 (the default, and the paper's method) keeps
     only what the record pool holds beside its streaming buffers. ``readahead_mem`` (bytes or ``auto``, the
     engine's setting) is the room for records read during backward ahead of an update that waits for the norm,
-    planned when a step may (``pools.defers``: clipping under ``clip_mode`` auto or defer, or ``slots=1``); the
+    planned in optimized mode (``pools.reads_ahead``); the
     records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
                         resident_mem, cpu_mem, readahead_mem, clip_mode)
@@ -1059,7 +1063,7 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     # the room holds whole records (P32, m, v, P16) of parameters not resident
     ahead = min(host.readahead // (12 + profile.p16_itemsize), profile.param_count - resident)
     plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
-                                          follow=slots == 2))
+                                          write_behind=slots == 2))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs

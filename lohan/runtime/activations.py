@@ -100,11 +100,11 @@ class ActivationManager:
 
     def _optimizer_fields(self, param_count: int) -> dict[str, Any]:
         """The profile's fields on the optimizer's records: resident ones, those read ahead (never more than the
-        parameters not resident: the profile checks it), and whether the next forward follows a deferred update
-        (two slots)."""
+        parameters not resident: the profile checks it), and whether a deferred update's last writes complete
+        during the next backward (write-behind: two slots)."""
         resident = min(self.resident_params, param_count)
         return {"resident_params": resident, "readahead_params": min(self.readahead_params, param_count - resident),
-                "follow": self.cfg.slots == 2}
+                "write_behind": self.cfg.slots == 2 and self.cfg.write_behind}
 
     def needs_prepare(self, batch: int, seq: int) -> bool:
         return len(self.inner) > 0 and self._shape != (batch, seq)

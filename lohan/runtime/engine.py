@@ -392,8 +392,10 @@ class Engine:
     def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
         """The next batch's ids on the device when its forward may run during this step's optimizer pass: the
         same shape (no new activation profile). In place (slots=1) too: that forward takes every block's new P16
-        from the pass, never from the slot being rewritten."""
-        if next_batch is None:
+        from the pass, never from the slot being rewritten. Not in serial mode: the baseline of the ablation is
+        ZeRO-Infinity's schedule, the optimizer after backward with nothing beside it (the next step starts once
+        it is done), whether or not the step clips."""
+        if next_batch is None or self.cfg.mode == "serial":
             return None
         nxt, _ = self._check_batch(next_batch)
         return self.device.put(nxt) if nxt.shape == idx.shape else None

@@ -6,7 +6,8 @@ WRITE(i) = P32, m, v, P16 to the next slot (one sequential request each way).
 
 Modes:
 - ``serial``: nothing happens until backward is over, then the blocks are updated with READs
-  prefetched one block ahead (the ZeRO-Infinity way: overlap inside the optimizer, none with backward).
+  prefetched one block ahead (the ZeRO-Infinity way: overlap inside the optimizer, none with backward, and
+  the next step's forward starts after it: the engine gives serial passes no next forward to run beside).
 - ``naive``: as each block's gradients arrive, READ(i) -> ADAM(i) -> WRITE(i), one after the other.
 - ``optimized``: READ(i-1) is issued before WRITE(i), so WRITE(i) overlaps ADAM(i-1) and the SSD
   reads and writes, CPU Adam and device backward all proceed at once (Fig. 3b).
