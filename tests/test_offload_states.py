@@ -71,7 +71,8 @@ def test_every_buffer_is_back_after_a_step(make_dirs, mode):
 
 def test_a_write_behind_pass_leaves_its_tail_writing_until_it_is_drained(make_dirs):
     data = list(batches(2))
-    # a deferred pass followed by the next forward, and a pool that holds the model: every write is held
+    # a deferred pass followed by the next forward, and a pool that holds the model: every write ends in the tail
+    # (held while READs were still to come, issued at once after the last one, none reaped before the next pass)
     with lohan.init(tiny_cfg(), config(make_dirs(1), clip_mode="defer", max_inflight_blocks=8)) as engine:
         ago = engine.offloader
         engine.step(data[0], next_batch=data[1])
@@ -79,7 +80,8 @@ def test_a_write_behind_pass_leaves_its_tail_writing_until_it_is_drained(make_di
         tail = len(ago.behind.tail)
         assert tail == len(engine.layout.blocks)
         assert ago.buffers.counts().get("writing") == tail
-        assert ago.buffers.moves[BufState.UPDATING, BufState.HELD] == tail
+        held, direct = (ago.buffers.moves.get((BufState.UPDATING, to), 0) for to in (BufState.HELD, BufState.WRITING))
+        assert held + direct == tail and direct >= 1
         ago.drain_tail()
         assert ago.tail_done.is_set() and not ago.behind.tail
         assert ago.buffers.counts() == ({"resident": len(ago.resident)} if ago.resident else {})
