@@ -465,6 +465,10 @@ def run_opening(bench: Bench, case: str, mode: str, rnd: int) -> tuple[list[dict
         opening["pools"] = {name: getattr(engine, f"{name}_pool").stats() for name in ("params", "grads", "records")}
     finally:
         engine.close()
+        # The engine keeps freed memory in glibc's heap for reuse (engine.heap_reuse): its pools would stay
+        # resident after it closed, and the next opening in this process would carry them in its peak RSS.
+        from lohan.runtime.heap import release_free_memory
+        release_free_memory()
     return records, opening
 
 

@@ -255,10 +255,10 @@ class Engine:
         `next_batch`, the batch of the following step where the caller knows it: when this step's optimizer
         pass runs after backward (an update deferred until the gradient norm was known, or a redone one), it
         runs in forward order, and the next step's forward runs meanwhile on each block's new parameters as
-        soon as its update is done; `step(next_batch)` then starts at its backward. The same bits either
-        way, and this step is committed before `step` returns; with `write_behind` (such a pass, one process)
-        the commit is staged and becomes durable during the next step's backward, once the pass's last
-        writes are complete (or at `flush` / `close`).
+        soon as its update is done; `step(next_batch)` then starts at its backward (not in serial mode, the
+        ablation's baseline). The same bits either way, and this step is committed before `step` returns; with
+        `write_behind` (such a pass, two slots, one process) the commit is staged and becomes durable during the
+        next step's backward, once the pass's last writes are complete (or at `flush` / `close`).
         """
         if self._broken:
             raise RuntimeError(self._broken)
