@@ -80,7 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(ALL_MODES))
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=["clipped", "noclip"])
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every (case, mode) once, rotated")
-    p.add_argument("--cpu-mem", help="finetune.py --cpu-mem (default: left unset, the CLI's default)")
+    p.add_argument("--cpu-mem", default="8GiB",
+                   help="finetune.py --cpu-mem (default 8GiB, the engine's default and ago_bench's; the CLI's default "
+                        "config, configs/tiny.yaml, gives 2 GiB, too little for 350m); 'none': leave it unset")
     p.add_argument("--extra", default="", help="more finetune.py arguments, one string (split like a shell)")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs finetune.py")
     p.add_argument("--scratch", default=str(REPO / "benchmarks" / "scratch" / "ago_cli"),
@@ -117,7 +119,7 @@ def finetune_command(args: argparse.Namespace, case: str, mode: str, run_dir: Pa
            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--mode", mode,
            "--nvme", str(run_dir / "nvme"), "--overwrite", "--metrics", str(run_dir / "metrics.jsonl"),
            "--set", "engine.resident_mem=0", *CASES[case]]
-    if args.cpu_mem:
+    if args.cpu_mem and args.cpu_mem != "none":
         cmd += ["--cpu-mem", args.cpu_mem]
     return cmd + shlex.split(args.extra)
 
