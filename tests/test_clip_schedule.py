@@ -103,7 +103,7 @@ def test_a_schedule_never_measured_is_tried_for_two_steps_where_that_is_cheap():
     s = ClipSchedule(cfg())
     s.observe(stats(0.05, deferred=True))
     choices = []
-    for k in range(120):  # deferring is priced cheaper by the model: every step defers, but speculation is tried
+    for _ in range(120):  # deferring is priced cheaper by the model: every step defers, but speculation is tried
         sp = s.speculate(estimate(t_deferred=3.0))
         choices.append(sp)
         s.observe(stats(0.05, step_s=5.0 if sp else 4.0, deferred=not sp))
