@@ -21,7 +21,11 @@ which `prof.events()` does not for the GPU-side annotations), per profiled step:
 
 The engine streams every block's bf16 parameters host -> device on a side stream ahead of the block computing
 (DESIGN.md "Device abstraction"), so copies should hide under compute: the script exits 1 when the overlap of
-the profiled steps together is below `--min-overlap` (default 0.5), or when it saw no copies at all. The
+the profiled steps together is below `--min-overlap` (default 0.5) *and* the copy time no kernel covered is over
+`--max-exposed` (default 0.05) of the steps' wall time, or when it saw no copies at all. The second clause is for
+a GPU that waits on the host: on the first H100 run (125m, 8 x 1024) kernels were busy 6% of the step, the engine
+waiting on its SSD lanes and the parameters they produce, so a copy issued when its bytes arrived had nothing to
+overlap. The report lists the engine's lanes of the profiled steps beside the GPU's view. The
 interval arithmetic is in the pure functions below (tested on synthetic intervals in
 tests/test_gpu_timeline_math.py).
 
@@ -51,6 +55,7 @@ sys.path.insert(0, str(HERE.parent))  # lohan, when run from anywhere
 
 STEP_PREFIX = "gpu_timeline_step_"
 COPY_DIRECTIONS = ("HtoD", "DtoH")  # host <-> device: what the overlap check is about
+LANES = ("compute", "param_wait", "ssd_read", "ssd_write", "checksum", "cpu_adam", "optimizer_tail")
 
 Interval = tuple[float, float]
 
@@ -205,15 +210,22 @@ def copy_kinds(trace: GpuTrace, windows: Sequence[Interval]) -> list[dict[str, A
     return [{"name": k, "count": int(v[0]), "bytes": int(v[1]), "us": v[2]} for k, v in sorted(kinds.items())]
 
 
-def verdict(total: dict[str, Any], min_overlap: float) -> tuple[bool, str]:
-    """Whether the copies overlapped compute enough, and the sentence that says so."""
+def verdict(total: dict[str, Any], min_overlap: float, max_exposed: float = 0.05) -> tuple[bool, str]:
+    """Whether the copies were hidden well enough, and the sentence that says so.
+
+    Hidden: at least ``min_overlap`` of the copy time ran under kernels, or the copy time no kernel covered is at
+    most ``max_exposed`` of the steps' wall time. The second clause is for a GPU that mostly waits on the host
+    (the SSDs, the CPU optimizer): with nothing queued to hide under, a copy issued the moment its data is ready
+    runs alone, and what it can add to the step is its own exposed time."""
     frac = total["copy_overlap_fraction"]
     if frac is None:
         return False, ("no host<->device copy was seen in the profiled steps: the parameters were not streamed to "
                        "the GPU, or the profiler did not record CUDA activity")
-    ok = frac >= min_overlap
+    exposed = (total["host_device_copy_us"] - total["copy_overlap_us"]) / total["wall_us"]
+    ok = frac >= min_overlap or exposed <= max_exposed
     return ok, (f"{100 * frac:.1f}% of the {total['host_device_copy_us'] / 1e3:.2f} ms of host<->device copies ran "
-                f"while a kernel ran ({'at least' if ok else 'below'} the required {100 * min_overlap:.0f}%)")
+                f"while a kernel ran (required: {100 * min_overlap:.0f}%), and the copy time no kernel covered is "
+                f"{100 * exposed:.1f}% of the steps' wall time (allowed: {100 * max_exposed:.0f}%)")
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -230,6 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="profiled steps")
     p.add_argument("--min-overlap", type=float, default=0.5,
                    help="exit 1 when less than this share of the copy time overlaps kernels")
+    p.add_argument("--max-exposed", type=float, default=0.05,
+                   help="...or when the copy time no kernel covers is over this share of the step (a GPU that waits "
+                        "on the host has no kernels to hide copies under; then this bounds what copies cost)")
     p.add_argument("--nvme", help="directory for the store (default: a fresh one in benchmarks/scratch, deleted)")
     p.add_argument("--out", help="JSON report path (a .md summary is written next to it); default "
                                  "benchmarks/results/gpu_timeline.json")
@@ -240,8 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1")
     if args.warmup < 1:
         p.error("--warmup must be >= 1 (the first step profiles the model and allocates the pools)")
-    if not 0 <= args.min_overlap <= 1:
-        p.error("--min-overlap is a fraction in [0, 1]")
+    if not 0 <= args.min_overlap <= 1 or not 0 <= args.max_exposed <= 1:
+        p.error("--min-overlap and --max-exposed are fractions in [0, 1]")
     return args
 
 
@@ -307,7 +322,7 @@ def run(args: argparse.Namespace, nvme: Path, trace_path: Path) -> dict[str, Any
                   "params": mcfg.param_count()},
         "settings": {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "act_policy": args.act_policy,
                      "cpu_mem": args.cpu_mem, "warmup": args.warmup, "steps": args.steps,
-                     "min_overlap": args.min_overlap},
+                     "min_overlap": args.min_overlap, "max_exposed": args.max_exposed},
         "activations": {k: plan.get(k) for k in ("policy", "swap", "tiers")},
         "engine_steps": [{k: m.get(k) for k in keep} for m in metrics],
         "unprofiled_step_s_median": statistics.median(m["step_s"] for m in metrics[1:args.warmup])
@@ -350,7 +365,12 @@ def write_report(report: dict[str, Any], out: Path) -> None:
               "GPU idle = 1 - (union of kernel intervals) / (the step's host range, which ends with "
               "`torch.cuda.synchronize()`); copies = union of Memcpy HtoD and DtoH intervals; "
               "\"under kernels\" = the share of that copy time during which some kernel ran.", "",
-              "| copy | count | MB | ms |", "|---|---|---|---|"]
+              "What the engine's host side waited on (its lanes, seconds per step, the profiled steps):", "",
+              "| step | " + " | ".join(LANES) + " |", "|---" * (len(LANES) + 1) + "|"]
+    for rec in report["engine_steps"][-s["steps"]:]:
+        lanes = rec.get("lanes") or {}
+        lines.append(f"| {rec['step']} | " + " | ".join(f"{lanes.get(k, 0.0):.3f}" for k in LANES) + " |")
+    lines += ["", "| copy | count | MB | ms |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['count']} | {c['bytes'] / 1e6:.1f} | {c['us'] * ms:.2f} |"
               for c in report["copy_kinds"]]
     lines += ["", "| top kernels | calls | ms |", "|---|---|---|"]
@@ -377,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(work / "trace.json", args.keep_trace)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    passed, why = verdict(report["total"], args.min_overlap)
+    passed, why = verdict(report["total"], args.min_overlap, args.max_exposed)
     report.update(passed=passed, verdict=why)
     write_report(report, out)
     tot = report["total"]

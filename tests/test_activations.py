@@ -155,3 +155,22 @@ def test_profile_from_a_saved_profile_trains_exactly(make_dirs, tmp_path):
     assert_params_equal(params, ref_params)
     with pytest.raises(ValueError, match="is for batch 4"), lohan.init(mcfg, ecfg.with_overrides(name="b8")) as e:
         e.step(next(batches(1, 8, 32, 256)))
+
+
+def test_attention_flops_count_the_query_heads_on_every_fused_kernel():
+    """Grouped-query attention (fewer key/value heads): the profile counts Q·K^T and P·V over the query heads,
+    and does so itself for every fused kernel (torch 2.11's table refused these shapes on CUDA)."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lohan.runtime.profiler import _EXTRA_FLOPS
+
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+               aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu):
+        assert op in _EXTRA_FLOPS
+    b, hq, hkv, t, d = 2, 4, 2, 16, 8
+    q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fc:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert fc.get_total_flops() == 2 * (2 * b * hq * t * t * d)

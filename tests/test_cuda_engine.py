@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -206,7 +207,10 @@ def test_detect_hardware_reports_the_gpu(tmp_path, monkeypatch):
     free, total = torch.cuda.mem_get_info()
     assert 0 < m.hardware.gpu_mem <= total == props.total_memory  # what is free: the context holds some
     assert m.hardware.name.startswith(torch.cuda.get_device_name().replace(" ", "_"))
-    assert m.hardware.thp_g > 1e12, f"bf16 matmul measured at {m.hardware.thp_g / 1e12:.3g} TFLOPS"
+    # a rate, so not under the stream sanitizer (gpu_suite's cuda-sanitizer step), which checks every kernel
+    # launch on the host (0.78 TFLOPS on an H100 there, 724 without)
+    if not os.environ.get("TORCH_CUDA_SANITIZER"):
+        assert m.hardware.thp_g > 1e12, f"bf16 matmul measured at {m.hardware.thp_g / 1e12:.3g} TFLOPS"
     monkeypatch.delenv("LOHAN_DEVICE", raising=False)  # the suite pins 'auto' to the CPU (conftest.py)
     auto = detect_hardware((str(tmp_path),), device="auto", gpu_mem=12 << 30)
     assert not auto.device_is_host and auto.hardware.gpu_mem == 12 << 30  # a smaller budget than the device's

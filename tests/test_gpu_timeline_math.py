@@ -112,7 +112,10 @@ def test_window_stats_idle_copies_and_overlap():
 def test_verdict_asserts_the_overlap():
     tr = gt.classify(_trace())
     total = gt.combine([gt.window_stats(tr, w) for w in tr.windows.values()])
-    assert gt.verdict(total, 0.5)[0] and not gt.verdict(total, 0.9)[0]
+    assert gt.verdict(total, 0.5, max_exposed=0)[0] and not gt.verdict(total, 0.9, max_exposed=0)[0]
+    exposed = (total["host_device_copy_us"] - total["copy_overlap_us"]) / total["wall_us"]
+    assert gt.verdict(total, 0.9, max_exposed=exposed)[0] and not gt.verdict(total, 0.9, max_exposed=exposed * 0.99)[0]
+    assert "no kernel covered" in gt.verdict(total, 0.9, max_exposed=0)[1]
     no_copies = gt.combine([gt.window_stats(gt.classify([_x("kernel", "k", 0, 5)]), (0, 10))])
     ok, why = gt.verdict(no_copies, 0.0)
     assert not ok and "no host<->device copy" in why  # nothing to assert about: a failure, not a pass
@@ -139,6 +142,7 @@ def test_report_is_written_as_json_and_markdown(tmp_path):
               "settings": {"batch": 8, "seq": 1024, "dtype": "bf16", "act_policy": "plan", "cpu_mem": "16GiB",
                            "warmup": 3, "steps": 2, "min_overlap": 0.5},
               "activations": {"policy": "plan", "swap": [], "tiers": {"keep": 12, "cpu": 0, "ssd": 0}},
+              "engine_steps": [{"step": k, "lanes": {"compute": 0.1, "param_wait": 0.25}} for k in (1, 2, 3)],
               "unprofiled_step_s_median": 0.5, "profiled_step_s": [0.6, 0.61], "per_step": steps, "total": total,
               "top_kernels": gt.top_kernels(tr, windows), "copy_kinds": gt.copy_kinds(tr, windows),
               "passed": passed, "verdict": why}
@@ -147,3 +151,4 @@ def test_report_is_written_as_json_and_markdown(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "**PASS**" in md and "| all | 0.2 | 0.1 | 25.0% |" in md and "80.0%" in md
     assert '"copy_overlap_fraction": 0.8' in out.read_text()
+    assert "| 3 | 0.100 | 0.250 | 0.000 |" in md and "| 1 | 0.100" not in md  # the profiled steps' lanes

@@ -30,7 +30,9 @@ from tests.test_hf_families import family_dir  # noqa: F401 - a fixture the HF t
 
 @pytest.fixture
 def dev():
-    return Device("sim")
+    d = Device("sim")
+    yield d
+    d.close()
 
 
 # ------------------------------------------------------------------------------------ the simulation
@@ -150,6 +152,35 @@ def test_records_ask_attention_kernels_for_the_logsumexp_backward_needs():
     assert torch.equal(lse, rec.leaves[1])
 
 
+def test_records_pack_device_outputs_and_leave_host_outputs_and_nones_as_they_are(dev, make_dirs):
+    """Finding 3, from the first CUDA run: CUDA's flash and memory-efficient attention return their RNG seed and
+    offset as host tensors, and some outputs are None. A record packs and copies only device tensors (a host one
+    given to the copy stream crashed, `record_stream` on a CPU tensor), and a None output comes back as None
+    (it was taken for a packed slot, and the record's leaves ran out)."""
+    from io_engine import open_volume
+    from lohan.runtime.activation_store import ActivationStore, OpRecord
+
+    vol = open_volume(make_dirs(1), 1 << 20, backend="threads", name="acts")
+    store = ActivationStore(dev, BufferPool(1 << 20), vol.buffer_pool(1 << 20), vol)
+    out, lse, seed = dev.put(torch.randn(2, 8, 4)), dev.put(torch.randn(2, 8)), torch.tensor(105685)
+    x = dev.put(torch.randn(2, 8, 4))
+    try:
+        for tier in ("keep", "cpu", "ssd"):
+            leaves = [out, lse, None, None, seed, torch.tensor(0), 3]
+            store.put((1, 0), x, [OpRecord("attn", "aten.fake", None, list(leaves))], tier)
+            store.end_forward()
+            store.prefetch([(1, 0)])
+            got_x, (rec,) = store.take((1, 0))
+            assert len(rec.leaves) == len(leaves)
+            for want, got in zip([x, out, lse], [got_x, *rec.leaves[:2]]):
+                assert isinstance(got, SimTensor) and torch.equal(dev.fetch(got), dev.fetch(want))
+            assert rec.leaves[2:4] == [None, None] and rec.leaves[4] is seed and rec.leaves[6] == 3
+            store.release((1, 0))
+        store.end_step()
+    finally:
+        vol.close()
+
+
 # ------------------------------------------------------------------------------- the engine on the simulation
 @pytest.fixture
 def sim(monkeypatch):
@@ -265,6 +296,25 @@ def test_a_run_whose_gpu_memory_plan_exceeds_the_device_is_refused_at_its_first_
     with lohan.init(mcfg, eq.engine_config(make_dirs(1, "big"), gpu_mem="1GiB", name="big")) as engine:
         engine.step(next(eq.batches(1, 4, 32, 256)))
         assert engine.gpu_plan and 0 < sum(engine.gpu_plan.values()) < 1 << 30
+
+
+@pytest.mark.parametrize("policy", ["swap-all", "plan"])
+def test_an_hf_models_gpu_memory_plan_prices_its_own_ops(sim, make_dirs, tmp_path, policy):
+    """Finding 4, from the first CUDA run: an HF block's ops are its sub-modules (`self_attn`, `mlp`), which the
+    analytic GPT profile does not have, so pricing the swap set raised KeyError at the first step on every GPU
+    (the check runs where a GPU budget exists: CUDA always, here with gpu_mem). The run's measured profile
+    prices it: the last block's record holds the swapped ops' bytes beside the block input."""
+    from lohan.runtime.hf_engine import init_from_hf
+    from tests import test_hf as hft
+
+    path = hft.make_hf_dir(tmp_path / "llama", "llama")
+    ecfg = hft.engine_config(make_dirs(1), gpu_mem="1GiB", act_policy=policy)
+    with init_from_hf(path, ecfg) as engine:
+        engine.step(next(hft.batches(1, batch=4, seq=32)))
+        profile, plan = engine.activations.profile, engine.activations.plan
+        swapped = sum(op.bytes for op in profile.ops if op.name in plan.swap)
+        assert engine.gpu_plan["last block kept"] == profile.input_bytes + swapped
+        assert policy != "swap-all" or swapped > 0
 
 
 def test_each_blocks_copy_to_the_device_starts_while_the_block_before_it_computes(sim, make_dirs):

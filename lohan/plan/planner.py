@@ -920,21 +920,32 @@ def check_gpu_budget(need: Mapping[str, int], budget: int, what: str = "this run
 
 
 def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype: str, micro_batches: int,
-             prefetch_depth: int, swap: Sequence[str], world: int = 1) -> dict[str, int]:
+             prefetch_depth: int, swap: Sequence[str], world: int = 1,
+             measured: Profile | None = None) -> dict[str, int]:
     """Bytes the engine allocates on the GPU at a step's peak, by part (the keys are printed in plans and
     errors). The CUDA context lies outside the caching allocator: budget this against the *free* memory.
 
     ``batch`` is this process's (one rank's) batch; ``world`` the data-parallel ranks, which make the
-    gradients fp32 as micro-batches do (``engine.grad_dtype``). ``swap``: the ops the plan swaps.
+    gradients fp32 as micro-batches do (``engine.grad_dtype``). ``swap``: the ops the plan swaps, named as in
+    ``measured`` when given (the run's profile of ``batch`` x ``seq``, which sizes the activations: an HF
+    block's ops are its own sub-modules, not the analytic GPT block's), else as in :func:`analytic_profile`.
     """
     s = _itemsize(compute_dtype)
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
     g = pools.grad_itemsize(compute_dtype, micro_batches, world)  # the host gradient buffers' dtype
     mb = math.ceil(batch / micro_batches)
-    micro = analytic_profile(cfg, mb, seq, hw, compute_dtype)
-    full = analytic_profile(cfg, batch, seq, hw, compute_dtype)
+    full = measured if measured is not None else analytic_profile(cfg, batch, seq, hw, compute_dtype)
     sizes = {op.name: op.bytes for op in full.ops}
+    unknown = sorted(set(swap) - set(sizes))
+    if unknown:
+        raise ValueError(f"gpu_need: the swap set names ops {unknown} that the {full.source} profile of "
+                         f"{full.model!r} does not have (its ops: {list(sizes)})")
     record = full.input_bytes + sum(sizes[n] for n in swap)  # one block's record, every micro-batch
+    if measured is not None:  # measured for the whole batch; a micro-batch's share, rounded up
+        block_acts = math.ceil((full.input_bytes + sum(sizes.values())) / micro_batches)
+    else:
+        micro = analytic_profile(cfg, mb, seq, hw, compute_dtype)
+        block_acts = micro.input_bytes + sum(op.bytes for op in micro.ops)
     tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
     need = {
         # the block computing, the next one copied in, up to k kept over the forward/backward turn, and a
@@ -953,7 +964,7 @@ def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype
         need["borrowed gradients"] = micro_batches * s * tied
     need.update({
         # recomputing a block materializes every op of one micro-batch, and backward as many gradients
-        "block activations": 2 * (micro.input_bytes + sum(op.bytes for op in micro.ops)),
+        "block activations": 2 * block_acts,
         # micro-batches are interleaved per block, so the last block keeps the whole batch's record
         "last block kept": record,
         # and the records of the block before, brought back ahead of its backward

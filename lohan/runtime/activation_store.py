@@ -49,6 +49,17 @@ log = logging.getLogger(__name__)
 TENSOR_ALIGN = 64  # each tensor of a packed record starts on a cache line
 
 
+class _Packed:
+    """Marks a record leaf whose value lives in the packed buffer. A sentinel, not None: ops return None among
+    their outputs too (CUDA's attention kernels do), and those must come back as None."""
+
+    def __repr__(self) -> str:
+        return "<packed>"
+
+
+PACKED = _Packed()
+
+
 class ActivationReplayError(RuntimeError):
     """The recompute did not issue the ops that were recorded in forward."""
 
@@ -259,7 +270,10 @@ class ActivationStore:
     # -- forward
     def put(self, key: tuple[int, int], x: Tensor, records: list[OpRecord], tier: str) -> None:
         """Store block input `x` and the recorded op outputs of one block and micro-batch on `tier`."""
-        tensors = [x.detach()] + [t for r in records for t in r.leaves if isinstance(t, Tensor)]
+        # Only device tensors are packed and copied. An op may also return host tensors (CUDA's flash and
+        # memory-efficient attention return their RNG seed and offset on the CPU): those stay as they are.
+        packs = self.device.holds
+        tensors = [x.detach()] + [t for r in records for t in r.leaves if packs(t)]
         entry = _Entry(tier, records)
         if tier not in ("keep", "cpu", "ssd"):
             raise ValueError(f"unknown activation tier {tier!r} (keep, cpu or ssd)")
@@ -293,7 +307,7 @@ class ActivationStore:
                 self._outgoing.append(entry)  # written once its copy from the device is complete
                 self._write_out(wait=False)
             for r in records:  # the record keeps metadata only; values live in the packed buffer
-                r.leaves = [None if isinstance(t, Tensor) else t for t in r.leaves]
+                r.leaves = [PACKED if packs(t) else t for t in r.leaves]
         self.bytes[tier] += entry.nbytes
         self._entries[key] = entry
 
@@ -403,7 +417,7 @@ class ActivationStore:
                 self._free(e)
         it = iter(tensors[1:])
         for r in e.records:
-            r.leaves = [next(it) if t is None else t for t in r.leaves] if e.tensors is None else r.leaves
+            r.leaves = [next(it) if t is PACKED else t for t in r.leaves] if e.tensors is None else r.leaves
         return tensors[0], e.records
 
     def release(self, key: tuple[int, int]) -> None:

@@ -122,6 +122,15 @@ class Device:
             return self.sim.empty(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=self.torch)
 
+    def holds(self, t: Any) -> bool:
+        """Whether `t` is a tensor in this device's memory (on the CPU device: any CPU tensor). Ops on a GPU
+        may return host tensors too (an attention kernel's RNG seed), which device copies must leave alone."""
+        if not isinstance(t, Tensor):
+            return False
+        if self.sim is not None:
+            return t.device == SIM_DEVICE
+        return t.is_cuda if self.is_cuda else t.device.type == "cpu"
+
     # ------------------------------------------------------------------ asynchronous copies
     def to_device(self, host: Tensor) -> Transfer:
         """Start copying a host tensor to the device on the copy stream (on the CPU: the tensor itself).

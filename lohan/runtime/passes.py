@@ -154,7 +154,8 @@ class BlockPasses:
         mcfg = shape()
         hw = self.activations.profile.hardware
         self.gpu_plan = gpu_need(mcfg, batch, seq, hw, self.cfg.compute_dtype, self.cfg.micro_batches,
-                                 self.cfg.prefetch_depth, self.activations.plan.swap, self.world)
+                                 self.cfg.prefetch_depth, self.activations.plan.swap, self.world,
+                                 measured=self.activations.profile)
         check_gpu_budget(self.gpu_plan, budget, f"{mcfg.name} at batch {batch} x seq {seq} on {self.device.type}")
 
     def end_backward(self, read_slot: int) -> dict[str, Any]:

@@ -30,14 +30,22 @@ from lohan.store.files import remove_volume
 
 
 def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    """Forward FLOPs of attention: Q·K^T and P·V, 2 FLOPs per multiply-add each (no causal discount)."""
+    """Forward FLOPs of attention: Q·K^T and P·V, 2 FLOPs per multiply-add each (no causal discount), over the
+    query heads: with grouped-query attention the keys and values have fewer heads, each shared by several."""
     b, h, t, d = q_shape
     s, dv = k_shape[-2], v_shape[-1]
     return 2 * b * h * t * s * d + 2 * b * h * t * s * dv
 
 
-# torch's table does not cover the CPU flash kernel
-_EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
+# Every fused attention kernel is counted here, the same way on every device and torch version: torch's table
+# does not cover the CPU flash kernel, and before 2.13 it refuses grouped-query shapes (an AssertionError
+# from `sdpa_flop_count` at the first step of an HF model with fewer key/value heads, seen on CUDA).
+_EXTRA_FLOPS = {op: _sdpa_flops for op in (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+)}
 
 
 def _timed(fn: Callable[[], object], device: Device, repeats: int, warmup: int = 1) -> float:
@@ -76,7 +84,7 @@ def profile_block(run: Callable[[Tensor], Tensor], block: torch.nn.Module, x: Te
     nbytes = dict.fromkeys(names, 0)
     for rec in mode.records:
         for t in rec.leaves:
-            if isinstance(t, Tensor):
+            if device.holds(t):  # what a record packs (host outputs such as an RNG seed stay as they are)
                 nbytes[rec.op] += align_up(t.numel() * t.element_size(), TENSOR_ALIGN)
 
     params = [p for p in block.parameters() if p.requires_grad]

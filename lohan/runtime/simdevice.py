@@ -403,6 +403,7 @@ class SimDevice:
         if self._worker.is_alive():
             self._jobs.put(None)
             self._worker.join()
+            _HOST.uninstall()
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far."""
@@ -431,14 +432,22 @@ class _HostRanges:
         self._ranges: dict[int, tuple[int, int, SimEvent, str]] = {}
         self._ids = itertools.count()
         self._installed = False
+        self._open = 0  # simulated devices not yet closed: only while one is, released buffers are poisoned
 
     def install(self) -> None:
         from io_engine.buffers import add_release_hook
 
         with self._lock:
+            self._open += 1
             if not self._installed:
                 add_release_hook(self.on_release)
                 self._installed = True
+
+    def uninstall(self) -> None:
+        """A simulated device closed: once none is open, releases are plain again (later code in the same
+        process, a CPU test, must not find its released buffers poisoned)."""
+        with self._lock:
+            self._open = max(0, self._open - 1)
 
     def track(self, t: Tensor, ev: SimEvent, how: str) -> None:
         start = t.data_ptr()
@@ -449,6 +458,8 @@ class _HostRanges:
             self._ranges[next(self._ids)] = (start, end, ev, how)
 
     def on_release(self, t: Tensor, poison: bool) -> None:
+        if not self._open:
+            return
         start = t.data_ptr()
         end = start + t.numel() * t.element_size()
         with self._lock:
