@@ -2,31 +2,33 @@
 # The GPU suite in one command: what a CPU-only machine cannot check. Everything it prints also goes to
 # benchmarks/results/gpu_suite_<date>.log; a step that fails does not stop the others.
 #
-#   make install && bash benchmarks/gpu_suite.sh         # every step, ~25 min on one H100 (estimate)
-#   bash benchmarks/gpu_suite.sh --quick                  # without make-test and e2e, ~12 min
+#   make install && bash benchmarks/gpu_suite.sh         # every step, ~13 min on one H100
+#   bash benchmarks/gpu_suite.sh --quick                  # without make-test and e2e, ~3 min
 #   bash benchmarks/gpu_suite.sh --only timeline          # one step; --only a,b,c for several
-#   bash benchmarks/gpu_suite.sh --with-ago               # + ago_bench.py --quick on the GPU (~3 min more)
+#   bash benchmarks/gpu_suite.sh --with-ago               # + ago_bench.py --quick on the GPU (not yet timed there)
 #   PY=/path/to/python bash benchmarks/gpu_suite.sh       # another interpreter than .venv/bin/python
 #
-# Steps (NAME: what runs; time on one H100, estimated: no GPU run has been recorded yet):
+# Steps (NAME: what runs; time on one H100 as measured on 2026-11-26, benchmarks/results/gpu_suite_20261126_h100.log,
+# make-test, dp-2gpu and ago estimated):
 #   io-engine       python -m io_engine info: the NVMe I/O backends (builds the aio op the first time: minutes)  ~10 s
 #   make-test       the CPU suite, `make test` (pytest -q; $PY -m pytest -q without make). The three GPU
 #                   files with steps of their own below are left out of it (PYTEST_ADDOPTS --ignore)      ~9 min
 #   cuda-sanitizer  the CUDA tests (tests/test_cuda_*.py but those three, test_gpu_memory_plan.py, the io
 #                   test with a device tensor) with -m "" under TORCH_CUDA_SANITIZER=1: PyTorch's stream
-#                   sanitizer fails a test on a kernel that touches a tensor another stream still uses   ~4 min
+#                   sanitizer fails a test on a kernel that touches a tensor another stream still uses   ~1 min
 #   swap-backends   tests/test_cuda_swap_backends.py: swapped activations == recompute-all per SDPA backend
 #                   (MATH bit-exact; default, EFFICIENT, cuDNN, flash within stated tolerances), fp32
-#                   and bf16, CPU and SSD tiers, and a sliding-window HF model                            ~4 min
-#   hf-cuda         tests/test_cuda_hf.py: an HF Llama fine-tuned on CUDA vs a torch loop, its export     ~1 min
+#                   and bf16, CPU and SSD tiers, and a sliding-window HF model                            ~40 s
+#   hf-cuda         tests/test_cuda_hf.py: an HF Llama fine-tuned on CUDA vs a torch loop, its export     ~20 s
 #   dp-2gpu         tests/test_cuda_dp.py: torchrun with 2 ranks, each on its own GPU only (skipped,
 #                   not failed, when nvidia-smi -L lists fewer than 2 GPUs)                               ~1 min
 #   e2e             finetune.py --overwrite on its defaults (configs/tiny.yaml, device auto = the GPU) into
 #                   a temporary directory, with --export; then the metrics (every step, finite, the loss
-#                   falls, on the GPU) and the export (loads with transformers, runs on CUDA) are checked  ~2 min
+#                   falls, on the GPU) and the export (loads with transformers, runs on CUDA) are checked  ~40 s
 #   timeline        benchmarks/gpu_timeline.py: a 125m-preset step under torch.profiler: GPU idle fraction,
-#                   copy time; fails when under half the host<->device copy time overlaps kernels         ~1 min
-#   tflops          benchmarks/gpu_block_tflops.py: one 6b/13b block's TFLOPS against the measured peak  ~1 min
+#                   copy time; fails when under half the host<->device copy time overlaps kernels and the
+#                   copy time no kernel covers is over 5% of the step                                     ~20 s
+#   tflops          benchmarks/gpu_block_tflops.py: one 6b/13b block's TFLOPS against the measured peak  ~15 s
 #   ago             (only with --with-ago, or --only ago) ago_bench.py --quick on the GPU                  ~3 min
 # One command on a lent machine may run 10 minutes at most: run make-test alone there (--only make-test).
 #
