@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-build-isolation -e ".[dev,bench]"
+	$(PIP) install -q --no-build-isolation -e ".[dev,bench,track]"
 	@touch $@
 
 install: sysdeps $(VENV)/.installed
