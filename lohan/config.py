@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -576,6 +577,31 @@ MAX_STEPS = 2**24
 """The most optimizer steps a run may ask for: AdamW's step counter is a float32 tensor (exact to 2**24)."""
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""What ``report_to`` takes (the names HF Trainer uses), besides ``none`` and ``all``."""
+
+
+def parse_report_to(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"tensorboard,wandb"`` / ``["mlflow"]`` / ``"all"`` / ``"none"`` -> the trackers, in the given order.
+
+    Raises:
+        ValueError: An unknown name (the message lists the known ones).
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else [s for v in value for s in str(v).split(",")]
+    names = [s.strip().lower() for s in items if s.strip()]
+    if names in (["none"], []):
+        return ()
+    if names == ["all"]:
+        return TRACKERS
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"report_to: unknown tracker(s) {', '.join(unknown)}: choose from {', '.join(TRACKERS)} "
+                         "(comma-separated), 'all' or 'none'")
+    return tuple(dict.fromkeys(names))
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A fine-tuning run: which model, which data, how long, and the engine settings.
@@ -611,6 +637,14 @@ class RunConfig:
     metrics: str | None = None
     """JSONL file receiving one record per step (default: ``<first nvme dir>/../metrics.jsonl``)."""
 
+    report_to: tuple[str, ...] | str = ()
+    """Experiment trackers that receive each step's record and the run's settings: ``tensorboard``, ``wandb``,
+    ``mlflow`` (comma-separated in a string), ``all`` or ``none`` (the default). See :mod:`lohan.app.tracking`."""
+
+    logging_dir: str | None = None
+    """Where the trackers write (``tensorboard/``, ``wandb/``, ``mlruns/`` inside it); default
+    ``<the metrics file's directory>/<engine.name>.logs``."""
+
     eval_data: str | None = None
     """A ``.txt`` or ``.jsonl`` file to evaluate on (read like ``data``, with the model's tokenizer)."""
 
@@ -636,6 +670,12 @@ class RunConfig:
             problems.append("model_overrides must be a mapping of ModelConfig fields")
         if not isinstance(self.data, str) or not self.data:
             problems.append(f"data={self.data!r}: give a .txt or .jsonl file, or 'synthetic'")
+        try:
+            object.__setattr__(self, "report_to", parse_report_to(self.report_to))
+        except ValueError as err:
+            problems.append(str(err))
+        if self.logging_dir is not None and (not isinstance(self.logging_dir, str) or not self.logging_dir):
+            problems.append(f"logging_dir={self.logging_dir!r}: give a directory path or leave it unset")
         if self.metrics is not None and not isinstance(self.metrics, str):
             problems.append(f"metrics={self.metrics!r}: give a file path (JSONL) or leave it unset")
         for name in ("steps", "batch_size"):

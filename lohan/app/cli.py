@@ -50,6 +50,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
+    "report_to": (None, "report_to"), "logging_dir": (None, "logging_dir"),
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
 }
 
@@ -105,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
     p.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
     p.add_argument("--metrics", help="JSONL metrics file (one record per step)")
+    p.add_argument("--report-to", metavar="TRACKERS",
+                   help="also send each step's metrics and the run's settings to tensorboard, wandb and/or mlflow "
+                        "(comma-separated; 'all'; default none). wandb runs offline unless WANDB_MODE says otherwise; "
+                        "mlflow writes a local store unless MLFLOW_TRACKING_URI is set")
+    p.add_argument("--logging-dir", metavar="DIR",
+                   help="where the trackers write (default: <metrics dir>/<run name>.logs)")
     p.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")
     p.add_argument("--eval-fraction", type=float, metavar="F",
                    help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")

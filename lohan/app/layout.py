@@ -6,7 +6,8 @@ A run never deletes or overwrites a file it did not write (DESIGN.md §5). Its o
   (``<name>.*``, ``<name>-*``: slabs, manifests, commit record, run state, profile) and its default metrics;
 - the metrics JSONL (``--metrics``; by default ``<nvme>/<name>.metrics.jsonl``, so that two runs never share
   it) and its plot beside it (``.png``);
-- the export directory (``--export``), replaced whole, and the ``.partial`` sibling it is written into.
+- the export directory (``--export``), replaced whole, and the ``.partial`` sibling it is written into;
+- the trackers' directory (``--logging-dir``, with ``--report-to``), where they only add files of their own.
 
 Its inputs: the model directory, the data and eval data files, the config file. `RunLayout.problems` finds,
 before anything is written, every path that would make the run destroy or corrupt something: an output that
@@ -52,8 +53,10 @@ class RunLayout:
     """Every path of a run, with the checks that keep a run from destroying what is not its own."""
 
     def __init__(self, nvme: tuple[str, ...], store_name: str, metrics: str | os.PathLike,
-                 export: str | os.PathLike | None = None, inputs: dict[str, str | os.PathLike] | None = None) -> None:
+                 export: str | os.PathLike | None = None, inputs: dict[str, str | os.PathLike] | None = None,
+                 logging_dir: str | os.PathLike | None = None) -> None:
         self.store_name = store_name
+        self.logging_dir = Path(logging_dir) if logging_dir else None
         self.metrics = Path(metrics)
         self.plot = self.metrics.with_suffix(".png")
         self.export = Path(export) if export else None
@@ -63,6 +66,8 @@ class RunLayout:
         if self.export is not None:
             outs += [Place("--export", _real(self.export), "dir", True),
                      Place("the export's staging directory", _real(partial_dir(self.export)), "dir", True)]
+        if self.logging_dir is not None:  # the trackers only add files of their own (time- and id-stamped) there
+            outs.append(Place("--logging-dir", _real(self.logging_dir), "store", True))
         ins = [Place(label, _real(p), "dir" if os.path.isdir(p) else "file", False)
                for label, p in (inputs or {}).items() if p]
         self.places = outs + ins
@@ -101,6 +106,8 @@ class RunLayout:
                        "--metrics path (the plot is written beside it, as .png), or move that file away")
         elif self.plot.is_dir():
             out.append(f"the metrics plot goes to {self.plot}, which is a directory: choose another --metrics path")
+        if self.logging_dir is not None and self.logging_dir.exists() and not self.logging_dir.is_dir():
+            out.append(f"--logging-dir {self.logging_dir} is a file: the trackers need a directory; choose another")
         if self.export is not None:
             for problem in (_foreign_export(self.export), _foreign_export(partial_dir(self.export), "staging ")):
                 if problem:

@@ -46,6 +46,7 @@ from lohan.app.metrics import (
     progress_bar,
     report_step,
 )
+from lohan.app.tracking import Trackers, flat_params, missing_packages
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
 from lohan.crashpoints import crashpoint
 from lohan.data import (
@@ -474,7 +475,7 @@ def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: 
         raise Refusal(f"{run.epochs:,} epochs of {per_epoch:,} steps are {steps:,} steps, more than lohan counts "
                       f"({MAX_STEPS:,}); ask for fewer epochs")
     layout = run_layout(run, model, export, config)
-    problems = [] if dry_run else layout.problems()
+    problems = missing_packages(run.report_to) + ([] if dry_run else layout.problems())
     if problems:
         raise Refusal("; ".join(problems))
     return _Run(run, model, seq_len, dataset, eval_set, per_epoch, steps, layout, dp, console)
@@ -671,7 +672,9 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     next step's forward beside it."""
     run, steps, start = ctx.run, ctx.steps, engine.step_count
     writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
-    with writer_cm as writer, progress_bar(steps, ctx.console, completed=start) as bar:
+    report_to = run.report_to if ctx.main_rank else ()
+    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run))
+    with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
         position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
         batch = next(batches) if start < steps else None
         run_state = data_state if data_state is not None and data_state.get("step") == start else None
@@ -690,6 +693,7 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
             history.append(sm)
             if writer is not None:
                 writer.write(sm)
+            trackers.log(sm)
             report_step(bar, sm, steps)
 
 
@@ -795,7 +799,8 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
               "--data": None if run.data == "synthetic" else run.data, "--eval-data": run.eval_data,
               "--config": config}
     metrics = run.metrics or default_metrics(e.nvme[0], e.name)
-    return RunLayout(e.nvme, e.name, metrics, export, inputs)
+    logging_dir = (run.logging_dir or Path(metrics).parent / f"{e.name}.logs") if run.report_to else None
+    return RunLayout(e.nvme, e.name, metrics, export, inputs, logging_dir)
 
 
 def _export(console: Console, run: RunConfig, model: Model, engine: Engine, layout: RunLayout,
