@@ -637,6 +637,10 @@ class RunConfig:
     metrics: str | None = None
     """JSONL file receiving one record per step (default: ``<first nvme dir>/../metrics.jsonl``)."""
 
+    log_every: int | None = None
+    """Steps between log lines (the first, the last and evaluating steps always get one); None: every step on a
+    terminal, about 200 lines over the run in a log file."""
+
     report_to: tuple[str, ...] | str = ()
     """Experiment trackers that receive each step's record and the run's settings: ``tensorboard``, ``wandb``,
     ``mlflow`` (comma-separated in a string), ``all`` or ``none`` (the default). See :mod:`lohan.app.tracking`."""
@@ -670,6 +674,8 @@ class RunConfig:
             problems.append("model_overrides must be a mapping of ModelConfig fields")
         if not isinstance(self.data, str) or not self.data:
             problems.append(f"data={self.data!r}: give a .txt or .jsonl file, or 'synthetic'")
+        if self.log_every is not None and (not _is_int(self.log_every) or self.log_every < 1):
+            problems.append(f"log_every={self.log_every!r}: give a number of steps >= 1, or leave it unset")
         try:
             object.__setattr__(self, "report_to", parse_report_to(self.report_to))
         except ValueError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -255,3 +256,43 @@ def test_progress_bar_prints_step_lines_when_not_a_terminal():
         assert line in text  # printed whole, not wrapped or styled
     assert progress.tasks[0].completed == 3
     assert "loss 1.0000" in text  # the final bar shows the last loss
+
+
+def test_log_lines_fit_120_columns_and_carry_elapsed_and_eta():
+    from lohan.app.metrics import LOG_LINE_WIDTH, format_eval_line, format_log_line
+
+    m = _m(step=123_456, loss=10.12345)
+    line = format_log_line(m, 1_000_000, elapsed_s=3_600 * 99 + 59, eta_s=3_600 * 99)
+    assert len(line) <= LOG_LINE_WIDTH and line.startswith("step  123456/1000000 | loss 10.1235")
+    assert line.endswith("99:00:59<99:00:00") and "GB/s" in line and "tok/s" in line
+    m = dataclasses.replace(m, grad_norm=12.5, clip_coef=0.08)
+    huge = format_log_line(m, 10**9, elapsed_s=3_600 * 9_999, eta_s=3_600 * 99_999)
+    assert len(huge) <= LOG_LINE_WIDTH and "tok/s" not in huge and "gnorm 12.500c" in huge  # throughput gives way
+    assert format_log_line(_m(step=1), 10, 1.0, None).endswith("0:00:01<-:--:--")  # no ETA before a rate
+    evaluated = dataclasses.replace(_m(step=5), eval_loss=2.0, eval_ppl=math.exp(2.0), eval_s=0.5)
+    assert format_eval_line(evaluated) == "  eval after step 5: loss 2.0000 | ppl 7.39 | 0.50 s"
+
+
+def test_log_every_defaults_and_which_steps_get_a_line():
+    from lohan.app.metrics import default_log_every, should_log
+
+    assert default_log_every(10_000, terminal=True) == 1
+    assert default_log_every(150, terminal=False) == 1
+    assert default_log_every(10_000, terminal=False) == 50 and default_log_every(1_000_000, terminal=False) == 5000
+    for total in (201, 999, 12_345, 10**7):  # about 200 lines, never more
+        assert 100 <= total / default_log_every(total, terminal=False) <= 201
+    got = [s for s in range(11, 31) if should_log(s, 30, every=10, first=11, evaluated=s == 17)]
+    assert got == [11, 17, 20, 30]  # a resumed run's first step, an evaluating step, every 10th, the last
+
+
+def test_a_log_file_gets_the_short_line_and_the_bar_only_moves_between_lines():
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    progress = progress_bar(4, console=console)
+    with progress:
+        for step in (1, 2, 3, 4):
+            report_step(progress, _m(step=step), total_steps=4, print_line=step in (1, 4))
+        assert progress.tasks[0].completed == 4
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step")]
+    assert [ln.split("|")[0].strip() for ln in lines] == ["step 1/4", "step 4/4"]
+    assert all("<" in ln and "TFLOPS" not in ln for ln in lines)

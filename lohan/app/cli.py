@@ -50,7 +50,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
-    "report_to": (None, "report_to"), "logging_dir": (None, "logging_dir"),
+    "log_every": (None, "log_every"), "report_to": (None, "report_to"), "logging_dir": (None, "logging_dir"),
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
 }
 
@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
     p.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
     p.add_argument("--metrics", help="JSONL metrics file (one record per step)")
+    p.add_argument("--log-every", type=int, metavar="N",
+                   help="a log line every N steps (and the first, the last and evaluating ones); default: every step "
+                        "on a terminal, about 200 lines over the run in a log file")
     p.add_argument("--report-to", metavar="TRACKERS",
                    help="also send each step's metrics and the run's settings to tensorboard, wandb and/or mlflow "
                         "(comma-separated; 'all'; default none). wandb runs offline unless WANDB_MODE says otherwise; "

@@ -360,6 +360,67 @@ def format_step_line(m: StepMetrics, total_steps: int | None = None) -> str:
     return " | ".join(parts)
 
 
+def _hms(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    h, minutes = divmod(minutes, 60)
+    return f"{h}:{minutes:02d}:{s:02d}"
+
+
+LOG_LINE_WIDTH = 120
+"""The most columns a plain log line takes (:func:`format_log_line`)."""
+
+
+def format_log_line(m: StepMetrics, total_steps: int, elapsed_s: float, eta_s: float | None) -> str:
+    """The plain line of a step for a log file (no terminal): at most :data:`LOG_LINE_WIDTH` columns, with what a
+    progress bar would show (elapsed, ETA) and without the lanes, memory, FLOPs and step seconds (the metrics JSONL
+    has them).
+
+    Example::
+
+        step  120/2000 | loss  3.4521 | lr 2.00e-04 | gnorm  0.531c |   1,234 tok/s | SSD 1.23/0.98 GB/s | 0:02:27<0:38:32
+
+    (read and write GB/s; the time run so far < the time left).
+
+    An evaluation is a line of its own (:func:`format_eval_line`).
+    """
+    width = len(str(total_steps))
+    parts = [
+        f"step {m.step:>{width}}/{total_steps}",
+        f"loss {_fit(m.loss, 7, '.4f')}",
+        f"lr {_fit(m.lr, 8, '.2e')}",
+        *([f"gnorm {_fit(m.grad_norm, 6, '.3f')}{_step_flag(m)}"] if m.grad_norm is not None else []),
+        f"{_fit(m.tokens_per_s, 7, ',.0f')} tok/s",
+        f"SSD {_fit(m.ssd_read_gbps, 4, '.2f')}/{_fit(m.ssd_write_gbps, 4, '.2f')} GB/s",
+        f"{_hms(elapsed_s)}<{'-:--:--' if eta_s is None else _hms(eta_s)}",  # elapsed<left, as tqdm shows them
+    ]
+    line = " | ".join(parts)
+    while len(line) > LOG_LINE_WIDTH and len(parts) > 3:  # runs of 10^6 steps or 100+ hours: drop throughput first
+        parts.pop(-3)
+        line = " | ".join(parts)
+    return line
+
+
+def format_eval_line(m: StepMetrics) -> str:
+    """The line of an evaluation, below its step's line in a log file."""
+    ppl = m.eval_ppl if m.eval_ppl is not None else perplexity(m.eval_loss or math.nan)
+    return f"  eval after step {m.step}: loss {m.eval_loss:.4f} | ppl {ppl:.2f} | {m.eval_s or 0.0:.2f} s"
+
+
+def default_log_every(total_steps: int, terminal: bool) -> int:
+    """Steps between log lines when ``--log-every`` is not given: every step on a terminal (the bar is live), else
+    about 200 lines over the run, on a round number of steps (a long run's log stays readable)."""
+    if terminal or total_steps <= 200:
+        return 1
+    raw = total_steps / 200
+    return int(next(n for n in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10**4, 10**5, 10**6)
+                    if n >= raw))
+
+
+def should_log(step: int, total_steps: int, every: int, first: int = 1, evaluated: bool = False) -> bool:
+    """Whether a step gets its line: the run's first step, every ``every``-th, the last, and any that evaluated."""
+    return step == first or step == total_steps or step % every == 0 or evaluated
+
+
 # ------------------------------------------------------------------------------------- JSONL file
 
 
@@ -651,21 +712,34 @@ def progress_bar(total_steps: int | None, console: Console | None = None, comple
 
 
 def report_step(
-    progress: Progress, m: StepMetrics, total_steps: int | None = None, task_id: TaskID | None = None
+    progress: Progress, m: StepMetrics, total_steps: int | None = None, task_id: TaskID | None = None,
+    print_line: bool = True,
 ) -> str:
     """Print the step line above the bar and move the bar to step ``m.step`` with its loss.
+
+    On a terminal the line is :func:`format_step_line`'s; without one (a log file) the shorter
+    :func:`format_log_line`, with the elapsed time and ETA the bar would show, and an eval on a line of its own.
 
     Args:
         progress: From :func:`progress_bar`.
         m: The step's metrics.
         total_steps: For the ``step/total`` field of the line.
         task_id: Task to update; the first task of ``progress`` if None.
+        print_line: False moves the bar only (a step between ``--log-every`` lines).
 
     Returns:
         The printed line (for logs).
     """
-    line = format_step_line(m, total_steps)
-    progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
     task = progress.tasks[0].id if task_id is None else task_id
+    line = format_step_line(m, total_steps)
+    if print_line:
+        console = progress.console
+        if not console.is_terminal and total_steps is not None:  # a log file: the short line, with the bar's ETA
+            t = next(t for t in progress.tasks if t.id == task)
+            progress.update(task, completed=m.step)
+            line = format_log_line(m, total_steps, t.elapsed or 0.0, t.time_remaining)
+            if m.eval_loss is not None:
+                line += "\n" + format_eval_line(m)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     progress.update(task, completed=m.step, loss=f"loss {m.loss:.4f}")
     return line

@@ -41,10 +41,12 @@ from lohan.app.layout import EXPORT_MARKER, RunLayout, default_metrics, partial_
 from lohan.app.metrics import (
     MetricsWriter,
     StepMetrics,
+    default_log_every,
     format_summary,
     plot_metrics,
     progress_bar,
     report_step,
+    should_log,
 )
 from lohan.app.tracking import Trackers, flat_params, missing_packages
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
@@ -674,6 +676,7 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
     trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run))
+    every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
         position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
         batch = next(batches) if start < steps else None
@@ -694,7 +697,7 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
             if writer is not None:
                 writer.write(sm)
             trackers.log(sm)
-            report_step(bar, sm, steps)
+            report_step(bar, sm, steps, print_line=should_log(step, steps, every, start + 1, eval_loss is not None))
 
 
 def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> None:
