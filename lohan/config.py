@@ -635,7 +635,7 @@ class RunConfig:
     """Tokens per sequence; defaults to the model's ``seq_len``."""
 
     metrics: str | None = None
-    """JSONL file receiving one record per step (default: ``<first nvme dir>/../metrics.jsonl``)."""
+    """JSONL file receiving one record per step (default: ``<first nvme dir>/<engine.name>.metrics.jsonl``)."""
 
     log_every: int | None = None
     """Steps between log lines (the first, the last and evaluating steps always get one); None: every step on a
@@ -646,7 +646,7 @@ class RunConfig:
     ``mlflow`` (comma-separated in a string), ``all`` or ``none`` (the default). See :mod:`lohan.app.tracking`."""
 
     logging_dir: str | None = None
-    """Where the trackers write (``tensorboard/``, ``wandb/``, ``mlruns/`` inside it); default
+    """Where the trackers write (``tensorboard/``, ``wandb/``, ``mlflow/`` inside it); default
     ``<the metrics file's directory>/<engine.name>.logs``."""
 
     eval_data: str | None = None

@@ -94,3 +94,19 @@ def test_the_header_states_the_schedule(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("optimizer: AdamW lr 0.002, warm-up 15 step(s), cosine to 0.0002 at step 150, weight decay 0.01, "
             "betas (0.9, 0.95), eps 1e-08; gradients clipped at global norm 1 (auto)") in out
+
+
+def test_help_config_lists_every_key_with_its_default_and_meaning(capsys):
+    import dataclasses
+
+    from lohan.config import EngineConfig, RunConfig
+
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(RunConfig):
+        if f.name not in ("engine", "model_overrides"):
+            assert f"\n  {f.name}  [" in out
+    for f in dataclasses.fields(EngineConfig):
+        assert f"\n  engine.{f.name}  [" in out
+    assert "  engine.cpu_mem  [8GiB] tiny.yaml: 2GiB\n      Main-memory budget" in out  # built-in, shipped, doc
+    assert "``" not in out and ":mod:" not in out  # read as text, not reST

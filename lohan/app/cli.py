@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
                         "presets export fp32)")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every key of a run config and of --set, with its default and meaning, and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -293,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0), or a usage mistake already reported as "error: ..." (2)
         return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if args.help_config:
+        from lohan.app.help_text import config_reference
+
+        print(config_reference(args.config or DEFAULT_CONFIG), end="")
+        return 0
     try:
         return _main(args)
     except Exception as e:  # the safety net: KeyboardInterrupt and SystemExit are not Exceptions
