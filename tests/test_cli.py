@@ -110,3 +110,14 @@ def test_help_config_lists_every_key_with_its_default_and_meaning(capsys):
         assert f"\n  engine.{f.name}  [" in out
     assert "  engine.cpu_mem  [8GiB] tiny.yaml: 2GiB\n      Main-memory budget" in out  # built-in, shipped, doc
     assert "``" not in out and ":mod:" not in out  # read as text, not reST
+
+
+def test_help_is_grouped_with_defaults_and_examples(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    groups = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert groups[-7:] == ["model", "data", "optimization", "memory and storage", "run", "output", "examples"]
+    flat = " ".join(out.split())
+    assert "sequences per optimizer step [8]" in flat and "Adam betas [0.9 0.95]" in flat  # the shipped config's
+    assert "[0]" in flat.split("--seed SEED", 1)[1].split("--nvme", 1)[0]  # a built-in default
+    assert flat.count("python finetune.py") >= 3  # the examples

@@ -62,87 +62,150 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+_EXAMPLES = """examples:
+  python finetune.py                                    # the default run: configs/tiny.yaml, a 2M GPT on the corpus
+  python finetune.py --model runs/tiny-llama --data data/chat_example.jsonl --eval-fraction 0.1 \\
+      --steps 300 --nvme /mnt/ssd0/run /mnt/ssd1/run --export runs/llama-ft --save-every 100 --report-to tensorboard
+  python finetune.py --model 175b --data synthetic --batch-size 1 --dry-run --hardware rtx4090,12xP5510,256GB
+
+Every flag overrides the run config (--config, default configs/tiny.yaml; --help-config lists its keys), and
+--set KEY=VALUE overrides both. A local Hugging Face model without --config trains with fine-tuning defaults
+(lr 2e-5, a 3% warm-up) instead of the demo's schedule."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="finetune.py",
-        description="Fine-tune an LLM with its model states on NVMe SSDs (LoHan). Defaults: configs/tiny.yaml.")
-    p.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
-    p.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face model directory")
-    p.add_argument("--layers", type=int, metavar="N",
+        prog="finetune.py", epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fine-tune an LLM with its model states on NVMe SSDs (LoHan). [brackets]: the value a run without "
+                    "--config starts from (configs/tiny.yaml, else the built-in default).")
+    _model_flags(p.add_argument_group("model"))
+    _data_flags(p.add_argument_group("data"))
+    _optimization_flags(p.add_argument_group("optimization"))
+    _storage_flags(p.add_argument_group("memory and storage"))
+    _run_flags(p.add_argument_group("run"))
+    _output_flags(p.add_argument_group("output"))
+    _show_defaults(p)
+    return p
+
+
+def _model_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face model directory")
+    g.add_argument("--layers", type=int, metavar="N",
                    help="run a slice of the model: its width with its first N transformer layers (a preset, or a "
                         "Hugging Face directory, whose first N layers' weights are imported)")
-    p.add_argument("--data", help="local .txt or .jsonl ({text}, {prompt, response} or {messages} lines) file, "
-                                  "or 'synthetic'")
-    p.add_argument("--steps", type=int, help="optimizer steps to run (in total, when resuming)")
-    p.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
-    p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
-    p.add_argument("--micro-batches", type=int, help="gradient accumulation: micro-batches per step")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--nvme", nargs="+", metavar="DIR", help="one directory per SSD (striped)")
-    p.add_argument("--cpu-mem", help="main-memory budget of the engine, e.g. 8GiB")
-    p.add_argument("--gpu-mem", help="device memory the plan must fit in, e.g. 24GiB (default: the device's)")
-    p.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
-    p.add_argument("--compute-dtype", choices=["bf16", "fp16", "fp32"],
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    g.add_argument("--compute-dtype", choices=["bf16", "fp16", "fp32"],
                    help="device compute precision (fp16 uses dynamic loss scaling)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: the config's; a local Hugging Face model "
-                   f"without --config: {FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
-    p.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
-                   f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
-    p.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
-    p.add_argument("--min-lr-ratio", type=float, help="the cosine decays to lr x this")
-    p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
-    p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
-    p.add_argument("--eps", type=float, help="Adam epsilon")
-    p.add_argument("--max-grad-norm", type=float, metavar="NORM",
-                   help="clip gradients to this global L2 norm (default 1.0; 0 turns clipping off)")
-    p.add_argument("--clip-mode", choices=["auto", "speculate", "defer"],
-                   help="clipping under overlapped updates: speculate and redo, or defer updates (default auto)")
-    p.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
-    p.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
-    p.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
-    p.add_argument("--seed", type=int, help="initialization seed")
-    p.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "sim"],
+    g.add_argument("--device", choices=["auto", "cpu", "cuda", "sim"],
                    help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
-    p.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
-    p.add_argument("--metrics", help="JSONL metrics file (one record per step)")
-    p.add_argument("--log-every", type=int, metavar="N",
+
+
+def _data_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--data", help="local .txt or .jsonl ({text}, {prompt, response} or {messages} lines) file, "
+                                  "or 'synthetic'")
+    g.add_argument("--batch-size", type=int, help="sequences per optimizer step")
+    g.add_argument("--micro-batches", type=int, help="gradient accumulation: micro-batches per step")
+    g.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")
+    g.add_argument("--eval-fraction", type=float, metavar="F",
+                   help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
+    g.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate every N steps and at the end (default: only at the end)")
+
+
+def _optimization_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--steps", type=int, help="optimizer steps to run (in total, when resuming)")
+    g.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
+    g.add_argument("--lr", type=float, help="peak learning rate (a local Hugging Face model without --config: "
+                   f"{FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
+                   f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
+    g.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
+    g.add_argument("--min-lr-ratio", type=float, help="the cosine decays to lr x this")
+    g.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
+    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
+    g.add_argument("--eps", type=float, help="Adam epsilon")
+    g.add_argument("--max-grad-norm", type=float, metavar="NORM",
+                   help="clip gradients to this global L2 norm (0 turns clipping off)")
+    g.add_argument("--clip-mode", choices=["auto", "speculate", "defer"],
+                   help="clipping under overlapped updates: speculate and redo, or defer updates")
+    g.add_argument("--seed", type=int, help="initialization and data-order seed")
+
+
+def _storage_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--nvme", nargs="+", metavar="DIR", help="one directory per SSD (striped)")
+    g.add_argument("--cpu-mem", help="main-memory budget of the engine, e.g. 8GiB")
+    g.add_argument("--gpu-mem", help="device memory the plan must fit in, e.g. 24GiB (default: the device's)")
+    g.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
+    g.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
+    g.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
+    g.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
+    g.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
+    g.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
+
+
+def _run_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable; "
+                        "--help-config lists the keys)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run whose states are in the NVMe directories (from its last committed step, "
+                        "or where its initialization stopped)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="discard the states already in the NVMe directories and start over (without --resume or "
+                        "--overwrite, a directory that holds a run is refused)")
+    g.add_argument("--verify", action="store_true",
+                   help="check every stored record against its checksum, report, and exit (writes nothing)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the plan (placement, bytes per tier, predicted step time) and exit; writes nothing")
+    g.add_argument("--hardware", metavar="DESC",
+                   help="plan for another machine, e.g. 'rtx4090,12xP5510,256GB' (with --dry-run)")
+    g.add_argument("--help-config", action="store_true",
+                   help="list every key of a run config and of --set, with its default and meaning, and exit")
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+def _output_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--metrics", help="JSONL metrics file, one record per step (default: <nvme>/<name>.metrics.jsonl)")
+    g.add_argument("--log-every", type=int, metavar="N",
                    help="a log line every N steps (and the first, the last and evaluating ones); default: every step "
                         "on a terminal, about 200 lines over the run in a log file")
-    p.add_argument("--report-to", metavar="TRACKERS",
+    g.add_argument("--report-to", metavar="TRACKERS",
                    help="also send each step's metrics and the run's settings to tensorboard, wandb and/or mlflow "
                         "(comma-separated; 'all'; default none). wandb runs offline unless WANDB_MODE says otherwise; "
                         "mlflow writes a local store unless MLFLOW_TRACKING_URI is set")
-    p.add_argument("--logging-dir", metavar="DIR",
+    g.add_argument("--logging-dir", metavar="DIR",
                    help="where the trackers write (default: <metrics dir>/<run name>.logs)")
-    p.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")
-    p.add_argument("--eval-fraction", type=float, metavar="F",
-                   help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
-    p.add_argument("--eval-every", type=int, metavar="N",
-                   help="evaluate every N steps and at the end (default: only at the end)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run whose states are in the NVMe directories (from its last committed step, "
-                        "or where its initialization stopped)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="discard the states already in the NVMe directories and start over (without --resume or "
-                        "--overwrite, a directory that holds a run is refused)")
-    p.add_argument("--verify", action="store_true",
-                   help="check every stored record against its checksum, report, and exit (writes nothing)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (placement, bytes per tier, predicted step time) and exit; writes nothing")
-    p.add_argument("--hardware", metavar="DESC",
-                   help="plan for another machine, e.g. 'rtx4090,12xP5510,256GB' (with --dry-run)")
-    p.add_argument("--export", metavar="DIR",
+    g.add_argument("--export", metavar="DIR",
                    help="after training, write the weights as a Hugging Face checkpoint to DIR")
-    p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
+    g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
                         "presets export fp32)")
-    p.add_argument("--help-config", action="store_true",
-                   help="list every key of a run config and of --set, with its default and meaning, and exit")
-    p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    return p
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """Append `[value]` to the help of each flag that maps to a config key: the shipped default config's value, else
+    the built-in default (what a run without --config starts from); flags without one are left as they are."""
+    try:
+        shipped = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {} if DEFAULT_CONFIG.exists() else {}
+    except (OSError, yaml.YAMLError):
+        shipped = {}
+    built_in = {(None, f.name): f for f in dataclasses.fields(RunConfig)}
+    built_in.update({("engine", f.name): f for f in dataclasses.fields(EngineConfig)})
+    for action in p._actions:  # argparse has no public iterator over its actions
+        key = _FLAGS.get(action.dest)
+        if key is None or action.help is None or "[" in action.help:
+            continue
+        section, name = key
+        given = (shipped.get("engine") or {}) if section == "engine" else shipped
+        if name in given:
+            value = given[name]
+        else:
+            f = built_in.get(key)
+            value = None if f is None or f.default is dataclasses.MISSING else f.default
+        if value is not None and value != ():
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            action.help += f" [{str(shown).replace('%', '%%')}]"
 
 
 def load_run_config(args: argparse.Namespace) -> RunConfig:
