@@ -297,3 +297,23 @@ def test_split_picks_a_split_of_a_saved_dataset_dict(tmp_path):
     assert len(TokenDataset.from_source(path, seq_len=8, split="test")) < len(TokenDataset.from_source(path, seq_len=8))
     with pytest.raises(ValueError, match=r"has no split 'dev'; its splits are 'test', 'train'"):
         TokenDataset.from_source(path, seq_len=8, split="dev")
+
+
+# ------------------------------------------------------------------------------------ finetune.py
+def test_eval_data_takes_a_split_of_a_saved_dataset_and_a_dry_run_writes_no_cache(tmp_path, monkeypatch, capsys):
+    from lohan.app.cli import main
+
+    monkeypatch.setenv("LOHAN_DATA_CACHE", str(tmp_path / "cache"))
+    data = _write("saved-dict", _rows(400), tmp_path)
+    run = ["--data", str(data), "--nvme", str(tmp_path / "nvme"), "--metrics", str(tmp_path / "m.jsonl"),
+           "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--backend", "threads",
+           "--set", "model_overrides.n_layer=2"]
+    assert main([*run, "--eval-data", str(data), "--dry-run"]) == 0
+    assert "tokenized for this dry run, not cached" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()
+    assert main([*run, "--eval-data", str(data), "--eval-split", "test"]) == 0
+    out = capsys.readouterr().out
+    assert f"sequences from {data}, at the end" in out and "token cache built" in out and "eval loss" in out
+    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
+    assert main([*run, "--eval-split", "test"]) == 2
+    assert "eval_split picks a split of eval_data" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from lohan.config import PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
+from lohan.config import DATA_FORMATS, PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # lohan/app/cli.py -> the repository
 
@@ -51,6 +51,8 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
+    "data_format": (None, "data_format"), "text_field": (None, "text_field"), "split": (None, "split"),
+    "eval_split": (None, "eval_split"),
 }
 
 
@@ -70,8 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, metavar="N",
                    help="run a slice of the model: its width with its first N transformer layers (a preset, or a "
                         "Hugging Face directory, whose first N layers' weights are imported)")
-    p.add_argument("--data", help="local .txt or .jsonl ({text}, {prompt, response} or {messages} lines) file, "
-                                  "or 'synthetic'")
+    p.add_argument("--data", metavar="PATH",
+                   help="training data: a .txt file (plain text), a file of records (.jsonl, .json, .parquet, .arrow, "
+                        ".csv: text, prompt/response, chat messages, Alpaca or ShareGPT records), a folder written by "
+                        "datasets' save_to_disk, or 'synthetic'; records are tokenized once into the token cache "
+                        "($LOHAN_DATA_CACHE, default: the datasets cache)")
+    p.add_argument("--data-format", choices=DATA_FORMATS,
+                   help="how records are read (default auto: by their columns: messages, conversations -> sharegpt, "
+                        "instruction+output -> alpaca, prompt+response, text); also for --eval-data")
+    p.add_argument("--text-field", metavar="NAME", help="the column holding the text of text records, if not 'text'")
+    p.add_argument("--split", metavar="NAME", help="the split of a saved DatasetDict folder given as --data "
+                                                   "(default train)")
+    p.add_argument("--eval-split", metavar="NAME", help="the split of a saved DatasetDict folder given as --eval-data "
+                                                        "(default train)")
     p.add_argument("--steps", type=int, help="optimizer steps to run (in total, when resuming)")
     p.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
     p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
@@ -105,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
     p.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
     p.add_argument("--metrics", help="JSONL metrics file (one record per step)")
-    p.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")
+    p.add_argument("--eval-data", metavar="PATH", help="evaluate on this data (forward only): anything --data takes")
     p.add_argument("--eval-fraction", type=float, metavar="F",
                    help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
     p.add_argument("--eval-every", type=int, metavar="N",
