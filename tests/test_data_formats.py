@@ -15,6 +15,7 @@ from lohan.data import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     TokenDataset,
+    load_jsonl,
     load_stream,
     to_example,
 )
@@ -299,7 +300,79 @@ def test_split_picks_a_split_of_a_saved_dataset_dict(tmp_path):
         TokenDataset.from_source(path, seq_len=8, split="dev")
 
 
-# ------------------------------------------------------------------------------------ finetune.py
+# --------------------------------------------------------------------- finetune.py on each example
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> str:
+    """A tiny Llama whose tokenizer (trained on the corpus) has a chat template, for the chat examples."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", DATA_DIR.parent / "scripts" / "make_tiny_hf.py")
+    make_tiny_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_hf)
+    return str(make_tiny_hf.make(tmp_path_factory.mktemp("chat") / "llama", "llama", layers=1, hidden=32, heads=2,
+                                 vocab=300))
+
+
+EXAMPLES = [
+    ("alpaca_example.json", ["--data-format", "alpaca"], "alpaca (instruction, input, output); 40 prompt/response"),
+    ("prompt_response_example.parquet", [], "prompt-response (prompt, response); 40 prompt/response"),
+    ("text_example.csv", ["--text-field", "body"], "text (column 'body'); 40 text"),
+    ("sharegpt_example.jsonl", ["--data-format", "sharegpt"], "sharegpt, line by line; 30 chat"),
+    ("messages_example.arrow", [], "messages (messages); 30 chat"),
+    ("saved", ["--split", "train"], "alpaca (instruction, input, output); 40 prompt/response"),
+]
+
+
+@pytest.mark.parametrize(("name", "flags", "read"), EXAMPLES, ids=[e[0] for e in EXAMPLES])
+def test_finetune_trains_on_each_example_file(tmp_path, capsys, request, name, flags, read):
+    from lohan.app.cli import main
+
+    if name == "saved":  # a save_to_disk folder, made here from the Alpaca example (binary: not committed)
+        import datasets
+
+        records = json.loads((DATA_DIR / "alpaca_example.json").read_text())
+        data = tmp_path / "saved"
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(data))
+    else:
+        data = DATA_DIR / name
+    assert data.stat().st_size < 20_000 or data.is_dir()
+    chat = "chat" in read
+    model = ["--model", request.getfixturevalue("chat_model"), "--lr", "1e-3"] if chat else [
+        "--set", "model_overrides.n_layer=2"]
+    argv = ["--data", str(data), *flags, *model, "--nvme", str(tmp_path / "nvme"), "--metrics", str(tmp_path / "m.jsonl"),
+            "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--backend", "threads"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"data: {data}: {read}" in out, out
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["loss"] > 0 for r in records)
+
+
+def test_the_example_files_are_what_their_script_makes_and_the_readme_lists(tmp_path):
+    import importlib.util
+
+    import pyarrow.feather
+    import pyarrow.parquet as pq
+
+    spec = importlib.util.spec_from_file_location("mfe", DATA_DIR.parent / "scripts" / "make_format_examples.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path)]) == 0
+    readme = (DATA_DIR / "README.md").read_text()
+    for name in ("alpaca_example.json", "sharegpt_example.jsonl", "text_example.csv"):
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
+    assert pq.read_table(tmp_path / "prompt_response_example.parquet").equals(
+        pq.read_table(DATA_DIR / "prompt_response_example.parquet"))
+    assert pyarrow.feather.read_table(tmp_path / "messages_example.arrow").equals(
+        pyarrow.feather.read_table(DATA_DIR / "messages_example.arrow"))
+    for name, *_ in EXAMPLES[:-1]:
+        assert f"`{name}`" in readme, name
+    rows = [json.loads(line) for line in (DATA_DIR / "sharegpt_example.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and {t["from"] for r in rows for t in r["conversations"]} == {"system", "human", "gpt"}
+    assert load_jsonl(DATA_DIR / "sharegpt_example.jsonl")[0]["messages"][0]["role"] in ("system", "user")
+
+
 def test_eval_data_takes_a_split_of_a_saved_dataset_and_a_dry_run_writes_no_cache(tmp_path, monkeypatch, capsys):
     from lohan.app.cli import main
 
