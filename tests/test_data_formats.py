@@ -270,6 +270,27 @@ def test_a_build_killed_before_its_manifest_is_not_trusted_and_resumes_from_the_
     assert not list(root.glob("*.partial")) and not list(root.glob("*/tmp*"))
 
 
+def test_concurrent_builders_of_one_source_tokenize_it_once(tmp_path, monkeypatch):
+    """Data-parallel ranks start together: the lock makes one build the cache and the others map it."""
+    import threading
+
+    root = tmp_path / "cache"
+    path = _write("parquet", _rows(600), tmp_path)
+    calls = _count_encodes(monkeypatch)
+    got: list[TokenDataset] = []
+    threads = [threading.Thread(target=lambda: got.append(TokenDataset.from_source(path, seq_len=16, cache_root=root)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 3 and calls["n"] == 1
+    assert sorted("reused" in ds.description for ds in got) == [False, True, True]
+    for ds in got[1:]:
+        _assert_same(ds, got[0])
+    assert len(list(root.iterdir())) == 1  # the folder; no lock file or .partial left
+
+
 def test_a_damaged_cache_folder_is_reported_and_left_alone(tmp_path):
     root = tmp_path / "cache"
     path = _write("jsonl", _rows(100), tmp_path)

@@ -17,15 +17,15 @@ files), the split, ``--data-format``, ``--text-field``, the tokenizer (``dataset
 and special tokens included) and :data:`CACHE_VERSION`. ``seq_len`` is not in it: windows are cut from the stream
 when it is mapped, so any ``--seq-len`` reuses it.
 
-Kill safety, and what lohan removes. A folder is built as ``<name>.partial`` under an advisory lock
-(``<name>.lock``, so data-parallel ranks and concurrent runs build it once) and renamed into place only after both
-files are flushed to disk and ``manifest.json`` (sizes, counts, checksum) is written; a kill at any moment leaves
-at most a ``.partial`` folder, which nothing trusts. The next build of that key continues in it: ``datasets``
-writes its own files through temporary names (its builders through ``.incomplete`` folders, ``map`` through a
-``tmp*`` file renamed when complete), so a completed tokenization there is reused, not redone. lohan removes only
-what it wrote there: the ``tmp*`` files a killed ``map`` left, the intermediate Arrow files once the stream is
-written, and the whole ``.partial`` folder when its build fails on bad data. A finished folder is never modified
-or removed; one that fails its checks is reported, with the command to remove it, and not used.
+Kill safety, and what lohan removes. A folder is built as ``<name>.partial`` under an advisory lock (the file
+``<name>.lock`` while it builds: data-parallel ranks and concurrent runs build it once) and renamed into place only
+after both files are flushed to disk and ``manifest.json`` (sizes, counts, checksum) is written; a kill at any
+moment leaves at most a ``.partial`` folder, which nothing trusts. The next build of that key continues in it:
+``datasets`` writes its own files through temporary names (its builders through ``.incomplete`` folders, ``map``
+through a ``tmp*`` file renamed when complete), so a completed tokenization there is reused, not redone. lohan
+removes only what it wrote there: the ``tmp*`` files a killed ``map`` left, the intermediate Arrow files once the
+manifest is written, and the whole ``.partial`` folder when its build fails on bad data. A finished folder is never
+modified or removed; one that fails its checks is reported, with the command to remove it, and not used.
 """
 
 from __future__ import annotations
