@@ -573,6 +573,10 @@ class EngineConfig:
         return dataclasses.replace(self, **overrides)
 
 
+DATA_FORMATS = ("auto", "text", "prompt-response", "messages", "alpaca", "sharegpt")
+"""How the records of ``data`` are read (``RunConfig.data_format``; lohan.data.formats maps each onto the examples
+lohan trains)."""
+
 MAX_STEPS = 2**24
 """The most optimizer steps a run may ask for: AdamW's step counter is a float32 tensor (exact to 2**24)."""
 
@@ -617,10 +621,23 @@ class RunConfig:
     """Fields of the preset to replace, e.g. ``{vocab_size: 256, seq_len: 256}``."""
 
     data: str = "data/corpus.txt"
-    """A local ``.txt`` file, a ``.jsonl`` file (``{"text": ...}`` or ``{"prompt": ..., "response": ...}``
-    lines, the loss on the response; or ``{"messages": [...]}`` conversations, rendered with the model's
-    chat template, the loss on the assistant turns), or ``synthetic`` for random tokens. Presets use
-    byte-level tokens; a Hugging Face model uses its own tokenizer."""
+    """A local ``.txt`` file (plain text), a file of records (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``,
+    ``.csv``: text, prompt/response with the loss on the response, chat ``messages`` rendered with the model's chat
+    template with the loss on the assistant turns, Alpaca or ShareGPT records; see ``data_format``), a folder
+    written by ``datasets``' ``save_to_disk``, or ``synthetic`` for random tokens. Presets use byte-level tokens; a
+    Hugging Face model uses its own tokenizer. Records are tokenized once into the token cache
+    (``$LOHAN_DATA_CACHE``; lohan/data/token_cache.py)."""
+
+    data_format: str = "auto"
+    """How records are read: ``auto`` (by each record's keys), ``text``, ``prompt-response``, ``messages``,
+    ``alpaca`` (instruction + input as the prompt, in Stanford Alpaca's template; output as the response) or
+    ``sharegpt`` (``conversations`` of human/gpt/system turns, read as chat messages). Also for ``eval_data``."""
+
+    text_field: str | None = None
+    """The column (key) holding the text of ``text`` records, when it is not ``text``. Also for ``eval_data``."""
+
+    split: str | None = None
+    """The split of ``data`` when it is a ``DatasetDict.save_to_disk`` folder (default ``train``)."""
 
     steps: int = 200
     """Optimizer steps to run (the total, counting steps of the run being resumed)."""
@@ -650,7 +667,11 @@ class RunConfig:
     ``<the metrics file's directory>/<engine.name>.logs``."""
 
     eval_data: str | None = None
-    """A ``.txt`` or ``.jsonl`` file to evaluate on (read like ``data``, with the model's tokenizer)."""
+    """A file or saved dataset to evaluate on (anything ``data`` takes, read the same way, with the model's
+    tokenizer)."""
+
+    eval_split: str | None = None
+    """The split of ``eval_data`` when it is a ``DatasetDict.save_to_disk`` folder (default ``train``)."""
 
     eval_fraction: float | None = None
     """Hold out this share of the data's packed sequences, in (0, 0.5], for evaluation (seeded by
@@ -673,7 +694,9 @@ class RunConfig:
         if not isinstance(self.model_overrides, dict):
             problems.append("model_overrides must be a mapping of ModelConfig fields")
         if not isinstance(self.data, str) or not self.data:
-            problems.append(f"data={self.data!r}: give a .txt or .jsonl file, or 'synthetic'")
+            problems.append(f"data={self.data!r}: give a file (.txt, .jsonl, .json, .parquet, .arrow, .csv), a folder "
+                            "written by datasets' save_to_disk, or 'synthetic'")
+        problems += self._format_problems()
         if self.log_every is not None and (not _is_int(self.log_every) or self.log_every < 1):
             problems.append(f"log_every={self.log_every!r}: give a number of steps >= 1, or leave it unset")
         try:
@@ -712,16 +735,32 @@ class RunConfig:
         if problems:
             raise ValueError("invalid run config:\n  - " + "\n  - ".join(problems))
 
+    def _format_problems(self) -> list[str]:
+        problems = []
+        if self.data_format not in DATA_FORMATS:
+            problems.append(f"data_format={self.data_format!r} must be one of {', '.join(DATA_FORMATS)}")
+        for name in ("text_field", "split", "eval_split"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                problems.append(f"{name}={value!r}: give a column name, or leave it unset" if name == "text_field" else
+                                f"{name}={value!r}: give a split name (e.g. train), or leave it unset")
+        if self.text_field is not None and self.data_format not in ("auto", "text"):
+            problems.append(f"text_field={self.text_field!r} names the column of text records, but data_format is "
+                            f"{self.data_format!r}: drop text_field (--text-field), or use data_format text")
+        if self.eval_split is not None and self.eval_data is None:
+            problems.append("eval_split picks a split of eval_data: add eval_data (--eval-data DIR), or drop it")
+        return problems
+
     def _eval_problems(self) -> list[str]:
         problems = []
         if self.eval_data is not None and self.eval_fraction is not None:
             problems.append("eval_data and eval_fraction are two ways to get an eval set: pass one of them")
         if self.eval_data is not None:
             if not isinstance(self.eval_data, str) or not self.eval_data:
-                problems.append(f"eval_data={self.eval_data!r}: give a .txt or .jsonl file")
-            elif not os.path.isfile(self.eval_data):
-                what = "is a directory" if os.path.isdir(self.eval_data) else "does not exist"
-                problems.append(f"eval_data={self.eval_data!r} {what}; pass an existing .txt or .jsonl file")
+                problems.append(f"eval_data={self.eval_data!r}: give a file or a folder written by save_to_disk")
+            elif not os.path.exists(self.eval_data):
+                problems.append(f"eval_data={self.eval_data!r} does not exist; pass an existing file (.txt, .jsonl, "
+                                ".json, .parquet, .arrow, .csv) or a folder written by datasets' save_to_disk")
         if self.eval_fraction is not None:
             f = self.eval_fraction
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 0.5:

@@ -34,6 +34,12 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every run's token cache (lohan/data/token_cache.py) in this session's temporary folder, never the user's."""
+    os.environ["LOHAN_DATA_CACHE"] = str(tmp_path_factory.mktemp("token-cache"))
+
+
 @pytest.fixture
 def make_dirs(tmp_path):
     """make_dirs(n) -> n fresh directories standing in for n SSDs."""

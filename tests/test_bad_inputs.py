@@ -57,6 +57,16 @@ def hf_args(model: Path, t: Path, *extra: str) -> list[str]:
             *extra]
 
 
+def saved_dict(path: Path) -> Path:
+    """A DatasetDict.save_to_disk folder with the splits train and test."""
+    import datasets
+
+    rows = [{"text": f"record {i} " * 20} for i in range(8)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(path))
+    return path
+
+
 def write(path: Path, content: str | bytes) -> Path:
     if isinstance(content, bytes):
         path.write_bytes(content)
@@ -121,8 +131,30 @@ CASES = [
     Case("data-jsonl-empty-response", lambda t, m: jsonl(t, ['{"prompt": "q", "response": "a"}',
                                                              '{"prompt": "q", "response": ""}']),
          r'line 2: the "response" is empty; fill it in or drop the line'),
-    Case("data-unknown-extension", lambda t, m: preset(t, "--data", str(write(t / "d.csv", "a,b\n1,2\n"))),
-         r"extension '\.csv'; lohan reads plain text .*\.jsonl"),
+    Case("data-unknown-extension", lambda t, m: preset(t, "--data", str(write(t / "d.xlsx", "a,b\n1,2\n"))),
+         r"extension '\.xlsx'; lohan reads plain text .*\.jsonl.*\.parquet.*save_to_disk"),
+    Case("data-csv-unknown-columns", lambda t, m: preset(t, "--data", str(write(t / "d.csv", "a,b\n1,2\n"))),
+         r"d\.csv': no column says what its records are; its columns are 'a', 'b'.*--data-format FORMAT.*"
+         r"--text-field NAME"),
+    Case("data-text-field-missing", lambda t, m: preset(t, "--data", str(write(t / "d.csv", "body\nhello\n")),
+                                                        "--text-field", "content"),
+         r"d\.csv' has no column 'content' to read the text from; its columns are 'body'"),
+    Case("data-alpaca-empty-output", lambda t, m: preset(t, "--data", str(write(t / "a.json", json.dumps(
+        [{"instruction": "say hi", "input": "", "output": "hi"}, {"instruction": "say no", "output": " "}])))),
+         r"a\.json' record 2: the \"output\" is empty; fill it in or drop the record"),
+    Case("data-sharegpt-unknown-role", lambda t, m: jsonl(t, [json.dumps({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "bing", "value": "a"}]})]),
+         r"d\.jsonl' line 1: turn 2: the \"from\" value \"bing\" is not a ShareGPT role"),
+    Case("data-split-missing", lambda t, m: preset(t, "--data", str(saved_dict(t / "dd")), "--split", "validation"),
+         r"dd' has no split 'validation'; its splits are 'train', 'test': pick one with --split NAME"),
+    Case("data-split-of-a-file", lambda t, m: preset(t, "--data", str(write(t / "d.csv", "text\nhello\n")),
+                                                     "--split", "test"),
+         r"--split test: .*d\.csv' is one file, read as the single split 'train'"),
+    Case("data-format-of-plain-text", lambda t, m: preset(t, "--data", str(write(t / "d.txt", "text " * 400)),
+                                                          "--data-format", "alpaca"),
+         r"d\.txt' is plain text, trained on as one document: --data-format alpaca applies to files of records"),
+    Case("data-text-field-with-another-format", lambda t, m: preset(t, "--data-format", "alpaca", "--text-field", "x"),
+         r"text_field='x' names the column of text records, but data_format is 'alpaca'"),
     # ------------------------------------------------------------------ model
     Case("model-unknown-preset", lambda t, m: preset(t, "--model", "gpt5"), r"choose a preset \(tiny, 125m, .*175b"),
     Case("model-dir-without-config", lambda t, m: hf_args(damaged(m, lambda d: (d / "config.json").unlink()), t),

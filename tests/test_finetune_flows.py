@@ -60,13 +60,20 @@ def interrupt_at(monkeypatch, call: int) -> None:
     monkeypatch.setattr(offload.GradOffloader, "submit", submit)
 
 
-@pytest.mark.parametrize("data", ["corpus", "jsonl"])
-def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, data):
+@pytest.mark.parametrize("data", ["corpus", "jsonl", "parquet"])
+def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, capsys, data):
+    rows = [{"prompt": f"Q{i}: what is {i} + {i}? ", "response": f"A: {2 * i}."} for i in range(300)]
     if data == "jsonl":
         path = tmp_path / "sft.jsonl"
-        rows = [{"prompt": f"Q{i}: what is {i} + {i}? ", "response": f"A: {2 * i}."} for i in range(300)]
         path.write_text("\n".join(json.dumps(r) for r in rows))
         extra = ["--data", str(path)]
+    elif data == "parquet":  # through the token cache: the resumed run maps the stream the first run tokenized
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "sft.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        extra = ["--data", str(path), "--data-format", "prompt-response"]
     else:
         extra = []
     a, b = tmp_path / "a", tmp_path / "b"
@@ -77,14 +84,19 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch
     assert len(losses(b / "m.jsonl")) == 3
     state = json.loads((b / "nvme" / "lohan.run.json").read_text())
     assert state["step"] == 3
+    capsys.readouterr()
     assert main(args(b, "--steps", "5", "--resume", *extra)) == 0
     assert losses(b / "m.jsonl") == losses(a / "m.jsonl")
+    if data != "corpus":
+        assert "token cache reused" in capsys.readouterr().out
 
 
 def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     assert main(args(tmp_path, "--steps", "2")) == 0
     assert main(args(tmp_path, "--steps", "3", "--resume", "--batch-size", "4")) == 2
     assert "other settings" in capsys.readouterr().out
+    assert main(args(tmp_path, "--steps", "3", "--resume", "--data-format", "text")) == 2  # how records are read
+    assert "'data_format': (None, 'text')" in capsys.readouterr().out
 
 
 def test_epochs_metrics_and_plot(tmp_path):

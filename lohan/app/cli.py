@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from lohan.config import PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
+from lohan.config import DATA_FORMATS, PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # lohan/app/cli.py -> the repository
 
@@ -52,6 +52,8 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
     "log_every": (None, "log_every"), "report_to": (None, "report_to"), "logging_dir": (None, "logging_dir"),
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
+    "data_format": (None, "data_format"), "text_field": (None, "text_field"), "split": (None, "split"),
+    "eval_split": (None, "eval_split"),
 }
 
 
@@ -101,11 +103,22 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def _data_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--data", help="local .txt or .jsonl ({text}, {prompt, response} or {messages} lines) file, "
-                                  "or 'synthetic'")
+    g.add_argument("--data", metavar="PATH",
+                   help="training data: a .txt file (plain text), a file of records (.jsonl, .json, .parquet, .arrow, "
+                        ".csv: text, prompt/response, chat messages, Alpaca or ShareGPT records), a folder written by "
+                        "datasets' save_to_disk, or 'synthetic'; records are tokenized once into the token cache "
+                        "($LOHAN_DATA_CACHE, default: the datasets cache)")
+    g.add_argument("--data-format", choices=DATA_FORMATS,
+                   help="how records are read (auto: by their columns: messages, conversations -> sharegpt, "
+                        "instruction+output -> alpaca, prompt+response, text); also for --eval-data")
+    g.add_argument("--text-field", metavar="NAME", help="the column holding the text of text records, if not 'text'")
+    g.add_argument("--split", metavar="NAME", help="the split of a saved DatasetDict folder given as --data "
+                                                   "(default train)")
     g.add_argument("--batch-size", type=int, help="sequences per optimizer step")
     g.add_argument("--micro-batches", type=int, help="gradient accumulation: micro-batches per step")
-    g.add_argument("--eval-data", metavar="FILE", help="evaluate on this .txt or .jsonl file (forward only)")
+    g.add_argument("--eval-data", metavar="PATH", help="evaluate on this data (forward only): anything --data takes")
+    g.add_argument("--eval-split", metavar="NAME", help="the split of a saved DatasetDict folder given as --eval-data "
+                                                        "(default train)")
     g.add_argument("--eval-fraction", type=float, metavar="F",
                    help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
     g.add_argument("--eval-every", type=int, metavar="N",

@@ -110,24 +110,29 @@ def load_model(run: RunConfig, dry_run: bool = False) -> Model:
 
 
 # ------------------------------------------------------------------------------------------- data
-def load_dataset(run: RunConfig, model: Model, seq_len: int) -> TokenDataset | None:
+def load_dataset(run: RunConfig, model: Model, seq_len: int, dry_run: bool = False) -> TokenDataset | None:
+    """The training data (None for synthetic tokens). Records go through the token cache; a dry run writes none
+    (it uses a cached stream if there is one)."""
     if run.data == "synthetic":
         return None
     if model.config.vocab_size < getattr(model.tokenizer, "vocab_size", 0):
         raise ValueError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary is "
                          f"{model.config.vocab_size} (for presets set model_overrides.vocab_size >= 256)")
-    return TokenDataset.from_file(run.data, seq_len=seq_len, tokenizer=model.tokenizer)
+    return TokenDataset.from_source(run.data, seq_len, model.tokenizer, data_format=run.data_format,
+                                    text_field=run.text_field, split=run.split, write_cache=not dry_run)
 
 
-def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None,
-                  seq_len: int) -> tuple[TokenDataset | None, TokenDataset | None]:
+def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, seq_len: int,
+                  dry_run: bool = False) -> tuple[TokenDataset | None, TokenDataset | None]:
     """(training data, eval set): `eval_fraction` holds whole packed sequences out of the training data
     (seeded by engine.seed), `eval_data` is read like the training data; without either, no eval set."""
     if run.eval_fraction is not None and dataset is not None:
         dataset, held = dataset.split(run.eval_fraction, run.engine.seed)
         what = f"{run.eval_fraction:g} of {run.data}"
     elif run.eval_data is not None:
-        held, what = TokenDataset.from_file(run.eval_data, seq_len=seq_len, tokenizer=model.tokenizer), run.eval_data
+        held = TokenDataset.from_source(run.eval_data, seq_len, model.tokenizer, data_format=run.data_format,
+                                        text_field=run.text_field, split=run.eval_split, write_cache=not dry_run)
+        what = run.eval_data
     else:
         return dataset, None
     m = run.engine.micro_batches
@@ -187,6 +192,10 @@ def _fingerprint(run: RunConfig, seq_len: int) -> dict[str, Any]:
           "seed": run.engine.seed}
     if run.eval_fraction is not None:  # it takes sequences out of the training data (eval_data does not)
         fp["eval_fraction"] = run.eval_fraction
+    # how the records are read; only when set, so that a run saved before these settings existed still resumes
+    for key, default in (("data_format", "auto"), ("text_field", None), ("split", None)):
+        if getattr(run, key) != default:
+            fp[key] = getattr(run, key)
     return fp
 
 
@@ -421,6 +430,8 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         report = _plan(ctx, hardware, dry_run)
         if dry_run:
             console.print(report.format())
+            if ctx.dataset is not None and ctx.dataset.description:
+                console.print(f"data: {escape(ctx.dataset.description)}")
             console.print(f"dry run: {ctx.steps} steps would take about {report.step_s * ctx.steps / 3600:.3g} h; "
                           "nothing was written")
             return 0
@@ -464,8 +475,8 @@ def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: 
     seq_len = run.seq_len or model.config.seq_len
     _check_shapes(run, model, seq_len, world)
     try:
-        dataset = load_dataset(run, model, seq_len)
-        dataset, eval_set = load_eval_set(run, model, dataset, seq_len)
+        dataset = load_dataset(run, model, seq_len, dry_run)
+        dataset, eval_set = load_eval_set(run, model, dataset, seq_len, dry_run)
     except (OSError, ValueError) as e:
         raise Refusal(str(e)) from None
     per_epoch = len(dataset) // run.batch_size if dataset is not None else None
@@ -617,6 +628,8 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
         ctx.layout.metrics.unlink()
     label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name
     _header(console, run, ctx.model.config, engine, ctx.seq_len, label)
+    if ctx.dataset is not None and ctx.dataset.description:
+        console.print(f"  data: {escape(ctx.dataset.description)}")
     if ctx.eval_set is not None:
         source = f"held out from {run.data}" if run.eval_fraction is not None else f"from {run.eval_data}"
         when = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"

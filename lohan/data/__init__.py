@@ -6,7 +6,10 @@ with fixed-length packing, like nanoGPT's ``shakespeare_char``. A Hugging Face t
 instead through :class:`HFTokenizer`, and a ``.jsonl`` file of ``{"text": ...}`` or
 ``{"prompt": ..., "response": ...}`` examples gives instruction tuning with the loss on the responses
 only (see :meth:`TokenDataset.from_jsonl`); ``{"messages": [...]}`` conversations are rendered with the
-model's chat template and trained on the assistant turns only (:meth:`HFTokenizer.encode_chats`).
+model's chat template and trained on the assistant turns only (:meth:`HFTokenizer.encode_chats`). Alpaca and
+ShareGPT records map onto these (:mod:`~lohan.data.formats`), and :meth:`TokenDataset.from_source` reads them from
+``.jsonl``, ``.json``, Parquet, Arrow and CSV files and ``save_to_disk`` folders with the ``datasets`` library,
+tokenized once into an on-disk token cache that later runs memory-map (:mod:`~lohan.data.token_cache`).
 Everything here is deterministic given a seed, and :class:`BatchIterator` can save and restore its
 position so a resumed run sees exactly the batches an uninterrupted run would have seen.
 :meth:`TokenDataset.split` holds out a seeded share of the windows for evaluation, and
@@ -19,26 +22,34 @@ target is ``window[1:]`` (next-token prediction). Batches are ``(idx, targets)``
 skips it (prompt tokens of a prompt/response example).
 
 Modules, lowest first: :mod:`~lohan.data.tokenizers` (the :class:`Tokenizer` protocol, :class:`ByteTokenizer`,
-:class:`HFTokenizer`), :mod:`~lohan.data.sources` (reading and checking files, encoding examples, packing),
+:class:`HFTokenizer`), :mod:`~lohan.data.formats` (record formats and their checks), :mod:`~lohan.data.sources`
+(reading text and ``.jsonl`` files, encoding examples, packing), :mod:`~lohan.data.records` (what a path is; tables
+of records through ``datasets``), :mod:`~lohan.data.token_cache` (tokenize once, memory-map after),
 :mod:`~lohan.data.dataset` (:class:`TokenDataset`) and :mod:`~lohan.data.batches` (:class:`BatchIterator`,
 :func:`eval_batches`, :func:`synthetic_batches`). Import from the package: ``from lohan.data import ...``.
 """
 
 from .batches import BatchIterator, eval_batches, synthetic_batches
 from .dataset import Batch, TokenDataset
+from .formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, SHAREGPT_ROLES, to_example
+from .records import source_kind
 from .sources import (
     CHAT_ROLES,
     DEFAULT_CORPUS,
     IGNORE_INDEX,
     TEXT_SUFFIXES,
     encode_examples,
+    iter_jsonl,
     load_jsonl,
     load_text,
     pack_tokens,
 )
+from .token_cache import TokenStream, default_cache_root, load_stream
 from .tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_NO_INPUT",
     "Batch",
     "BatchIterator",
     "ByteTokenizer",
@@ -46,13 +57,20 @@ __all__ = [
     "DEFAULT_CORPUS",
     "HFTokenizer",
     "IGNORE_INDEX",
+    "SHAREGPT_ROLES",
     "TEXT_SUFFIXES",
     "TokenDataset",
+    "TokenStream",
     "Tokenizer",
+    "default_cache_root",
     "encode_examples",
     "eval_batches",
+    "iter_jsonl",
     "load_jsonl",
+    "load_stream",
     "load_text",
     "pack_tokens",
+    "source_kind",
     "synthetic_batches",
+    "to_example",
 ]

@@ -3,12 +3,14 @@ examples or a file, and split into a training part and a held-out part."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .records import source_kind
 from .sources import (
     DEFAULT_CORPUS,
     IGNORE_INDEX,
@@ -19,6 +21,7 @@ from .sources import (
     load_text,
     pack_tokens,
 )
+from .token_cache import load_stream
 from .tokenizers import ByteTokenizer, Tokenizer
 
 __all__ = ["Batch", "TokenDataset"]
@@ -46,7 +49,8 @@ class TokenDataset:
             target; None means every token is one.
     """
 
-    def __init__(self, windows: torch.Tensor, loss_mask: torch.Tensor | None = None) -> None:
+    def __init__(self, windows: torch.Tensor, loss_mask: torch.Tensor | None = None, *,
+                 description: str | None = None) -> None:
         if windows.dim() != 2 or windows.shape[1] < 2 or windows.dtype != torch.long:
             raise ValueError(
                 f"windows must be an int64 tensor [n_windows, seq_len + 1] with seq_len >= 1, got "
@@ -61,6 +65,8 @@ class TokenDataset:
         """The packed windows, ``[n_windows, seq_len + 1]``."""
         self.loss_mask = loss_mask
         """``bool`` ``[n_windows, seq_len + 1]``, True where the token is a target; None: all are."""
+        self.description = description
+        """What the windows were made from (source, format, counts, token cache), for the run's header; or None."""
 
     @classmethod
     def from_text(cls, text: str, seq_len: int, tokenizer: Tokenizer | None = None) -> TokenDataset:
@@ -102,10 +108,18 @@ class TokenDataset:
         _check_positive(seq_len=seq_len)
         examples = list(examples)
         ids, mask = encode_examples(examples, tokenizer, names)
+        return cls._packed(ids, mask, seq_len, source, len(examples), copy=True)
+
+    @classmethod
+    def _packed(cls, ids: torch.Tensor, mask: torch.Tensor, seq_len: int, source: str, n_examples: int,
+                copy: bool, description: str | None = None) -> TokenDataset:
+        """Windows of a token stream and its mask (like :func:`pack_tokens`), checked: long enough for one window,
+        something to train on. With ``copy=False`` the windows are views of the stream (overlapping rows of stride
+        ``seq_len``), so a memory-mapped stream stays on disk until batches read it."""
         n, need = ids.numel(), seq_len + 1
         if n < need:
-            if examples:
-                what = f"{len(examples):,} example(s) tokenize to {n:,} tokens"
+            if n_examples:
+                what = f"{n_examples:,} example(s) tokenize to {n:,} tokens"
             else:
                 what = "no examples (0 tokens; blank lines are skipped)"
             hint = f"use --seq-len {n - 1} or less or add examples" if n >= 2 else "add examples"
@@ -113,15 +127,16 @@ class TokenDataset:
                 f"{source}: {what}, but seq_len={seq_len:,} needs at least {need:,} tokens for one window "
                 f"(input plus the target shifted by one); {hint}"
             )
-        windows = pack_tokens(ids, seq_len)
-        masks = mask.unfold(0, need, seq_len).clone()
+        windows, masks = ids.unfold(0, need, seq_len), mask.unfold(0, need, seq_len)
+        if copy:  # windows that own contiguous memory, as pack_tokens makes them
+            windows, masks = windows.clone(), masks.clone()
         if not masks[:, 1:].any():
             raise ValueError(
                 f"{source}: no token of the {len(windows):,} windows is a prediction target (every response "
                 f"is empty and the tokenizer has no EOS, or no assistant turn falls inside a window), so there "
                 f"is no loss to train on"
             )
-        return cls(windows, None if bool(masks.all()) else masks)
+        return cls(windows, None if bool(masks.all()) else masks, description=description)
 
     @classmethod
     def from_jsonl(cls, path: str | Path, seq_len: int, tokenizer: Tokenizer | None = None) -> TokenDataset:
@@ -148,11 +163,65 @@ class TokenDataset:
         if suffix not in TEXT_SUFFIXES and Path(path).expanduser().is_file():  # load_text names the other cases
             # a .json, .csv or .parquet read as plain text would "train" on its syntax; say what is read instead
             raise ValueError(
-                f"training data {str(path)!r} has the extension {suffix or '(none)'!r}; lohan reads plain text "
+                f"training data {str(path)!r} has the extension {suffix or '(none)'!r}; from_file reads plain text "
                 f"({', '.join(TEXT_SUFFIXES)}) and JSON lines (.jsonl: {{\"text\"}}, {{\"prompt\", \"response\"}} or "
-                f"{{\"messages\"}} per line): convert or rename the file"
+                f"{{\"messages\"}} per line) in memory: read it with TokenDataset.from_source (JSON, Parquet, Arrow, "
+                "CSV, save_to_disk folders), or convert or rename the file"
             )
         return cls.from_text(load_text(path), seq_len, tokenizer)
+
+    @classmethod
+    def from_source(
+        cls,
+        path: str | os.PathLike,
+        seq_len: int,
+        tokenizer: Tokenizer | None = None,
+        *,
+        data_format: str = "auto",
+        text_field: str | None = None,
+        split: str | None = None,
+        cache_root: str | os.PathLike | None = None,
+        write_cache: bool = True,
+    ) -> TokenDataset:
+        """Load any source lohan trains on (what ``--data`` takes), with its :attr:`description` set.
+
+        Plain text (:data:`TEXT_SUFFIXES`) is read in memory like :meth:`from_file`. Every other source (``.jsonl``,
+        ``.json``, ``.parquet``, ``.arrow``, ``.csv``, a save_to_disk folder: :mod:`~lohan.data.records`) goes through
+        the token cache (:mod:`~lohan.data.token_cache`): tokenized once with ``datasets.map``, then memory-mapped,
+        and the windows are views of the mapped stream. Its windows and mask are exactly those :meth:`from_examples`
+        makes of the same records.
+
+        Args:
+            path: The file or folder.
+            seq_len: Model input length.
+            tokenizer: Default :class:`ByteTokenizer`.
+            data_format: One of :data:`~lohan.data.formats.DATA_FORMATS` (``auto``: by the records' keys).
+            text_field: The text column, if not ``"text"``.
+            split: The split of a ``DatasetDict`` folder (default ``train``).
+            cache_root: The token cache's folder (default: :func:`~lohan.data.token_cache.default_cache_root`).
+            write_cache: False for a dry run: nothing that lasts is written (a cached stream is still used).
+
+        Raises:
+            FileNotFoundError, IsADirectoryError: If nothing, or a folder that is no saved dataset, is at ``path``.
+            ValueError: If the source cannot be read, a record is malformed (named by its line or number), the flags
+                do not fit the source, or the data is too short for one window or has no target.
+        """
+        _check_positive(seq_len=seq_len)
+        if source_kind(path) == "text":
+            given = [f"--{k.replace('_', '-')} {v}" for k, v in (("data_format", data_format),
+                                                                  ("text_field", text_field), ("split", split))
+                     if v not in (None, "auto", "text")]
+            if given:
+                raise ValueError(f"{str(path)!r} is plain text, trained on as one document: {', '.join(given)} "
+                                 "applies to files of records (.jsonl, .json, .parquet, .arrow, .csv) and saved "
+                                 "datasets; drop it")
+            ds = cls.from_text(load_text(path), seq_len, tokenizer)
+            ds.description = f"{path}: plain text, {len(ds):,} windows of {seq_len + 1:,} tokens (read in memory)"
+            return ds
+        stream = load_stream(path, tokenizer, data_format=data_format, text_field=text_field, split=split,
+                             cache_root=cache_root, write=write_cache)
+        return cls._packed(stream.ids, stream.mask, seq_len, repr(str(Path(path).expanduser())), stream.n_examples,
+                           copy=False, description=stream.description)
 
     @property
     def seq_len(self) -> int:
@@ -200,7 +269,8 @@ class TokenDataset:
         held = torch.zeros(n, dtype=torch.bool)
         held[torch.randperm(n, generator=g)[:k]] = True
 
-        def take(rows: torch.Tensor) -> TokenDataset:
-            return TokenDataset(self.windows[rows], None if self.loss_mask is None else self.loss_mask[rows])
+        def take(rows: torch.Tensor, description: str | None) -> TokenDataset:
+            return TokenDataset(self.windows[rows], None if self.loss_mask is None else self.loss_mask[rows],
+                                description=description)
 
-        return take(~held), take(held)
+        return take(~held, self.description), take(held, None)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .formats import CHAT_ROLES, _example_problem, _show, to_example
 from .tokenizers import _CONVERT_CHAT, ByteTokenizer, Tokenizer
 
 __all__ = [
@@ -33,9 +34,6 @@ TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 IGNORE_INDEX = -100
 """Target value of a token that is not a prediction target (PyTorch's ``cross_entropy`` default)."""
-
-CHAT_ROLES = ("system", "user", "assistant")
-
 
 def _is_int(value: object) -> bool:
     # bool is a subclass of int; `batch_size=True` is a bug, not a batch of one.
@@ -97,76 +95,20 @@ def load_text(path: str | Path) -> str:
     return text
 
 
-def _show(value: object, limit: int) -> str:
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _chat_problem(messages: object) -> str | None:
-    """What is wrong with the ``messages`` of a chat example, or None."""
-    if not isinstance(messages, list) or not messages:
-        return (f'the "messages" value must be a non-empty list of {{"role", "content"}} objects, got '
-                f"{type(messages).__name__} {_show(messages, 40)}")
-    for n, msg in enumerate(messages, start=1):
-        if not isinstance(msg, Mapping):
-            return f'message {n}: expected a {{"role", "content"}} object, got {type(msg).__name__} {_show(msg, 40)}'
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            return f'message {n}: the role {_show(role, 30)} is not one of "system", "user", "assistant"'
-        content = msg.get("content")
-        if not isinstance(content, str):
-            return (f'message {n} ({role}): the "content" must be a string, got {type(content).__name__} '
-                    f"{_show(content, 40)}")
-        if not content.strip():
-            return f"message {n} ({role}): the content is empty; fill it in or drop the message"
-    roles = [m["role"] for m in messages]
-    if "assistant" not in roles:
-        return "has no assistant message: the loss is on the assistant turns, so there is nothing to train on"
-    first = next((n for n, r in enumerate(roles, start=1) if r != "system"), None)
-    if roles[first - 1] == "assistant":  # first is set: there is an assistant message
-        return (f"message {first} is an assistant turn before any user message; start the conversation with a "
-                "user message (after an optional system message)")
-    return None
-
-
-def _example_problem(obj: object) -> str | None:
-    """What is wrong with one example, or None if it is a valid text, prompt/response or chat example."""
-    if not isinstance(obj, Mapping):
-        return f"expected a JSON object, got {type(obj).__name__} {_show(obj, 60)}"
-    has_text, has_prompt, has_response = "text" in obj, "prompt" in obj, "response" in obj
-    if "messages" in obj:
-        if has_text or has_prompt or has_response:
-            return 'has "messages" and "text"/"prompt"/"response" keys; use one form per example'
-        return _chat_problem(obj["messages"])
-    if has_text and (has_prompt or has_response):
-        return 'has both "text" and "prompt"/"response" keys; use one form per example'
-    if not (has_text or has_prompt or has_response):
-        return (f'needs a "text" key or "prompt" and "response" keys (or a "messages" list); it has keys '
-                f"{sorted(map(str, obj))}")
-    if not has_text and not (has_prompt and has_response):
-        have, missing = ("prompt", "response") if has_prompt else ("response", "prompt")
-        return f'has a "{have}" key but no "{missing}" key'
-    for key in ("text",) if has_text else ("prompt", "response"):
-        if not isinstance(obj[key], str):
-            value = obj[key]
-            return f'the "{key}" value must be a string, got {type(value).__name__} {_show(value, 40)}'
-    return None
-
-
-def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+def load_jsonl(path: str | Path, data_format: str = "auto", text_field: str | None = None) -> list[dict[str, Any]]:
     """Read and check a local ``.jsonl`` file of training examples.
 
     Each non-blank line is one JSON object: ``{"text": "..."}`` (plain text: every token is a target),
     ``{"prompt": "...", "response": "..."}`` (only the response tokens are targets) or
     ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (a conversation,
-    rendered with the model's chat template; only the assistant turns are targets). The forms may be
+    rendered with the model's chat template; only the assistant turns are targets); Alpaca and ShareGPT
+    records are read as prompt/response and chat examples (:mod:`~lohan.data.formats`). The forms may be
     mixed; other keys (ids, metadata, other message fields) are ignored; blank lines are skipped.
 
     Args:
         path: The ``.jsonl`` file (UTF-8; a leading byte-order mark is accepted).
+        data_format: How to read each line (:data:`~lohan.data.formats.DATA_FORMATS`); ``auto``: by its keys.
+        text_field: The key of the text, for ``text`` lines whose text is not under ``"text"``.
 
     Returns:
         The examples in file order, each reduced to its ``text``, ``prompt``/``response`` or ``messages``
@@ -179,48 +121,45 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
             keys, a non-string or empty value; for a conversation: no messages, an unknown role, an empty
             content, no assistant turn), naming the file, the 1-based line number and the problem.
     """
-    return [ex for _, ex in _read_jsonl(path)]
+    return [ex for _, ex in iter_jsonl(path, data_format, text_field)]
 
 
-def _read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    """:func:`load_jsonl` with the 1-based line number of each example."""
+def iter_jsonl(path: str | Path, data_format: str = "auto",
+               text_field: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """:func:`load_jsonl` one line at a time, with the 1-based line number of each example: a file larger than
+    memory streams through (the token cache reads ``.jsonl`` files with it)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"training data {str(p)!r} does not exist; pass an existing .jsonl file")
     if p.is_dir():
         raise IsADirectoryError(f"training data {str(p)!r} is a directory; pass one .jsonl file inside it")
-    examples: list[tuple[int, dict[str, Any]]] = []
-    for lineno, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
-        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]
-        where = f"{str(p)!r} line {lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: not valid UTF-8 (byte {e.start} of the line)") from None
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{where}: invalid JSON ({e.msg} at column {e.colno}): {_show(line.strip(), 80)}"
-            ) from None
-        problem = _example_problem(obj)
-        if problem is not None:
-            raise ValueError(f"{where}: {problem}")
-        if "messages" in obj:  # checked by _chat_problem, empty contents included
-            messages = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
-            examples.append((lineno, {"messages": messages}))
-            continue
-        keys = ("text",) if "text" in obj else ("prompt", "response")
-        # an empty target trains nothing (or, with an EOS, only to stop at once): in a file it is a mistake
-        # made while preparing the data, so name the line instead of training around it
-        target = keys[0] if keys == ("text",) else "response"
-        if not obj[target].strip():
-            raise ValueError(f'{where}: the "{target}" is empty; fill it in or drop the line')
-        examples.append((lineno, {k: obj[k] for k in keys}))
-    return examples
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\n")  # lines end at b"\n" only, as bytes.split(b"\n") numbered them
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            where = f"{str(p)!r} line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not valid UTF-8 (byte {e.start} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{where}: invalid JSON ({e.msg} at column {e.colno}): {_show(line.strip(), 80)}"
+                ) from None
+            try:
+                yield lineno, to_example(obj, data_format, text_field, unit="line")
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+
+
+def _read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """:func:`load_jsonl` with the 1-based line number of each example."""
+    return list(iter_jsonl(path))
 
 
 def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
