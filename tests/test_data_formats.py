@@ -407,7 +407,7 @@ def test_eval_data_takes_a_split_of_a_saved_dataset_and_a_dry_run_writes_no_cach
     assert not (tmp_path / "cache").exists()
     assert main([*run, "--eval-data", str(data), "--eval-split", "test"]) == 0
     out = capsys.readouterr().out
-    assert f"sequences from {data}, at the end" in out and "token cache built" in out and "eval loss" in out
+    assert f"sequences from {data}, at the end" in out and "token cache built" in out and "eval after step" in out
     assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
     assert main([*run, "--eval-split", "test"]) == 2
     assert "eval_split picks a split of eval_data" in capsys.readouterr().err

@@ -127,7 +127,9 @@ def test_cli_run_with_eval_reports_it_in_the_line_metrics_plot_and_summary(tmp_p
         assert r["eval_s"] > 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert ["eval loss" in line for line in lines] == [False, True, False, True, True]
+    assert len(lines) == 5  # a log file (not a terminal): the short line, an evaluation on a line of its own
+    evals = [line for line in out.splitlines() if line.startswith("  eval after step ")]
+    assert [int(line.split()[3].rstrip(":")) for line in evals] == [2, 4, 5] and all("ppl" in e for e in evals)
     assert "eval: " in out and "held out from" in out
     summary = out[out.index("run summary"):]
     assert "eval        last" in summary and "3 evaluation(s)" in summary and "% of the run time" in summary

@@ -694,8 +694,8 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
         position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
         batch = next(batches) if start < steps else None
         if start < steps and not ctx.console.is_terminal:  # a log file: say why the first line takes long to come
-            ctx.console.print(f"step {start + 1} runs first: the first step of a process also profiles the model and "
-                              "the SSDs (unless a saved profile is loaded) and plans the activations, so it takes longer")
+            ctx.console.print("note: the first step of a process also profiles the model and the SSDs (unless a saved "
+                              "profile is loaded) and plans the activations, so its line takes longer to come")
         run_state = data_state if data_state is not None and data_state.get("step") == start else None
         for s in range(start, steps):
             after = position()  # the data position once this step's batch is consumed
