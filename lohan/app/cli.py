@@ -51,7 +51,14 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
+    "lr_scheduler": ("engine", "lr_scheduler"), "warmup_ratio": ("engine", "warmup_ratio"),
+    "min_lr": ("engine", "min_lr"), "decay_ratio": ("engine", "decay_ratio"),
 }
+
+# Two ways to say one thing: a flag replaces the config file's other way (the command line overrides the file);
+# both on the command line (or both in the file) are refused by EngineConfig.
+_ALTERNATIVES = {"warmup_ratio": "warmup_steps", "warmup_steps": "warmup_ratio", "min_lr": "min_lr_ratio",
+                 "min_lr_ratio": "min_lr"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,7 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
                    f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
     p.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
-    p.add_argument("--min-lr-ratio", type=float, help="the cosine decays to lr x this")
+    p.add_argument("--min-lr-ratio", type=float, help="the decay ends at lr x this (default 0.1)")
+    p.add_argument("--lr-scheduler", choices=["cosine", "linear", "constant", "wsd"],
+                   help="after the warm-up: cosine or linear decay, constant, or wsd (stable, then a 1-sqrt decay over "
+                        "the last --decay-ratio of the steps); default cosine")
+    p.add_argument("--warmup-ratio", type=float, metavar="R", help="warm-up as a share of the steps (instead of "
+                   "--warmup-steps)")
+    p.add_argument("--min-lr", type=float, help="the decay ends at this lr (instead of --min-lr-ratio)")
+    p.add_argument("--decay-ratio", type=float, metavar="R", help="wsd: share of the steps the final decay takes "
+                   "(default 0.1)")
     p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
     p.add_argument("--eps", type=float, help="Adam epsilon")
@@ -158,13 +173,15 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         if args.config is None:  # nor does the default config's schedule (tuned for its 2M-parameter demo)
             for key in SCHEDULE_KEYS:
                 engine.pop(key, None)
+    for flag, other in _ALTERNATIVES.items():
+        if getattr(args, flag, None) is not None and getattr(args, other, None) is None:
+            engine.pop(other, None)
     for flag, (section, field) in _FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
             (engine if section == "engine" else raw)[field] = tuple(value) if isinstance(value, list) else value
     if getattr(args, "layers", None) is not None:
         raw["model_overrides"] = {**(raw.get("model_overrides") or {}), "n_layer": args.layers}
-    _finetune_defaults(args, raw, engine)
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
@@ -184,10 +201,12 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
             raw[parts[0]] = value
         else:
             raise ValueError(f"--set {key}: unknown key; use FIELD, engine.FIELD or model_overrides.FIELD")
+    _finetune_defaults(args, raw, engine)
     return _make_run_config(raw, engine)
 
 
-SCHEDULE_KEYS = ("lr", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay", "betas")
+SCHEDULE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
+                 "decay_ratio", "weight_decay", "betas")
 FINETUNE_LR = 2e-5
 """Peak learning rate of a local Hugging Face model run without --config (full fine-tuning of a pretrained model:
 the range 1e-5..5e-5 that fine-tuning recipes use; the presets' 3e-4 would wreck pretrained weights)."""
@@ -202,9 +221,9 @@ def _finetune_defaults(args: argparse.Namespace, raw: dict, engine: dict) -> Non
     model = getattr(args, "model", None)
     if args.config is not None or not model or not is_model_dir(str(model)):
         return
-    engine.setdefault("lr", FINETUNE_LR)  # (--set, applied after this, still wins)
+    engine.setdefault("lr", FINETUNE_LR)  # (flags and --set, applied before this, win)
     steps = raw.get("steps")
-    if raw.get("epochs") is None and _is_count(steps):
+    if raw.get("epochs") is None and _is_count(steps) and engine.get("warmup_ratio") is None:
         engine.setdefault("warmup_steps", max(1, round(FINETUNE_WARMUP * steps)))
 
 

@@ -426,8 +426,8 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -> Path | None:
-    """Plot loss and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``); the eval loss
-    of the records that have one is drawn next to the training loss.
+    """Plot loss, learning rate and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``); the
+    eval loss of the records that have one is drawn next to the training loss.
 
     Returns the PNG path, or None when matplotlib is unavailable or there is nothing to plot.
     """
@@ -443,7 +443,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
         return None
     out = Path(png_path) if png_path else Path(metrics_path).with_suffix(".png")
     steps = [r["step"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (ax1, ax_lr, ax2) = plt.subplots(3, 1, figsize=(7, 7), sharex=True, height_ratios=(2, 1, 1.5))
     ax1.plot(steps, [r["loss"] for r in records], lw=1, label="train")
     evals = [r for r in records if isinstance(r.get("eval_loss"), int | float)]
     if evals:
@@ -452,6 +452,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
         ax1.legend(loc="upper right")
     ax1.set_ylabel("loss")
     ax1.grid(alpha=0.3)
+    _plot_lr(ax_lr, records)
     ax2.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records], lw=1, color="tab:green")
     ax2.set_ylabel("tokens/s")
     ax2.set_xlabel("step")
@@ -462,6 +463,14 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
     fig.savefig(out, dpi=100, metadata={"Software": PLOT_TAG})
     plt.close(fig)
     return out
+
+
+def _plot_lr(ax: Any, records: list[dict[str, Any]]) -> None:
+    """The learning rate each step ran with (the schedule as it happened, a resume's changes included)."""
+    ax.plot([r["step"] for r in records], [r.get("lr", float("nan")) for r in records], lw=1, color="tab:purple")
+    ax.set_ylabel("lr")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax.grid(alpha=0.3)
 
 
 # ----------------------------------------------------------------------------------------- summary

@@ -59,6 +59,7 @@ from lohan.data import (
 )
 from lohan.plan.pools import MemoryPlanError
 from lohan.runtime.engine import Engine, init
+from lohan.runtime.optim import wsd_decay_steps
 from lohan.runtime.parallel import (
     DataParallel,
     init_from_env,
@@ -208,7 +209,8 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
 
 
 LR_WARN = 0.1  # an AdamW peak lr above this is a typo, not a choice (the header says so)
-SCHEDULE_FIELDS = ("lr", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
+SCHEDULE_FIELDS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
+                   "decay_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
 
 
 def _schedule(e: EngineConfig) -> dict[str, Any]:
@@ -281,9 +283,22 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
 def _schedule_line(e: EngineConfig) -> str:
     """What the optimizer does, as the run will do it (the header: a schedule is easy to inherit by mistake)."""
     clip = f"clipped at global norm {e.max_grad_norm:g} ({e.clip_mode})" if e.max_grad_norm > 0 else "not clipped"
-    warm = f"warm-up {e.warmup_steps} step(s), " if e.warmup_steps else "no warm-up, "
-    return (f"AdamW lr {e.lr:g}, {warm}cosine to {e.lr * e.min_lr_ratio:g} at step {e.total_steps}, weight decay "
-            f"{e.weight_decay:g}, betas ({e.betas[0]:g}, {e.betas[1]:g}), eps {e.eps:g}; gradients {clip}")
+    share = f" ({e.warmup_ratio:g} of {e.total_steps})" if e.warmup_ratio is not None else ""
+    warm = f"warm-up {e.warmup} step(s){share}, " if e.warmup else "no warm-up, "
+    return (f"AdamW lr {e.lr:g}, {warm}{_decay_text(e)}, weight decay {e.weight_decay:g}, betas ({e.betas[0]:g}, "
+            f"{e.betas[1]:g}), eps {e.eps:g}; gradients {clip}")
+
+
+def _decay_text(e: EngineConfig) -> str:
+    """What the lr does after the warm-up, in the run's steps (`lohan.runtime.optim.lr_factor`)."""
+    floor = f"{e.lr * e.floor_ratio:g}" + (" (--min-lr)" if e.min_lr is not None else "")
+    if e.lr_scheduler == "constant" or e.total_steps is None or e.total_steps <= e.warmup:
+        return "then constant"
+    if e.lr_scheduler == "wsd":
+        decay = wsd_decay_steps(e.warmup, e.total_steps, e.decay_ratio)
+        return (f"then constant to step {e.total_steps - decay} and 1-sqrt decay over the last {decay} "
+                f"(decay ratio {e.decay_ratio:g}) to {floor} at step {e.total_steps} (wsd)")
+    return f"{e.lr_scheduler} to {floor} at step {e.total_steps}"
 
 
 def _resident_line(engine: Engine) -> str:
