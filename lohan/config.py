@@ -691,6 +691,14 @@ class RunConfig:
     eval_every: int | None = None
     """Evaluate every this many steps, and at the end; None: only at the end (with an eval set)."""
 
+    save_every: int | None = None
+    """Every this many optimizer steps, write the weights as a Hugging Face checkpoint into ``<export>/step-N``
+    (the same files as the export at the end, `lohan.app.export`); needs an export directory (``--export``)."""
+
+    save_total_limit: int | None = None
+    """Keep only the last this many ``step-N`` checkpoints (lohan's own; older ones are deleted after each save);
+    None keeps them all. Needs ``save_every``."""
+
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Engine settings (NVMe directories, memory budget, offloading mode, optimizer)."""
 
@@ -721,7 +729,7 @@ class RunConfig:
             problems.append("epochs needs a dataset; synthetic data has no epochs (use steps)")
         if self.seq_len is not None and (not _is_int(self.seq_len) or self.seq_len < 1):
             problems.append(f"seq_len={self.seq_len!r} must be a positive integer")
-        problems += self._eval_problems()
+        problems += self._eval_problems() + self._save_problems()
         if isinstance(self.engine, dict):
             try:
                 object.__setattr__(self, "engine", EngineConfig(**self.engine))
@@ -760,6 +768,17 @@ class RunConfig:
             elif self.eval_data is None and self.eval_fraction is None:
                 problems.append("eval_every needs an eval set: add eval_data (--eval-data FILE) or eval_fraction "
                                 "(--eval-fraction F)")
+        return problems
+
+    def _save_problems(self) -> list[str]:
+        problems = []
+        for name in ("save_every", "save_total_limit"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                problems.append(f"{name}={value!r} must be an integer >= 1 (or unset)")
+        if self.save_total_limit is not None and self.save_every is None:
+            problems.append("save_total_limit limits the checkpoints save_every writes: add save_every "
+                            "(--save-every N) or drop it")
         return problems
 
     @property

@@ -53,6 +53,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
     "lr_scheduler": ("engine", "lr_scheduler"), "warmup_ratio": ("engine", "warmup_ratio"),
     "min_lr": ("engine", "min_lr"), "decay_ratio": ("engine", "decay_ratio"),
+    "save_every": (None, "save_every"), "save_total_limit": (None, "save_total_limit"),
 }
 
 # Two ways to say one thing: a flag replaces the config file's other way (the command line overrides the file);
@@ -144,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
                         "presets export fp32)")
+    p.add_argument("--save-every", type=int, metavar="N",
+                   help="every N steps, also write a Hugging Face checkpoint to DIR/step-N (needs --export DIR)")
+    p.add_argument("--save-total-limit", type=int, metavar="K",
+                   help="keep only the last K DIR/step-N checkpoints (default: all)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     return p
 
@@ -333,6 +338,9 @@ def _main(args: argparse.Namespace) -> int:
                              "(--epochs counts passes over the data, --steps optimizer steps)")
         if args.export_dtype and not args.export:
             raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
+        if run.save_every and not args.export and not args.dry_run:
+            raise ValueError(f"--save-every {run.save_every} writes checkpoints into the export directory: pass "
+                             "--export DIR too (checkpoints go to DIR/step-N, the final weights to DIR)")
         if args.resume and args.overwrite:
             raise ValueError("--resume continues the stored run and --overwrite discards it: pass one of them")
         from lohan.runtime.device import (

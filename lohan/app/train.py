@@ -11,11 +11,9 @@ import contextlib
 import dataclasses
 import errno
 import io
-import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -30,6 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from io_engine import IOEngineError, VolumeConfigError
+from lohan.app.export import Checkpoints, export_final, tidy
 from lohan.app.fit import (
     data_parallel_machine,
     described_hardware,
@@ -37,7 +36,7 @@ from lohan.app.fit import (
     fit_report,
     local_problems,
 )
-from lohan.app.layout import EXPORT_MARKER, RunLayout, default_metrics, partial_dir
+from lohan.app.layout import RunLayout, default_metrics
 from lohan.app.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -47,7 +46,6 @@ from lohan.app.metrics import (
     report_step,
 )
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
-from lohan.crashpoints import crashpoint
 from lohan.data import (
     IGNORE_INDEX,
     Batch,
@@ -411,6 +409,7 @@ class _Run:
     layout: RunLayout
     dp: DataParallel | None
     console: Console
+    checkpoints: Checkpoints | None = None
 
     @property
     def world(self) -> int:
@@ -492,7 +491,12 @@ def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: 
     problems = [] if dry_run else layout.problems()
     if problems:
         raise Refusal("; ".join(problems))
-    return _Run(run, model, seq_len, dataset, eval_set, per_epoch, steps, layout, dp, console)
+    if run.save_every and export is None and not dry_run:
+        raise Refusal(f"save_every={run.save_every} writes checkpoints into the export directory: give one "
+                      "(--export DIR; checkpoints go to DIR/step-N)")
+    ckpt = (Checkpoints(layout, run, model, run.save_every, run.save_total_limit, export_dtype)
+            if run.save_every and export is not None else None)
+    return _Run(run, model, seq_len, dataset, eval_set, per_epoch, steps, layout, dp, console, ckpt)
 
 
 def _check_shapes(run: RunConfig, model: Model, seq_len: int, world: int) -> None:
@@ -642,13 +646,14 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
     history: list[StepMetrics] = []
     code = 0
     try:
+        if export and ctx.main_rank:
+            tidy(ctx.layout, ctx.console)  # what a killed save or export left (lohan's: checked)
         _train_steps(ctx, engine, batches, data_state, history)
         if export:
             if ctx.main_rank:
-                _export(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
-            else:  # the same reads, in the same order: each one gathers a block from every rank
-                for b in engine.layout.blocks:
-                    engine.read_params(b.index)
+                export_final(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
+            else:
+                _gather_whole(engine)
     except KeyboardInterrupt as err:
         with contextlib.suppress(Exception):  # the last step's commit, if still staged (write-behind)
             engine.flush()
@@ -684,8 +689,10 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     """The loop: a step, its run state (the data position a resume needs) once it is committed, an evaluation
     when due, its metrics. One batch is drawn ahead: a step whose optimizer pass runs after backward runs the
     next step's forward beside it."""
-    run, steps, start = ctx.run, ctx.steps, engine.step_count
+    run, steps, start, ckpt = ctx.run, ctx.steps, engine.step_count, ctx.checkpoints
     writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
+    if ckpt is not None and ckpt.due(start) and _agreed(ctx, not ckpt.has(start)):
+        ctx.console.print(_save(ctx, engine)[1])  # a resumed run whose checkpoint of this step a kill cut short
     with writer_cm as writer, progress_bar(steps, ctx.console, completed=start) as bar:
         position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
         batch = next(batches) if start < steps else None
@@ -701,11 +708,37 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
             # after the run state is saved: an evaluation reads the committed weights and nothing else
             due = ctx.eval_set is not None and (step == steps or bool(run.eval_every and step % run.eval_every == 0))
             eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
-            sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s)
+            save_s, saved = _save(ctx, engine) if ckpt is not None and ckpt.due(step) else (None, "")
+            sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s, save_s)
             history.append(sm)
             if writer is not None:
                 writer.write(sm)
             report_step(bar, sm, steps)
+            if saved:
+                ctx.console.print(saved)
+
+
+def _save(ctx: _Run, engine: Engine) -> tuple[float, str]:
+    """The checkpoint of the committed step (rank 0 writes it; every rank takes part in gathering the blocks):
+    the seconds training waited for it, and the line that says so ('' on the other ranks)."""
+    t0 = time.perf_counter()
+    if ctx.main_rank:
+        saved = ctx.checkpoints.save(engine)
+        return saved.seconds, saved.describe(ctx.checkpoints.limit)
+    _gather_whole(engine)
+    return time.perf_counter() - t0, ""
+
+
+def _gather_whole(engine: Engine) -> None:
+    """A data-parallel rank's part of rank 0's export: the same reads, in the same order (each gathers a block
+    from every rank)."""
+    for b in engine.layout.blocks:
+        engine.read_params(b.index)
+
+
+def _agreed(ctx: _Run, decision: bool) -> bool:
+    """Rank 0's `decision`, on every rank (they must all take part in what follows, or none)."""
+    return ctx.dp.broadcast(decision) if ctx.dp else decision
 
 
 def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> None:
@@ -717,6 +750,11 @@ def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> 
     if clipped or skipped:
         console.print(f"  gradients   clipped in {clipped} of {len(history)} steps ({redone} speculative updates "
                       f"redone), {skipped} skipped as not finite")
+    saves = [h.save_s for h in history if h.save_s is not None]
+    if saves:
+        share = sum(saves) / (sum(h.step_s for h in history) + sum(saves))
+        console.print(f"  checkpoints {len(saves)} written, {sum(saves) / len(saves):.2f} s each on average (training "
+                      f"waited: {share:.1%} of the steps' and saves' time)")
     untrained = getattr(batches, "untrained_skipped", 0)
     if untrained:
         console.print(f"  data        {untrained} batch(es) skipped: every target masked (no response or assistant "
@@ -811,39 +849,6 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
               "--config": config}
     metrics = run.metrics or default_metrics(e.nvme[0], e.name)
     return RunLayout(e.nvme, e.name, metrics, export, inputs)
-
-
-def _export(console: Console, run: RunConfig, model: Model, engine: Engine, layout: RunLayout,
-            dtype: str | None = None) -> None:
-    """Export into a sibling `<out>.partial` directory, then swap it in: a kill mid-export leaves the previous
-    export (or nothing) at `out`, never a half-written one, and the same command redoes it. Both are checked
-    again first (the run may have taken hours): nothing but an export of lohan's is ever removed."""
-    layout.check_export()
-    out = layout.export
-    final = Path(out)
-    tmp = partial_dir(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a killed export's (it holds the marker: checked)
-    tmp.mkdir(parents=True)
-    (tmp / EXPORT_MARKER).write_text(json.dumps({"step": engine.step_count, "model": run.model}) + "\n")
-    if model.hf_program is not None:
-        from lohan.models.hf import export_hf
-
-        dtype = export_hf(engine.whole, model.hf_program, run.model, tmp, dtype)
-    else:
-        from lohan.models.gpt_export import export_gpt2
-
-        export_gpt2(engine.whole, model.config, tmp)
-        dtype = "float32"
-    for f in tmp.iterdir():  # durable before it replaces anything
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    crashpoint("export.written")
-    if final.exists():
-        shutil.rmtree(final)  # empty, or a previous export of lohan's (checked above)
-    os.replace(tmp, final)
-    console.print(f"exported the step-{engine.step_count} weights to {out} in {dtype} (loads with transformers "
-                  "AutoModelForCausalLM.from_pretrained)")
 
 
 def verify_store(run: RunConfig) -> int:
