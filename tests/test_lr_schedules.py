@@ -78,6 +78,12 @@ def test_two_ways_to_set_one_thing_are_refused_and_a_flag_replaces_the_files_oth
     assert (run.engine.min_lr, run.engine.min_lr_ratio, run.engine.floor_ratio) == (1e-5, None, 1e-5 / 3e-4)
     assert _run("--config", str(own)).engine.floor_ratio == 0.2
     assert EngineConfig().min_lr_ratio == 0.1  # the default floor when neither is given
+    hf = tmp_path / "model"  # a local Hugging Face model's fine-tuning warm-up (3% of the steps) yields to a ratio
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert _run("--model", str(hf), "--steps", "300").engine.warmup_steps == 9
+    run = _run("--model", str(hf), "--steps", "300", "--set", "engine.warmup_ratio=0.1")
+    assert (run.engine.warmup_steps, run.engine.warmup_ratio) == (0, 0.1)
 
 
 def test_the_header_and_the_plot_show_the_schedule(tmp_path, capsys, monkeypatch):

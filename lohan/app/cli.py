@@ -95,16 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                    f"without --config: {FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
                    f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
-    p.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
+    p.add_argument("--total-steps", type=int, help="length of the schedule (default: the run's steps)")
     p.add_argument("--min-lr-ratio", type=float, help="the decay ends at lr x this (default 0.1)")
     p.add_argument("--lr-scheduler", choices=["cosine", "linear", "constant", "wsd"],
                    help="after the warm-up: cosine or linear decay, constant, or wsd (stable, then a 1-sqrt decay over "
                         "the last --decay-ratio of the steps); default cosine")
-    p.add_argument("--warmup-ratio", type=float, metavar="R", help="warm-up as a share of the steps (instead of "
-                   "--warmup-steps)")
+    p.add_argument("--warmup-ratio", type=float, metavar="R", help="warm-up: a share of the steps (or --warmup-steps)")
     p.add_argument("--min-lr", type=float, help="the decay ends at this lr (instead of --min-lr-ratio)")
-    p.add_argument("--decay-ratio", type=float, metavar="R", help="wsd: share of the steps the final decay takes "
-                   "(default 0.1)")
+    p.add_argument("--decay-ratio", type=float, metavar="R", help="wsd: the final decay's share of the steps (0.1)")
     p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
     p.add_argument("--eps", type=float, help="Adam epsilon")
