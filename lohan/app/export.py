@@ -8,9 +8,10 @@ checkpoints whole, and never a half-written one where a reader looks. Every fold
 `EXPORT_MARKER` from its first moment to its last (`remove_owned` deletes it last), so the next run knows a
 leftover for its own and cleans it (`tidy`), and nothing else is ever removed (`lohan.app.layout`).
 
-A save blocks training: the weights are read from the committed slot, which the next step overwrites with two
-slots only a step later, and a background copy would race the SSDs the step needs. Its seconds are measured
-and reported (the log line, ``save_s`` in the step's metrics record, the summary).
+A save blocks training between two steps: it reads the committed weights back from the store, which the next
+step's writes would race (with one slot they overwrite them in place) on the SSDs that step needs. Its seconds are
+measured and reported (a log line, ``save_s`` in the step's metrics record, the summary): the 110M Llama's fp32
+checkpoint (0.44 GB) took 1.5-2.5 s on a shared 2-core box, about 1.1 s of it reading the fp32 masters back.
 
 Resume: a checkpoint is written after its step is durable (`Engine.whole` flushes a staged commit), so a
 resumed run never recomputes a step whose checkpoint exists. One that a kill cut short (the leftover

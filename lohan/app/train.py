@@ -687,7 +687,7 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
 def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None,
                  history: list[StepMetrics]) -> None:
     """The loop: a step, its run state (the data position a resume needs) once it is committed, an evaluation
-    when due, its metrics. One batch is drawn ahead: a step whose optimizer pass runs after backward runs the
+    and a checkpoint when due, its metrics. One batch is drawn ahead: a step whose optimizer pass runs after backward runs the
     next step's forward beside it."""
     run, steps, start, ckpt = ctx.run, ctx.steps, engine.step_count, ctx.checkpoints
     writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
