@@ -1,25 +1,49 @@
 """`python -m lohan.capacity`: will a model fine-tune on a machine, and with what?
 
-For a preset and a hardware description ("rtx4090,12xP5510,256GB"): the bytes each tier needs
+For a model and a hardware description ("rtx4090,12xP5510,256GB"): the bytes each tier needs
 (GPU, main memory, SSD) and whether they fit, the activation plan (Algorithm 1 on the analytic
 profile, with its predicted step time), the largest batch, the largest preset the machine trains,
 and the same check for a design that keeps activations in main memory (ZeRO-Infinity style).
 Nothing is run or allocated; it is arithmetic on DESIGN.md §4.4's cost model.
+
+The model is a preset, or a local Hugging Face model folder, of which only config.json is read (no weights:
+a folder with the config of a model one has not downloaded plans it). Its shape is planned as the GPT-shaped
+stand-in the run's own plan uses (`lohan.models.hf.HFBlocks.planning_config`: its width, layers, heads,
+vocabulary and about its parameter count).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from lohan.config import PRESETS, get_model_config
+from lohan.config import PRESETS, ModelConfig, get_model_config, is_model_dir
 from lohan.plan.planner import activations_in_ram_capacity, capacity, max_batch, max_model, parse_hardware
+
+
+def model_config(model: str) -> ModelConfig:
+    """A preset's config, or the planning config of a Hugging Face folder's config.json (ValueError: neither)."""
+    if model in PRESETS:
+        return get_model_config(model)
+    if not is_model_dir(model):
+        found = f" ({model} is a folder without config.json)" if os.path.isdir(model) else ""
+        raise ValueError(f"--model {model!r}: give a preset ({', '.join(PRESETS)}) or a Hugging Face model folder "
+                         f"with a config.json{found}")
+    from lohan.models.hf import load_hf_skeleton  # torch and transformers: only for a folder
+
+    try:
+        program = load_hf_skeleton(model)
+    except (OSError, NotImplementedError) as e:
+        raise ValueError(f"--model {model}: {e}") from None
+    return program.planning_config(os.path.basename(os.path.normpath(model)))
 
 
 def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, compute_dtype: str = "bf16",
            micro_batches: int = 1, prefetch_depth: int = 2, compare: bool = True) -> str:
-    """The capacity report as text (what the command prints)."""
-    cfg = get_model_config(model)
+    """The capacity report as text (what the command prints); `model` is a preset or a Hugging Face folder."""
+    cfg = model_config(model)
+    model = cfg.name
     seq = seq or cfg.seq_len
     if seq > cfg.seq_len:
         cfg = cfg.with_overrides(seq_len=seq)
@@ -39,7 +63,10 @@ def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, co
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lohan.capacity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="175b", choices=sorted(PRESETS, key=lambda n: PRESETS[n].get("d_model", 0)))
+    presets = sorted(PRESETS, key=lambda n: PRESETS[n].get("d_model", 0))
+    p.add_argument("--model", default="175b", metavar="MODEL",
+                   help=f"a preset ({', '.join(presets)}) or a Hugging Face model folder (its config.json is read; "
+                        "no weights needed)")
     p.add_argument("--hardware", default="rtx4090,12xP5510,256GB",
                    help="GPU, SSD count x model and RAM, e.g. 'rtx4090,12xP5510,256GB'")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (the paper uses 1024)")

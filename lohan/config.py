@@ -266,7 +266,15 @@ def unitless_size_problems(engine: dict) -> list[str]:
     return problems
 
 
+def steps_share(ratio: float, steps: int) -> int:
+    """`ratio` of `steps`, rounded up: 0.07 of 100 is 7 (float arithmetic makes the product 7.000000000000001,
+    which a plain ceil would make 8)."""
+    return math.ceil(ratio * steps - 1e-9)
+
+
 NO_DECAY_KINDS = ("bias", "norm", "embedding")
+SCHEDULERS = ("cosine", "linear", "constant", "wsd")
+"""The learning-rate schedules (`EngineConfig.lr_scheduler`)."""
 
 
 @dataclass(frozen=True)
@@ -298,14 +306,36 @@ class EngineConfig:
     lr: float = 3e-4
     """Peak learning rate."""
 
+    lr_scheduler: str = "cosine"
+    """The lr after the warm-up (`lohan.runtime.optim.lr_factor`), down to the floor (``min_lr`` or ``lr *
+    min_lr_ratio``) at ``total_steps``: ``cosine`` (half a cosine), ``linear`` (a straight line; with
+    ``min_lr_ratio: 0`` it is the Hugging Face Trainer's ``linear``), ``constant`` (the peak lr throughout, no
+    floor), or ``wsd`` (warm-up, stable, decay: the peak lr until the last ``decay_ratio`` of ``total_steps``,
+    then a 1-sqrt decay to the floor, the cooldown Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+    Training Beyond Fixed Training Durations", found best)."""
+
     warmup_steps: int = 0
     """Linear warmup from lr/warmup_steps to lr over this many steps."""
 
-    total_steps: int | None = None
-    """Length of the cosine decay (including warmup); None keeps the lr constant after warmup."""
+    warmup_ratio: float | None = None
+    """The warm-up as a share of ``total_steps``, in [0, 1]: ``ceil(warmup_ratio * total_steps)`` steps (as the
+    Hugging Face Trainer counts it). Exclusive with a nonzero ``warmup_steps``; None: ``warmup_steps`` decides."""
 
-    min_lr_ratio: float = 0.1
-    """The cosine decays to lr * min_lr_ratio at total_steps."""
+    total_steps: int | None = None
+    """Length of the schedule (including warmup); None keeps the lr constant after warmup (the command line
+    sets it to the run's steps)."""
+
+    min_lr_ratio: float | None = None
+    """The decay ends at lr * min_lr_ratio at total_steps. None: 0.1, unless ``min_lr`` gives the floor
+    (the two are exclusive; after validation it is None only when ``min_lr`` is set)."""
+
+    min_lr: float | None = None
+    """The decay's floor as a learning rate (the Hugging Face name), in [0, lr]; exclusive with
+    ``min_lr_ratio``."""
+
+    decay_ratio: float = 0.1
+    """``wsd`` only: the share of ``total_steps``, in (0, 1], that the final decay takes
+    (``ceil(decay_ratio * total_steps)`` steps, at most those after the warm-up); 0.1 as in MiniCPM's WSD."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
@@ -539,8 +569,7 @@ class EngineConfig:
             problems.append(f"eps={self.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
         if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
             problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
-        if not (isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1):
-            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        problems += self._schedule_problems()
         if isinstance(self.no_decay, str | list):
             object.__setattr__(self, "no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
                                else tuple(self.no_decay))
@@ -549,6 +578,47 @@ class EngineConfig:
             problems.append(f"no_decay={self.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
                             "[bias, norm]")
         return problems
+
+    def _schedule_problems(self) -> list[str]:
+        """The lr schedule's shape: the scheduler, the warm-up as a share, the floor, the WSD decay share."""
+        problems: list[str] = []
+        if self.lr_scheduler not in SCHEDULERS:
+            problems.append(f"lr_scheduler={self.lr_scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+        if self.warmup_ratio is not None:
+            if not (_is_finite(self.warmup_ratio) and 0 <= self.warmup_ratio <= 1):
+                problems.append(f"warmup_ratio={self.warmup_ratio!r} must be a number in [0, 1], e.g. 0.03")
+            elif self.warmup_steps:
+                problems.append(f"warmup_steps={self.warmup_steps!r} and warmup_ratio={self.warmup_ratio!r} both set the "
+                                "warm-up: give one (--warmup-steps N, or --warmup-ratio R for a share of the steps)")
+        if self.min_lr is not None and self.min_lr_ratio is not None:
+            problems.append(f"min_lr={self.min_lr!r} and min_lr_ratio={self.min_lr_ratio!r} both set where the decay "
+                            "ends: give one (--min-lr as a learning rate, or --min-lr-ratio as a share of --lr)")
+        elif self.min_lr is not None:
+            if not (_is_finite(self.min_lr) and self.min_lr >= 0):
+                problems.append(f"min_lr={self.min_lr!r} must be a finite number >= 0 (in YAML write 1.0e-5)")
+            elif _is_finite(self.lr) and self.min_lr > self.lr:
+                problems.append(f"min_lr={self.min_lr:g} is above the peak lr={self.lr:g}: the decay ends below "
+                                "where it starts; lower --min-lr or raise --lr")
+        elif self.min_lr_ratio is None:
+            object.__setattr__(self, "min_lr_ratio", 0.1)
+        elif not (_is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if not (_is_finite(self.decay_ratio) and 0 < self.decay_ratio <= 1):
+            problems.append(f"decay_ratio={self.decay_ratio!r} must be a number in (0, 1], e.g. 0.1 (the last 10% of "
+                            "the steps decay)")
+        return problems
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps: ``warmup_steps``, or ``warmup_ratio`` of ``total_steps`` (none while that is None)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return steps_share(self.warmup_ratio, self.total_steps) if self.total_steps else 0
+
+    @property
+    def floor_ratio(self) -> float:
+        """Where the decay ends, as a share of ``lr`` (from ``min_lr`` or ``min_lr_ratio``)."""
+        return self.min_lr / self.lr if self.min_lr is not None else self.min_lr_ratio
 
     def _stability_problems(self) -> list[str]:
         """Clipping, the fp16 loss scale and the limit on non-finite steps in a row."""
@@ -680,6 +750,14 @@ class RunConfig:
     eval_every: int | None = None
     """Evaluate every this many steps, and at the end; None: only at the end (with an eval set)."""
 
+    save_every: int | None = None
+    """Every this many optimizer steps, write the weights as a Hugging Face checkpoint into ``<export>/step-N``
+    (the same files as the export at the end, `lohan.app.export`); needs an export directory (``--export``)."""
+
+    save_total_limit: int | None = None
+    """Keep only the last this many ``step-N`` checkpoints (lohan's own; older ones are deleted after each save);
+    None keeps them all. Needs ``save_every``."""
+
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Engine settings (NVMe directories, memory budget, offloading mode, optimizer)."""
 
@@ -720,7 +798,7 @@ class RunConfig:
             problems.append("epochs needs a dataset; synthetic data has no epochs (use steps)")
         if self.seq_len is not None and (not _is_int(self.seq_len) or self.seq_len < 1):
             problems.append(f"seq_len={self.seq_len!r} must be a positive integer")
-        problems += self._eval_problems()
+        problems += self._eval_problems() + self._save_problems()
         if isinstance(self.engine, dict):
             try:
                 object.__setattr__(self, "engine", EngineConfig(**self.engine))
@@ -775,6 +853,17 @@ class RunConfig:
             elif self.eval_data is None and self.eval_fraction is None:
                 problems.append("eval_every needs an eval set: add eval_data (--eval-data FILE) or eval_fraction "
                                 "(--eval-fraction F)")
+        return problems
+
+    def _save_problems(self) -> list[str]:
+        problems = []
+        for name in ("save_every", "save_total_limit"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                problems.append(f"{name}={value!r} must be an integer >= 1 (or unset)")
+        if self.save_total_limit is not None and self.save_every is None:
+            problems.append("save_total_limit limits the checkpoints save_every writes: add save_every "
+                            "(--save-every N) or drop it")
         return problems
 
     @property

@@ -5,14 +5,15 @@ bit-identical to an uninterrupted run.
     python scripts/kill_harness.py --trials 6 --seed 3  # a quicker look
     python scripts/kill_harness.py --set engine.resident_mem=all  # every optimizer record kept in RAM too
 
-Each trial runs the same small fine-tune (the tiny preset on the shipped corpus, seq 64, batch 4, 6 steps,
-export at the end) and kills it one to three times: at named crash points (`lohan/crashpoints.py`: a block
-of store creation, the rename of each JSON file, forward, backward, the optimizer's writes, the commit's
-fsync, the run-state write, profiling, the export) or after a random delay. After each kill it does what
+Each trial runs the same small fine-tune (the tiny preset on the shipped corpus, seq 64, batch 4, 6 steps, a
+checkpoint every 2 steps, export at the end) and kills it one to three times: at named crash points
+(`lohan/crashpoints.py`: a block of store creation, the rename of each JSON file, forward, backward, the
+optimizer's writes, the commit's fsync, the run-state write, profiling, a checkpoint before its rename, the
+export, the export's swap as it moves the checkpoints) or after a random delay. After each kill it does what
 the error message tells a user to do: the same command with `--resume` (without it when nothing was
 created yet). Checked per trial: every step's loss in the metrics equals the uninterrupted run's, and the
-final weights (fp32 masters, every block, read back from the store) and the exported checkpoint are
-bit-identical. A trial whose crash point was never reached is counted as such, not as survived.
+final weights (fp32 masters, every block, read back from the store), the export and every checkpoint
+(``export/step-N``) are bit-identical. A trial whose crash point was never reached is counted as such, not as survived.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ POINTS: list[tuple[str, str]] = [
     ("commit fsync", "store.commit.synced:{k:5}"),
     ("commit rename", "json.rename:lohan.commit.json:{k:5}"),
     ("run-state write", "json.rename:lohan.run.json:{k:4}"),
+    ("checkpoint save", "checkpoint.written:{k:3}"),
     ("export", "export.written"),
+    ("export", "export.checkpoint_moved:{k:3}"),
     ("random time", "random"),
 ]
 
@@ -60,7 +63,7 @@ SETS: list[str] = []  # --set KEY=VALUE given to every finetune.py run (main's -
 def base_args(work: Path, steps: int = STEPS) -> list[str]:
     return [sys.executable, str(ROOT / "finetune.py"), "--steps", str(steps), "--seq-len", "64", "--batch-size", "4",
             "--nvme", str(work / "nvme"), "--metrics", str(work / "metrics.jsonl"), "--export", str(work / "export"),
-            "--backend", "threads", *(a for kv in SETS for a in ("--set", kv))]
+            "--save-every", "2", "--backend", "threads", *(a for kv in SETS for a in ("--set", kv))]
 
 
 @dataclass
@@ -131,6 +134,8 @@ def read_export(work: Path) -> dict[str, object]:
     out = {}
     for f in sorted((work / "export").glob("*.safetensors")):
         out.update(load_file(str(f)))
+    for f in sorted((work / "export").glob("step-*/*.safetensors")):  # the checkpoints, under their folder's name
+        out.update((f"{f.parent.name}/{k}", v) for k, v in load_file(str(f)).items())
     return out
 
 
@@ -188,7 +193,7 @@ def run_trial(index: int, work: Path, kills: list[tuple[str, str]], ref: tuple, 
     if not same_tensors(read_weights(work), ref_weights):
         trial.problems.append("final weights differ from the uninterrupted run")
     if not same_tensors(read_export(work), ref_export):
-        trial.problems.append("exported checkpoint differs from the uninterrupted run")
+        trial.problems.append("the export or a checkpoint differs from the uninterrupted run")
     trial.identical = not trial.problems
     return trial
 

@@ -33,3 +33,30 @@ def test_bad_hardware_is_a_usage_error(capsys):
         main(["--hardware", "gtx9999,1xP5510,64GB"])
     assert e.value.code == 2
     assert "gtx9999" in capsys.readouterr().err
+
+
+def test_a_hugging_face_folder_with_only_its_config_is_planned(tmp_path, capsys):
+    """Llama-2-7B's config.json alone (no weights, no tokenizer): planned as the run's own plan does."""
+    import json
+
+    from lohan.capacity import model_config
+
+    folder = tmp_path / "llama-2-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "torch_dtype": "float16"}))
+    cfg = model_config(str(folder))
+    assert (cfg.name, cfg.n_layer, cfg.d_model, cfg.vocab_size) == ("llama-2-7b", 32, 4096, 32000)
+    assert abs(cfg.param_count() - 6.74e9) / 6.74e9 < 0.05  # Llama-2-7B has 6.74B parameters
+    assert main(["--model", str(folder), "--hardware", "h100,4xP5510,128GB", "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-2-7b, batch 1 x seq 1024 on h100,4xP5510,128GB" in out and "=> fits" in out
+    assert "largest batch for llama-2-7b at seq 1024:" in out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path / "empty")])
+    assert e.value.code == 2
+    assert "is a folder without config.json" in capsys.readouterr().err

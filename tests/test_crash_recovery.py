@@ -35,7 +35,9 @@ def reference(tmp_path_factory):
     [("commit rename", "json.rename:lohan.commit.json:3"), ("run-state write", "json.rename:lohan.run.json:2")],
     # after the optimizer's writes went out, then between the export's shards and its rename
     [("optimizer write", "offload.write_issued:20"), ("export", "export.written")],
-], ids=["create+backward", "commit+runstate", "write+export"])
+    # before the second checkpoint's rename, then as the final export's swap moves the second checkpoint
+    [("checkpoint save", "checkpoint.written:2"), ("export", "export.checkpoint_moved:2")],
+], ids=["create+backward", "commit+runstate", "write+export", "checkpoint+swap"])
 def test_killed_runs_resume_bit_identically(tmp_path, reference, kills):
     ref, ref_s = reference
     trial = kh.run_trial(0, tmp_path / "run", kills, ref, ref_s, random.Random(0))

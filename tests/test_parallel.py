@@ -281,14 +281,15 @@ def test_resume_with_another_world_size_is_refused(tmp_path):
 # --------------------------------------------------------------- the CLI under torchrun
 def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_exports(tmp_path):
     """`torchrun --nproc-per-node 2 finetune.py ...` with the same flags as one process with micro_batches=2
-    (fp32, one intra-op thread each, as torchrun sets): the exported weights are the same bytes, rank 0
-    alone writes the metrics and the export, and each rank's store is under DIR/rank<r>."""
+    (fp32, one intra-op thread each, as torchrun sets): the exported weights, and the checkpoint of step 2
+    (--save-every 2), are the same bytes, rank 0 alone writes the metrics and the export, and each rank's store
+    is under DIR/rank<r>."""
     from safetensors.torch import load_file
 
     def cli(nvme: Path, export: Path, extra: list[str]) -> list[str]:
         return ["finetune.py", "--config", "configs/tiny.yaml", "--nvme", str(nvme), "--steps", "3", "--batch-size",
                 "4", "--seq-len", "64", "--export", str(export), "--set", "engine.compute_dtype=fp32",
-                "--set", "engine.total_steps=3", "--set", "engine.cpu_mem=1GiB", *extra]
+                "--set", "engine.total_steps=3", "--set", "engine.cpu_mem=1GiB", "--save-every", "2", *extra]
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", LOHAN_DEVICE="cpu")
@@ -312,8 +313,10 @@ def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_expor
                                                ["--set", "engine.micro_batches=2"])],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stdout + one.stderr
-    shards = sorted(p.name for p in (tmp_path / "one-out").glob("*.safetensors"))
-    assert shards and shards == sorted(p.name for p in (tmp_path / "dp-out").glob("*.safetensors"))
-    for name in shards:
-        a, b = load_file(tmp_path / "one-out" / name), load_file(tmp_path / "dp-out" / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert [r["step"] for r in records if "save_s" in r] == [2]
+    for folder in ("", "step-2"):
+        shards = sorted(p.name for p in (tmp_path / "one-out" / folder).glob("*.safetensors"))
+        assert shards and shards == sorted(p.name for p in (tmp_path / "dp-out" / folder).glob("*.safetensors"))
+        for name in shards:
+            a, b = load_file(tmp_path / "one-out" / folder / name), load_file(tmp_path / "dp-out" / folder / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (folder, name)

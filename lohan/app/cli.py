@@ -54,7 +54,15 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
     "data_format": (None, "data_format"), "text_field": (None, "text_field"), "split": (None, "split"),
     "eval_split": (None, "eval_split"),
+    "lr_scheduler": ("engine", "lr_scheduler"), "warmup_ratio": ("engine", "warmup_ratio"),
+    "min_lr": ("engine", "min_lr"), "decay_ratio": ("engine", "decay_ratio"),
+    "save_every": (None, "save_every"), "save_total_limit": (None, "save_total_limit"),
 }
+
+# Two ways to say one thing: a flag replaces the config file's other way (the command line overrides the file);
+# both on the command line (or both in the file) are refused by EngineConfig.
+_ALTERNATIVES = {"warmup_ratio": "warmup_steps", "warmup_steps": "warmup_ratio", "min_lr": "min_lr_ratio",
+                 "min_lr_ratio": "min_lr"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,8 +140,14 @@ def _optimization_flags(g: argparse._ArgumentGroup) -> None:
                    f"{FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
     g.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
                    f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
-    g.add_argument("--total-steps", type=int, help="length of the cosine decay (default: the run's steps)")
-    g.add_argument("--min-lr-ratio", type=float, help="the cosine decays to lr x this")
+    g.add_argument("--total-steps", type=int, help="length of the schedule (default: the run's steps)")
+    g.add_argument("--lr-scheduler", choices=["cosine", "linear", "constant", "wsd"],
+                   help="after the warm-up: cosine or linear decay, constant, or wsd (stable, then a 1-sqrt decay over "
+                        "the last --decay-ratio of the steps)")
+    g.add_argument("--warmup-ratio", type=float, metavar="R", help="warm-up: a share of the steps (or --warmup-steps)")
+    g.add_argument("--min-lr-ratio", type=float, help="the decay ends at lr x this")
+    g.add_argument("--min-lr", type=float, help="the decay ends at this lr (instead of --min-lr-ratio)")
+    g.add_argument("--decay-ratio", type=float, metavar="R", help="wsd: the final decay's share of the steps")
     g.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
     g.add_argument("--eps", type=float, help="Adam epsilon")
@@ -194,6 +208,10 @@ def _output_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
                         "presets export fp32)")
+    g.add_argument("--save-every", type=int, metavar="N",
+                   help="every N steps, also write a Hugging Face checkpoint to DIR/step-N (needs --export DIR)")
+    g.add_argument("--save-total-limit", type=int, metavar="K",
+                   help="keep only the last K DIR/step-N checkpoints (default: all)")
 
 
 def _show_defaults(p: argparse.ArgumentParser) -> None:
@@ -246,13 +264,15 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         if args.config is None:  # nor does the default config's schedule (tuned for its 2M-parameter demo)
             for key in SCHEDULE_KEYS:
                 engine.pop(key, None)
+    for flag, other in _ALTERNATIVES.items():
+        if getattr(args, flag, None) is not None and getattr(args, other, None) is None:
+            engine.pop(other, None)
     for flag, (section, field) in _FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
             (engine if section == "engine" else raw)[field] = tuple(value) if isinstance(value, list) else value
     if getattr(args, "layers", None) is not None:
         raw["model_overrides"] = {**(raw.get("model_overrides") or {}), "n_layer": args.layers}
-    _finetune_defaults(args, raw, engine)
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
@@ -272,10 +292,12 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
             raw[parts[0]] = value
         else:
             raise ValueError(f"--set {key}: unknown key; use FIELD, engine.FIELD or model_overrides.FIELD")
+    _finetune_defaults(args, raw, engine)
     return _make_run_config(raw, engine)
 
 
-SCHEDULE_KEYS = ("lr", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay", "betas")
+SCHEDULE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
+                 "decay_ratio", "weight_decay", "betas")
 FINETUNE_LR = 2e-5
 """Peak learning rate of a local Hugging Face model run without --config (full fine-tuning of a pretrained model:
 the range 1e-5..5e-5 that fine-tuning recipes use; the presets' 3e-4 would wreck pretrained weights)."""
@@ -290,9 +312,9 @@ def _finetune_defaults(args: argparse.Namespace, raw: dict, engine: dict) -> Non
     model = getattr(args, "model", None)
     if args.config is not None or not model or not is_model_dir(str(model)):
         return
-    engine.setdefault("lr", FINETUNE_LR)  # (--set, applied after this, still wins)
+    engine.setdefault("lr", FINETUNE_LR)  # (flags and --set, applied before this, win)
     steps = raw.get("steps")
-    if raw.get("epochs") is None and _is_count(steps):
+    if raw.get("epochs") is None and _is_count(steps) and engine.get("warmup_ratio") is None:
         engine.setdefault("warmup_steps", max(1, round(FINETUNE_WARMUP * steps)))
 
 
@@ -407,6 +429,9 @@ def _main(args: argparse.Namespace) -> int:
                              "(--epochs counts passes over the data, --steps optimizer steps)")
         if args.export_dtype and not args.export:
             raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
+        if run.save_every and not args.export and not args.dry_run:
+            raise ValueError(f"--save-every {run.save_every} writes checkpoints into the export directory: pass "
+                             "--export DIR too (checkpoints go to DIR/step-N, the final weights to DIR)")
         if args.resume and args.overwrite:
             raise ValueError("--resume continues the stored run and --overwrite discards it: pass one of them")
         from lohan.runtime.device import (

@@ -6,21 +6,25 @@ A run never deletes or overwrites a file it did not write (DESIGN.md §5). Its o
   (``<name>.*``, ``<name>-*``: slabs, manifests, commit record, run state, profile) and its default metrics;
 - the metrics JSONL (``--metrics``; by default ``<nvme>/<name>.metrics.jsonl``, so that two runs never share
   it) and its plot beside it (``.png``);
-- the export directory (``--export``), replaced whole, and the ``.partial`` sibling it is written into;
+- the export directory (``--export``), whose files are replaced whole, and the ``.partial`` sibling it is
+  written into; the periodic checkpoints (``--save-every N``) inside it, ``<export>/step-N``, each written into
+  ``step-N.partial`` beside it and removed (``--save-total-limit``, a step saved again) by way of ``step-N.old``;
 - the trackers' directory (``--logging-dir``, with ``--report-to``), where they only add files of their own.
 
 Its inputs: the model directory, the data and eval data files, the config file. `RunLayout.problems` finds,
 before anything is written, every path that would make the run destroy or corrupt something: an output that
 is an input or lies inside one, an input or another output inside the export (replaced whole), an output that
 names another one, and a file where an output goes that lohan did not write. What lohan wrote says so: a
-metrics file is JSON records with a step, a plot carries lohan's tag in its PNG text, an export holds
-`EXPORT_MARKER`.
+metrics file is JSON records with a step, a plot carries lohan's tag in its PNG text, an export and each
+checkpoint hold `EXPORT_MARKER` (written first, removed last: a folder a kill leaves half-written or
+half-removed still holds it, or is empty).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +89,14 @@ class RunLayout:
         out += self._foreign_files()
         return list(dict.fromkeys(out))
 
+    def checkpoint(self, step: int) -> Path:
+        """Where the checkpoint of step `step` goes (``<export>/step-N``)."""
+        assert self.export is not None, "checkpoints go into the export directory: the run has none"
+        return self.export / f"{CHECKPOINT_PREFIX}{step}"
+
     def check_export(self) -> None:
-        """At export time, again: the export directory holds nothing but a previous export of lohan's (the run
-        may have taken hours, and the directory is replaced whole)."""
+        """At export and checkpoint time, again: the export directory holds nothing but lohan's (the run may have
+        taken hours, and the export's files are replaced whole)."""
         if self.export is not None:
             problem = _foreign_export(self.export) or _foreign_export(partial_dir(self.export), "staging ")
             if problem:
@@ -182,14 +191,47 @@ def is_lohan_plot(path: Path) -> bool:
     return head.startswith(b"\x89PNG") and b"Software\x00" + PLOT_TAG.encode() in head
 
 
+CHECKPOINT_PREFIX = "step-"
+_CHECKPOINT = re.compile(r"step-(\d+)")
+_LEFTOVER = re.compile(r"step-(\d+)\.(partial|old)")
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of `path` if it is a checkpoint of lohan's (``step-N``, holding `EXPORT_MARKER`), else None."""
+    match = _CHECKPOINT.fullmatch(path.name)
+    if match is None or path.is_symlink() or not (path / EXPORT_MARKER).is_file():
+        return None
+    return int(match.group(1))
+
+
+def is_leftover(path: Path) -> bool:
+    """Whether `path` is what a killed save or removal of a checkpoint left (``step-N.partial``, ``step-N.old``):
+    lohan's if it holds `EXPORT_MARKER` (written first, removed last) or is empty (a kill right after mkdir)."""
+    if _LEFTOVER.fullmatch(path.name) is None or path.is_symlink() or not path.is_dir():
+        return False
+    return (path / EXPORT_MARKER).is_file() or not any(path.iterdir())
+
+
+def _is_ours(entry: Path, exported: bool) -> bool:
+    """Whether lohan wrote `entry` of an export directory: a checkpoint or a leftover of one; or, in a directory
+    lohan exported to (`exported`: it holds the marker), a file (an export is flat) not named like those."""
+    if entry.is_dir() and not entry.is_symlink():
+        return checkpoint_step(entry) is not None or is_leftover(entry)
+    return exported and not (_CHECKPOINT.fullmatch(entry.name) or _LEFTOVER.fullmatch(entry.name))
+
+
 def _foreign_export(out: Path, what: str = "") -> str | None:
-    """The problem if `out` exists and is not empty or an export of lohan's (None if it may be replaced)."""
+    """The problem if `out` exists and holds anything lohan did not write there (None if it may be replaced)."""
     if not out.exists():
         return None
     if not out.is_dir():
         return f"the export {what}path {out} is a file; give a directory (a new or empty one)"
-    if any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
-        return (f"the export {what}directory {out} holds files that are not an export of lohan's (no "
-                f"{EXPORT_MARKER}): lohan replaces an export directory whole, so it takes only a new or empty "
-                "directory, or one it exported to before; choose another --export")
+    exported = (out / EXPORT_MARKER).is_file()
+    foreign = sorted(e.name for e in out.iterdir() if not _is_ours(e, exported))
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (f"the export {what}directory {out} holds files that are not an export of lohan's ({names}; an "
+                f"export holds {EXPORT_MARKER}, its checkpoints step-N/ too): lohan replaces an export's files and "
+                "manages its checkpoints, so it takes only a new or empty directory, or one it exported to before; "
+                "choose another --export, or move those away")
     return None

@@ -179,6 +179,9 @@ class StepMetrics:
     network_bytes: int | None = None
     """Data parallel: bytes this rank sent over the network during the step (ring collectives; it received as
     many); None in one process."""
+    save_s: float | None = None
+    """Wall-clock seconds of the checkpoint written after this step (``--save-every``; training waited for it,
+    not part of :attr:`step_s`); None: no checkpoint here."""
 
     @classmethod
     def from_counters(
@@ -206,6 +209,7 @@ class StepMetrics:
         eval_loss: float | None = None,
         eval_s: float | None = None,
         network_bytes: int | None = None,
+        save_s: float | None = None,
     ) -> StepMetrics:
         """Derive the rates of a step from raw counters (bytes, FLOPs, seconds).
 
@@ -224,6 +228,7 @@ class StepMetrics:
             overlap_pct: Overlap in percent; computed from ``lanes`` by :func:`overlap_percent` if None.
             eval_loss: Eval loss measured after the step (its perplexity is derived), None if none was.
             eval_s: Seconds the evaluation took.
+            save_s: Seconds the checkpoint written after the step took, None if none was.
 
         Returns:
             The step's metrics.
@@ -256,11 +261,14 @@ class StepMetrics:
             eval_ppl=None if eval_loss is None else perplexity(eval_loss),
             eval_s=eval_s,
             network_bytes=network_bytes,
+            save_s=save_s,
         )
 
     @classmethod
-    def from_stats(cls, stats: StepStats, eval_loss: float | None = None, eval_s: float | None = None) -> StepMetrics:
-        """A step's record from what the engine measured (`Engine.last_stats`), with the evaluation after it."""
+    def from_stats(cls, stats: StepStats, eval_loss: float | None = None, eval_s: float | None = None,
+                   save_s: float | None = None) -> StepMetrics:
+        """A step's record from what the engine measured (`Engine.last_stats`), with the evaluation and the
+        checkpoint after it."""
         return cls.from_counters(
             step=stats.step, loss=stats.loss, lr=stats.lr, tokens=stats.tokens, step_s=stats.step_s,
             flops=stats.flops or 0.0, ssd_read_bytes=stats.ssd_read_bytes, ssd_write_bytes=stats.ssd_write_bytes,
@@ -268,18 +276,19 @@ class StepMetrics:
             overlap_pct=100 * stats.overlap_efficiency, grad_norm=stats.grad_norm, clip_coef=stats.clip_coef,
             redone=stats.redone, deferred=stats.deferred, next_forward_overlapped=stats.next_forward_overlapped,
             skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
-            eval_s=eval_s, network_bytes=stats.network_bytes)
+            eval_s=eval_s, network_bytes=stats.network_bytes, save_s=save_s)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``.
-        The ``eval_*`` fields appear only on the records of steps that evaluated, ``network_bytes`` only in
-        data-parallel runs."""
+        The ``eval_*`` fields appear only on the records of steps that evaluated, ``save_s`` only on those that
+        wrote a checkpoint, ``network_bytes`` only in data-parallel runs."""
         record = dataclasses.asdict(self)
         if self.eval_loss is None:
             for name in EVAL_FIELDS:
                 del record[name]
-        if self.network_bytes is None:
-            del record["network_bytes"]
+        for name in ("network_bytes", "save_s"):
+            if record[name] is None:
+                del record[name]
         return _json_safe(record)
 
 
@@ -487,8 +496,9 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -> Path | None:
-    """Plot loss and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``); the eval loss
-    of the records that have one is drawn next to the training loss.
+    """Plot loss, learning rate and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``); the
+    eval loss of the records that have one is drawn next to the training loss, the steps that wrote a checkpoint
+    are marked on the lr panel (the schedule).
 
     Returns the PNG path, or None when matplotlib is unavailable or there is nothing to plot.
     """
@@ -504,7 +514,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
         return None
     out = Path(png_path) if png_path else Path(metrics_path).with_suffix(".png")
     steps = [r["step"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (ax1, ax_lr, ax2) = plt.subplots(3, 1, figsize=(7, 7), sharex=True, height_ratios=(2, 1, 1.5))
     ax1.plot(steps, [r["loss"] for r in records], lw=1, label="train")
     evals = [r for r in records if isinstance(r.get("eval_loss"), int | float)]
     if evals:
@@ -513,6 +523,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
         ax1.legend(loc="upper right")
     ax1.set_ylabel("loss")
     ax1.grid(alpha=0.3)
+    _plot_lr(ax_lr, records)
     ax2.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records], lw=1, color="tab:green")
     ax2.set_ylabel("tokens/s")
     ax2.set_xlabel("step")
@@ -523,6 +534,20 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
     fig.savefig(out, dpi=100, metadata={"Software": PLOT_TAG})
     plt.close(fig)
     return out
+
+
+def _plot_lr(ax: Any, records: list[dict[str, Any]]) -> None:
+    """The learning rate each step ran with (the schedule as it happened, a resume's changes included), and a
+    mark at each step that wrote a checkpoint."""
+    ax.plot([r["step"] for r in records], [r.get("lr", float("nan")) for r in records], lw=1, color="tab:purple")
+    saved = [r for r in records if isinstance(r.get("save_s"), int | float)]
+    if saved:
+        ax.plot([r["step"] for r in saved], [r.get("lr", float("nan")) for r in saved], ls="none", marker="v",
+                ms=4, color="tab:gray", label="checkpoint")
+        ax.legend(loc="upper right")
+    ax.set_ylabel("lr")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax.grid(alpha=0.3)
 
 
 # ----------------------------------------------------------------------------------------- summary

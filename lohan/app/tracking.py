@@ -52,6 +52,7 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
         "train/clip_coef": m.clip_coef, "train/loss_scale": m.loss_scale,
         "train/skipped": float(m.skipped), "train/redone": float(m.redone), "train/deferred": float(m.deferred),
         "eval/loss": m.eval_loss, "eval/perplexity": m.eval_ppl, "eval/seconds": m.eval_s,
+        "checkpoint/save_s": m.save_s,
         "perf/step_s": m.step_s, "perf/tokens_per_s": m.tokens_per_s, "perf/tflops": m.tflops,
         "perf/ssd_read_gbps": m.ssd_read_gbps, "perf/ssd_write_gbps": m.ssd_write_gbps,
         "perf/overlap_pct": m.overlap_pct, "perf/tokens": float(m.tokens),

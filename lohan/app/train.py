@@ -11,11 +11,9 @@ import contextlib
 import dataclasses
 import errno
 import io
-import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -30,6 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from io_engine import IOEngineError, VolumeConfigError
+from lohan.app.export import Checkpoints, export_final, tidy
 from lohan.app.fit import (
     data_parallel_machine,
     described_hardware,
@@ -37,7 +36,7 @@ from lohan.app.fit import (
     fit_report,
     local_problems,
 )
-from lohan.app.layout import EXPORT_MARKER, RunLayout, default_metrics, partial_dir
+from lohan.app.layout import RunLayout, default_metrics
 from lohan.app.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -50,7 +49,6 @@ from lohan.app.metrics import (
 )
 from lohan.app.tracking import Trackers, flat_params, missing_packages
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
-from lohan.crashpoints import crashpoint
 from lohan.data import (
     IGNORE_INDEX,
     Batch,
@@ -62,6 +60,7 @@ from lohan.data import (
 )
 from lohan.plan.pools import MemoryPlanError
 from lohan.runtime.engine import Engine, init
+from lohan.runtime.optim import wsd_decay_steps
 from lohan.runtime.parallel import (
     DataParallel,
     init_from_env,
@@ -220,7 +219,8 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
 
 
 LR_WARN = 0.1  # an AdamW peak lr above this is a typo, not a choice (the header says so)
-SCHEDULE_FIELDS = ("lr", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
+SCHEDULE_FIELDS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
+                   "decay_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
 
 
 def _schedule(e: EngineConfig) -> dict[str, Any]:
@@ -293,9 +293,22 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
 def _schedule_line(e: EngineConfig) -> str:
     """What the optimizer does, as the run will do it (the header: a schedule is easy to inherit by mistake)."""
     clip = f"clipped at global norm {e.max_grad_norm:g} ({e.clip_mode})" if e.max_grad_norm > 0 else "not clipped"
-    warm = f"warm-up {e.warmup_steps} step(s), " if e.warmup_steps else "no warm-up, "
-    return (f"AdamW lr {e.lr:g}, {warm}cosine to {e.lr * e.min_lr_ratio:g} at step {e.total_steps}, weight decay "
-            f"{e.weight_decay:g}, betas ({e.betas[0]:g}, {e.betas[1]:g}), eps {e.eps:g}; gradients {clip}")
+    share = f" ({e.warmup_ratio:g} of {e.total_steps})" if e.warmup_ratio is not None else ""
+    warm = f"warm-up {e.warmup} step(s){share}, " if e.warmup else "no warm-up, "
+    return (f"AdamW lr {e.lr:g}, {warm}{_decay_text(e)}, weight decay {e.weight_decay:g}, betas ({e.betas[0]:g}, "
+            f"{e.betas[1]:g}), eps {e.eps:g}; gradients {clip}")
+
+
+def _decay_text(e: EngineConfig) -> str:
+    """What the lr does after the warm-up, in the run's steps (`lohan.runtime.optim.lr_factor`)."""
+    floor = f"{e.lr * e.floor_ratio:g}" + (" (--min-lr)" if e.min_lr is not None else "")
+    if e.lr_scheduler == "constant" or e.total_steps is None or e.total_steps <= e.warmup:
+        return "then constant"
+    if e.lr_scheduler == "wsd":
+        decay = wsd_decay_steps(e.warmup, e.total_steps, e.decay_ratio)
+        return (f"then constant to step {e.total_steps - decay} and 1-sqrt decay over the last {decay} "
+                f"(decay ratio {e.decay_ratio:g}) to {floor} at step {e.total_steps} (wsd)")
+    return f"{e.lr_scheduler} to {floor} at step {e.total_steps}"
 
 
 def _resident_line(engine: Engine) -> str:
@@ -408,6 +421,7 @@ class _Run:
     layout: RunLayout
     dp: DataParallel | None
     console: Console
+    checkpoints: Checkpoints | None = None
 
     @property
     def world(self) -> int:
@@ -491,7 +505,12 @@ def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: 
     problems = missing_packages(run.report_to) + ([] if dry_run else layout.problems())
     if problems:
         raise Refusal("; ".join(problems))
-    return _Run(run, model, seq_len, dataset, eval_set, per_epoch, steps, layout, dp, console)
+    if run.save_every and export is None and not dry_run:
+        raise Refusal(f"save_every={run.save_every} writes checkpoints into the export directory: give one "
+                      "(--export DIR; checkpoints go to DIR/step-N)")
+    ckpt = (Checkpoints(layout, run, model, run.save_every, run.save_total_limit, export_dtype)
+            if run.save_every and export is not None else None)
+    return _Run(run, model, seq_len, dataset, eval_set, per_epoch, steps, layout, dp, console, ckpt)
 
 
 def _check_shapes(run: RunConfig, model: Model, seq_len: int, world: int) -> None:
@@ -643,13 +662,14 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
     history: list[StepMetrics] = []
     code = 0
     try:
+        if export and ctx.main_rank:
+            tidy(ctx.layout, ctx.console)  # what a killed save or export left (lohan's: checked)
         _train_steps(ctx, engine, batches, data_state, history)
         if export:
             if ctx.main_rank:
-                _export(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
-            else:  # the same reads, in the same order: each one gathers a block from every rank
-                for b in engine.layout.blocks:
-                    engine.read_params(b.index)
+                export_final(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
+            else:
+                _gather_whole(engine)
     except KeyboardInterrupt as err:
         with contextlib.suppress(Exception):  # the last step's commit, if still staged (write-behind)
             engine.flush()
@@ -683,13 +703,15 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
 def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None,
                  history: list[StepMetrics]) -> None:
     """The loop: a step, its run state (the data position a resume needs) once it is committed, an evaluation
-    when due, its metrics. One batch is drawn ahead: a step whose optimizer pass runs after backward runs the
-    next step's forward beside it."""
-    run, steps, start = ctx.run, ctx.steps, engine.step_count
+    and a checkpoint when due, its metrics (the JSONL, the trackers, a log line when due). One batch is drawn
+    ahead: a step whose optimizer pass runs after backward runs the next step's forward beside it."""
+    run, steps, start, ckpt = ctx.run, ctx.steps, engine.step_count, ctx.checkpoints
     writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
     trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run))
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
+    if ckpt is not None and ckpt.due(start) and _agreed(ctx, not ckpt.has(start)):
+        ctx.console.print(_save(ctx, engine)[1])  # a resumed run whose checkpoint of this step a kill cut short
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
         position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
         batch = next(batches) if start < steps else None
@@ -708,12 +730,39 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
             # after the run state is saved: an evaluation reads the committed weights and nothing else
             due = ctx.eval_set is not None and (step == steps or bool(run.eval_every and step % run.eval_every == 0))
             eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
-            sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s)
+            save_s, saved = _save(ctx, engine) if ckpt is not None and ckpt.due(step) else (None, "")
+            sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s, save_s)
             history.append(sm)
             if writer is not None:
                 writer.write(sm)
             trackers.log(sm)
-            report_step(bar, sm, steps, print_line=should_log(step, steps, every, start + 1, eval_loss is not None))
+            report_step(bar, sm, steps, print_line=should_log(step, steps, every, start + 1,
+                                                              eval_loss is not None or bool(saved)))
+            if saved:
+                ctx.console.print(saved)
+
+
+def _save(ctx: _Run, engine: Engine) -> tuple[float, str]:
+    """The checkpoint of the committed step (rank 0 writes it; every rank takes part in gathering the blocks):
+    the seconds training waited for it, and the line that says so ('' on the other ranks)."""
+    t0 = time.perf_counter()
+    if ctx.main_rank:
+        saved = ctx.checkpoints.save(engine)
+        return saved.seconds, saved.describe(ctx.checkpoints.limit)
+    _gather_whole(engine)
+    return time.perf_counter() - t0, ""
+
+
+def _gather_whole(engine: Engine) -> None:
+    """A data-parallel rank's part of rank 0's export: the same reads, in the same order (each gathers a block
+    from every rank)."""
+    for b in engine.layout.blocks:
+        engine.read_params(b.index)
+
+
+def _agreed(ctx: _Run, decision: bool) -> bool:
+    """Rank 0's `decision`, on every rank (they must all take part in what follows, or none)."""
+    return ctx.dp.broadcast(decision) if ctx.dp else decision
 
 
 def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> None:
@@ -725,6 +774,11 @@ def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> 
     if clipped or skipped:
         console.print(f"  gradients   clipped in {clipped} of {len(history)} steps ({redone} speculative updates "
                       f"redone), {skipped} skipped as not finite")
+    saves = [h.save_s for h in history if h.save_s is not None]
+    if saves:
+        share = sum(saves) / (sum(h.step_s for h in history) + sum(saves))
+        console.print(f"  checkpoints {len(saves)} written, {sum(saves) / len(saves):.2f} s each on average (training "
+                      f"waited: {share:.1%} of the steps' and saves' time)")
     untrained = getattr(batches, "untrained_skipped", 0)
     if untrained:
         console.print(f"  data        {untrained} batch(es) skipped: every target masked (no response or assistant "
@@ -820,39 +874,6 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
     metrics = run.metrics or default_metrics(e.nvme[0], e.name)
     logging_dir = (run.logging_dir or Path(metrics).parent / f"{e.name}.logs") if run.report_to else None
     return RunLayout(e.nvme, e.name, metrics, export, inputs, logging_dir)
-
-
-def _export(console: Console, run: RunConfig, model: Model, engine: Engine, layout: RunLayout,
-            dtype: str | None = None) -> None:
-    """Export into a sibling `<out>.partial` directory, then swap it in: a kill mid-export leaves the previous
-    export (or nothing) at `out`, never a half-written one, and the same command redoes it. Both are checked
-    again first (the run may have taken hours): nothing but an export of lohan's is ever removed."""
-    layout.check_export()
-    out = layout.export
-    final = Path(out)
-    tmp = partial_dir(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a killed export's (it holds the marker: checked)
-    tmp.mkdir(parents=True)
-    (tmp / EXPORT_MARKER).write_text(json.dumps({"step": engine.step_count, "model": run.model}) + "\n")
-    if model.hf_program is not None:
-        from lohan.models.hf import export_hf
-
-        dtype = export_hf(engine.whole, model.hf_program, run.model, tmp, dtype)
-    else:
-        from lohan.models.gpt_export import export_gpt2
-
-        export_gpt2(engine.whole, model.config, tmp)
-        dtype = "float32"
-    for f in tmp.iterdir():  # durable before it replaces anything
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    crashpoint("export.written")
-    if final.exists():
-        shutil.rmtree(final)  # empty, or a previous export of lohan's (checked above)
-    os.replace(tmp, final)
-    console.print(f"exported the step-{engine.step_count} weights to {out} in {dtype} (loads with transformers "
-                  "AutoModelForCausalLM.from_pretrained)")
 
 
 def verify_store(run: RunConfig) -> int:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from lohan.config import EngineConfig
+from lohan.config import EngineConfig, steps_share
 
 
 @dataclass(frozen=True)
@@ -55,22 +55,47 @@ class AdamWHyper:
         return AdamWHyper(lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup, then cosine.
+def lr_factor(step: int, warmup_steps: int, total_steps: int | None, min_lr_ratio: float,
+              scheduler: str = "cosine", decay_ratio: float = 0.1) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup, then `scheduler`
+    (`EngineConfig.lr_scheduler`) down to `min_lr_ratio` at step `total_steps` (the step after the last).
+
+    After the warm-up, `progress` runs from 0 at step `warmup_steps` to 1 at `total_steps`: ``cosine`` is
+    ``r + (1 - r)·(1 + cos(π·progress))/2``, ``linear`` ``r + (1 - r)·(1 - progress)``, ``constant`` 1. ``wsd``
+    stays at 1 until the last ``ceil(decay_ratio·total_steps)`` steps (`wsd_decay_steps`), then decays as
+    ``r + (1 - r)·(1 - sqrt(p))`` with `p` running from 0 to 1 over them (the 1-sqrt cooldown). Without
+    `total_steps`, or with no steps after the warm-up, the lr stays at its peak.
 
     Written as a plain function so a reference loop can use it through `torch.optim.lr_scheduler.LambdaLR`
     and get bit-identical learning rates (lr = base_lr * factor in both).
     """
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
-    if total_steps is None or total_steps <= warmup_steps:
+    if scheduler == "constant" or total_steps is None or total_steps <= warmup_steps:
         return 1.0
+    if scheduler == "wsd":
+        decay = wsd_decay_steps(warmup_steps, total_steps, decay_ratio)
+        start = total_steps - decay
+        if step < start:
+            return 1.0
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(min(1.0, (step - start) / decay)))
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if scheduler == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+    if scheduler != "cosine":
+        raise ValueError(f"lr scheduler {scheduler!r}: choose one of cosine, linear, constant, wsd")
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def wsd_decay_steps(warmup_steps: int, total_steps: int, decay_ratio: float) -> int:
+    """The steps of a WSD schedule's final decay: `decay_ratio` of the total, rounded up, at least one and at
+    most the steps after the warm-up."""
+    return max(1, min(total_steps - warmup_steps, steps_share(decay_ratio, total_steps)))
+
+
 def lr_at(cfg: EngineConfig, step: int) -> float:
-    return cfg.lr * lr_factor(step, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
+    """The learning rate of 0-based optimizer step `step` under `cfg`'s schedule."""
+    return cfg.lr * lr_factor(step, cfg.warmup, cfg.total_steps, cfg.floor_ratio, cfg.lr_scheduler, cfg.decay_ratio)
 
 
 def _kinds(owner: nn.Module, leaf: str) -> set[str]:
