@@ -40,7 +40,8 @@ def _run(model: Path, work: Path, steps: int, save: str | None) -> dict:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=work)
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    exported = sum(f.stat().st_size for f in (work / "export").rglob("*.safetensors")) if save else 0
+    # one checkpoint's size: the final export's weights (the step-N folders beside them hold the same amount)
+    exported = sum(f.stat().st_size for f in (work / "export").glob("*.safetensors")) if save else 0
     shutil.rmtree(work / "nvme", ignore_errors=True)
     shutil.rmtree(work / "export", ignore_errors=True)
     return {"wall_s": wall, "step_s": [r["step_s"] for r in records[1:]],
