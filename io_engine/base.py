@@ -97,6 +97,16 @@ class BudgetExceededError(MemoryError):
     """A buffer request cannot be satisfied within the pool's hard byte budget."""
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the renames and creations in directory `path` durable (each is a change of the directory, which a
+    power cut can lose even after the files themselves were fsynced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor's storage (no copy)."""
     if not tensor.is_contiguous():

@@ -31,6 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
+from io_engine.base import fsync_dir
 from lohan.app.layout import EXPORT_MARKER, RunLayout, checkpoint_step, is_leftover, partial_dir
 from lohan.config import RunConfig
 from lohan.crashpoints import crashpoint
@@ -76,14 +77,6 @@ def remove_owned(path: Path) -> None:
     path.rmdir()
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in `path` durable (a rename is a change of the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def tidy(layout: RunLayout, console: Console) -> None:
     """Before the run writes to its export directory: put back the checkpoints a killed final export had moved
@@ -124,7 +117,7 @@ def export_final(console: Console, run: RunConfig, model: Any, engine: Any, layo
                 crashpoint("export.checkpoint_moved")
         remove_owned(final)  # now the previous export's files only (checked above)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     console.print(f"exported the step-{engine.step_count} weights to {final} in {dtype} (loads with transformers "
                   "AutoModelForCausalLM.from_pretrained)")
 
@@ -182,7 +175,7 @@ class Checkpoints:
                 remove_owned(old)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except BaseException:
             if old.exists() and not final.exists():  # failed between the two renames: the old one back
                 os.replace(old, final)

@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from io_engine.base import fsync_dir
+
 from .formats import to_example
 from .records import SAVED, Records, open_records, source_kind
 from .sources import encode_examples
@@ -154,7 +156,7 @@ def load_stream(path: str | os.PathLike, tokenizer: Tokenizer | None = None, *, 
             shutil.rmtree(partial, ignore_errors=True)
             raise
         os.rename(partial, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         return _stream(final, key, path, "built")
     finally:
         _unlock(lock_path, lock)
@@ -283,15 +285,8 @@ def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _inside(a: Path, b: Path) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
+from io_engine.base import fsync_dir
 from lohan.crashpoints import crashpoint
 
 Sums = list[list[list[int]]]  # [block][unit] -> [state, p16]
@@ -64,11 +65,7 @@ def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     crashpoint(f"json.rename:{os.path.basename(path)}")
     os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # make the rename itself durable
-    finally:
-        os.close(dfd)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))  # make the rename itself durable
 
 
 def read_json_checked(path: str | os.PathLike, what: str, fix: str) -> dict[str, Any]:
