@@ -1,0 +1,103 @@
+"""Compressed optimizer states, the arithmetic (issue "Compressed tiers"): block-wise 8-bit quantization with the
+dynamic map, and stochastic rounding to bfloat16.
+
+- **Block-wise dynamic 8-bit quantization** (Dettmers et al., "8-bit Optimizers via Block-wise Quantization",
+  ICLR 2022, §2; the scheme of bitsandbytes' and torchao's 8-bit Adam): a tensor is cut into blocks of
+  `QBLOCK` elements; each block is divided by its absolute maximum (kept in fp32) and each value is stored as the
+  index of the nearest entry of a 256-entry *dynamic* map (Dettmers 2016, "8-Bit Approximations for
+  Parallelism in Deep Learning"): a sign, a run of zero bits that sets a power-of-ten exponent, an indicator
+  bit, and a linear fraction in the bits left, so small magnitudes keep relative precision. The first moment
+  uses the signed map, the second (never negative) the unsigned one, which spends the sign bit on precision.
+- **Stochastic rounding to bfloat16** (as in Zamirai et al. 2020, "Revisiting BFloat16 Training", and
+  torchao's bf16 optimizers): an fp32 value rounds up to the next bfloat16 with probability equal to its
+  distance from the one below, so updates far smaller than a bf16 ulp still move the weights on average. The
+  random bits come from a generator seeded per (seed, block, step): a run and its resume draw the same bits.
+
+Everything here is elementwise or per block, deterministic for a given input and seed, and exact-repeatable
+on any thread count: the engine and an in-memory reference get the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+QBLOCK = 256
+"""Elements per quantization block: one fp32 absmax per 256 values (1/64 of a byte per value)."""
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> Tensor:
+    """The 256 values of the dynamic quantization map, sorted, in [-1, 1] (signed) or [0, 1] (unsigned).
+
+    Seven exponents, 10^-6 .. 10^0; at exponent 10^(i-6) the fraction takes 2^i values (signed, each with both
+    signs) or 2^(i+1) (unsigned: the sign bit's place), the midpoints of an even split of [0.1, 1]; then 0 and
+    1: 2 x 127 + 2 = 256 entries either way. The arithmetic is float32, as bitsandbytes and torchao compute
+    their maps, so the codes can be compared with theirs."""
+    values: list[float] = []
+    for i in range(7):
+        count = 2 ** (i + (0 if signed else 1))
+        edges = torch.linspace(0.1, 1.0, count + 1)
+        mids = (10.0 ** (i - 6) * ((edges[:-1] + edges[1:]) / 2.0)).tolist()
+        values += mids + ([-x for x in mids] if signed else [])
+    values += [0.0, 1.0]
+    out = torch.tensor(sorted(values), dtype=torch.float32)
+    if out.numel() != 256 or out.unique().numel() != 256:
+        raise AssertionError(f"the dynamic map has {out.unique().numel()} distinct values of {out.numel()}, not 256")
+    return out
+
+
+def quantize_blockwise(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """Codes (uint8, ``x``'s numel) and per-block absmax (fp32, ``ceil(numel / QBLOCK)``) of a flat fp32 ``x``.
+
+    Each value is divided by its block's absmax (an all-zero block by 1) and coded as the nearest map entry
+    (ties to the larger). A trailing partial block is its own block."""
+    if x.dim() != 1 or x.dtype != torch.float32:
+        raise ValueError(f"quantize_blockwise takes a flat fp32 tensor, not {x.dtype} of shape {tuple(x.shape)}")
+    qmap = dynamic_map(signed)
+    n = x.numel()
+    blocks = -(-n // QBLOCK)
+    padded = torch.zeros(blocks * QBLOCK, dtype=torch.float32)
+    padded[:n] = x
+    view = padded.view(blocks, QBLOCK)
+    absmax = view.abs().amax(1)
+    scaled = view / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
+    # the nearest entry: the insertion point and the entry below it, whichever is closer
+    hi = torch.searchsorted(qmap, scaled.reshape(-1)).clamp(1, 255)
+    lo = hi - 1
+    flat = scaled.reshape(-1)
+    nearer_hi = (qmap[hi] - flat) <= (flat - qmap[lo])
+    codes = torch.where(nearer_hi, hi, lo).to(torch.uint8)
+    return codes[:n], absmax
+
+
+def dequantize_blockwise(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
+    """The fp32 values of `quantize_blockwise`'s codes and absmax."""
+    qmap = dynamic_map(signed)
+    n = codes.numel()
+    blocks = absmax.numel()
+    full = torch.zeros(blocks * QBLOCK, dtype=torch.float32)
+    full[:n] = qmap[codes.long()]
+    return (full.view(blocks, QBLOCK) * absmax.unsqueeze(1)).reshape(-1)[:n]
+
+
+def _generator(seed: int, block: int, step: int) -> torch.Generator:
+    """A generator for (seed, block, step): a different stream for each, the same one on every replay."""
+    key = (seed * 1_000_003 + block) * 1_000_033 + step
+    return torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def stochastic_round_bf16(x: Tensor, seed: int, block: int, step: int) -> Tensor:
+    """``x`` (fp32) rounded to bfloat16 stochastically: up to the next bf16 value with probability equal to the
+    dropped fraction of an ulp. The 16 dropped mantissa bits get a uniform random 16-bit number added before
+    they are cut; a carry into bit 16 is the round-up. Non-finite values and values whose rounding would
+    overflow to inf round to nearest instead."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"stochastic_round_bf16 takes fp32, not {x.dtype}")
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=_generator(seed, block, step))
+    rounded = ((bits + noise) & ~0xFFFF).view(torch.float32)
+    safe = torch.isfinite(rounded) & torch.isfinite(x)
+    return torch.where(safe, rounded, x).to(torch.bfloat16)
