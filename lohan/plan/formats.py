@@ -1,0 +1,67 @@
+"""State formats (issue "Compressed tiers"): what one parameter's optimizer states weigh at rest and per step.
+
+The planner prices a format by these bytes; the arithmetic of the compressed formats is in
+`lohan.runtime.quant`. Per parameter:
+
+| format | master | m | v | separate P16 |
+|---|---|---|---|---|
+| ``exact`` | fp32 | fp32 | fp32 | yes (the compute dtype) |
+| ``bf16-moments`` | fp32 | bf16 | bf16 | yes |
+| ``8bit-moments`` | fp32 | 8-bit, block-wise | 8-bit, block-wise | yes |
+| ``bf16-master`` | bf16, stochastically rounded | 8-bit, block-wise | 8-bit, block-wise | no: the master is the P16 |
+
+A step reads the master and both moments and writes them back, with the P16 copy where there is one; the forward
+(and backward) read the P16, unless the update hands it over (`p16_read=False`: the next forward beside the
+optimizer pass takes every block's new P16 from it). 8-bit moments carry one fp32 absmax per `QBLOCK` values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QBLOCK = 256
+"""Values per quantization block (`lohan.runtime.quant.QBLOCK`, which the tests keep equal)."""
+
+FORMATS = ("exact", "bf16-moments", "8bit-moments", "bf16-master")
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """The bytes of one parameter's states in a format."""
+
+    name: str
+    master: float
+    """Bytes of the master weight."""
+    moment: float
+    """Bytes of each of m and v (8-bit: the code and its share of the block's absmax)."""
+    separate_p16: bool
+    """Whether the compute-dtype copy (P16) is stored beside the master (False: the master is it)."""
+
+    def at_rest(self, p16_bytes: int = 2) -> float:
+        """Bytes per parameter on the SSDs (one slot)."""
+        return self.master + 2 * self.moment + (p16_bytes if self.separate_p16 else 0)
+
+    def record(self) -> float:
+        """Bytes per parameter of the optimizer record the update reads and writes (master, m, v)."""
+        return self.master + 2 * self.moment
+
+    def per_step(self, p16_bytes: int = 2, p16_read: bool = True) -> float:
+        """Bytes per parameter read plus written by one optimizer step: the record both ways, the P16 written
+        (a separate copy) and read for the compute (unless the update hands it over)."""
+        p16 = p16_bytes if self.separate_p16 else self.master
+        written = self.record() + (p16_bytes if self.separate_p16 else 0)
+        return self.record() + written + (p16 if p16_read else 0)
+
+
+def state_format(name: str) -> StateFormat:
+    """The format called `name` (one of `FORMATS`); ValueError names the choices."""
+    q8 = 1 + 4 / QBLOCK
+    table = {
+        "exact": StateFormat("exact", 4, 4, True),
+        "bf16-moments": StateFormat("bf16-moments", 4, 2, True),
+        "8bit-moments": StateFormat("8bit-moments", 4, q8, True),
+        "bf16-master": StateFormat("bf16-master", 2, q8, False),
+    }
+    if name not in table:
+        raise ValueError(f"state format {name!r}: choose one of {', '.join(FORMATS)}")
+    return table[name]
