@@ -82,6 +82,9 @@ def test_stochastic_rounding_is_unbiased_repeatable_and_keeps_what_bf16_holds():
     assert torch.all((a.float() - x).abs() < x.abs() * 2.0**-7 + 1e-30)  # within one ulp
     top = torch.finfo(torch.bfloat16).max
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), top * (1 + 2.0**-9)] * 64)
+    whole = stochastic_round_bf16(x, 7, 3, 9)
+    parts = [stochastic_round_bf16(x[lo:lo + 4096], 7, 3, 9, offset=lo) for lo in range(0, x.numel(), 4096)]
+    assert torch.equal(torch.cat(parts), whole)  # a chunked update rounds as the whole block does
     out = stochastic_round_bf16(special, 0, 0, 0).float().view(64, 4)
     assert torch.all(out[:, 0] == float("inf")) and torch.all(out[:, 1] == -float("inf"))
     assert torch.all(out[:, 2].isnan()) and torch.all(out[:, 3] == top)  # rounding up would overflow: nearest instead

@@ -11,7 +11,8 @@ dynamic map, and stochastic rounding to bfloat16.
 - **Stochastic rounding to bfloat16** (as in Zamirai et al. 2020, "Revisiting BFloat16 Training", and
   torchao's bf16 optimizers): an fp32 value rounds up to the next bfloat16 with probability equal to its
   distance from the one below, so updates far smaller than a bf16 ulp still move the weights on average. The
-  random bits come from a generator seeded per (seed, block, step): a run and its resume draw the same bits.
+  random bits are a hash of (seed, block, step, element index): a run and its resume draw the same bits, and
+  so do a chunked update and a whole-block one.
 
 Everything here is elementwise or per block, deterministic for a given input and seed, and exact-repeatable
 on any thread count: the engine and an in-memory reference get the same bits.
@@ -83,21 +84,42 @@ def dequantize_blockwise(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
     return (full.view(blocks, QBLOCK) * absmax.unsqueeze(1)).reshape(-1)[:n]
 
 
-def _generator(seed: int, block: int, step: int) -> torch.Generator:
-    """A generator for (seed, block, step): a different stream for each, the same one on every replay."""
-    key = (seed * 1_000_003 + block) * 1_000_033 + step
-    return torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+_M32 = 0xFFFF_FFFF
 
 
-def stochastic_round_bf16(x: Tensor, seed: int, block: int, step: int) -> Tensor:
-    """``x`` (fp32) rounded to bfloat16 stochastically: up to the next bf16 value with probability equal to the
-    dropped fraction of an ulp. The 16 dropped mantissa bits get a uniform random 16-bit number added before
-    they are cut; a carry into bit 16 is the round-up. Non-finite values and values whose rounding would
-    overflow to inf round to nearest instead."""
-    if x.dtype != torch.float32:
-        raise ValueError(f"stochastic_round_bf16 takes fp32, not {x.dtype}")
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values below 2^32: each product
+    stays below 2^63, so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def _key(seed: int, block: int, step: int) -> int:
+    k = torch.tensor([seed & _M32], dtype=torch.int64)
+    for part in (block, step):
+        k = _mix32(k ^ (part & _M32))
+    return int(_mix32(k))
+
+
+def rounding_noise(n: int, seed: int, block: int, step: int, offset: int = 0) -> Tensor:
+    """16 random bits (int32 in [0, 2^16)) for elements ``offset .. offset + n`` of a block's flat vector at a
+    step: a hash of (seed, block, step, element index), so any slice of the vector draws the same bits as the
+    whole (the engine updates a block in chunks; a reference updates it at once)."""
+    idx = torch.arange(offset, offset + n, dtype=torch.int64)
+    return (_mix32((idx ^ _key(seed, block, step)) & _M32) >> 16).to(torch.int32)
+
+
+def stochastic_round_bf16(x: Tensor, seed: int, block: int, step: int, offset: int = 0) -> Tensor:
+    """``x`` (flat fp32, elements ``offset ..`` of block ``block``'s vector) rounded to bfloat16 stochastically:
+    up to the next bf16 value with probability equal to the dropped fraction of an ulp. The 16 dropped mantissa
+    bits get `rounding_noise` added before they are cut; a carry into bit 16 is the round-up. Non-finite values,
+    and values whose rounding would overflow to inf, round to nearest instead."""
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise ValueError(f"stochastic_round_bf16 takes a flat fp32 tensor, not {x.dtype} of shape {tuple(x.shape)}")
     bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=_generator(seed, block, step))
-    rounded = ((bits + noise) & ~0xFFFF).view(torch.float32)
+    rounded = ((bits + rounding_noise(x.numel(), seed, block, step, offset)) & ~0xFFFF).view(torch.float32)
     safe = torch.isfinite(rounded) & torch.isfinite(x)
     return torch.where(safe, rounded, x).to(torch.bfloat16)
