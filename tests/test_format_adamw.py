@@ -1,0 +1,98 @@
+"""AdamW on compressed states (lohan/runtime/format_adamw.py): exact is torch's AdamW, a chunked update is the
+whole block's bit for bit in every format, and the compressed formats track fp32 AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lohan.plan.formats import FORMATS
+from lohan.runtime.format_adamw import BlockStates, FormatAdamW, adamw_format_
+from lohan.runtime.optim import AdamWHyper, ParamRange
+
+HP = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+SHAPES = [(64, 100), (100,), (37, 64)]  # 6400 + 100 + 2368: not a multiple of the 256-value blocks
+
+
+def block(seed: int = 0) -> tuple[torch.Tensor, list[ParamRange]]:
+    g = torch.Generator().manual_seed(seed)
+    ranges, offset = [], 0
+    for k, shape in enumerate(SHAPES):
+        n = int(torch.tensor(shape).prod())
+        ranges.append(ParamRange(offset, n, shape, decay=k != 1))  # the vector (a bias) is not decayed
+        offset += n
+    return torch.randn(offset, generator=g) * 0.05, ranges
+
+
+def grads(n: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    """Gradients of a different scale per parameter (1e-3, 1, 1e-2), as a model's layers have."""
+    g = torch.Generator().manual_seed(seed)
+    _, ranges = block()
+    scale = torch.cat([torch.full((r.numel,), s) for r, s in zip(ranges, (1e-3, 1.0, 1e-2))])
+    return [torch.randn(n, generator=g) * scale for _ in range(steps)]
+
+
+def test_exact_is_torch_adamw_bit_for_bit():
+    flat, ranges = block()
+    params = [torch.nn.Parameter(flat[r.offset:r.offset + r.numel].view(r.shape).clone()) for r in ranges]
+    opt = torch.optim.AdamW([{"params": [params[0], params[2]], "weight_decay": HP.weight_decay},
+                             {"params": [params[1]], "weight_decay": 0.0}], lr=HP.lr, betas=(HP.beta1, HP.beta2),
+                            eps=HP.eps, fused=True)
+    ours = FormatAdamW("exact", [(flat, ranges)], HP)
+    for g in grads(flat.numel(), 5):
+        for p, r in zip(params, ranges):
+            p.grad = g[r.offset:r.offset + r.numel].view(r.shape).clone()
+        opt.step()
+        ours.step([g])
+    assert torch.equal(ours.weights(0), torch.cat([p.detach().reshape(-1) for p in params]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_chunked_update_is_the_whole_blocks_bit_for_bit(fmt):
+    flat, ranges = block()
+    whole = FormatAdamW(fmt, [(flat, ranges)], HP, seed=5)
+    chunked = FormatAdamW(fmt, [(flat, ranges)], HP, seed=5)
+    for step, g in enumerate(grads(flat.numel(), 4), start=1):
+        want = whole.step([g])[0]
+        st = chunked.states[0]
+        # the engine's chunks: each parameter cut at multiples of the chunk from its own start
+        cuts = [(r.offset + a, r.offset + min(r.numel, a + 1024)) for r in ranges for a in range(0, r.numel, 1024)]
+        got = [adamw_format_(st, g[a:b], step, HP, ranges, a, seed=5, block=0) for a, b in cuts]
+        assert torch.equal(torch.cat(got), want), step
+        assert torch.equal(chunked.weights(0), whole.weights(0))
+        for name in ("m", "v"):
+            a, b = getattr(whole.states[0], name), getattr(st, name)
+            for field in ("value", "codes", "absmax"):
+                if getattr(a, field) is not None:
+                    assert torch.equal(getattr(a, field), getattr(b, field)), (step, name, field)
+    if fmt in ("8bit-moments", "bf16-master"):
+        with pytest.raises(ValueError, match="multiples of 256 from its start"):
+            adamw_format_(chunked.states[0], g[100:300], 5, HP, ranges, 100, seed=5, block=0)
+
+
+@pytest.mark.parametrize("fmt,tolerance", [("bf16-moments", 0.01), ("8bit-moments", 0.05), ("bf16-master", 0.08)])
+def test_compressed_formats_track_fp32_adamw(fmt, tolerance):
+    """After 30 steps the weights' change differs from fp32 AdamW's by a small share of that change."""
+    flat, ranges = block()
+    exact, ours = FormatAdamW("exact", [(flat, ranges)], HP), FormatAdamW(fmt, [(flat, ranges)], HP)
+    for g in grads(flat.numel(), 30):
+        exact.step([g])
+        ours.step([g])
+    moved = exact.weights(0) - flat
+    gap = (ours.weights(0) - exact.weights(0)).norm() / moved.norm()
+    assert 0 < gap < tolerance, gap
+
+
+def test_a_bf16_master_keeps_updates_below_its_rounding_step_on_average():
+    """Updates of 1/10 of a bf16 ulp: rounded to nearest the weights never move; rounded stochastically they
+    move by the sum of the updates, on average."""
+    n = 50_000
+    flat = torch.ones(n)
+    ranges = [ParamRange(0, n, (n,), decay=False)]
+    tiny = AdamWHyper(lr=2.0**-7 / 10, beta1=0.0, beta2=0.0, eps=1e-30, weight_decay=0.0)  # a step of lr each
+    opt = FormatAdamW("bf16-master", [(flat, ranges)], tiny, seed=3)
+    for _ in range(20):
+        opt.step([-torch.ones(n)])  # AdamW with beta 0: each step adds lr
+    mean = opt.weights(0).mean().item()
+    assert abs(mean - (1 + 20 * tiny.lr)) < 0.01 * 20 * tiny.lr
+    assert BlockStates.zeros("bf16-master", ranges).master.dtype == torch.bfloat16
