@@ -19,7 +19,15 @@ import os
 import sys
 
 from lohan.config import PRESETS, ModelConfig, get_model_config, is_model_dir
-from lohan.plan.planner import activations_in_ram_capacity, capacity, max_batch, max_model, parse_hardware
+from lohan.plan.formats import FORMATS, state_format
+from lohan.plan.planner import (
+    Hardware,
+    activations_in_ram_capacity,
+    capacity,
+    max_batch,
+    max_model,
+    parse_hardware,
+)
 
 
 def model_config(model: str) -> ModelConfig:
@@ -56,8 +64,23 @@ def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, co
                  f"{model} does not fit at any batch size at seq {seq}")
     biggest = max_model(hw, seq, batch, compute_dtype=compute_dtype, prefetch_depth=prefetch_depth)
     lines.append(f"largest preset this machine fine-tunes at batch {batch} x seq {seq}: {biggest or 'none'}")
+    lines += ["", format_table(cfg, hw, batch, seq, **kw)]
     if compare:
         lines += ["", activations_in_ram_capacity(cfg, hw, batch, seq, **kw).format()]
+    return "\n".join(lines)
+
+
+def format_table(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, **kw: object) -> str:
+    """Each state format's SSD need (two slots of states), SSD bytes moved per step and predicted step time."""
+    lines = ["SSD need per state format (lohan/plan/formats.py; the engine trains 'exact', the compressed formats",
+             "are planned ahead of it; the CPU lane is priced at exact's AdamW rate):",
+             f"  {'format':<14}{'bytes/param':>12}{'states on SSD':>15}{'SSD per step':>14}{'step':>10}"]
+    for name in FORMATS:
+        c = capacity(cfg, hw, batch, seq, state_format=name, **kw)
+        e = c.plan.estimate
+        moved = e.traffic["ssd_read"] + e.traffic["ssd_write"]
+        lines.append(f"  {name:<14}{state_format(name).at_rest():>12.2f}{c.ssd_states_bytes / 1e9:>12.1f} GB"
+                     f"{moved / 1e9:>11.0f} GB{e.t_iter:>9.1f} s")
     return "\n".join(lines)
 
 

@@ -60,3 +60,21 @@ def test_a_hugging_face_folder_with_only_its_config_is_planned(tmp_path, capsys)
         main(["--model", str(tmp_path / "empty")])
     assert e.value.code == 2
     assert "is a folder without config.json" in capsys.readouterr().err
+
+
+def test_the_report_gives_the_ssd_need_of_each_state_format():
+    from lohan.config import get_model_config
+    from lohan.plan.formats import FORMATS, state_format
+    from lohan.plan.planner import capacity, parse_hardware
+
+    text = report("175b", "rtx4090,12xP5510,256GB", compare=False)
+    rows = [line.split() for line in text.split("SSD need per state format")[1].splitlines()[3:7]]
+    assert [r[0] for r in rows] == list(FORMATS)
+    states = [float(r[2]) for r in rows]
+    assert states == sorted(states, reverse=True)
+    cfg, hw = get_model_config("175b"), parse_hardware("rtx4090,12xP5510,256GB")
+    exact = capacity(cfg, hw, 1, 1024).ssd_states_bytes
+    assert states[0] == round(exact / 1e9, 1)
+    assert states[-1] == pytest.approx(states[0] * state_format("bf16-master").at_rest() / 14, rel=1e-3)
+    moved = [float(r[4]) for r in rows]
+    assert moved == sorted(moved, reverse=True)  # fewer bytes at rest, fewer bytes moved per step

@@ -6,7 +6,9 @@ made, printed and tested on any machine. The engine executes a :class:`Plan`; th
 Notation, per training step (bytes unless noted; the profile is for the whole step batch):
 
 - ``P`` = ``param_count``; ``p16 = p16_itemsize * P`` (the "2P" of DESIGN: compute-precision params,
-  and as many gradient bytes); ``states = (12 + p16_itemsize) * P`` (the "14P": P32, m, v and P16).
+  and as many gradient bytes); ``states = (12 + p16_itemsize) * P`` (the "14P": P32, m, v and P16). In a
+  compressed state format (`lohan.plan.formats`) the record's 12 bytes are ``Profile.record_bytes`` wherever
+  12 appears below, and ``bf16-master`` stores no separate P16 (``Profile.separate_p16``).
 - ``S``: the ops swapped in every block. The block inputs are always swapped (nothing inside a block
   can be recomputed without them); everything not in ``S`` is recomputed in backward.
 - ``A_G2M(S) = (n_blocks - 1) * (input_bytes + sum(op.bytes for op in S))``: the last block's
@@ -114,7 +116,7 @@ from pathlib import Path
 from typing import Any
 
 from lohan.config import PRESETS, ModelConfig, parse_bytes
-from lohan.plan import pools
+from lohan.plan import formats, pools
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 
 __all__ = [
@@ -237,6 +239,12 @@ class Profile:
     write_behind: bool = True
     """The writes still in flight when a deferred update ends complete during the next backward (two slots, one
     process: `engine.write_behind`); False with ``slots=1``, whose step is committed only once written."""
+    record_bytes: float = 12.0
+    """Bytes per parameter of the optimizer record the update reads and writes: 12 (P32, m, v in fp32, the
+    ``exact`` state format); less in a compressed one (`lohan.plan.formats.StateFormat.record`)."""
+    separate_p16: bool = True
+    """Whether the P16 copy is stored (and written each step) beside the record; False for ``bf16-master``, whose
+    master is the copy the compute reads."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -261,7 +269,7 @@ class Profile:
 
     @property
     def states(self) -> int:
-        return (12 + self.p16_itemsize) * self.param_count
+        return round((self.record_bytes + (self.p16_itemsize if self.separate_p16 else 0)) * self.param_count)
 
     def key(self) -> str:
         # The itemsize is part of the key: a bf16 and an fp32 profile of one run differ in every byte count.
@@ -376,10 +384,10 @@ def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[s
     (``B0``), ``cpu`` the AdamW lane, ``alpha`` the activation overflow."""
     hw, n, p = profile.hardware, profile.n_blocks, profile.param_count
     writes = profile.states / hw.bw_m2s
-    read = 12 * (p - profile.resident_params) / hw.bw_s2m
+    read = profile.record_bytes * (p - profile.resident_params) / hw.bw_s2m
     idle = max(serial_b.values()) - serial_b["ssd"]
     # READs issued ahead fill the SSD time backward leaves idle; write-behind (with follow) takes what they leave
-    ahead = min(12 * profile.readahead_params / hw.bw_s2m, idle)
+    ahead = min(profile.record_bytes * profile.readahead_params / hw.bw_s2m, idle)
     spill = min(writes, idle - ahead) if profile.follow and profile.write_behind else 0.0
     backward = {**serial_b, "ssd": serial_b["ssd"] + ahead + spill}
     # with follow, the next forward runs beside the update: its P16 come from it, not from the SSDs
@@ -388,7 +396,7 @@ def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[s
     update = {**beside, "cpu": cpu, "ssd": read - ahead + writes - spill + overflow}
     t_deferred = (0.0 if profile.follow else t_f) + _phase(backward, n) + _phase(update, n)
     # a redo reads every record from the previous slot: resident buffers hold the speculated update
-    redo = {**beside, "cpu": cpu, "ssd": 12 * p / hw.bw_s2m + writes + overflow}
+    redo = {**beside, "cpu": cpu, "ssd": profile.record_bytes * p / hw.bw_s2m + writes + overflow}
     t_redo = t_iter + _phase(redo, n) - (t_f if profile.follow else 0.0)
     return t_deferred, t_redo
 
@@ -397,7 +405,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     hw = profile.hardware
     p16, states, n = profile.p16, profile.states, profile.n_blocks
     # P32, m, v: what the optimizer reads of each record, but of those kept in memory across steps
-    opt_read = 12 * (profile.param_count - profile.resident_params)
+    opt_read = profile.record_bytes * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
     cpu = profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
     lanes_f = {"gpu": profile.flop_f / hw.thp_g, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
@@ -417,7 +425,8 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
                "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
-                    fill_f, fill_b, t_serial, traffic, t_deferred, t_redo, 12 * profile.readahead_params)
+                    fill_f, fill_b, t_serial, traffic, t_deferred, t_redo,
+                    int(profile.record_bytes * profile.readahead_params))
 
 
 def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
@@ -1048,7 +1057,7 @@ def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batch
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
              keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
-             readahead_mem: int | str = "auto", clip_mode: str = "auto") -> Capacity:
+             readahead_mem: int | str = "auto", clip_mode: str = "auto", state_format: str = "exact") -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -1062,7 +1071,9 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     only what the record pool holds beside its streaming buffers. ``readahead_mem`` (bytes or ``auto``, the
     engine's setting) is the room for records read during backward ahead of an update that waits for the norm,
     planned in optimized mode (``pools.reads_ahead``); the
-    records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them."""
+    records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them.
+    ``state_format`` (`lohan.plan.formats`) prices the SSD bytes at rest and moved per step of a compressed
+    format; the main-memory parts stay those of ``exact`` (its records are the largest: an upper bound)."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
                         resident_mem, cpu_mem, readahead_mem, clip_mode)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
@@ -1072,11 +1083,13 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
     resident = min(sum(layout.blocks[i].numel for i in host.resident_blocks), profile.param_count)
     # the room holds whole records (P32, m, v, P16) of parameters not resident
-    ahead = min(host.readahead // (12 + profile.p16_itemsize), profile.param_count - resident)
+    fmt = formats.state_format(state_format)
+    ahead = min(int(host.readahead // fmt.at_rest(profile.p16_itemsize)), profile.param_count - resident)
     plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
-                                          write_behind=slots == 2))
+                                          write_behind=slots == 2, record_bytes=fmt.record(),
+                                          separate_p16=fmt.separate_p16))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
-    states = slots * (12 + _itemsize(compute_dtype)) * cfg.param_count()
+    states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
         states += host.grad_itemsize * cfg.param_count() - host.grad_stash
     return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
