@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lohan.plan.formats import FORMATS
+
 __all__ = ["ModelConfig", "PRESETS", "get_model_config"]
 
 
@@ -300,6 +302,13 @@ class EngineConfig:
     """``bf16``: bf16 parameters on the device under autocast, fp32 master weights and Adam states.
     ``fp32``: everything fp32 (bit-exact with a plain PyTorch fp32 loop)."""
 
+    state_format: str = "exact"
+    """How the optimizer states are stored (README "Smaller states"; fixed when the store is created):
+    ``exact`` (fp32 master, m, v and the P16 copy: bit-exact with PyTorch's AdamW, 14 bytes per parameter),
+    ``bf16-moments`` (m and v in bf16: 10), ``8bit-moments`` (m and v 8-bit block-wise, as bitsandbytes' and
+    torchao's 8-bit Adam: 6.03) or ``bf16-master`` (bf16 weights updated with stochastic rounding, seeded by
+    ``seed``, no separate P16, 8-bit moments: 4.03; needs compute_dtype bf16)."""
+
     micro_batches: int = 1
     """Gradient accumulation: each batch is split into this many micro-batches."""
 
@@ -570,6 +579,11 @@ class EngineConfig:
         if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
             problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
         problems += self._schedule_problems()
+        if self.state_format not in FORMATS:
+            problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(FORMATS)}")
+        elif self.state_format == "bf16-master" and self.compute_dtype != "bf16":
+            problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
+                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--dtype bf16)")
         if isinstance(self.no_decay, str | list):
             object.__setattr__(self, "no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
                                else tuple(self.no_decay))

@@ -37,6 +37,21 @@ class StateFormat:
     separate_p16: bool
     """Whether the compute-dtype copy (P16) is stored beside the master (False: the master is it)."""
 
+    @property
+    def master_itemsize(self) -> int:
+        """Bytes per element of the stored master: 4 (fp32) or 2 (bf16)."""
+        return int(self.master)
+
+    @property
+    def moment_itemsize(self) -> int:
+        """Bytes per element of each stored moment: 4 (fp32), 2 (bf16) or 1 (an 8-bit code)."""
+        return int(self.moment)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether m and v are 8-bit codes with one fp32 absmax per `QBLOCK` values of each parameter."""
+        return self.moment_itemsize == 1
+
     def at_rest(self, p16_bytes: int = 2) -> float:
         """Bytes per parameter on the SSDs (one slot)."""
         return self.master + 2 * self.moment + (p16_bytes if self.separate_p16 else 0)

@@ -27,11 +27,13 @@ figures; the engine's are at most a few KiB per buffer above them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from io_engine.align import ALIGN, align_up, size_text
 from lohan.config import EngineConfig, ModelConfig
-from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, layout_of, record_bytes
+from lohan.plan.formats import state_format
+from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, layout_of
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
@@ -46,6 +48,13 @@ hardware description, the detected machine and the capacity planner's RAM budget
 
 UPCAST_ELEMS = 1 << 22
 """Most elements of gradient the optimizer upcasts (bf16) or scales (clipping) at once: 16 MiB of fp32."""
+
+FORMAT_ELEMS = 1 << 20
+"""Elements a compressed state format's update decodes, updates and encodes at once (`format_adamw.adamw_unit_`):
+its temporaries (fp32 master, m and v, the 8-bit codes' search) are :data:`FORMAT_SCRATCH` bytes per element."""
+
+FORMAT_SCRATCH = 64
+"""Bytes per element of a compressed format's update temporaries, a bound on what `adamw_unit_` allocates."""
 
 OPT_CHUNK_BYTES = 512 * 2**20
 """The engine's default ``opt_chunk_bytes``: bigger optimizer records are updated in chunks."""
@@ -89,7 +98,7 @@ def reads_ahead(cfg: EngineConfig) -> bool:
 
 def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
     """Elements per optimizer chunk: `opt_chunk_bytes` of record, a multiple of 4096 (aligned I/O)."""
-    per_elem = 12 + layout.blocks[0].p16_itemsize
+    per_elem = math.ceil(state_format(layout.state_format).at_rest(layout.blocks[0].p16_itemsize))
     return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
 
 
@@ -111,13 +120,25 @@ def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: objec
     if _itemsize(grad_dtype) == 4 and not clip:
         return 0
     limit = UPCAST_ELEMS if limit is None else limit
-    return 4 * min(limit, max(b.numel if chunk_elems is None else min(b.numel, chunk_elems) for b in layout.blocks))
+    return 4 * min(limit, _largest_unit(layout, chunk_elems))
+
+
+def _largest_unit(layout: StoreLayout, chunk_elems: int | None) -> int:
+    return max(b.numel if chunk_elems is None else min(b.numel, chunk_elems) for b in layout.blocks)
+
+
+def format_work_bytes(layout: StoreLayout, chunk_elems: int | None) -> int:
+    """Bytes of the temporaries a compressed state format's update allocates (`format_adamw.adamw_unit_` decodes,
+    updates and encodes FORMAT_ELEMS elements at a time); 0 for ``exact``, updated in its buffer."""
+    if layout.state_format == "exact":
+        return 0
+    return FORMAT_SCRATCH * min(FORMAT_ELEMS, _largest_unit(layout, chunk_elems))
 
 
 def _caps(layout: StoreLayout, chunk_elems: int, align: int) -> tuple[list[bool], list[int]]:
     """Per block: updated whole (not in chunks), and the buffer one of its pipeline units takes."""
     whole = [b.numel <= chunk_elems for b in layout.blocks]
-    caps = [record_bytes(b.numel if w else chunk_elems, b.p16_itemsize, align) for b, w in zip(layout.blocks, whole)]
+    caps = [b.max_unit_bytes(chunk_elems, align) for b in layout.blocks]
     return whole, caps
 
 
@@ -181,8 +202,7 @@ def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int,
 def readahead_every(layout: StoreLayout, chunk_elems: int, pool: int, align: int = ALIGN) -> int:
     """Bytes a record pool of `pool` bytes lacks to hold every record at once: the most read-ahead room
     (``readahead_mem``) can use, every READ of a deferred update then issued during backward."""
-    total = sum(record_bytes(min(chunk_elems, b.numel - lo), b.p16_itemsize, align)
-                for b in layout.blocks for lo in range(0, b.numel, chunk_elems))
+    total = sum(b.units_bytes(chunk_elems, align) for b in layout.blocks)
     return max(0, total - pool)
 
 
@@ -219,14 +239,16 @@ class PoolGeometry:
         return tuple(align_up(b.p16_itemsize * b.numel, self.align) for b in self.layout.blocks)
 
 
-def model_geometry(cfg: ModelConfig, compute_dtype: str = "bf16", slots: int = 2, align: int = 1) -> PoolGeometry:
+def model_geometry(cfg: ModelConfig, compute_dtype: str = "bf16", slots: int = 2, align: int = 1,
+                   state_format: str = "exact") -> PoolGeometry:
     """The geometry of the in-house GPT's blocks (`models.adapter.GPTBlocks`): the embedding, `n_layer`
     transformer blocks and the head, whose tied LM weight is the embedding's `wte` (borrowed, not stored twice).
     `align=1` (default): the capacity planner's unpadded figures; `align=ALIGN`: the engine's, exactly."""
     numels = [cfg.embed_param_count(), *[cfg.block_param_count()] * cfg.n_layer, cfg.head_param_count()]
     names = ["embed", *(f"block{i}" for i in range(cfg.n_layer)), "head"]
     tied = (cfg.vocab_size * cfg.d_model,) if cfg.tie_embeddings else ()
-    return PoolGeometry(layout_of(numels, compute_dtype, slots, names), tied=tied, owners=len(tied), align=align)
+    return PoolGeometry(layout_of(numels, compute_dtype, slots, names, state_format), tied=tied, owners=len(tied),
+                        align=align)
 
 
 @dataclass(frozen=True)
@@ -332,7 +354,8 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         params=min((2 * cfg.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)),
         grads=kept if world == 1 else min(2 * max(whole), sum(whole)) + kept,
         tied_grads=cfg.micro_batches * sum(align_up(g * n, a) for n in geometry.tied),
-        records=records, upcast=upcast_bytes(local, chunk, g, clip=cfg.max_grad_norm > 0),
+        records=records,
+        upcast=upcast_bytes(local, chunk, g, clip=cfg.max_grad_norm > 0) + format_work_bytes(local, chunk),
         # more records kept from step to step (no more than all of them); auto: below
         resident=0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, records, align=a),
         grad_stash=0, budget=int(cfg.cpu_mem), grad_itemsize=g, chunk_elems=chunk,

@@ -5,6 +5,14 @@ Adam's m and v, and the compute-dtype copy the forward reads (DESIGN.md §4.2):
 
     record(n) = [ P32: 4n | m: 4n | v: 4n | P16: c*n ]      each section padded to ALIGN (4 KiB)
 
+That is the ``exact`` state format. The compressed ones (`lohan.plan.formats`) store the master and the moments
+narrower and, with 8-bit moments, each moment's fp32 absmax per `QBLOCK` values of each parameter (q blocks):
+
+    record(n) = [ master: a*n | m: b*n | v: b*n | m absmax: 4q | v absmax: 4q | P16: c*n ]
+
+(``bf16-master`` has no separate P16: its master is what the compute reads.) `Sections` gives the offsets of
+any unit, a whole record or a chunk of one; everything before the P16 is what the optimizer reads.
+
 A chunk of a record (the optimizer updates blocks bigger than `opt_chunk_bytes` chunk by chunk) is laid out the
 same way in its buffer, so `record_bytes` sizes both. The store (`lohan.store.states`) writes records at these
 offsets, the optimizer (`lohan.runtime.offload`) reads and writes them, and the host-memory model
@@ -14,9 +22,11 @@ is a parameter so the capacity planner can price a model's pools without padding
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 
 from io_engine.align import ALIGN, align_up
+from lohan.plan.formats import QBLOCK, state_format
 
 
 def state_bytes(n: int, align: int = ALIGN) -> int:
@@ -31,6 +41,37 @@ def record_bytes(n: int, p16_itemsize: int, align: int = ALIGN) -> int:
 
 chunk_record_bytes = record_bytes
 """Buffer bytes of an optimizer chunk of n elements: the same sections as a whole record (the old name)."""
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Byte offsets of a unit's sections (a whole record, or a chunk of one: laid out alike in its buffer and
+    in the record, each section padded) for `n` elements and `q` quantization blocks."""
+
+    n: int
+    q: int
+    master: int
+    m: int
+    v: int
+    m_scale: int
+    v_scale: int
+    p16: int
+    """Where the P16 starts (``bf16-master``: 0, the master is the P16)."""
+    state_end: int
+    """Bytes the optimizer READs: every section but a separate P16."""
+    total: int
+
+
+def sections(n: int, q: int, fmt: str, p16_itemsize: int, align: int = ALIGN) -> Sections:
+    """The sections of a unit of `n` elements and `q` quantization blocks in state format `fmt`."""
+    f = state_format(fmt)
+    master = align_up(f.master_itemsize * n, align)
+    moment = align_up(f.moment_itemsize * n, align)
+    scale = align_up(4 * q, align) if f.quantized else 0
+    end = master + 2 * moment + 2 * scale
+    p16, total = (end, end + align_up(p16_itemsize * n, align)) if f.separate_p16 else (0, end)
+    return Sections(n, q, 0, master, master + moment, master + 2 * moment, master + 2 * moment + scale, p16, end,
+                    total)
 
 
 @dataclass(frozen=True)
@@ -53,10 +94,52 @@ class BlockLayout:
     numel: int
     p16_itemsize: int
     offset: int  # bytes from the start of a slot
+    fmt: str = "exact"  # the state format (`lohan.plan.formats`)
+
+    @property
+    def quantized(self) -> bool:
+        return state_format(self.fmt).quantized
+
+    def _qstarts(self) -> list[int]:
+        """Index of each parameter's first quantization block (blocks counted per parameter), and the total."""
+        out = [0]
+        for p in self.params:
+            out.append(out[-1] + -(-p.numel // QBLOCK))
+        return out
+
+    def qrange(self, lo: int, hi: int) -> tuple[int, int]:
+        """The quantization blocks (first, end) holding elements lo..hi (none when the moments are not 8-bit)."""
+        if not self.quantized or lo >= hi:
+            return 0, 0
+        starts, offsets = self._qstarts(), [p.offset for p in self.params]
+
+        def block_of(at: int, up: bool) -> int:
+            k = bisect.bisect_right(offsets, at) - 1
+            d = at - self.params[k].offset
+            return starts[k] + (-(-d // QBLOCK) if up else d // QBLOCK)
+        end = starts[-1] if hi == self.numel else block_of(hi - 1, False) + 1
+        return block_of(lo, False), end
+
+    def cut_ok(self, at: int) -> bool:
+        """Whether a unit may start or end at element `at`: anywhere with unquantized moments; with 8-bit ones
+        only where no quantization block is split (a multiple of QBLOCK from its parameter's start)."""
+        if not self.quantized or at in (0, self.numel):
+            return True
+        k = bisect.bisect_right([p.offset for p in self.params], at) - 1
+        return (at - self.params[k].offset) % QBLOCK == 0
+
+    def unit(self, lo: int, hi: int, align: int = ALIGN) -> Sections:
+        """The sections of the unit lo..hi (the whole record when lo, hi = 0, numel)."""
+        q0, q1 = self.qrange(lo, hi)
+        return sections(hi - lo, q1 - q0, self.fmt, self.p16_itemsize, align)
+
+    @property
+    def sections(self) -> Sections:
+        return self.unit(0, self.numel)
 
     @property
     def state_bytes(self) -> int:
-        """Padded size of each fp32 region (P32, m, v)."""
+        """Padded size of each fp32 region (P32, m, v) of an ``exact`` record."""
         return state_bytes(self.numel)
 
     @property
@@ -65,12 +148,22 @@ class BlockLayout:
 
     @property
     def record_bytes(self) -> int:
-        return record_bytes(self.numel, self.p16_itemsize)
+        return self.sections.total
 
     @property
     def p16_start(self) -> int:
         """Offset of P16 inside the record."""
-        return 3 * self.state_bytes
+        return self.sections.p16
+
+    def max_unit_bytes(self, chunk_elems: int, align: int = ALIGN) -> int:
+        """Buffer bytes of this block's largest pipeline unit (whole, or chunks of `chunk_elems`)."""
+        return max(self.unit(lo, min(lo + chunk_elems, self.numel), align).total
+                   for lo in range(0, self.numel, chunk_elems))
+
+    def units_bytes(self, chunk_elems: int, align: int = ALIGN) -> int:
+        """Buffer bytes of all of this block's pipeline units at once."""
+        return sum(self.unit(lo, min(lo + chunk_elems, self.numel), align).total
+                   for lo in range(0, self.numel, chunk_elems))
 
 
 @dataclass(frozen=True)
@@ -94,6 +187,10 @@ class StoreLayout:
     def param_count(self) -> int:
         return sum(b.numel for b in self.blocks)
 
+    @property
+    def state_format(self) -> str:
+        return self.blocks[0].fmt if self.blocks else "exact"
+
     def record_offset(self, block: int, slot: int) -> int:
         return slot * self.slot_bytes + self.blocks[block].offset
 
@@ -108,7 +205,7 @@ class StoreLayout:
     def from_json(data: dict) -> StoreLayout:
         blocks = tuple(
             BlockLayout(index=b["index"], name=b["name"], numel=b["numel"], p16_itemsize=b["p16_itemsize"],
-                        offset=b["offset"],
+                        offset=b["offset"], fmt=b.get("fmt", "exact"),  # (stores from before the formats)
                         params=tuple(ParamSpec(p["name"], tuple(p["shape"]), p["offset"], p["numel"])
                                      for p in b["params"]))
             for b in data["blocks"])
@@ -120,13 +217,13 @@ P16_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def layout_of(numels: list[int] | tuple[int, ...], p16_dtype: str, slots: int = 2,
-              names: list[str] | tuple[str, ...] | None = None) -> StoreLayout:
+              names: list[str] | tuple[str, ...] | None = None, state_format: str = "exact") -> StoreLayout:
     """A layout of blocks of the given element counts, each one flat parameter: the geometry the planners price
     when they know a model's shape but not its modules (`store.states.plan_layout` lays out real ones)."""
     blocks, offset = [], 0
     for i, n in enumerate(numels):
         name = names[i] if names else f"block{i}"
-        b = BlockLayout(i, name, (ParamSpec("flat", (n,), 0, n),), n, P16_ITEMSIZE[p16_dtype], offset)
+        b = BlockLayout(i, name, (ParamSpec("flat", (n,), 0, n),), n, P16_ITEMSIZE[p16_dtype], offset, state_format)
         blocks.append(b)
         offset += b.record_bytes
     return StoreLayout(tuple(blocks), p16_dtype, slots)

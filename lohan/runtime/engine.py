@@ -40,6 +40,7 @@ from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram, GPTBlocks
 from lohan.models.gpt import GPT, block_generator, build_model, init_block_
 from lohan.plan import pools
+from lohan.plan.formats import state_format
 from lohan.plan.pools import (
     PoolGeometry,
     keeps_all_grads,
@@ -122,7 +123,8 @@ class Engine:
             reuse_heap()
         self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
-        self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots)  # whole blocks
+        self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots,  # whole blocks
+                                  cfg.state_format)
         self.bounds = [shard_bounds(b, self.world) for b in self.layout.blocks]
         local_layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
         self.grad_dtype = grad_dtype(cfg, self.world)
@@ -176,7 +178,7 @@ class Engine:
         resident = (plan_resident(layout, plan.records + plan.resident, cfg.max_inflight_blocks,
                                   self.store.chunk_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
-                                       self.stash, resident, thread_init=self.device.bind_thread)
+                                       self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.seed)
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=plan.total, model_label=label, param_count=self.layout.param_count,
@@ -185,7 +187,8 @@ class Engine:
             resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
             // max(1, sum(b.numel for b in layout.blocks)),
             # the records the read-ahead room holds (the same share of the whole model as of the rank's shards)
-            readahead_params=self.layout.param_count * (plan.readahead // (12 + self.store.p16_dtype.itemsize))
+            readahead_params=self.layout.param_count
+            * int(plan.readahead // state_format(cfg.state_format).at_rest(self.store.p16_dtype.itemsize))
             // max(1, sum(b.numel for b in layout.blocks)))
         self.passes = BlockPasses(cfg, program, self.layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,

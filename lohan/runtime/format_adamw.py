@@ -19,58 +19,105 @@ with 4-bit States", §4) or v stored as sqrt(v).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lohan.plan.formats import FORMATS, QBLOCK
-from lohan.runtime.optim import AdamWHyper, ParamRange, adamw_chunk_
+from lohan.runtime.optim import AdamWHyper, ParamRange, _adamw
 from lohan.runtime.quant import dequantize_blockwise, quantize_blockwise, stochastic_round_bf16
 
 
-def _pieces(params: Sequence[ParamRange], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """(parameter index, start, end) of each parameter's part of elements lo..hi."""
-    return [(k, max(lo, p.offset), min(hi, p.offset + p.numel)) for k, p in enumerate(params)
-            if p.offset < hi and p.offset + p.numel > lo]
+def qstarts(params: Sequence[ParamRange]) -> list[int]:
+    """Index of each parameter's first quantization block (blocks counted per parameter, from its start)."""
+    out = [0]
+    for p in params:
+        out.append(out[-1] + -(-p.numel // QBLOCK))
+    return out[:-1]
+
+
+def _pieces(params: Sequence[ParamRange], lo: int, hi: int, limit: int | None = None) -> list[tuple[int, int, int]]:
+    """(parameter index, start, end) of each parameter's part of elements lo..hi, cut at multiples of `limit` from
+    the parameter's start (None: not cut); a cut inside a quantization block is refused."""
+    out = []
+    for k, p in enumerate(params):
+        a, end = max(lo, p.offset), min(hi, p.offset + p.numel)
+        if a >= end:
+            continue
+        if (a - p.offset) % QBLOCK or (end != p.offset + p.numel and (end - p.offset) % QBLOCK):
+            raise ValueError(f"an update of compressed states must cut parameter {k} at multiples of {QBLOCK} from "
+                             f"its start, not at {a - p.offset}..{end - p.offset}")
+        while a < end:
+            z = end if limit is None else min(end, p.offset + ((a - p.offset) // limit + 1) * limit)
+            out.append((k, a, z))
+            a = z
+    return out
+
+
+def _piece_(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], p16: Tensor | None,
+            g32: Tensor, step: int, hp: AdamWHyper, decay: bool, *, seed: int, block: int, at: int) -> Tensor:
+    """AdamW on one piece of one parameter whose states are in their format: `master` (fp32 or bf16), each moment as
+    (values or 8-bit codes, the piece's absmax per quantization block or None); `g32` its fp32 clipped gradient;
+    `at` the piece's first element in the block's vector (the rounding noise's index). Writes the new P16 into
+    `p16` if given; returns the new weights as fp32."""
+    p32 = master.float()  # (an fp32 master: itself, updated in place)
+    mv = [dequantize_blockwise(x, scale, signed) if scale is not None else x.float()
+          for (x, scale), signed in ((m, True), (v, False))]
+    _adamw([p32], [g32], [mv[0]], [mv[1]], [decay], step, hp)
+    for (x, scale), new, signed in ((m, mv[0], True), (v, mv[1], False)):
+        if scale is None:
+            if x.data_ptr() != new.data_ptr():
+                x.copy_(new)  # bf16 moments: to nearest
+        else:
+            codes, absmax = quantize_blockwise(new, signed)
+            x.copy_(codes)
+            scale.copy_(absmax)
+    if master.dtype == torch.bfloat16:
+        master.copy_(stochastic_round_bf16(p32, seed, block, step, offset=at))
+    if p16 is not None:
+        p16.copy_(p32)
+    return p32
+
+
+def adamw_unit_(views, grad: Tensor, step: int, hp: AdamWHyper, params: Sequence[ParamRange], lo: int, *,
+                seed: int, block: int, fp32: Callable[[Tensor], Tensor], limit: int) -> None:
+    """The engine's update of a unit lo..hi of block `block` (a whole record or a chunk) in its buffer: `views` are
+    its `store.states.UnitViews` (master, m, v, their scales, P16), `grad` the unit's gradient in any dtype, `fp32`
+    makes a piece of it fp32 and clipped (a scratch of `limit` elements). Each parameter is cut at multiples of
+    `limit` from its start, which keeps both the fused kernel's vector lanes and the quantization blocks where a
+    whole-parameter update has them: the result is `adamw_format_`'s bit for bit."""
+    starts = qstarts(params)
+    first = None
+    for k, a, z in _pieces(params, lo, lo + grad.numel(), limit):
+        p = params[k]
+        q = starts[k] + (a - p.offset) // QBLOCK  # the piece's first quantization block in the block
+        first = q if first is None else first
+        qa, qz = q - first, q - first + -(-(z - a) // QBLOCK)
+        sl = slice(a - lo, z - lo)
+        m, v = ((x[sl], None if scale is None else scale[qa:qz])
+                for x, scale in ((views.m, views.m_scale), (views.v, views.v_scale)))
+        sep = views.p16.data_ptr() != views.master.data_ptr()
+        _piece_(views.master[sl], m, v, views.p16[sl] if sep else None, fp32(grad[sl]), step, hp, p.decay,
+                seed=seed, block=block, at=a)
 
 
 @dataclass
 class Moment:
     """One moment of a block, as stored: `value` (fp32 or bf16), or 8-bit `codes` with one `absmax` per block of
     QBLOCK values of each parameter (counted from the parameter's start, as torchao and bitsandbytes quantize
-    per tensor; `starts[k]`: where parameter k's blocks begin in `absmax`)."""
+    per tensor)."""
 
     value: Tensor | None = None
     codes: Tensor | None = None
     absmax: Tensor | None = None
-    starts: list[int] | None = None
 
-    def decode(self, params: Sequence[ParamRange], lo: int, hi: int, signed: bool) -> Tensor:
-        """Elements lo..hi as fp32."""
+    def piece(self, q: int, a: int, z: int) -> tuple[Tensor, Tensor | None]:
+        """Elements a..z, whose first quantization block is `q`: (values or codes, absmax or None)."""
         if self.codes is None:
-            return self.value[lo:hi].float()
-        return torch.cat([dequantize_blockwise(self.codes[a:b], self._absmax(params, k, a, b), signed)
-                          for k, a, b in _pieces(params, lo, hi)])
-
-    def encode_(self, x: Tensor, params: Sequence[ParamRange], lo: int, signed: bool) -> None:
-        """Store `x` as elements lo..lo+len (fp32: as is; bf16: rounded to nearest; 8-bit: per block)."""
-        if self.codes is None:
-            self.value[lo:lo + x.numel()].copy_(x)
-            return
-        for k, a, b in _pieces(params, lo, lo + x.numel()):
-            codes, absmax = quantize_blockwise(x[a - lo:b - lo].contiguous(), signed)
-            self.codes[a:b].copy_(codes)
-            self._absmax(params, k, a, b).copy_(absmax)
-
-    def _absmax(self, params: Sequence[ParamRange], k: int, a: int, b: int) -> Tensor:
-        p = params[k]
-        if (a - p.offset) % QBLOCK or (b != p.offset + p.numel and (b - p.offset) % QBLOCK):
-            raise ValueError(f"an update of 8-bit states must cut parameter {k} at multiples of {QBLOCK} from its "
-                             f"start, not at {a - p.offset}..{b - p.offset}")
-        first = self.starts[k] + (a - p.offset) // QBLOCK
-        return self.absmax[first:first + -(-(b - a) // QBLOCK)]
+            return self.value[a:z], None
+        return self.codes[a:z], self.absmax[q:q + -(-(z - a) // QBLOCK)]
 
 
 @dataclass
@@ -88,13 +135,11 @@ class BlockStates:
             raise ValueError(f"state format {fmt!r}: choose one of {', '.join(FORMATS)}")
         numel = max(p.offset + p.numel for p in params)
         master = torch.zeros(numel, dtype=torch.bfloat16 if fmt == "bf16-master" else torch.float32)
-        blocks = [-(-p.numel // QBLOCK) for p in params]
-        starts = [sum(blocks[:k]) for k in range(len(params))]
+        blocks = sum(-(-p.numel // QBLOCK) for p in params)
 
         def moment() -> Moment:
             if fmt in ("8bit-moments", "bf16-master"):
-                return Moment(codes=torch.zeros(numel, dtype=torch.uint8), absmax=torch.zeros(sum(blocks)),
-                              starts=starts)
+                return Moment(codes=torch.zeros(numel, dtype=torch.uint8), absmax=torch.zeros(blocks))
             return Moment(value=torch.zeros(numel, dtype=torch.bfloat16 if fmt == "bf16-moments" else torch.float32))
         return BlockStates(master, moment(), moment())
 
@@ -102,22 +147,18 @@ class BlockStates:
 def adamw_format_(states: BlockStates, grad: Tensor, step: int, hp: AdamWHyper, params: Sequence[ParamRange],
                   lo: int, *, seed: int, block: int) -> Tensor:
     """AdamW at 1-based `step` on elements lo..lo+len of block `block`, whose states `states` are in their
-    format; `grad` is that slice's fp32 gradient, clipped. The slice cuts each parameter at multiples of QBLOCK
-    from its start (the engine's chunks cut them at multiples of 4096, which also keeps the fused kernel's
-    vector lanes where a whole-parameter update has them). Updates `states` in place and returns the slice's
-    new weights in bf16 (the P16 the compute reads; for ``bf16-master`` the master itself)."""
-    hi = lo + grad.numel()
-    p32 = states.master[lo:hi].float()
-    m, v = states.m.decode(params, lo, hi, signed=True), states.v.decode(params, lo, hi, signed=False)
-    p16 = torch.empty(p32.numel(), dtype=torch.bfloat16)
-    adamw_chunk_(p32, grad, m, v, p16, step, hp, params, lo)
-    states.m.encode_(m, params, lo, signed=True)
-    states.v.encode_(v, params, lo, signed=False)
-    if states.master.dtype == torch.bfloat16:
-        states.master[lo:hi].copy_(stochastic_round_bf16(p32, seed, block, step, offset=lo))
-        return states.master[lo:hi]
-    states.master[lo:hi].copy_(p32)
-    return p16
+    format; `grad` is that slice's fp32 gradient, clipped. The slice cuts each parameter at multiples of
+    QBLOCK from its start. Updates `states` in place and returns the slice's new weights in bf16 (the P16 the
+    compute reads; for ``bf16-master`` the master itself)."""
+    starts = qstarts(params)
+    out = torch.empty(grad.numel(), dtype=torch.bfloat16)
+    for k, a, z in _pieces(params, lo, lo + grad.numel()):
+        p = params[k]
+        q = starts[k] + (a - p.offset) // QBLOCK
+        new = _piece_(states.master[a:z], states.m.piece(q, a, z), states.v.piece(q, a, z), None,
+                      grad[a - lo:z - lo], step, hp, p.decay, seed=seed, block=block, at=a)
+        out[a - lo:z - lo].copy_(states.master[a:z] if states.master.dtype == torch.bfloat16 else new)
+    return out
 
 
 class FormatAdamW:

@@ -63,11 +63,13 @@ from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
 from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool sizes, defined in the planning layer)
+    FORMAT_ELEMS,
     UPCAST_ELEMS,
     chunk_record_bytes,
     plan_resident,
     record_pool_bytes,
 )
+from lohan.runtime.format_adamw import adamw_unit_
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
 from lohan.runtime.record_buffers import (
     BufState,
@@ -83,7 +85,7 @@ from lohan.runtime.record_buffers import (
 )
 from lohan.store.gradstash import GradStash, StashedGrad
 from lohan.store.integrity import Sums, tensor_hash
-from lohan.store.states import StateStore, StoreLayout
+from lohan.store.states import StateStore, StoreLayout, unit_sums
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 
@@ -221,8 +223,8 @@ class UpdatePass:
             if ago.store.checksums:
                 t0 = time.perf_counter()
                 i, lo, hi = unit
-                p32, m, v, _ = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
-                ago.store.check_unit(i, lo, "state", tensor_hash(p32, m, v), slot=self.read_slot)
+                views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
+                ago.store.check_unit(i, lo, "state", tensor_hash(*views.state), slot=self.read_slot)
                 ago.hash_s += time.perf_counter() - t0
             rb.to(BufState.READY)
         if prefetch and k + 1 < len(self.units) and self.units[k + 1] not in self.reads:
@@ -243,10 +245,14 @@ class UpdatePass:
         if rb.resident:  # updated in place: it holds no slot's bytes until its WRITE goes out
             ago.resident_records.forget(i)
         g = grad.tensor[:ago.grad_dtype.itemsize * b.numel].view(ago.grad_dtype)[lo:hi]
-        p32, m, v, p16 = unit_views(rb.buf.tensor, b, lo, hi, ago.store.p16_dtype)
+        views = unit_views(rb.buf.tensor, b, lo, hi, ago.store.p16_dtype)
+        p32, m, v, p16 = views.master, views.m, views.v, views.p16
         params = ago.params[i]
         t0 = time.perf_counter()
-        if g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
+        if b.fmt != "exact":  # decoded, updated and encoded piece by piece (format_adamw.py)
+            adamw_unit_(views, g, self.update, self.hyper, params, lo, seed=ago.seed, block=i,
+                        fp32=lambda piece, coef=coef: ago._fp32(piece, coef), limit=FORMAT_ELEMS)
+        elif g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
             adamw_upcast_(p32, g, m, v, p16, self.update, self.hyper, params, lo,
                           lambda piece, coef=coef: ago._fp32(piece, coef), UPCAST_ELEMS)
         elif (lo, hi) == (0, b.numel):
@@ -267,12 +273,12 @@ class UpdatePass:
         (with write-behind, held back while READs are still to come: they have the SSDs first)."""
         ago = self.ago
         i, lo, hi = rb.unit
-        p32, m, v, p16 = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
+        views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
         if self.provide is not None:
-            self.provide(i, lo, hi, p16)
+            self.provide(i, lo, hi, views.p16)
         if ago.store.checksums:  # hashed before the write goes out: the bytes that reach the SSD
             t0 = time.perf_counter()
-            self.sums.setdefault(i, []).append([tensor_hash(p32, m, v), tensor_hash(p16)])
+            self.sums.setdefault(i, []).append(unit_sums(views))
             ago.hash_s += time.perf_counter() - t0
         self.in_hand = None
         if self.lazy and reads_pending:
@@ -346,8 +352,7 @@ class UpdatePass:
     # ----------------------------------------------------------------- I/O
     def _unit_bytes(self, unit: Unit) -> int:
         i, lo, hi = unit
-        b = self.ago.store.layout.blocks[i]
-        return b.record_bytes if (lo, hi) == (0, b.numel) else chunk_record_bytes(hi - lo, b.p16_itemsize)
+        return self.ago.store.layout.blocks[i].unit(lo, hi).total
 
     def _issue_read(self, unit: Unit, wait: bool = True) -> None:
         """READ: P32, m, v of a block (or chunk) into a record buffer. Without `wait` it is skipped when no
@@ -363,7 +368,7 @@ class UpdatePass:
                 return
             ago.resident_records.forget(i)
             self.reads[unit] = res.to(BufState.READING)
-            res.handle = vol.read_into(res.buf.tensor[:3 * layout.blocks[i].state_bytes],
+            res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
                                        layout.record_offset(i, self.read_slot))
             return
         # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
@@ -380,7 +385,7 @@ class UpdatePass:
                 self._retire_oldest_write()
         rb = self.reads[unit] = RecordBuffer(unit, buf, ago.buffers).to(BufState.READING)
         if (lo, hi) == (0, layout.blocks[i].numel):
-            rb.handle = vol.read_into(buf.tensor[:3 * layout.blocks[i].state_bytes],
+            rb.handle = vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
                                       layout.record_offset(i, self.read_slot))
         else:
             rb.handle = Handles([vol.read_into(buf.tensor[a:a + n], off)
@@ -451,7 +456,8 @@ class GradOffloader:
 
     def __init__(self, store: StateStore, pool: BufferPool, mode: str, grad_dtype: torch.dtype = torch.float32,
                  decays: list[list[bool]] | None = None, stash: GradStash | None = None,
-                 resident: list[int] | None = None, thread_init: Callable[[], None] | None = None) -> None:
+                 resident: list[int] | None = None, thread_init: Callable[[], None] | None = None,
+                 seed: int = 0) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         layout = store.layout
@@ -464,6 +470,14 @@ class GradOffloader:
         decays = decays or [[True] * len(b.params) for b in layout.blocks]
         self.params = [param_ranges(b, d) for b, d in zip(layout.blocks, decays, strict=True)]
         self.stash = stash  # where gradients are kept for a redo (clipping); cleared by `release_kept`
+        self.seed = seed  # bf16-master's stochastic rounding: its noise is a hash of (seed, block, step, element)
+        for b in layout.blocks:  # 8-bit moments: a chunk must not split a quantization block
+            bad = [lo for _, lo, _ in self.units(b.index) if not b.cut_ok(lo)]
+            if bad:
+                raise ValueError(
+                    f"block {b.index} ({b.name}) is updated in chunks of {self.chunk_elems} elements, and the chunk "
+                    f"at element {bad[0]} would split an 8-bit quantization block (a parameter starts off a "
+                    f"multiple of 256 elements); raise engine.opt_chunk_bytes so the block is updated whole")
         self.read_ahead = mode == "optimized"  # READs beyond the next unit while the pool has room
         self.buffers = Ledger()  # record buffers per state, and the transitions made (records.py)
         for i in resident or []:

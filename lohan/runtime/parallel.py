@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from io_engine.base import align_up
 from lohan.config import EngineConfig
+from lohan.plan.formats import QBLOCK
 from lohan.runtime.device import resolve_device
 from lohan.store.group import decision_path, rank_dir, read_decision
 from lohan.store.integrity import StoreCorruptError, write_json_atomic
@@ -69,8 +70,9 @@ def shard_bounds(block: BlockLayout, world: int) -> tuple[int, ...] | None:
         return None
     s = align_up(math.ceil(numel / world), SHARD_ALIGN)
     bounds = tuple(min(r * s, numel) for r in range(world)) + (numel,)
+    grid = max(PIECE_GRID, QBLOCK) if block.quantized else PIECE_GRID  # (8-bit moments: whole blocks per shard)
     for cut in bounds[1:-1]:
-        if any(p.offset < cut < p.offset + p.numel and (cut - p.offset) % PIECE_GRID for p in block.params):
+        if any(p.offset < cut < p.offset + p.numel and (cut - p.offset) % grid for p in block.params):
             return None
     return bounds
 
@@ -89,7 +91,7 @@ def shard_layout(full: StoreLayout, bounds: Sequence[tuple[int, ...] | None], ra
                 a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if a < z:
                     specs.append(ParamSpec(f"{s.name}[{a - s.offset}:{z - s.offset}]", (z - a,), a - lo, z - a))
-            shard = BlockLayout(b.index, b.name, tuple(specs), hi - lo, b.p16_itemsize, offset)
+            shard = BlockLayout(b.index, b.name, tuple(specs), hi - lo, b.p16_itemsize, offset, b.fmt)
         blocks.append(shard)
         offset += shard.record_bytes
     return StoreLayout(tuple(blocks), full.p16_dtype, full.slots)

@@ -23,12 +23,10 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from io_engine import AlignedBuffer, BufferPool, Handle
-from io_engine.base import align_up, wait_all_handles
+from io_engine.base import wait_all_handles
 from lohan.runtime.optim import ParamRange
-from lohan.store.states import BlockLayout, StoreLayout
+from lohan.store.states import BlockLayout, StoreLayout, unit_sections, unit_views  # noqa: F401 (re-exported)
 
 Unit = tuple[int, int, int]  # (block, first element, end element) of one READ / ADAM / WRITE
 
@@ -37,27 +35,6 @@ Unit = tuple[int, int, int]  # (block, first element, end element) of one READ /
 def param_ranges(block: BlockLayout, decays: Sequence[bool]) -> tuple[ParamRange, ...]:
     """The block's parameters as the optimizer sees them (it knows nothing of the store's layout types)."""
     return tuple(ParamRange(p.offset, p.numel, p.shape, bool(d)) for p, d in zip(block.params, decays, strict=True))
-
-
-def unit_views(buf: torch.Tensor, b: BlockLayout, lo: int, hi: int, p16_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(P32, m, v, P16) element views of a unit in its buffer: a whole record's sections are `b.state_bytes`
-    apart, a chunk's 4 KiB-aligned ones (`chunk_record_bytes`) are packed at its own size."""
-    n = hi - lo
-    sb, p16_at = (b.state_bytes, b.p16_start) if (lo, hi) == (0, b.numel) else (align_up(4 * n), 3 * align_up(4 * n))
-    p32, m, v = (buf[k * sb:k * sb + 4 * n].view(torch.float32) for k in range(3))
-    return p32, m, v, buf[p16_at:p16_at + b.p16_itemsize * n].view(p16_dtype)
-
-
-def unit_sections(layout: StoreLayout, unit: Unit, slot: int, with_p16: bool) -> list[tuple[int, int, int]]:
-    """(buffer offset, volume offset, bytes) of a chunk's sections in its buffer and in the record."""
-    i, lo, hi = unit
-    b = layout.blocks[i]
-    n, sb = hi - lo, align_up(4 * (hi - lo))
-    rec = layout.record_offset(i, slot)
-    out = [(k * sb, rec + k * b.state_bytes + 4 * lo, 4 * n) for k in range(3)]
-    if with_p16:
-        out.append((3 * sb, rec + b.p16_start + b.p16_itemsize * lo, b.p16_itemsize * n))
-    return out
 
 
 class Handles:

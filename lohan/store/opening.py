@@ -3,12 +3,14 @@ everything else with the reason (a store is never discarded silently)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from lohan.config import EngineConfig
+from lohan.plan.formats import state_format
 from lohan.store.files import remove_files, run_files
 from lohan.store.group import rank_dir, read_decision
 from lohan.store.integrity import unit_bounds
@@ -99,10 +101,15 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
     if status.state == "complete" and resume:
         store = StateStore.open(dirs, cfg.backend, cfg.stripe_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
         problem = None
-        if store.layout != layout:
+        if store.layout.state_format != layout.state_format:
+            problem = (f"keeps its optimizer states in the {store.layout.state_format} format and this run asks for "
+                       f"{layout.state_format}: a store's format is fixed when it is created (its records are laid "
+                       f"out for it; converting them would change the states). Resume with --state-format "
+                       f"{store.layout.state_format}, or export the model and fine-tune the export in a new store")
+        elif store.layout != layout:
             problem = "was laid out for other settings (slots or compute_dtype differ)"
         elif any(unit_bounds(b.numel, store.chunk_elems) != unit_bounds(b.numel, chunk_elems) for b in layout.blocks):
-            per_elem = 12 + layout.blocks[0].p16_itemsize
+            per_elem = math.ceil(state_format(layout.state_format).at_rest(layout.blocks[0].p16_itemsize))
             problem = (f"was created with other optimizer chunks (resume with --set "
                        f"engine.opt_chunk_bytes={store.chunk_elems * per_elem})")
         if problem:

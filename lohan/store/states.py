@@ -39,6 +39,7 @@ from torch import nn
 from io_engine import ALIGN, Volume, open_volume
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
+from lohan.plan.formats import state_format as state_format_of
 from lohan.plan.records import BlockLayout, ParamSpec, StoreLayout  # the record geometry (re-exported)
 from lohan.store.files import VOLUME_SUFFIXES
 from lohan.store.integrity import (
@@ -57,8 +58,14 @@ FORMAT_VERSION = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: str, slots: int) -> StoreLayout:
-    """Lay out the records of `blocks` (modules, typically on the meta device: only shapes are read)."""
+def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: str, slots: int,
+                state_format: str = "exact") -> StoreLayout:
+    """Lay out the records of `blocks` (modules, typically on the meta device: only shapes are read) in
+    `state_format` (`lohan.plan.formats`)."""
+    fmt = state_format_of(state_format)
+    if not fmt.separate_p16 and p16_dtype != "bf16":
+        raise ValueError(f"state format {state_format!r} keeps bf16 weights only, which the compute reads as they "
+                         f"are; it needs compute_dtype bf16, not {p16_dtype} (--dtype bf16)")
     out = []
     offset = 0
     itemsize = torch.empty(0, dtype=DTYPES[p16_dtype]).element_size()
@@ -69,7 +76,7 @@ def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: st
             n += p.numel()
         if n == 0:
             raise ValueError(f"block {i} ({name}) has no parameters; merge it into a neighbour")
-        layout = BlockLayout(i, name, tuple(specs), n, itemsize, offset)
+        layout = BlockLayout(i, name, tuple(specs), n, itemsize, offset, state_format)
         out.append(layout)
         offset += layout.record_bytes
     return StoreLayout(tuple(out), p16_dtype, slots)
@@ -80,16 +87,108 @@ def block_views(flat: torch.Tensor, block: BlockLayout) -> list[torch.Tensor]:
     return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in block.params]
 
 
-class RecordView:
-    """Typed views into a host buffer holding one block's record."""
+_MOMENT_DTYPES = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}
 
-    def __init__(self, buf: torch.Tensor, block: BlockLayout, p16_dtype: torch.dtype) -> None:
-        n, sb = block.numel, block.state_bytes
-        self.p32 = buf[0:4 * n].view(torch.float32)
-        self.m = buf[sb:sb + 4 * n].view(torch.float32)
-        self.v = buf[2 * sb:2 * sb + 4 * n].view(torch.float32)
-        start = block.p16_start
-        self.p16 = buf[start:start + block.p16_itemsize * n].view(p16_dtype)
+
+@dataclass
+class UnitViews:
+    """Typed views of a unit's sections (a whole record, or a chunk lo..hi of one) in a host buffer laid out
+    as `BlockLayout.unit` says: the master (fp32, or bf16), m and v (fp32, bf16 or 8-bit codes), each moment's
+    fp32 absmax per quantization block (8-bit moments only) and the P16 (``bf16-master``: the master itself)."""
+
+    master: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    m_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    p16: torch.Tensor
+
+    @property
+    def p32(self) -> torch.Tensor:
+        """The master (the name of the ``exact`` format's fp32 one)."""
+        return self.master
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """What the optimizer reads, in record order: the sections the unit's "state" checksum covers."""
+        return tuple(t for t in (self.master, self.m, self.v, self.m_scale, self.v_scale) if t is not None)
+
+    def fill_initial(self, weights: torch.Tensor | None = None) -> None:
+        """Moments (and their scales) zero, P16 = master; the master from fp32 `weights` if given (a bf16 master
+        rounds to nearest: no step has drawn rounding noise yet)."""
+        if weights is not None:
+            self.master.copy_(weights)
+        for t in self.state[1:]:
+            t.zero_()
+        if self.p16.data_ptr() != self.master.data_ptr():
+            self.p16.copy_(self.master)
+
+
+def unit_views(buf: torch.Tensor, b: BlockLayout, lo: int, hi: int, p16_dtype: torch.dtype) -> UnitViews:
+    """The `UnitViews` of unit lo..hi of block `b` in `buf` (uint8, laid out as `b.unit(lo, hi)`)."""
+    f, sec = state_format_of(b.fmt), b.unit(lo, hi)
+    n = hi - lo
+    master = buf[sec.master:sec.master + f.master_itemsize * n].view(
+        torch.float32 if f.master_itemsize == 4 else torch.bfloat16)
+    mom = _MOMENT_DTYPES[f.moment_itemsize]
+    m = buf[sec.m:sec.m + f.moment_itemsize * n].view(mom)
+    v = buf[sec.v:sec.v + f.moment_itemsize * n].view(mom)
+    ms = vs = None
+    if f.quantized:
+        ms = buf[sec.m_scale:sec.m_scale + 4 * sec.q].view(torch.float32)
+        vs = buf[sec.v_scale:sec.v_scale + 4 * sec.q].view(torch.float32)
+    p16 = buf[sec.p16:sec.p16 + b.p16_itemsize * n].view(p16_dtype) if f.separate_p16 else master
+    return UnitViews(master, m, v, ms, vs, p16)
+
+
+def RecordView(buf: torch.Tensor, block: BlockLayout, p16_dtype: torch.dtype) -> UnitViews:  # noqa: N802
+    """Typed views into a host buffer holding one block's whole record."""
+    return unit_views(buf, block, 0, block.numel, p16_dtype)
+
+
+def unit_sections(layout: StoreLayout, unit: tuple[int, int, int], slot: int,
+                  with_p16: bool) -> list[tuple[int, int, int]]:
+    """(buffer offset, volume offset, bytes) of each section of unit (block, lo, hi) in its buffer and in the
+    record of `slot`: the optimizer's READ (without the P16) or WRITE (with it)."""
+    i, lo, hi = unit
+    b = layout.blocks[i]
+    f, whole, sec = state_format_of(b.fmt), b.sections, b.unit(lo, hi)
+    q0, _ = b.qrange(lo, hi)
+    rec = layout.record_offset(i, slot)
+    n = hi - lo
+    out = [(sec.master, rec + whole.master + f.master_itemsize * lo, f.master_itemsize * n),
+           (sec.m, rec + whole.m + f.moment_itemsize * lo, f.moment_itemsize * n),
+           (sec.v, rec + whole.v + f.moment_itemsize * lo, f.moment_itemsize * n)]
+    if f.quantized:
+        out += [(sec.m_scale, rec + whole.m_scale + 4 * q0, 4 * sec.q),
+                (sec.v_scale, rec + whole.v_scale + 4 * q0, 4 * sec.q)]
+    if with_p16 and f.separate_p16:
+        out.append((sec.p16, rec + whole.p16 + b.p16_itemsize * lo, b.p16_itemsize * n))
+    return out
+
+
+def sub_views(rec: UnitViews, b: BlockLayout, lo: int, hi: int) -> UnitViews:
+    """The views of elements lo..hi (and their quantization blocks) of a whole record's views."""
+    q0, q1 = b.qrange(lo, hi)
+
+    def sc(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[q0:q1]
+    return UnitViews(rec.master[lo:hi], rec.m[lo:hi], rec.v[lo:hi], sc(rec.m_scale), sc(rec.v_scale), rec.p16[lo:hi])
+
+
+def unit_sums(views: UnitViews) -> list[int]:
+    """A unit's [state, p16] checksums: what the optimizer reads, and what the compute reads."""
+    return [tensor_hash(*views.state), tensor_hash(views.p16)]
+
+
+def _gather(b: BlockLayout, flats: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Elements lo..hi of a block's flat vector, as fp32, from its parameters' flat views."""
+    out = torch.empty(hi - lo, dtype=torch.float32)
+    for spec, flat in zip(b.params, flats):
+        a, z = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+        if a < z:
+            out[a - lo:z - lo].copy_(flat[a - spec.offset:z - spec.offset])
+    return out
 
 
 @dataclass
@@ -208,7 +307,8 @@ class StateStore:
             # section in pieces, so initialization needs the block's parameters plus one piece.
             piece = max(ALIGN, staging_budget // 4 // ALIGN * ALIGN)
             biggest = max((b.record_bytes for b in layout.blocks if b.record_bytes <= staging_budget), default=0)
-            pool = volume.buffer_pool(max(staging_budget, biggest))
+            least = max((b.unit(0, 4096).total for b in layout.blocks if b.record_bytes > staging_budget), default=0)
+            pool = volume.buffer_pool(max(staging_budget, biggest, least))  # (a piece is 4096 elements or more)
             for b in layout.blocks[start:]:
                 params = init_block(b.index)
                 if [tuple(p.shape) for p in params] != [s.shape for s in b.params]:
@@ -216,13 +316,11 @@ class StateStore:
                 if b.record_bytes <= staging_budget:
                     with pool.acquire(b.record_bytes) as buf:
                         rec = RecordView(buf.tensor, b, store.p16_dtype)
-                        for view, p in zip(block_views(rec.p32, b), params):
+                        for view, p in zip(block_views(rec.master, b), params):
                             view.copy_(p)
-                        rec.m.zero_()
-                        rec.v.zero_()
-                        rec.p16.copy_(rec.p32)
+                        rec.fill_initial()
                         volume.write(buf.tensor, layout.record_offset(b.index, 0)).wait()
-                        sums.append(store.record_sums(b, rec.p32, rec.m, rec.v, rec.p16) if checksums else None)
+                        sums.append(store.record_sums(b, rec) if checksums else None)
                 else:
                     store._write_record_in_pieces(b, params, pool, piece)
                     sums.append(store._initial_sums(b, params) if checksums else None)
@@ -241,11 +339,9 @@ class StateStore:
             volume.close()
             raise
 
-    def record_sums(self, b: BlockLayout, p32: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                    p16: torch.Tensor) -> list[list[int]]:
-        """Per-unit [state, p16] checksums of a whole block's sections (flat views of numel elements)."""
-        return [[tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]), tensor_hash(p16[lo:hi])]
-                for lo, hi in unit_bounds(b.numel, self.chunk_elems)]
+    def record_sums(self, b: BlockLayout, rec: UnitViews) -> list[list[int]]:
+        """Per-unit [state, p16] checksums of a whole block's record (`RecordView`)."""
+        return [unit_sums(sub_views(rec, b, lo, hi)) for lo, hi in unit_bounds(b.numel, self.chunk_elems)]
 
     def _initial_sums(self, b: BlockLayout, params: list[torch.Tensor]) -> list[list[int]]:
         """Checksums of a block's initial record computed from its parameters, unit by unit (one unit's
@@ -253,37 +349,29 @@ class StateStore:
         flats = [p.detach().reshape(-1) for p in params]
         out = []
         for lo, hi in unit_bounds(b.numel, self.chunk_elems):
-            p32 = torch.empty(hi - lo, dtype=torch.float32)
-            for spec, flat in zip(b.params, flats):
-                a, z = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-                if a < z:
-                    p32[a - lo:z - lo].copy_(flat[a - spec.offset:z - spec.offset])
-            zeros = torch.zeros_like(p32)
-            out.append([tensor_hash(p32, zeros, zeros), tensor_hash(p32.to(self.p16_dtype))])
+            buf = torch.zeros(b.unit(lo, hi).total, dtype=torch.uint8)
+            views = unit_views(buf, b, lo, hi, self.p16_dtype)
+            views.fill_initial(_gather(b, flats, lo, hi))
+            out.append(unit_sums(views))
         return out
 
     def _write_record_in_pieces(self, b: BlockLayout, params: list[torch.Tensor], pool, piece: int) -> None:
-        """Slot 0 record of block b from its parameters: P32 and P16 copied, m and v zeroed, `piece` elements
-        (a multiple of 4096, so every write but a section's last is aligned) at a time."""
+        """Slot 0 record of block b from its parameters: master and P16 copied, m and v (and their scales)
+        zeroed, `piece` bytes of fp32 at a time (a multiple of 4096 elements, so every write but a section's
+        last is aligned)."""
         flats = [p.detach().reshape(-1) for p in params]  # views: no second copy of a multi-GB block
-        base = self.layout.record_offset(b.index, 0)
         elems = max(4096, piece // 4 // 4096 * 4096)
-        itemsize = b.p16_itemsize
         for lo in range(0, b.numel, elems):
-            n = min(elems, b.numel - lo)
-            with pool.acquire(4 * n) as buf:
-                src = buf.tensor.view(torch.float32)
-                for spec, flat in zip(b.params, flats):  # the parameters overlapping [lo, lo + n)
-                    a, z = max(lo, spec.offset), min(lo + n, spec.offset + spec.numel)
-                    if a < z:
-                        src[a - lo:z - lo].copy_(flat[a - spec.offset:z - spec.offset])
-                self.volume.write(buf.tensor, base + 4 * lo).wait()
-                with pool.acquire(itemsize * n) as half:
-                    half.tensor.view(self.p16_dtype).copy_(src)
-                    self.volume.write(half.tensor, base + b.p16_start + itemsize * lo).wait()
+            hi = min(lo + elems, b.numel)
+            if not b.cut_ok(lo) or not b.cut_ok(hi):  # (8-bit moments: whole quantization blocks per piece)
+                raise ValueError(f"block {b.index} ({b.name}): a piece of its initialization would split a "
+                                 "quantization block; its parameters must start at multiples of 256 elements")
+            with pool.acquire(b.unit(lo, hi).total) as buf:
                 buf.tensor.zero_()
-                for k in (1, 2):  # m, v
-                    self.volume.write(buf.tensor, base + k * b.state_bytes + 4 * lo).wait()
+                views = unit_views(buf.tensor, b, lo, hi, self.p16_dtype)
+                views.fill_initial(_gather(b, flats, lo, hi))
+                for at, off, n in unit_sections(self.layout, (b.index, lo, hi), 0, with_p16=True):
+                    self.volume.write(buf.tensor[at:at + n], off).wait()
 
     @staticmethod
     def status(dirs: Sequence[str], name: str = "lohan") -> StoreStatus:
@@ -442,18 +530,27 @@ class StateStore:
         b = self.layout.blocks[block]
         slot = self.slot if slot is None else slot
         hi = min(lo + self.chunk_elems, b.numel)
-        if what == "state":
-            off, nbytes = self.layout.record_offset(block, slot) + 4 * lo, 3 * b.state_bytes
-            sections = "P32/m/v"
-        else:
-            off, nbytes = self.layout.p16_offset(block, slot) + b.p16_itemsize * lo, b.p16_itemsize * (hi - lo)
-            sections = "P16"
+        parts = unit_sections(self.layout, (block, lo, hi), slot, with_p16=what != "state")
+        if what != "state":
+            parts = parts[-1:] if b.sections.p16 else parts[:1]  # (bf16-master: the P16 is the master)
+        off, nbytes = parts[0][1], parts[-1][1] + parts[-1][2] - parts[0][1]
+        sections = ("P32/m/v" if b.fmt == "exact" else "master/m/v") if what == "state" else "P16"
         raise StoreCorruptError(
             f"checksum mismatch in block {block} ({b.name}), {sections} elements {lo}..{hi} of slot {slot} at "
             f"step {self.step}: the bytes read back from {describe_range(self.volume.dirs, off, nbytes)} are not "
             f"what was written. The SSD returned damaged data; check the drive (smartctl, dmesg), then restore the "
             f"directory from a backup or start over with --overwrite. `python finetune.py --verify --nvme "
             f"{' '.join(self.volume.dirs)}` checks every block")
+
+    def _read_unit(self, block: int, lo: int, hi: int, with_p16: bool) -> UnitViews:
+        """Unit lo..hi of `block` of the current slot, read synchronously into a buffer of its own."""
+        b = self.layout.blocks[block]
+        buf = torch.empty(b.unit(lo, hi).total, dtype=torch.uint8)
+        handles = [self.volume.read_into(buf[at:at + n], off)
+                   for at, off, n in unit_sections(self.layout, (block, lo, hi), self.slot, with_p16)]
+        for h in handles:
+            h.wait()
+        return unit_views(buf, b, lo, hi, self.p16_dtype)
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Read every record of the current slot and check it against the committed checksums; returns
@@ -463,16 +560,9 @@ class StateStore:
         self._check_not_staged("verify")
         problems = []
         for b in self.layout.blocks:
-            rec = self.layout.record_offset(b.index, self.slot)
             for lo, hi in unit_bounds(b.numel, self.chunk_elems):
-                n = hi - lo
-                secs = [torch.empty(4 * n, dtype=torch.uint8) for _ in range(3)]
-                p16 = torch.empty(b.p16_itemsize * n, dtype=torch.uint8)
-                handles = [self.volume.read_into(t, rec + k * b.state_bytes + 4 * lo) for k, t in enumerate(secs)]
-                handles.append(self.volume.read_into(p16, rec + b.p16_start + b.p16_itemsize * lo))
-                for h in handles:
-                    h.wait()
-                for what, got in (("state", tensor_hash(*secs)), ("p16", tensor_hash(p16))):
+                state, p16 = unit_sums(self._read_unit(b.index, lo, hi, with_p16=True))
+                for what, got in (("state", state), ("p16", p16)):
                     try:
                         self.check_unit(b.index, lo, what, got)
                     except StoreCorruptError as e:
@@ -483,18 +573,16 @@ class StateStore:
 
     # ---------------------------------------------------------------- access
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        """Synchronously read block `block`'s fp32 master weights of the current slot (for export/tests);
-        the P32, m and v sections are read so their checksums can be verified."""
+        """Synchronously read block `block`'s master weights of the current slot as `dtype` (for export/tests);
+        every state section is read, unit by unit, so its checksums can be verified."""
         self._check_not_staged("read_params")
         b = self.layout.blocks[block]
-        buf = torch.empty(3 * b.state_bytes, dtype=torch.uint8)
-        self.volume.read_into(buf, self.layout.record_offset(block, self.slot)).wait()
-        n, sb = b.numel, b.state_bytes
-        p32 = buf[:4 * n].view(torch.float32)
-        m, v = buf[sb:sb + 4 * n].view(torch.float32), buf[2 * sb:2 * sb + 4 * n].view(torch.float32)
-        for lo, hi in unit_bounds(n, self.chunk_elems):
-            self.check_unit(block, lo, "state", tensor_hash(p32[lo:hi], m[lo:hi], v[lo:hi]))
-        return [t.to(dtype).clone() for t in block_views(p32, b)]
+        flat = torch.empty(b.numel, dtype=dtype)
+        for lo, hi in unit_bounds(b.numel, self.chunk_elems):
+            views = self._read_unit(block, lo, hi, with_p16=False)
+            self.check_unit(block, lo, "state", tensor_hash(*views.state))
+            flat[lo:hi].copy_(views.master)
+        return [t.clone() for t in block_views(flat, b)]
 
     def _check_not_staged(self, what: str) -> None:
         if self._staged is not None:  # the staged slot's last writes may still be in flight
@@ -519,5 +607,6 @@ def _read_commit(path: str) -> Commit:
     return Commit(**data)
 
 
-__all__ = ["ALIGN", "BlockLayout", "Commit", "StoreCorruptError", "StoreStatus", "ParamSpec", "RecordView", "StateStore", "StoreLayout",
-           "block_views", "plan_layout"]
+__all__ = ["ALIGN", "BlockLayout", "Commit", "StoreCorruptError", "StoreStatus", "ParamSpec", "RecordView", "StateStore",
+           "StoreLayout", "UnitViews", "block_views", "plan_layout", "sub_views", "unit_sections", "unit_sums",
+           "unit_views"]
