@@ -38,15 +38,16 @@ def qstarts(params: Sequence[ParamRange]) -> list[int]:
     return out[:-1]
 
 
-def _pieces(params: Sequence[ParamRange], lo: int, hi: int, limit: int | None = None) -> list[tuple[int, int, int]]:
+def _pieces(params: Sequence[ParamRange], lo: int, hi: int, quantized: bool,
+            limit: int | None = None) -> list[tuple[int, int, int]]:
     """(parameter index, start, end) of each parameter's part of elements lo..hi, cut at multiples of `limit` from
-    the parameter's start (None: not cut); a cut inside a quantization block is refused."""
+    the parameter's start (None: not cut); with 8-bit moments a cut inside a quantization block is refused."""
     out = []
     for k, p in enumerate(params):
         a, end = max(lo, p.offset), min(hi, p.offset + p.numel)
         if a >= end:
             continue
-        if (a - p.offset) % QBLOCK or (end != p.offset + p.numel and (end - p.offset) % QBLOCK):
+        if quantized and ((a - p.offset) % QBLOCK or (end != p.offset + p.numel and (end - p.offset) % QBLOCK)):
             raise ValueError(f"an update of compressed states must cut parameter {k} at multiples of {QBLOCK} from "
                              f"its start, not at {a - p.offset}..{end - p.offset}")
         while a < end:
@@ -90,7 +91,7 @@ def adamw_unit_(views, grad: Tensor, step: int, hp: AdamWHyper, params: Sequence
     whole-parameter update has them: the result is `adamw_format_`'s bit for bit."""
     starts = qstarts(params)
     first = None
-    for k, a, z in _pieces(params, lo, lo + grad.numel(), limit):
+    for k, a, z in _pieces(params, lo, lo + grad.numel(), views.m_scale is not None, limit):
         p = params[k]
         q = starts[k] + (a - p.offset) // QBLOCK  # the piece's first quantization block in the block
         first = q if first is None else first
@@ -152,7 +153,7 @@ def adamw_format_(states: BlockStates, grad: Tensor, step: int, hp: AdamWHyper, 
     compute reads; for ``bf16-master`` the master itself)."""
     starts = qstarts(params)
     out = torch.empty(grad.numel(), dtype=torch.bfloat16)
-    for k, a, z in _pieces(params, lo, lo + grad.numel()):
+    for k, a, z in _pieces(params, lo, lo + grad.numel(), states.m.codes is not None):
         p = params[k]
         q = starts[k] + (a - p.offset) // QBLOCK
         new = _piece_(states.master[a:z], states.m.piece(q, a, z), states.v.piece(q, a, z), None,
