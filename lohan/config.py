@@ -306,7 +306,7 @@ class EngineConfig:
     """How the optimizer states are stored (README "Smaller states"; fixed when the store is created):
     ``exact`` (fp32 master, m, v and the P16 copy: bit-exact with PyTorch's AdamW, 14 bytes per parameter),
     ``bf16-moments`` (m and v in bf16: 10), ``8bit-moments`` (m and v 8-bit block-wise, as bitsandbytes' and
-    torchao's 8-bit Adam: 6.03) or ``bf16-master`` (bf16 weights updated with stochastic rounding, seeded by
+    torchao's 8-bit Adam: 8.03) or ``bf16-master`` (bf16 weights updated with stochastic rounding, seeded by
     ``seed``, no separate P16, 8-bit moments: 4.03; needs compute_dtype bf16)."""
 
     micro_batches: int = 1

@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import yaml
 
 from lohan.config import DATA_FORMATS, PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
+from lohan.plan.formats import FORMATS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # lohan/app/cli.py -> the repository
 
@@ -57,6 +58,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "lr_scheduler": ("engine", "lr_scheduler"), "warmup_ratio": ("engine", "warmup_ratio"),
     "min_lr": ("engine", "min_lr"), "decay_ratio": ("engine", "decay_ratio"),
     "save_every": (None, "save_every"), "save_total_limit": (None, "save_total_limit"),
+    "state_format": ("engine", "state_format"),
 }
 
 # Two ways to say one thing: a flag replaces the config file's other way (the command line overrides the file);
@@ -166,6 +168,9 @@ def _storage_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
     g.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
     g.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
+    g.add_argument("--state-format", choices=list(FORMATS),
+                   help="optimizer states on the SSDs: exact (fp32, 14 B/param), bf16-moments (10), 8bit-moments "
+                        "(8), bf16-master (4; stochastic rounding, needs --dtype bf16); fixed at creation")
     g.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
     g.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
 

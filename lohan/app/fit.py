@@ -356,7 +356,7 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
                slots: int = 2, keep_grads: bool = False, resident_mem: int | str = 0,
                cpu_mem: int | None = None, readahead_mem: int | str = "auto", clip_mode: str = "auto",
-               clips: bool | None = None) -> FitReport:
+               clips: bool | None = None, state_format: str = "exact") -> FitReport:
     """The capacity plan of a run and its predicted speed. ``keep_grads``: the step keeps its gradients (clipping
     or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says). The predicted step is
     the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
@@ -364,7 +364,7 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     clips = keep_grads if clips is None else clips
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
                    keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
-                   clip_mode=clip_mode)
+                   clip_mode=clip_mode, state_format=state_format)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, machine.hardware)
     waits = slots == 1 or (clips and clip_mode == "defer")

@@ -58,6 +58,7 @@ from lohan.data import (
     eval_batches,
     synthetic_batches,
 )
+from lohan.plan.formats import state_format
 from lohan.plan.pools import MemoryPlanError
 from lohan.runtime.engine import Engine, init
 from lohan.runtime.optim import wsd_decay_steps
@@ -345,7 +346,8 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
     console.print(
         f"  states on NVMe: {layout.total_bytes / 2**30:.2f} GiB{ranks} in {len(layout.blocks)} blocks x "
         f"{layout.slots} slot(s) over {len(e.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
-        f"{engine.store.volume.backend.name}")
+        f"{engine.store.volume.backend.name}, format {layout.state_format} "
+        f"({state_format(layout.state_format).at_rest(engine.store.p16_dtype.itemsize):.2f} B/param)")
     console.print(
         f"  main memory: {plan.total / 2**30:.2f} of {plan.budget / 2**30:.2f} GiB budgeted ({plan.describe()}) | "
         f"device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}")
@@ -546,7 +548,7 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1,
                             resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem,
                             readahead_mem=e.readahead_mem if e.mode == "optimized" else 0, clip_mode=e.clip_mode,
-                            clips=e.max_grad_norm > 0)
+                            clips=e.max_grad_norm > 0, state_format=e.state_format)
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:

@@ -1043,7 +1043,7 @@ def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, po
 def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batches: int, prefetch_depth: int,
                  max_inflight: int, slots: int, keep_grads: bool, resident_mem: int | str,
                  cpu_mem: int | None, readahead_mem: int | str = "auto",
-                 clip_mode: str = "auto") -> pools.HostMemoryPlan:
+                 clip_mode: str = "auto", state_format: str = "exact") -> pools.HostMemoryPlan:
     """The engine's host memory plan for the model on this machine (unchecked: :func:`_judge` judges it), with
     cpu_mem the run's budget within what the machine's RAM gives (:func:`_ram_budget`)."""
     budget = _ram_budget(hw)
@@ -1051,7 +1051,8 @@ def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batch
     ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, slots=slots,
                              clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit, readahead_mem=readahead_mem,
                              clip_mode=clip_mode)
-    return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots), ecfg, free=budget, check=False)
+    return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format), ecfg,
+                                  free=budget, check=False)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
@@ -1073,11 +1074,11 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     planned in optimized mode (``pools.reads_ahead``); the
     records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them.
     ``state_format`` (`lohan.plan.formats`) prices the SSD bytes at rest and moved per step of a compressed
-    format; the main-memory parts stay those of ``exact`` (its records are the largest: an upper bound)."""
+    format, and the main-memory pools of its records."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
-                        resident_mem, cpu_mem, readahead_mem, clip_mode)
+                        resident_mem, cpu_mem, readahead_mem, clip_mode, state_format)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
-    layout = pools.model_geometry(cfg, compute_dtype, slots).store
+    layout = pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format).store
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)

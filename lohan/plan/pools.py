@@ -265,6 +265,8 @@ class HostMemoryPlan:
     tied_grads: int
     records: int
     upcast: int
+    """The optimizer's scratch: the fp32 gradient pieces (`upcast_bytes`) and a compressed format's update
+    temporaries (`format_work_bytes`)."""
     resident: int
     grad_stash: int
     budget: int
@@ -302,7 +304,7 @@ class HostMemoryPlan:
     def describe(self) -> str:
         """Every part, finer than :meth:`parts`, for the run header."""
         rows = [("params", self.params), ("grads", self.grads + self.tied_grads), ("optimizer records", self.records),
-                ("upcast scratch", self.upcast), ("resident records", self.resident)]
+                ("optimizer scratch", self.upcast), ("resident records", self.resident)]
         if self.has_stash:
             rows.append(("gradient stash", self.grad_stash))
         if self.readahead:

@@ -102,11 +102,13 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
         store = StateStore.open(dirs, cfg.backend, cfg.stripe_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
         problem = None
         if store.layout.state_format != layout.state_format:
-            problem = (f"keeps its optimizer states in the {store.layout.state_format} format and this run asks for "
-                       f"{layout.state_format}: a store's format is fixed when it is created (its records are laid "
-                       f"out for it; converting them would change the states). Resume with --state-format "
-                       f"{store.layout.state_format}, or export the model and fine-tune the export in a new store")
-        elif store.layout != layout:
+            store.close()
+            raise ValueError(
+                f"the store in {dirs[0]} keeps its optimizer states in the {store.layout.state_format} format and "
+                f"this run asks for {layout.state_format}: a store's format is fixed when it is created (its records "
+                f"are laid out for it, and converting them would change the states). Resume with --state-format "
+                f"{store.layout.state_format}, or export the model and fine-tune the export in a new store")
+        if store.layout != layout:
             problem = "was laid out for other settings (slots or compute_dtype differ)"
         elif any(unit_bounds(b.numel, store.chunk_elems) != unit_bounds(b.numel, chunk_elems) for b in layout.blocks):
             per_elem = math.ceil(state_format(layout.state_format).at_rest(layout.blocks[0].p16_itemsize))
