@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,13 @@ def test_shards_cover_each_block_once_aligned_and_small_blocks_are_replicated():
     assert shard_bounds(block, 1) is None
     # a cut off a parameter's 64-element grid would change fused AdamW's rounding: replicated instead
     assert shard_bounds(_block([33, 40960]), 2) is None
+    # 8-bit moments: a cut on the 64 grid but off a parameter's 256 grid would split a quantization block
+    off256 = _block([64, 40960])
+    assert shard_bounds(off256, 2) is not None
+    assert shard_bounds(replace(off256, fmt="8bit-moments"), 2) is None
+    assert shard_bounds(replace(_block([256, 40960]), fmt="8bit-moments"), 2) is not None
+    sharded = shard_layout(StoreLayout((replace(block, fmt="bf16-master"),), "bf16", 2), [shard_bounds(block, 2)], 1)
+    assert sharded.state_format == "bf16-master"  # a rank's store keeps the format
 
 
 def test_one_ranks_plan_prices_its_share_of_the_machine():
@@ -216,6 +224,16 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, mode):
     # across the turn (the last layers, the tied embedding) are gathered once, and small ones never
     model = network_bytes_per_step(sum(w.numel() for w in weights.values()), 2, 4)
     assert 0.6 * model <= result["network_bytes"] <= model
+
+
+@pytest.mark.parametrize("fmt", ["bf16-moments", "8bit-moments"])
+def test_two_ranks_in_a_compressed_state_format_equal_one_process(tmp_path, fmt):
+    """Each rank keeps its shards' states in the format (8-bit moments: shards cut only on the 256 grid of each
+    parameter, so no quantization block is split; blocks that cannot be cut so are replicated)."""
+    engine = engine_kw(str(tmp_path / "dp"), state_format=fmt, max_grad_norm=0.5)
+    codes, out = launch(tmp_path, 2, engine)
+    assert codes == [0, 0], out
+    assert_same(torch.load(tmp_path / "run.pt"), *single_process(str(tmp_path / "one"), engine))
 
 
 def test_two_ranks_deferred_updates_with_the_next_forward_beside_them(tmp_path):

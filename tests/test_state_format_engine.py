@@ -211,3 +211,22 @@ def test_the_store_keeps_a_quarter_of_the_bytes(make_dirs):
             store.close()
     assert sizes["exact"] >= 14 * params
     assert sizes["bf16-master"] < 4.1 * params + 4096 * 5 * 4  # (each section of each of 4 blocks padded)
+
+
+@pytest.mark.parametrize("fmt", ["bf16-moments", "8bit-moments"])
+def test_fp16_loss_scaling_feeds_the_format_what_it_feeds_exact(make_dirs, monkeypatch, fmt):
+    """fp16: the gradients reach the optimizer unscaled (a step whose scaled gradients overflow is skipped before
+    any update), so the format's update is the reference's on what was handed over."""
+    rec = Recorder(monkeypatch)
+    ecfg = config(make_dirs(1), state_format=fmt, compute_dtype="fp16", max_grad_norm=0.5)
+    with lohan.init(tiny_cfg(), ecfg) as engine:
+        ref = _reference(engine, fmt)
+        for batch in batches(6):
+            engine.step(batch)
+            m = engine.last_stats.to_dict()
+            if m["skipped"]:
+                rec.grads.clear()
+                continue
+            _replay(ref, rec, m["clip_coef"])
+        _check_weights(engine, ref)
+    assert ref.step_count >= 3  # updates were made, not only skipped
