@@ -50,6 +50,51 @@ def dynamic_map(signed: bool) -> Tensor:
     return out
 
 
+_BUCKET_SHIFT = 12
+"""Floats sharing their top 20 bits form a bucket (a relative width of 2^-11); no bucket holds two midpoints of
+either map (adjacent entries are at least 0.35% apart), so a table of 2^20 entries finds the nearest code."""
+
+
+@functools.cache
+def _midpoints(signed: bool) -> Tensor:
+    """The 255 midpoints between adjacent map entries (fp32), and +inf after them."""
+    q = dynamic_map(signed)
+    return torch.cat([(q[:-1] + q[1:]) / 2, torch.tensor([float("inf")])])
+
+
+@functools.cache
+def _code_table(signed: bool) -> tuple[Tensor, Tensor]:
+    """Per bucket of float bit patterns (`_BUCKET_SHIFT`): how many midpoints lie at or below its smallest value
+    (int32), and the midpoint inside it, if any (fp32; +inf if none). A value's code is the first, plus one if
+    the second is at or below it."""
+    mids = _midpoints(signed)
+    top = torch.arange(1 << (32 - _BUCKET_SHIFT), dtype=torch.int64)
+    low = top << _BUCKET_SHIFT
+    high = low | ((1 << _BUCKET_SHIFT) - 1)
+    negative = top >= 1 << (31 - _BUCKET_SHIFT)  # sign bit set: the largest pattern is the smallest value
+
+    def as_float(bits: Tensor) -> Tensor:
+        return (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+    lo_val, hi_val = as_float(torch.where(negative, high, low)), as_float(torch.where(negative, low, high))
+    first = torch.searchsorted(mids[:-1], lo_val, right=True)
+    last = torch.searchsorted(mids[:-1], hi_val, right=True)
+    finite = torch.isfinite(lo_val) & torch.isfinite(hi_val) & (lo_val.abs() <= 1) & (hi_val.abs() <= 1)
+    if bool(((last - first > 1) & finite).any()):
+        raise AssertionError("a bucket of the code table holds two midpoints of the dynamic map")
+    return first.to(torch.int32), mids[first]
+
+
+def _nearest_codes(scaled: Tensor, signed: bool) -> Tensor:
+    """The index of the nearest map entry of each value of `scaled` (fp32 in [-1, 1]); a value exactly between two
+    entries takes the larger. The same as ``searchsorted(midpoints, x, right=True)``, without the binary search
+    (`index_select`: twice as fast as indexing on the CPU)."""
+    table, inside = _code_table(signed)
+    bucket = (scaled.view(torch.int32) >> _BUCKET_SHIFT) & ((1 << (32 - _BUCKET_SHIFT)) - 1)
+    code = torch.index_select(table, 0, bucket)
+    code += (torch.index_select(inside, 0, bucket) <= scaled).to(torch.int32)
+    return code.to(torch.uint8)
+
+
 def quantize_blockwise(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """Codes (uint8, ``x``'s numel) and per-block absmax (fp32, ``ceil(numel / QBLOCK)``) of a flat fp32 ``x``.
 
@@ -57,31 +102,34 @@ def quantize_blockwise(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     (ties to the larger). A trailing partial block is its own block."""
     if x.dim() != 1 or x.dtype != torch.float32:
         raise ValueError(f"quantize_blockwise takes a flat fp32 tensor, not {x.dtype} of shape {tuple(x.shape)}")
-    qmap = dynamic_map(signed)
     n = x.numel()
-    blocks = -(-n // QBLOCK)
-    padded = torch.zeros(blocks * QBLOCK, dtype=torch.float32)
-    padded[:n] = x
-    view = padded.view(blocks, QBLOCK)
-    absmax = view.abs().amax(1)
-    scaled = view / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
-    # the nearest entry: the insertion point and the entry below it, whichever is closer
-    hi = torch.searchsorted(qmap, scaled.reshape(-1)).clamp(1, 255)
-    lo = hi - 1
-    flat = scaled.reshape(-1)
-    nearer_hi = (qmap[hi] - flat) <= (flat - qmap[lo])
-    codes = torch.where(nearer_hi, hi, lo).to(torch.uint8)
-    return codes[:n], absmax
+    full = n // QBLOCK * QBLOCK
+    parts = [x[:full].view(-1, QBLOCK)] if full else []
+    if full < n:  # (the tail is its own block: padded with zeros, which change no absmax)
+        tail = torch.zeros(QBLOCK, dtype=torch.float32)
+        tail[:n - full] = x[full:]
+        parts.append(tail.view(1, QBLOCK))
+    codes, absmax = [], []
+    for view in parts:
+        amax = view.abs().amax(1)
+        scaled = view / torch.where(amax > 0, amax, torch.ones_like(amax)).unsqueeze(1)
+        codes.append(_nearest_codes(scaled.reshape(-1), signed))
+        absmax.append(amax)
+    return torch.cat(codes)[:n] if len(codes) > 1 else codes[0][:n], torch.cat(absmax)
 
 
 def dequantize_blockwise(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
     """The fp32 values of `quantize_blockwise`'s codes and absmax."""
     qmap = dynamic_map(signed)
     n = codes.numel()
-    blocks = absmax.numel()
-    full = torch.zeros(blocks * QBLOCK, dtype=torch.float32)
-    full[:n] = qmap[codes.long()]
-    return (full.view(blocks, QBLOCK) * absmax.unsqueeze(1)).reshape(-1)[:n]
+    values = torch.index_select(qmap, 0, codes.to(torch.int32))
+    full = n // QBLOCK * QBLOCK
+    out = torch.empty(n, dtype=torch.float32)
+    if full:
+        torch.mul(values[:full].view(-1, QBLOCK), absmax[:full // QBLOCK].unsqueeze(1), out=out[:full].view(-1, QBLOCK))
+    if full < n:
+        torch.mul(values[full:], absmax[-1], out=out[full:])
+    return out
 
 
 _M32 = 0xFFFF_FFFF
@@ -107,9 +155,15 @@ def _key(seed: int, block: int, step: int) -> int:
 def rounding_noise(n: int, seed: int, block: int, step: int, offset: int = 0) -> Tensor:
     """16 random bits (int32 in [0, 2^16)) for elements ``offset .. offset + n`` of a block's flat vector at a
     step: a hash of (seed, block, step, element index), so any slice of the vector draws the same bits as the
-    whole (the engine updates a block in chunks; a reference updates it at once)."""
-    idx = torch.arange(offset, offset + n, dtype=torch.int64)
-    return (_mix32((idx ^ _key(seed, block, step)) & _M32) >> 16).to(torch.int32)
+    whole (the engine updates a block in chunks; a reference updates it at once). The per-element hash is two
+    multiply-xorshift rounds on 32-bit values held in int64, with multipliers below 2^31 so that no product
+    overflows (the bits are the same on every platform)."""
+    key = _key(seed, block, step)
+    x = ((torch.arange(offset, offset + n, dtype=torch.int64) & _M32) * 0x5BD1E995 + key) & _M32
+    x ^= x >> 15
+    x = (x * 0x27D4EB2D) & _M32
+    x ^= x >> 13
+    return (x & 0xFFFF).to(torch.int32)
 
 
 def stochastic_round_bf16(x: Tensor, seed: int, block: int, step: int, offset: int = 0) -> Tensor:
