@@ -113,12 +113,12 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
                                 backend="auto", emulate_ssd_gbps=args.emulate_ssd_gbps, lr=1e-4, resident_mem=0,
                                 state_format=fmt)
             engines[fmt] = lohan.init(mcfg, ecfg, overwrite=True)
-            engines[fmt].step(batch)  # profiles and plans: not measured
+            engines[fmt].step(batch, next_batch=batch)  # profiles and plans: not measured
         for r in range(args.rounds):
             order = list(FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)])
             for fmt in order:
                 for _ in range(args.steps):
-                    engines[fmt].step(batch)
+                    engines[fmt].step(batch, next_batch=batch)  # as finetune.py steps: told the next batch
                     m = engines[fmt].last_stats
                     samples[fmt].append({"round": r, "step_s": m.step_s, "read": m.ssd_read_bytes,
                                          "write": m.ssd_write_bytes, "lanes": m.lanes})

@@ -72,8 +72,8 @@ def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, co
 
 def format_table(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, **kw: object) -> str:
     """Each state format's SSD need (two slots of states), SSD bytes moved per step and predicted step time."""
-    lines = ["SSD need per state format (--state-format; lohan/plan/formats.py; the CPU lane is priced at exact's",
-             "AdamW rate, benchmarks/compressed_states.py measures the formats' own):",
+    lines = ["SSD need per state format (--state-format; lohan/plan/formats.py; the CPU lane is priced at each",
+             "format's update cost relative to exact's AdamW, measured by benchmarks/compressed_states.py):",
              f"  {'format':<14}{'bytes/param':>12}{'states on SSD':>15}{'SSD per step':>14}{'step':>10}"]
     for name in FORMATS:
         c = capacity(cfg, hw, batch, seq, state_format=name, **kw)

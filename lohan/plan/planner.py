@@ -245,6 +245,8 @@ class Profile:
     separate_p16: bool = True
     """Whether the P16 copy is stored (and written each step) beside the record; False for ``bf16-master``, whose
     master is the copy the compute reads."""
+    update_cost: float = 1.0
+    """The CPU update's time per parameter relative to exact's AdamW (`lohan.plan.formats.StateFormat.update_cost`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -407,7 +409,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     # P32, m, v: what the optimizer reads of each record, but of those kept in memory across steps
     opt_read = profile.record_bytes * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
-    cpu = profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
+    cpu = profile.update_cost * profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
     lanes_f = {"gpu": profile.flop_f / hw.thp_g, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
                "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
     lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g, "g2m": p16 / hw.bw_g,
@@ -1088,7 +1090,7 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     ahead = min(int(host.readahead // fmt.at_rest(profile.p16_itemsize)), profile.param_count - resident)
     plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
                                           write_behind=slots == 2, record_bytes=fmt.record(),
-                                          separate_p16=fmt.separate_p16))
+                                          separate_p16=fmt.separate_p16, update_cost=fmt.update_cost))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs

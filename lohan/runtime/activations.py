@@ -35,6 +35,7 @@ from io_engine import BufferPool, aligned_empty, open_volume
 from io_engine.base import align_up
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
+from lohan.plan.formats import state_format
 from lohan.plan.planner import POLICIES, OpProfile, Plan, Profile, make_plan
 from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
 from lohan.runtime.device import Device
@@ -103,8 +104,10 @@ class ActivationManager:
         parameters not resident: the profile checks it), and whether a deferred update's last writes complete
         during the next backward (write-behind: two slots)."""
         resident = min(self.resident_params, param_count)
+        fmt = state_format(self.cfg.state_format)  # the records' bytes and the update's CPU cost in the format
         return {"resident_params": resident, "readahead_params": min(self.readahead_params, param_count - resident),
-                "write_behind": self.cfg.slots == 2 and self.cfg.write_behind}
+                "write_behind": self.cfg.slots == 2 and self.cfg.write_behind, "record_bytes": fmt.record(),
+                "separate_p16": fmt.separate_p16, "update_cost": fmt.update_cost}
 
     def needs_prepare(self, batch: int, seq: int) -> bool:
         return len(self.inner) > 0 and self._shape != (batch, seq)
