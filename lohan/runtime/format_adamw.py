@@ -9,7 +9,9 @@ bits of updating it whole: the engine (chunks, from the SSDs) and `FormatAdamW` 
 bit for bit, the equivalence discipline of every other mode. Rounding: bf16 moments to nearest (as ``.to``
 rounds), 8-bit moments to the nearest code, a bf16 master stochastically (unbiased: tiny updates are not lost).
 
-A known hazard of 8-bit second moments, weighed before this goes into the engine: the unsigned map's smallest
+The engine (`offload.py`) calls `adamw_unit_` on a unit's buffer, `FormatAdamW` is the in-memory reference.
+
+A known hazard of 8-bit second moments (bitsandbytes and torchao share it): the unsigned map's smallest
 non-zero entry is about 3e-7 of a block's absmax, so a v further below its block's largest is stored as 0, and
 AdamW's m / (sqrt(v) + eps) then divides by eps. Blocks counted per parameter keep a block within one tensor
 (whose gradients share a scale, as the tests' per-parameter scales do); gradients whose squares span more than

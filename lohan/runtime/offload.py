@@ -45,6 +45,10 @@ A block whose record is larger than the store's checksum unit (`StateStore.chunk
 layer's record is 25 GB) goes through the pipeline in chunks of that many elements: the same READ / ADAM /
 WRITE per chunk, on the P32, m, v and P16 sub-ranges of the record, so the optimizer's memory is bounded by
 chunks, not by the largest block, and each READ and WRITE is checked whole.
+
+Compressed state formats (`--state-format`): a unit's buffer holds the format's sections (`store.states.UnitViews`),
+and its update decodes, runs AdamW and encodes `pools.FORMAT_ELEMS` elements at a time (`format_adamw.adamw_unit_`);
+8-bit moments need every chunk cut on each parameter's 256-element grid (checked when the offloader is built).
 """
 
 from __future__ import annotations

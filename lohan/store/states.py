@@ -7,7 +7,9 @@ holds the fp32 master weights, Adam's m and v, and the compute-dtype copy the fo
     record(b) = [ P32: 4n | m: 4n | v: 4n | P16: c*n ]      each region padded to 4 KiB
 
 so the optimizer reads `P32, m, v` of a block in one sequential request, writes the whole record
-back in one, and parameter streaming reads just `P16`. Records are laid out block after block
+back in one, and parameter streaming reads just `P16`. That is the ``exact`` state format; the compressed ones
+(`--state-format`, `lohan.plan.formats`) store a narrower master and moments, 8-bit moments with their block
+scales, and ``bf16-master`` no separate P16 (`lohan.plan.records.Sections`; `UnitViews` are the typed views). Records are laid out block after block
 (layer-major) inside a *slot*; with `slots=2` there are two complete slots.
 
 Crash consistency. With two slots, step t reads slot `s` and writes every updated record into
