@@ -50,6 +50,17 @@ def test_kill_harness_random_sample(tmp_path):
     assert kh.main(["--trials", "8", "--seed", "1", "--out", str(tmp_path / "kill.json")]) == 0
 
 
+def test_a_killed_run_in_a_compressed_state_format_resumes_bit_identically(tmp_path, monkeypatch):
+    """bf16-master: its stochastic rounding is seeded per block and step, so the resumed run draws what the
+    uninterrupted one drew; killed after an optimizer write and before a commit record's rename."""
+    monkeypatch.setattr(kh, "SETS", ["engine.state_format=bf16-master"])
+    losses, weights, export, secs = kh.reference(tmp_path / "ref")
+    kills = [("optimizer write", "offload.write_issued:20"), ("commit rename", "json.rename:lohan.commit.json:3")]
+    trial = kh.run_trial(0, tmp_path / "run", kills, (losses, weights, export), secs, random.Random(0))
+    assert trial.kills == len(kills), trial.attempts
+    assert trial.identical, trial.problems
+
+
 def test_sigterm_stops_like_ctrl_c_and_resumes(tmp_path, reference):
     ref, _ = reference
     work = tmp_path / "run"
