@@ -176,3 +176,33 @@ def test_bf16_records_take_about_half_and_train_close_to_uncompressed(make_dirs)
     assert max(abs(a - b) for a, b in zip(plain, losses)) < 2e-3 * plain[0]  # 1e-4 measured
     assert 0.5 < metrics[-1]["bytes"]["cpu"] / metrics[-1]["raw_bytes"]["cpu"] < 0.6
 
+
+def test_a_run_with_int8_records_resumes_bit_identically_and_a_changed_setting_is_noted(tmp_path, capsys):
+    """The setting is part of the run config (header, run state). A resume continues an int8 run bit for bit; like
+    act_policy, a resume may change it (no state outlives a step), and the run says that the numerics change."""
+    from lohan.app.cli import main
+    from tests.test_cli import args, losses
+
+    flags = ("--act-compress", "int8", "--act-policy", "interblock")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(args(a, "--steps", "4", *flags)) == 0
+    assert main(args(b, "--steps", "2", *flags)) == 0
+    capsys.readouterr()
+    assert main(args(b, "--steps", "4", "--resume", *flags)) == 0
+    out = capsys.readouterr().out
+    assert "activations interblock (int8 on the CPU and SSD tiers)" in out and "act_compress" not in out
+    assert losses(b / "m.jsonl") == losses(a / "m.jsonl")
+    assert main(args(b, "--steps", "5", "--resume", "--act-policy", "interblock")) == 0
+    assert "note: act_compress int8 -> none" in capsys.readouterr().out
+
+
+def test_the_dry_run_plans_and_shows_int8_records(tmp_path, capsys):
+    from lohan.app.cli import main
+    from tests.test_cli import args
+
+    assert main(args(tmp_path, "--dry-run", "--act-policy", "swap-all", "--act-compress", "int8")) == 0
+    out = capsys.readouterr().out
+    assert "int8 records:" in out and "leave the device per step instead of" in out and "not priced" not in out
+    assert "int8 activations" in out  # the rate, measured on this machine's device
+    assert main(args(tmp_path, "--dry-run", "--act-policy", "swap-all")) == 0
+    assert "int8 records:" not in capsys.readouterr().out
