@@ -9,7 +9,9 @@ backward. Between the two, a block needs its input plus whatever the plan swaps:
   recorded; `ActivationStore.put` makes the block input and these outputs one *record*, packed into
   one contiguous buffer and placed on its tier: ``keep`` (left on the device), ``cpu`` (a budgeted
   host pool; on a CPU device the tensors themselves, within that budget, instead of a packed copy)
-  or ``ssd`` (written through io_engine and read back one block ahead in backward, `prefetch`).
+  or ``ssd`` (written through io_engine and read back one block ahead in backward, `prefetch`). With
+  ``act_compress: int8`` a ``cpu`` or ``ssd`` record's floating tensors are int8 codes and row scales from the
+  moment they leave the device (`act_quant`); `take` dequantizes them on the device.
 - Backward: `ActivationStore.take` hands the record back (`stage` started its copy to the device),
   and `SelectiveMode(tracker, swap, replay=records)` re-runs the block with grad; a swapped op
   returns its recorded output instead of computing, so only the other ops are recomputed. The
@@ -24,7 +26,8 @@ keeps nor their tier can be controlled from outside. Recording and replaying at 
 level does the same thing with the storage in our hands.
 
 Replayed values are the very values recomputation would give (same kernels, same inputs), so
-every plan yields bit-identical gradients; a replay that does not meet the op it recorded (a
+every plan yields bit-identical gradients (int8 records: those of a recompute from the dequantized values,
+`tests/test_act_compress.py`); a replay that does not meet the op it recorded (a
 block whose op sequence is not deterministic) is an error, not a silent mismatch.
 """
 
