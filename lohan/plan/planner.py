@@ -23,7 +23,8 @@ Notation, per training step (bytes unless noted; the profile is for the whole st
 The lanes, each a resource that works in parallel with the others (the time one step keeps it busy):
 
 - ``gpu``: forward ``flop_f / thp_g``; backward ``(2 flop_f + FLOP_r) / thp_g`` (backward is twice the
-  forward, plus the recomputation of every op not swapped); plus ``Q(S)`` in each phase with int8 records.
+  forward, plus the recomputation of every op not swapped); with int8 records, plus their quantization (f) and
+  dequantization (b).
 - ``m2g`` (PCIe host -> device; the link is duplex, so each direction is its own lane): the block
   parameters P16 once in forward and once in backward (recomputation runs on the copy backward loads,
   so it moves nothing more), plus the swapped activations coming back in backward.
@@ -196,7 +197,8 @@ class Hardware:
     """Activation bytes (as the device holds them) per second that int8 quantization of a record processes on the
     device. 0 = unknown: compressed records cost no GPU time in the cost model."""
     act_dequant_bps: float = 0.0
-    """The same for dequantization (it moves about a third of the bytes); 0: priced at ``act_quant_bps``."""
+    """The same for dequantization (it moves a third of quantization's bytes in bf16, a sixth in fp32); 0: priced at
+    ``act_quant_bps``."""
 
     def __post_init__(self) -> None:
         # A zero rate would turn every estimate into a ZeroDivisionError far from its cause.
