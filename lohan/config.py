@@ -479,6 +479,11 @@ class EngineConfig:
     """Main memory for swapped activations; what does not fit goes on to the SSDs. None: what
     ``cpu_mem`` and the machine's free memory leave after the engine's own pools."""
 
+    act_compress: str = "none"
+    """``int8``: activation records leaving the device for main memory or the SSDs carry their floating tensors as
+    int8 codes with an fp32 scale per row (symmetric, PyAO's scheme; quantized on the device before the copy,
+    dequantized there just before use): ~1/4 of the bytes of fp32, ~1/2 of bf16, lossy. ``none``: as they are."""
+
     profile_from: str | None = None
     """A saved profile (JSON) to plan from instead of measuring one at the first step."""
 
@@ -522,6 +527,9 @@ class EngineConfig:
                                                      and not self.act_policy.startswith("ops:")):
             problems.append(f"act_policy={self.act_policy!r}: choose one of {', '.join(policies)}, or "
                             "'ops:NAME,NAME' to swap exactly those ops of every block")
+        if self.act_compress not in ("none", "int8"):
+            problems.append(f"act_compress={self.act_compress!r}: choose none (records as they are) or int8 "
+                            "(int8 codes and a scale per row on the CPU and SSD tiers)")
         if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
                                                       and self.emulate_ssd_gbps > 0):
             problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")

@@ -50,6 +50,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "weight_decay": ("engine", "weight_decay"), "total_steps": ("engine", "total_steps"),
     "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
     "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
+    "act_compress": ("engine", "act_compress"),
     "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
     "log_every": (None, "log_every"), "report_to": (None, "report_to"), "logging_dir": (None, "logging_dir"),
     "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
@@ -167,6 +168,8 @@ def _storage_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
     g.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
     g.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
+    g.add_argument("--act-compress", choices=["none", "int8"],
+                   help="int8: swapped activations travel and wait as int8 codes with a scale per row (lossy)")
     g.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
     g.add_argument("--state-format", choices=list(FORMATS),
                    help="optimizer states on the SSDs: exact (fp32, 14 B/param), bf16-moments (10), 8bit-moments "

@@ -36,8 +36,9 @@ from lohan.plan.planner import (
     parse_hardware,
 )
 from lohan.plan.pools import ram_budget
-from lohan.runtime.device import resolve_device
+from lohan.runtime.device import Device, resolve_device
 from lohan.runtime.optim import AdamWHyper, adamw_chunk_
+from lohan.runtime.profiler import measure_quant_rate
 from lohan.store.files import run_files
 from lohan.store.integrity import tensor_hash
 
@@ -217,11 +218,13 @@ RUNTIME_BYTES = 2**30
 
 
 def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: str = "bf16",
-                    gpu_mem: int | None = None, store_name: str = "lohan", checksums: bool = True) -> Machine:
+                    gpu_mem: int | None = None, store_name: str = "lohan", checksums: bool = True,
+                    act_compress: str = "none") -> Machine:
     """This machine as a `Hardware` record, without writing anything.
 
     ``store_name`` finds the profile a previous run on these directories saved (its SSD bandwidths were
-    measured); ``checksums`` says whether the optimizer also hashes what it reads and writes.
+    measured); ``checksums`` says whether the optimizer also hashes what it reads and writes; ``act_compress``
+    ``int8`` measures how fast the device quantizes activation records (``profiler.measure_quant_rate``).
 
     On CUDA the device is the current one (a data-parallel rank's: `parallel.init_from_env` selects it) and
     its memory is what is *free* on it now: the CUDA context, other processes and this one's cached blocks
@@ -256,9 +259,15 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
         bw_g = 20e9
         notes.append("device is the CPU: 'GPU' memory is main memory, host copies assumed 20 GB/s; compute and "
                      "AdamW share the cores, so the gpu and cpu lanes add up more than the overlapped model says")
+    quant = (0.0, 0.0)
+    if act_compress == "int8":
+        quant = measure_quant_rate(Device(dev.type), dtype)
+        notes.append(f"int8 activation records: the device quantizes {quant[0] / 1e9:.3g} GB/s of activations and "
+                     f"dequantizes {quant[1] / 1e9:.3g} GB/s, measured now")
     hw = Hardware(name=f"{name},{n}xSSD,{ram / 2**30:.0f}GiB", thp_g=_matmul_flops(dev, dtype),
                   bw_g=bw_g, bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=ram_budget(ram), gpu_mem=int(dev_mem),
-                  ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme, store_name), cpu_adam_params_per_s=adam)
+                  ram=int(ram), ssd_bytes=_free_ssd_bytes(nvme, store_name), cpu_adam_params_per_s=adam,
+                  act_quant_bps=quant[0], act_dequant_bps=quant[1])
     held = store_bytes(tuple(nvme), store_name)
     notes.append("SSD space: what is free on the --nvme filesystems" + (f", plus the {held / 2**30:.2f} GiB the "
                  f"store '{store_name}' takes there already (a resume reuses it, an overwrite replaces it)" if held
@@ -356,15 +365,16 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
                slots: int = 2, keep_grads: bool = False, resident_mem: int | str = 0,
                cpu_mem: int | None = None, readahead_mem: int | str = "auto", clip_mode: str = "auto",
-               clips: bool | None = None, state_format: str = "exact") -> FitReport:
+               clips: bool | None = None, state_format: str = "exact", act_compress: str = "none") -> FitReport:
     """The capacity plan of a run and its predicted speed. ``keep_grads``: the step keeps its gradients (clipping
-    or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says). The predicted step is
+    or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says); ``act_compress``: the
+    engine's setting (int8 records priced compressed, `planner.capacity`). The predicted step is
     the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
     norm (slots=1, or clipping with ``clip_mode`` defer)."""
     clips = keep_grads if clips is None else clips
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
                    keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
-                   clip_mode=clip_mode, state_format=state_format)
+                   clip_mode=clip_mode, state_format=state_format, act_compress=act_compress)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, machine.hardware)
     waits = slots == 1 or (clips and clip_mode == "defer")

@@ -210,7 +210,7 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
     torch.save(torch.get_rng_state(), buf)
     step = engine.step_count
     state = {"version": RUN_STATE_VERSION, "step": step, "run": _fingerprint(run, seq_len),
-             "schedule": _schedule(engine.cfg),
+             "schedule": _schedule(engine.cfg), "activations": {"act_compress": engine.cfg.act_compress},
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
@@ -350,7 +350,8 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"({state_format(layout.state_format).at_rest(engine.store.p16_dtype.itemsize):.2f} B/param)")
     console.print(
         f"  main memory: {plan.total / 2**30:.2f} of {plan.budget / 2**30:.2f} GiB budgeted ({plan.describe()}) | "
-        f"device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}")
+        f"device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}"
+        + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none" else ""))
     console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
     if engine.cfg.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size
         console.print(f"  [yellow]warning:[/yellow] lr {engine.cfg.lr:g} is far above what AdamW training uses "
@@ -540,7 +541,7 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
     try:
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem, store_name=e.name,
-                                   checksums=e.checksums))
+                                   checksums=e.checksums, act_compress=e.act_compress))
         if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
             machine = data_parallel_machine(machine, world, dp.local_world)
         report = fit_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, e.compute_dtype,
@@ -548,7 +549,7 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1,
                             resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem,
                             readahead_mem=e.readahead_mem if e.mode == "optimized" else 0, clip_mode=e.clip_mode,
-                            clips=e.max_grad_norm > 0, state_format=e.state_format)
+                            clips=e.max_grad_norm > 0, state_format=e.state_format, act_compress=e.act_compress)
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:
@@ -645,6 +646,13 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
         if changed:
             console.print(f"[yellow]note:[/yellow] the optimizer's settings differ from the run being resumed "
                           f"({changed}); the steps from {start + 1} on use the new ones")
+        # like act_policy, a resume may change it (no state of a step outlives it); it changes the numerics, so say so
+        saved = ((data_state or {}).get("activations") or {}).get("act_compress", engine.cfg.act_compress)
+        if saved != engine.cfg.act_compress:
+            how = {"none": "kept as they are", "int8": "compressed to int8 (lossy)"}
+            console.print(f"[yellow]note:[/yellow] act_compress {saved} -> {engine.cfg.act_compress}: swapped "
+                          f"activations were {how.get(saved, saved)} in the run being resumed and are "
+                          f"{how[engine.cfg.act_compress]} from step {start + 1} on")
     elif ctx.layout.metrics.exists() and ctx.main_rank:
         ctx.layout.metrics.unlink()
     label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name

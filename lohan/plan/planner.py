@@ -13,13 +13,18 @@ Notation, per training step (bytes unless noted; the profile is for the whole st
   can be recomputed without them); everything not in ``S`` is recomputed in backward.
 - ``A_G2M(S) = (n_blocks - 1) * (input_bytes + sum(op.bytes for op in S))``: the last block's
   activations stay on the device because backward starts with it, so only n_blocks - 1 blocks move.
+  With ``Profile.act_compress = "int8"`` every byte count of a record that leaves the device is its compressed one
+  (``OpProfile.bytes_int8``, ``Profile.input_bytes_int8``: int8 codes plus an fp32 scale per row), and the ``gpu``
+  lane pays ``R(S) / act_quant_bps`` in forward (quantizing them) and ``R(S) / act_dequant_bps`` in backward
+  (dequantizing them), ``R(S) = (n_blocks - 1) * (input_bytes + sum(op.bytes for op in S))`` their raw bytes.
 - ``FLOP_r(S) = n_blocks * sum(op.flops for op not in S)``: every block, the last included, recomputes.
 - ``alpha = max(0, A_G2M - mem_avail)``: what main memory cannot hold goes on to SSD.
 
 The lanes, each a resource that works in parallel with the others (the time one step keeps it busy):
 
 - ``gpu``: forward ``flop_f / thp_g``; backward ``(2 flop_f + FLOP_r) / thp_g`` (backward is twice the
-  forward, plus the recomputation of every op not swapped).
+  forward, plus the recomputation of every op not swapped); with int8 records, plus their quantization (f) and
+  dequantization (b).
 - ``m2g`` (PCIe host -> device; the link is duplex, so each direction is its own lane): the block
   parameters P16 once in forward and once in backward (recomputation runs on the copy backward loads,
   so it moves nothing more), plus the swapped activations coming back in backward.
@@ -95,7 +100,14 @@ Why Algorithm 1 may stop at the first op that does not help: taking ops by decre
 transfer lane is linear or (through ``alpha``) convex increasing in it, and sums and maxima of convex
 functions are convex; the ``cpu`` lane does not depend on it. ``max + (sum - max) / n`` is
 ``(1 - 1/n) max + sum / n``, a positive combination of convex functions, so the pipeline fill keeps it
-convex. So ``T_iter`` along the walk falls, then rises: the first rise is the minimum.
+convex. So ``T_iter`` along the walk falls, then rises: the first rise is the minimum. With int8 records the walk
+takes ops by ``(FLOP_l - thp_g bytes_l (1 / act_quant_bps + 1 / act_dequant_bps)) / bytes_int8_l`` instead (the
+FLOPs a swap saves net of the GPU time its quantization and dequantization take, per byte moved): the backward
+``gpu`` lane stays convex in ``A_G2M``, and the forward one grows by ``R / act_quant_bps`` nearly linearly (raw /
+compressed bytes is about the itemsize for every op), so the first rise is still the minimum up to that. The GPU
+time is why int8 records may swap *less* than uncompressed ones where the GPU binds (an op whose FLOPs per byte
+are few, such as the QKV projection, costs more to quantize than to recompute there), and more where the links or
+the SSDs bind: compression pays only there.
 
 The GPU memory plan (:func:`gpu_need`) counts, part by part, what the engine allocates on the device at a
 step's peak; :func:`capacity` holds it to ``Hardware.gpu_mem`` (the free memory, on a detected machine) and
@@ -121,7 +133,8 @@ from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 
 __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
-    "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE", "estimate",
+    "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE", "QUANT_TRAFFIC",
+    "estimate",
     "walk_order", "walk", "algorithm1",
     "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools", "resident_records",
     "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
@@ -134,7 +147,7 @@ LANES = ("gpu", "g2m", "m2g", "ssd")
 """The forward lanes; backward has these and ``cpu`` (:data:`LANES_B`)."""
 LANES_B = (*LANES, "cpu")
 LANE_DOC = {
-    "gpu": "GPU compute: forward FLOP_f; backward 2 FLOP_f + recomputation, at THP_G",
+    "gpu": "GPU compute: forward FLOP_f; backward 2 FLOP_f + recomputation, at THP_G; int8 records' (de)quantization",
     "g2m": "PCIe device->host: swapped activations (f), G16 gradients to the CPU optimizer (b)",
     "m2g": "PCIe host->device: block params P16 (f and b; recompute reuses them), activations back (b)",
     "ssd": "SSD, reads + writes (simplex): P16 (f, b); P32,m,v read (but resident records') and P32,m,v,P16 "
@@ -180,13 +193,20 @@ class Hardware:
     cpu_adam_params_per_s: float = 0.0
     """Parameters per second the CPU AdamW updates (P32, m, v and the P16 copy), the ``cpu`` lane's rate.
     0 = unknown: the lane is not priced (profiles measured before this field existed, engine profiles)."""
+    act_quant_bps: float = 0.0
+    """Activation bytes (as the device holds them) per second that int8 quantization of a record processes on the
+    device. 0 = unknown: compressed records cost no GPU time in the cost model."""
+    act_dequant_bps: float = 0.0
+    """The same for dequantization (it moves a third of quantization's bytes in bf16, a sixth in fp32); 0: priced at
+    ``act_quant_bps``."""
 
     def __post_init__(self) -> None:
         # A zero rate would turn every estimate into a ZeroDivisionError far from its cause.
         bad = [f"{f}={getattr(self, f)!r}" for f in ("thp_g", "bw_g", "bw_s2m", "bw_m2s")
                if not getattr(self, f) > 0]
-        if not self.cpu_adam_params_per_s >= 0:
-            bad.append(f"cpu_adam_params_per_s={self.cpu_adam_params_per_s!r}")
+        for f in ("cpu_adam_params_per_s", "act_quant_bps", "act_dequant_bps"):
+            if not getattr(self, f) >= 0:
+                bad.append(f"{f}={getattr(self, f)!r}")
         if bad:
             raise ValueError(f"hardware {self.name!r}: rates must be positive ({', '.join(bad)})")
 
@@ -194,8 +214,10 @@ class Hardware:
         """The rates the cost model uses, with units, on one line."""
         cpu = (f"CPU AdamW {self.cpu_adam_params_per_s / 1e9:.3g} G params/s" if self.cpu_adam_params_per_s
                else "CPU AdamW not priced (rate unknown)")
+        quant = (f" | int8 activations {self.act_quant_bps / 1e9:.3g} GB/s quantized, "
+                 f"{(self.act_dequant_bps or self.act_quant_bps) / 1e9:.3g} GB/s dequantized" if self.act_quant_bps else "")
         return (f"GPU {self.thp_g / 1e12:.4g} TFLOPS | PCIe {self.bw_g / 1e9:.3g} GB/s per direction | "
-                f"SSD read {self.bw_s2m / 1e9:.3g} GB/s, write {self.bw_m2s / 1e9:.3g} GB/s | {cpu}")
+                f"SSD read {self.bw_s2m / 1e9:.3g} GB/s, write {self.bw_m2s / 1e9:.3g} GB/s | {cpu}{quant}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,6 +234,9 @@ class OpProfile:
     name: str
     flops: float
     bytes: int
+    bytes_int8: int | None = None
+    """Bytes of its outputs in an int8-compressed record (codes and row scales of the tensors worth it, the others
+    as they are: `runtime/act_quant.py`); None: not known, priced as ``bytes`` (no saving)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +272,11 @@ class Profile:
     master is the copy the compute reads."""
     update_cost: float = 1.0
     """The CPU update's time per parameter relative to exact's AdamW (`lohan.plan.formats.StateFormat.update_cost`)."""
+    input_bytes_int8: int | None = None
+    """``input_bytes`` in an int8-compressed record; None: not known, priced as ``input_bytes``."""
+    act_compress: str = "none"
+    """``int8``: records that leave the device are compressed (``EngineConfig.act_compress``): the transfer lanes
+    and the tiers count ``bytes_int8``, and the ``gpu`` lane pays their quantization (module docstring)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -260,14 +290,33 @@ class Profile:
             problems.append(f"resident_params={self.resident_params} must be in [0, param_count]")
         if not 0 <= self.readahead_params <= self.param_count - max(0, self.resident_params):
             problems.append(f"readahead_params={self.readahead_params} must be in [0, param_count - resident_params]")
-        if any(op.flops < 0 or op.bytes < 0 for op in self.ops) or self.input_bytes < 0:
+        if any(op.flops < 0 or op.bytes < 0 or (op.bytes_int8 or 0) < 0 for op in self.ops) or self.input_bytes < 0:
             problems.append("op flops/bytes and input_bytes must be >= 0")
+        if self.act_compress not in ("none", "int8"):
+            problems.append(f"act_compress={self.act_compress!r} must be none or int8")
         if problems:
             raise ValueError(f"invalid profile {self.model!r}: " + "; ".join(problems))
 
     @property
     def p16(self) -> int:
         return self.p16_itemsize * self.param_count
+
+    def swap_bytes(self, op: OpProfile) -> int:
+        """Bytes op's outputs take on the swap tiers (and on the link): compressed ones with ``act_compress``."""
+        return op.bytes_int8 if self.act_compress == "int8" and op.bytes_int8 is not None else op.bytes
+
+    @property
+    def swap_input_bytes(self) -> int:
+        """``input_bytes`` as a record that leaves the device carries it."""
+        compressed = self.act_compress == "int8" and self.input_bytes_int8 is not None
+        return self.input_bytes_int8 if compressed else self.input_bytes
+
+    def quant_seconds(self, raw_bytes: float) -> tuple[float, float]:
+        """GPU seconds to quantize and to dequantize ``raw_bytes`` of records; 0 without compression or a rate."""
+        hw = self.hardware
+        if self.act_compress != "int8" or not hw.act_quant_bps:
+            return 0.0, 0.0
+        return raw_bytes / hw.act_quant_bps, raw_bytes / (hw.act_dequant_bps or hw.act_quant_bps)
 
     @property
     def states(self) -> int:
@@ -328,6 +377,12 @@ class Estimate:
     """A speculated step that clipped: ``t_iter`` and its optimizer pass redone after backward."""
     read_ahead_bytes: int = 0
     """P32, m, v bytes the read-ahead room holds (``12 * Profile.readahead_params``), read ahead of a deferred update."""
+    a_g2m_raw: int = 0
+    """``a_g2m`` as the device holds those records before compression (= ``a_g2m`` without it)."""
+    quant_s: float = 0.0
+    """GPU seconds the forward ``gpu`` lane spends quantizing int8 records."""
+    dequant_s: float = 0.0
+    """GPU seconds the backward ``gpu`` lane spends dequantizing them."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -403,16 +458,21 @@ def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[s
     return t_deferred, t_redo
 
 
-def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float) -> Estimate:
+def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float, a_raw: int | None = None
+              ) -> Estimate:
+    """The lanes of one swap set: ``a_g2m`` bytes leave the device as the tiers hold them, ``a_raw`` as the device
+    made them (quantized on the way out with int8 records; None: the same bytes)."""
     hw = profile.hardware
+    a_raw = a_g2m if a_raw is None else a_raw
+    quant, dequant = profile.quant_seconds(a_raw)
     p16, states, n = profile.p16, profile.states, profile.n_blocks
     # P32, m, v: what the optimizer reads of each record, but of those kept in memory across steps
     opt_read = profile.record_bytes * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
     cpu = profile.update_cost * profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
-    lanes_f = {"gpu": profile.flop_f / hw.thp_g, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
+    lanes_f = {"gpu": profile.flop_f / hw.thp_g + quant, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
                "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
-    lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g, "g2m": p16 / hw.bw_g,
+    lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g + dequant, "g2m": p16 / hw.bw_g,
                "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (p16 + opt_read + alpha) / hw.bw_s2m + states / hw.bw_m2s,
                "cpu": cpu}
     (slow_f, fill_f), (slow_b, fill_b) = _pipeline(lanes_f, n), _pipeline(lanes_b, n)
@@ -428,7 +488,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
                     fill_f, fill_b, t_serial, traffic, t_deferred, t_redo,
-                    int(profile.record_bytes * profile.readahead_params))
+                    int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant)
 
 
 def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
@@ -438,19 +498,27 @@ def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
     if unknown:
         raise ValueError(f"unknown op(s) {unknown}; valid ops are: {', '.join(by_name)}")
     chosen = tuple(dict.fromkeys(swap))
-    a_g2m = (profile.n_blocks - 1) * (profile.input_bytes + sum(by_name[s].bytes for s in chosen))
+    moved = profile.n_blocks - 1
+    a_g2m = moved * (profile.swap_input_bytes + sum(profile.swap_bytes(by_name[s]) for s in chosen))
+    a_raw = moved * (profile.input_bytes + sum(by_name[s].bytes for s in chosen))
     flop_r = profile.n_blocks * sum(op.flops for op in profile.ops if op.name not in chosen)
-    return _evaluate(profile, chosen, a_g2m, flop_r)
+    return _evaluate(profile, chosen, a_g2m, flop_r, a_raw)
 
 
 def walk_order(profile: Profile) -> list[OpProfile]:
-    """Ops by decreasing offload benefit ``flops/bytes``; ties keep forward order.
+    """Ops by decreasing offload benefit ``flops/bytes``; ties keep forward order. With int8 records, the FLOPs net
+    of the quantization's GPU time per compressed byte (module docstring).
 
     Ops with no output bytes come first: swapping them moves nothing, so it can only save recomputation.
     """
+    flops_per_s = profile.hardware.thp_g
+
     def key(item: tuple[int, OpProfile]) -> tuple[int, float, int]:
         i, op = item
-        return (0, 0.0, i) if op.bytes == 0 else (1, -op.flops / op.bytes, i)
+        if op.bytes == 0:
+            return (0, 0.0, i)
+        net = op.flops - flops_per_s * sum(profile.quant_seconds(op.bytes))  # quantized forward, dequantized back
+        return (1, -net / max(1, profile.swap_bytes(op)), i)
     return [op for _, op in sorted(enumerate(profile.ops), key=key)]
 
 
@@ -467,7 +535,9 @@ class Plan:
     """What to swap in every block, where each block's activation record lives, and the predicted cost.
 
     ``block_tiers[i]`` is where block i's record (its input plus its swapped op outputs) stays between
-    forward and backward: ``keep`` (device), ``cpu`` or ``ssd``. ``points`` is the whole walk.
+    forward and backward: ``keep`` (device), ``cpu`` or ``ssd``. ``points`` is the whole walk. ``block_bytes`` is
+    a record as the ``cpu`` and ``ssd`` tiers hold it (compressed, with int8 records); ``cpu_bytes`` and
+    ``ssd_bytes`` are those tiers' totals.
     """
 
     policy: str
@@ -520,6 +590,11 @@ class Plan:
                          f"  {e.bottleneck_f}/{e.bottleneck_b}")
         swapped = ", ".join(("inputs", *self.swap)) if self.policy != "recompute-all" else "nothing"
         lines.append(f"swapped in every block: {swapped}; {_gb(self.block_bytes)} per block record")
+        est = self.estimate
+        if est.a_g2m_raw > est.a_g2m:
+            lines.append(f"int8 records: {_gb(est.a_g2m)} leave the device per step instead of {_gb(est.a_g2m_raw)}; "
+                         f"quantizing them takes {_secs(est.quant_s)} of the gpu lane in forward, dequantizing them "
+                         f"{_secs(est.dequant_s)} in backward" + ("" if est.quant_s else " (rate unknown: not priced)"))
         lines.append(f"{self.tier_summary()} (cpu {_gb(self.cpu_bytes)}, ssd {_gb(self.ssd_bytes)})")
         lines.append(_CASES.get(self.case, "") or f"forced policy {self.policy!r} (not chosen by Algorithm 1)")
         lines.append("lanes of the chosen point (seconds each resource is busy per step):")
@@ -553,8 +628,9 @@ def place_tiers(n_blocks: int, block_bytes: int, mem_avail: int, policy: str) ->
 
 def _plan(profile: Profile, policy: str, est: Estimate, points: Sequence[Estimate] = (),
           chosen: int = -1, case: int = 0) -> Plan:
-    sizes = {op.name: op.bytes for op in profile.ops}
-    block_bytes = profile.input_bytes + sum(sizes[s] for s in est.swap)
+    # what one record of a block that leaves the device takes on its tier (compressed with int8 records)
+    sizes = {op.name: profile.swap_bytes(op) for op in profile.ops}
+    block_bytes = profile.swap_input_bytes + sum(sizes[s] for s in est.swap)
     tiers = place_tiers(profile.n_blocks, block_bytes, profile.hardware.mem_avail, policy)
     return Plan(policy, est.swap, tiers, est, tuple(points), chosen, case, block_bytes,
                 tiers.count("cpu") * block_bytes, tiers.count("ssd") * block_bytes)
@@ -623,27 +699,34 @@ def analytic_profile(cfg: ModelConfig, batch: int, seq: int, hw: Hardware,
 
     A matmul is ``2·M·N·K``; SDPA is ``4·B·T²·d`` (no causal discount); LayerNorm and GELU are 0.
     Bytes are op outputs; LayerNorm also returns fp32 mean and rstd, SDPA an fp32 logsumexp per head.
+    int8 bytes: a byte per value plus a 4-byte scale per row of the last dim (a head's ``d / n_head`` values for
+    the attention output, a head's ``seq`` for its logsumexp); mean and rstd, one value per row, stay fp32.
     """
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
     if seq > cfg.seq_len:
         raise ValueError(f"seq={seq} exceeds the model's {cfg.seq_len} position embeddings")
     s = _itemsize(compute_dtype)
-    n, d, h = batch * seq, cfg.d_model, cfg.mlp_hidden
-    ln = n * d * s + 2 * n * 4
+    n, d, h, heads = batch * seq, cfg.d_model, cfg.mlp_hidden, cfg.n_head
+
+    def int8(rows: int, cols: int) -> int:
+        return rows * cols + 4 * rows
+
+    ln, ln8 = n * d * s + 2 * n * 4, int8(n, d) + 2 * n * 4
+    attn8 = int8(n * heads, d // heads) + int8(batch * heads, seq)
     ops = (
-        OpProfile("ln1", 0.0, ln),
-        OpProfile("qkv", 2.0 * n * d * 3 * d, 3 * n * d * s),
-        OpProfile("attn", 4.0 * batch * seq * seq * d, n * d * s + batch * cfg.n_head * seq * 4),
-        OpProfile("proj", 2.0 * n * d * d, n * d * s),
-        OpProfile("ln2", 0.0, ln),
-        OpProfile("fc", 2.0 * n * d * h, n * h * s),
-        OpProfile("act", 0.0, n * h * s),
-        OpProfile("fc_proj", 2.0 * n * h * d, n * d * s),
+        OpProfile("ln1", 0.0, ln, ln8),
+        OpProfile("qkv", 2.0 * n * d * 3 * d, 3 * n * d * s, int8(n, 3 * d)),
+        OpProfile("attn", 4.0 * batch * seq * seq * d, n * d * s + batch * heads * seq * 4, attn8),
+        OpProfile("proj", 2.0 * n * d * d, n * d * s, int8(n, d)),
+        OpProfile("ln2", 0.0, ln, ln8),
+        OpProfile("fc", 2.0 * n * d * h, n * h * s, int8(n, h)),
+        OpProfile("act", 0.0, n * h * s, int8(n, h)),
+        OpProfile("fc_proj", 2.0 * n * h * d, n * d * s, int8(n, d)),
     )
     # flops_per_token is forward-only and counts exactly these matmuls plus the LM head.
     return Profile(cfg.name, batch, seq, cfg.n_layer, ops, n * d * s, cfg.param_count(), s,
-                   float(cfg.flops_per_token(seq)) * n, hw, "analytic")
+                   float(cfg.flops_per_token(seq)) * n, hw, "analytic", input_bytes_int8=int8(n, d))
 
 
 # -------------------------------------------------------------------------------------- hardware
@@ -656,6 +739,18 @@ class GpuSpec:
     link_bw: float
     """Usable host link bytes/s per direction."""
     source: str
+    mem_bw: float = 0.0
+    """Device memory bytes/s (datasheet), which prices int8 activation records' quantization (:data:`QUANT_TRAFFIC`);
+    0: not priced."""
+
+
+QUANT_TRAFFIC = (14.5, 5.5)
+"""Device-memory bytes that quantizing, and dequantizing, a record moves per byte of bf16 activation, for a described
+GPU's ``act_quant_bps = mem_bw / 14.5`` and ``act_dequant_bps = mem_bw / 5.5``. `runtime/act_quant.py`'s eager kernels
+quantize reading 2 bytes per value for the row min/max, 2 and writing 4 dividing, reading and writing 4 rounding and
+again for the NaN guard, reading 4 and writing 1 casting (29 bytes per 2-byte value); they dequantize reading 1 and
+writing 4 multiplying, reading 4 and writing 2 casting (11). A run measures its device's rates instead
+(``profiler.measure_quant_rate``)."""
 
 
 @dataclass(frozen=True)
@@ -696,12 +791,18 @@ _P5510_EFF = (
     "Cross-check, not calibration: LoHan §V-F's 3 SSDs at 135 TFLOPS (13B, batch 64) need >= ~0.9 of it")
 
 HARDWARE_PRESETS: dict[str, GpuSpec | SsdSpec | CpuSpec] = {
-    "rtx4090": GpuSpec(165.2e12, 24 * GiB, 25e9, "Ada whitepaper: 165.2 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16"),
-    "rtx4080": GpuSpec(97.5e12, 16 * GiB, 25e9, "Ada whitepaper: 97.5 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16"),
-    "rtx3090": GpuSpec(71e12, 24 * GiB, 25e9, "Ampere GA102 whitepaper: 71 TFLOPS FP16 FP32-acc dense; PCIe 4.0"),
-    "a100-80g": GpuSpec(312e12, 80 * GiB, 25e9, "A100 datasheet: 312 TFLOPS BF16 dense; PCIe 4.0 x16 host link"),
-    "h100": GpuSpec(989e12, 80 * GiB, 50e9, "H100 SXM datasheet: 989 TFLOPS BF16 dense; PCIe 5.0 x16"),
-    "h200": GpuSpec(989e12, 141 * 10**9, 50e9, "H200 datasheet: 989 TFLOPS BF16 dense, 141 GB; PCIe 5.0 x16"),
+    "rtx4090": GpuSpec(165.2e12, 24 * GiB, 25e9, "Ada whitepaper: 165.2 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16; "
+                       "memory 1008 GB/s", mem_bw=1008e9),
+    "rtx4080": GpuSpec(97.5e12, 16 * GiB, 25e9, "Ada whitepaper: 97.5 TFLOPS FP16/BF16 FP32-acc dense; PCIe 4.0 x16; "
+                       "memory 716.8 GB/s", mem_bw=716.8e9),
+    "rtx3090": GpuSpec(71e12, 24 * GiB, 25e9, "Ampere GA102 whitepaper: 71 TFLOPS FP16 FP32-acc dense; PCIe 4.0; "
+                       "memory 936 GB/s", mem_bw=936e9),
+    "a100-80g": GpuSpec(312e12, 80 * GiB, 25e9, "A100 datasheet: 312 TFLOPS BF16 dense; PCIe 4.0 x16 host link; "
+                        "memory 1935 GB/s (PCIe card)", mem_bw=1935e9),
+    "h100": GpuSpec(989e12, 80 * GiB, 50e9, "H100 SXM datasheet: 989 TFLOPS BF16 dense; PCIe 5.0 x16; "
+                    "memory 3.35 TB/s", mem_bw=3.35e12),
+    "h200": GpuSpec(989e12, 141 * 10**9, 50e9, "H200 datasheet: 989 TFLOPS BF16 dense, 141 GB; PCIe 5.0 x16; "
+                    "memory 4.8 TB/s", mem_bw=4.8e12),
     "p5510": SsdSpec(6.5e9, 3.4e9, 3_840 * 10**9, "Intel D7-P5510 3.84 TB: 6500 MB/s seq read, 3400 MB/s write",
                      1.0, 1.0, _P5510_EFF),
     "980pro": SsdSpec(7.0e9, 5.0e9, 1_000 * 10**9, "Samsung 980 PRO 1 TB: 7000 MB/s seq read, 5000 MB/s write",
@@ -794,7 +895,8 @@ def parse_hardware(desc: str) -> Hardware:
     name = ",".join([gpu_name, *(f"{n}x{m.upper()}" for n, m, _ in ssds), ram_text, *([cpu_name] if cpu_name else [])])
     return Hardware(name, gpu.flops, gpu.link_bw, sum(n * s.effective_read for n, _, s in ssds),
                     sum(n * s.effective_write for n, _, s in ssds), ram_budget(ram),
-                    gpu.mem, ram, sum(n * s.capacity for n, _, s in ssds), adam)
+                    gpu.mem, ram, sum(n * s.capacity for n, _, s in ssds), adam, gpu.mem_bw / QUANT_TRAFFIC[0],
+                    gpu.mem_bw / QUANT_TRAFFIC[1])
 
 
 def _cpu_preset(name: str) -> CpuSpec:
@@ -1060,7 +1162,8 @@ def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batch
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
              keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
-             readahead_mem: int | str = "auto", clip_mode: str = "auto", state_format: str = "exact") -> Capacity:
+             readahead_mem: int | str = "auto", clip_mode: str = "auto", state_format: str = "exact",
+             act_compress: str = "none") -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -1076,7 +1179,10 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     planned in optimized mode (``pools.reads_ahead``); the
     records it holds are ``Profile.readahead_params``, and the estimate's ``t_deferred`` prices them.
     ``state_format`` (`lohan.plan.formats`) prices the SSD bytes at rest and moved per step of a compressed
-    format, and the main-memory pools of its records."""
+    format, and the main-memory pools of its records.
+    ``act_compress`` (``int8``: the engine's setting) plans activation records that leave the device compressed:
+    the tiers hold, and the links move, their int8 bytes, and the GPU pays their quantization; the GPU memory plan
+    keeps counting them as the device makes them (an upper bound)."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
                         resident_mem, cpu_mem, readahead_mem, clip_mode, state_format)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
@@ -1090,7 +1196,8 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     ahead = min(int(host.readahead // fmt.at_rest(profile.p16_itemsize)), profile.param_count - resident)
     plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
                                           write_behind=slots == 2, record_bytes=fmt.record(),
-                                          separate_p16=fmt.separate_p16, update_cost=fmt.update_cost))
+                                          separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
+                                          act_compress=act_compress))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
     states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs

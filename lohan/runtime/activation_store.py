@@ -9,7 +9,9 @@ backward. Between the two, a block needs its input plus whatever the plan swaps:
   recorded; `ActivationStore.put` makes the block input and these outputs one *record*, packed into
   one contiguous buffer and placed on its tier: ``keep`` (left on the device), ``cpu`` (a budgeted
   host pool; on a CPU device the tensors themselves, within that budget, instead of a packed copy)
-  or ``ssd`` (written through io_engine and read back one block ahead in backward, `prefetch`).
+  or ``ssd`` (written through io_engine and read back one block ahead in backward, `prefetch`). With
+  ``act_compress: int8`` a ``cpu`` or ``ssd`` record's floating tensors are int8 codes and row scales from the
+  moment they leave the device (`act_quant`); `take` dequantizes them on the device.
 - Backward: `ActivationStore.take` hands the record back (`stage` started its copy to the device),
   and `SelectiveMode(tracker, swap, replay=records)` re-runs the block with grad; a swapped op
   returns its recorded output instead of computing, so only the other ops are recomputed. The
@@ -24,7 +26,8 @@ keeps nor their tier can be controlled from outside. Recording and replaying at 
 level does the same thing with the storage in our hands.
 
 Replayed values are the very values recomputation would give (same kernels, same inputs), so
-every plan yields bit-identical gradients; a replay that does not meet the op it recorded (a
+every plan yields bit-identical gradients (int8 records: those of a recompute from the dequantized values,
+`tests/test_act_compress.py`); a replay that does not meet the op it recorded (a
 block whose op sequence is not deterministic) is an error, not a silent mismatch.
 """
 
@@ -42,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError, align_up
+from lohan.runtime import act_quant
 from lohan.runtime.device import Device, Transfer
 
 log = logging.getLogger(__name__)
@@ -239,6 +243,7 @@ class _Entry:
     handle: Handle | None = None
     event: Any = None  # a separate device: the copy from the device into `buf` (until it is written to the SSDs)
     transfer: Transfer | None = None  # a separate device: the record's copy back to the device (stage)
+    codes: list[act_quant.Int8Rows | None] | None = None  # compressed: how to get each tensor back (act_quant.decode)
 
 
 class ActivationStore:
@@ -250,11 +255,18 @@ class ActivationStore:
     staging buffer goes back to `staging_pool` when the write completes, and `prefetch` reads records
     back into it ahead of use. Forward: `put` per record, `end_forward` after the last. Backward:
     `prefetch`, `stage` (the copy back to the device), `take`, `release`; `end_step` drops the rest.
+
+    With ``compress="int8"`` a `cpu` or `ssd` record is quantized on the device before it leaves
+    (`act_quant.encode`: int8 codes and fp32 row scales), so the copies and the tiers carry those, and `take`
+    dequantizes it on the device (`act_quant.decode`). `keep` records never leave the device and stay as they are.
     """
 
     def __init__(self, device: Device, cpu_pool: BufferPool | None = None, staging_pool: BufferPool | None = None,
-                 volume: Any = None) -> None:
+                 volume: Any = None, compress: str = "none") -> None:
+        if compress not in act_quant.MODES:
+            raise ValueError(f"compress={compress!r}: choose one of {', '.join(act_quant.MODES)}")
         self.device = device
+        self.compress = compress
         self.cpu_pool = cpu_pool
         self.staging_pool = staging_pool
         self.volume = volume
@@ -263,7 +275,8 @@ class ActivationStore:
         self._outgoing: list[_Entry] = []  # ssd records whose copy from the device is not yet known complete
         self._draining: list[tuple[AlignedBuffer, Any]] = []  # host buffers a device copy may still use
         self._ssd_next = 0
-        self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}
+        self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}  # as stored (compressed records: their codes and scales)
+        self.raw_bytes = {"keep": 0, "cpu": 0, "ssd": 0}  # the same records as the device made them
         self.peak_cpu_bytes = 0
         self._cpu_bytes = 0
 
@@ -277,7 +290,11 @@ class ActivationStore:
         entry = _Entry(tier, records)
         if tier not in ("keep", "cpu", "ssd"):
             raise ValueError(f"unknown activation tier {tier!r} (keep, cpu or ssd)")
-        if tier == "keep" or (tier == "cpu" and self.device.is_host):
+        raw = record_nbytes(tensors)
+        if self.compress == "int8" and tier != "keep":  # on the device, so the copy carries the codes
+            tensors, entry.codes = act_quant.encode(tensors)
+        held = tier == "keep" or (tier == "cpu" and self.device.is_host)
+        if held:
             # On a CPU device the tensors already are in main memory: a `cpu` record holds them as they are
             # (within the pool's budget) instead of packing a copy (~0.3 GB a step for a 110M Llama)
             entry.tensors = tensors
@@ -306,9 +323,11 @@ class ActivationStore:
                 self._ssd_next += size
                 self._outgoing.append(entry)  # written once its copy from the device is complete
                 self._write_out(wait=False)
-            for r in records:  # the record keeps metadata only; values live in the packed buffer
+        if not held or entry.codes is not None:  # the record keeps metadata only; values live in the stored tensors
+            for r in records:
                 r.leaves = [PACKED if packs(t) else t for t in r.leaves]
         self.bytes[tier] += entry.nbytes
+        self.raw_bytes[tier] += raw
         self._entries[key] = entry
 
     def _count_cpu(self, nbytes: int) -> None:
@@ -406,6 +425,7 @@ class ActivationStore:
     def take(self, key: tuple[int, int]) -> tuple[Tensor, list[OpRecord]]:
         """The block input (on the device) and the records to replay; call `release(key)` after backward."""
         e = self._entries[key]
+        unpack = e.tensors is None or e.codes is not None  # the records' leaves were replaced by PACKED
         if e.tensors is not None:  # held as they are (keep, or cpu on a CPU device)
             tensors = e.tensors
         else:
@@ -415,9 +435,12 @@ class ActivationStore:
             tensors = _views(e.transfer.tensor, e.slots)
             if not self.device.is_host:  # the device copy is independent of the host buffer once complete
                 self._free(e)
-        it = iter(tensors[1:])
-        for r in e.records:
-            r.leaves = [next(it) if t is PACKED else t for t in r.leaves] if e.tensors is None else r.leaves
+        if e.codes is not None:  # dequantized on the device, just before the recompute uses them
+            tensors = act_quant.decode(tensors, e.codes)
+        if unpack:
+            it = iter(tensors[1:])
+            for r in e.records:
+                r.leaves = [next(it) if t is PACKED else t for t in r.leaves]
         return tensors[0], e.records
 
     def release(self, key: tuple[int, int]) -> None:
@@ -460,3 +483,4 @@ class ActivationStore:
         self._ssd_next = 0
         self._cpu_bytes = 0
         self.bytes = {"keep": 0, "cpu": 0, "ssd": 0}
+        self.raw_bytes = {"keep": 0, "cpu": 0, "ssd": 0}

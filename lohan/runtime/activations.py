@@ -36,10 +36,10 @@ from io_engine.base import align_up
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format
-from lohan.plan.planner import POLICIES, OpProfile, Plan, Profile, make_plan
+from lohan.plan.planner import POLICIES, Hardware, OpProfile, Plan, Profile, make_plan
 from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
 from lohan.runtime.device import Device
-from lohan.runtime.profiler import measure_hardware, profile_block
+from lohan.runtime.profiler import measure_hardware, measure_quant_rate, profile_block
 from lohan.store.files import remove_volume
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class ActivationManager:
         self._volume = None
         self._swap: frozenset[str] = frozenset()
         self._hardware = None
+        self._quant_bps: tuple[float, float] | None = None
         self.policy = cfg.act_policy
         self._io0: dict | None = None
 
@@ -116,10 +117,13 @@ class ActivationManager:
         """Profile block 1 on its real input x (one micro-batch), plan, and set up the tiers."""
         m = self.cfg.micro_batches
         first = self.inner[0]
-        ops, in_bytes, blk_flops, secs = profile_block(
+        ops, (in_bytes, in_int8), blk_flops, secs = profile_block(
             lambda z: self.program.run(first, z, None), self.program.modules[first], x, self.tracker,
             self.device, self.autocast)
         mem = self.mem_avail()
+        # the bytes the tiers hold are the ones just measured, as they are and int8 (for every micro-batch)
+        measured = {"input_bytes": in_bytes * m, "input_bytes_int8": in_int8 * m,
+                    "act_compress": self.cfg.act_compress}
         if self.cfg.profile_from:
             profile = Profile.load(self.cfg.profile_from)
             if (profile.batch, profile.seq, profile.n_blocks) != (batch, seq, len(self.inner)):
@@ -132,23 +136,23 @@ class ActivationManager:
                                  f"this model's blocks have {[o.name for o in ops]}")
             # Its costs and hardware are kept; the bytes the tiers must hold are the ones just measured.
             profile = dataclasses.replace(
-                profile, ops=tuple(dataclasses.replace(p, bytes=o.bytes * m) for p, o in zip(profile.ops, ops)),
-                input_bytes=in_bytes * m, hardware=dataclasses.replace(profile.hardware, mem_avail=mem),
-                **self._optimizer_fields(profile.param_count))
+                profile, ops=tuple(dataclasses.replace(p, bytes=o.bytes * m, bytes_int8=o.bytes_int8 * m)
+                                   for p, o in zip(profile.ops, ops)),
+                hardware=self._quant_rate(dataclasses.replace(profile.hardware, mem_avail=mem), x),
+                **measured, **self._optimizer_fields(profile.param_count))
         else:
             if self._hardware is None:
                 self._hardware = measure_hardware(self.device, list(self.cfg.nvme), self.cfg.backend,
                                                   self.cfg.name, thp_g=blk_flops / secs, mem_avail=mem,
                                                   emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
-            hw = dataclasses.replace(self._hardware, mem_avail=mem)
+            hw = self._quant_rate(dataclasses.replace(self._hardware, mem_avail=mem), x)
             tokens = batch * seq
             flop_f = (self.flops_per_token(seq) * tokens if self.flops_per_token
                       else blk_flops * m * len(self.inner))
             profile = Profile(model=self.model_label, batch=batch, seq=seq, n_blocks=len(self.inner),
-                              ops=tuple(OpProfile(o.name, o.flops * m, o.bytes * m) for o in ops),
-                              input_bytes=in_bytes * m, param_count=self.param_count,
-                              p16_itemsize=self.p16_itemsize, flop_f=float(flop_f), hardware=hw, source="measured",
-                              **self._optimizer_fields(self.param_count))
+                              ops=tuple(OpProfile(o.name, o.flops * m, o.bytes * m, o.bytes_int8 * m) for o in ops),
+                              param_count=self.param_count, p16_itemsize=self.p16_itemsize, flop_f=float(flop_f),
+                              hardware=hw, source="measured", **measured, **self._optimizer_fields(self.param_count))
             crashpoint("profile.measured")
             with contextlib.suppress(OSError):
                 profile.save(os.path.join(self.cfg.nvme[0], f"{self.cfg.name}.profile.json"))
@@ -159,6 +163,15 @@ class ActivationManager:
         log.info("activation plan (%s): swap %s; %s", plan.policy, ", ".join(plan.swap) or "block inputs only",
                  " ".join(f"{t}={plan.block_tiers.count(t)}" for t in ("keep", "cpu", "ssd")))
         return plan
+
+    def _quant_rate(self, hw: Hardware, x: Tensor) -> Hardware:
+        """`hw` with the device's int8 quantization rate (measured once, in the activations' dtype) when records are
+        compressed and it lacks one (a profile saved by a run without compression)."""
+        if self.cfg.act_compress == "none" or hw.act_quant_bps:
+            return hw
+        if self._quant_bps is None:
+            self._quant_bps = measure_quant_rate(self.device, x.dtype)
+        return dataclasses.replace(hw, act_quant_bps=self._quant_bps[0], act_dequant_bps=self._quant_bps[1])
 
     def _setup(self, plan: Plan, record_bytes: int) -> None:
         self.close_tiers()
@@ -177,7 +190,7 @@ class ActivationManager:
                                        name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
             staging = self._volume.buffer_pool(2 * m * cap, pin=self.device.is_cuda)
         self._io0 = self._io_snapshot()
-        self.store = ActivationStore(self.device, cpu_pool, staging, self._volume)
+        self.store = ActivationStore(self.device, cpu_pool, staging, self._volume, compress=self.cfg.act_compress)
 
     # ------------------------------------------------------------------ step
     def tier(self, i: int) -> str:
@@ -248,7 +261,8 @@ class ActivationManager:
         self._io0 = now
         return {"policy": self.plan.policy, "swap": list(self.plan.swap), **io,
                 "tiers": {t: self.plan.block_tiers.count(t) for t in ("keep", "cpu", "ssd")},
-                "bytes": dict(self.store.bytes), "peak_cpu_bytes": self.store.peak_cpu_bytes,
+                "bytes": dict(self.store.bytes), "raw_bytes": dict(self.store.raw_bytes),
+                "compress": self.store.compress, "peak_cpu_bytes": self.store.peak_cpu_bytes,
                 "predicted_s": self.plan.estimate.t_iter}
 
     def close_tiers(self) -> None:

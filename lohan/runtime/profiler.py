@@ -3,11 +3,13 @@ the machine can move.
 
 Measured at the first step on the real model and data shapes (or loaded with ``profile_from``):
 - per op of one transformer block: forward FLOPs (`FlopCounterMode`) and the bytes of its outputs
-  (what swapping it stores: exactly what the activation runtime packs, 64-byte aligned per tensor);
+  (what swapping it stores: exactly what the activation runtime packs, 64-byte aligned per tensor), as they
+  are and int8-compressed (`act_quant.stored_nbytes`, for ``act_compress: int8``);
 - `THP_G` from the block's measured forward time, `BW_G` from host<->device copies (on a CPU-only
   box: a copy into an activation buffer, which is what "moving to the CPU tier" costs there),
   `BW_S2M` / `BW_M2S` from reads and writes through io_engine on the run's own SSD directories
-  (aggregate over all of them), and `MEM_avail` given by the engine (free memory minus its pools).
+  (aggregate over all of them), and `MEM_avail` given by the engine (free memory minus its pools);
+- with int8 records, the rate at which the device quantizes activations (`measure_quant_rate`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from io_engine import open_volume
 from io_engine.base import align_up
 from lohan.plan.planner import Hardware, OpProfile
+from lohan.runtime.act_quant import dequantize_rows, quantize_rows, stored_nbytes
 from lohan.runtime.activation_store import TENSOR_ALIGN, OpTracker, SelectiveMode, block_ops
 from lohan.runtime.device import Device
 from lohan.store.files import remove_volume
@@ -66,10 +69,11 @@ def _timed(fn: Callable[[], object], device: Device, repeats: int, warmup: int =
 
 def profile_block(run: Callable[[Tensor], Tensor], block: torch.nn.Module, x: Tensor, tracker: OpTracker,
                   device: Device, autocast: Callable[[], object], repeats: int = 4
-                  ) -> tuple[list[OpProfile], int, float, float]:
-    """Per-op (FLOPs, output bytes) of one block on input x, its input bytes, total FLOPs, and the seconds
-    one forward's worth of FLOPs takes: a third of a measured forward + backward, so `THP_G = FLOPs /
-    seconds` is the rate the cost model's compute lanes (forward 1x, backward 2x) actually run at."""
+                  ) -> tuple[list[OpProfile], tuple[int, int], float, float]:
+    """Per-op (FLOPs, output bytes, int8 output bytes) of one block on input x, its input bytes (as they are,
+    int8), total FLOPs, and the seconds one forward's worth of FLOPs takes: a third of a measured forward +
+    backward, so `THP_G = FLOPs / seconds` is the rate the cost model's compute lanes (forward 1x, backward 2x)
+    actually run at."""
     names = block_ops(block)
     with torch.no_grad(), autocast(), FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fc:
         run(x)
@@ -81,11 +85,12 @@ def profile_block(run: Callable[[Tensor], Tensor], block: torch.nn.Module, x: Te
     mode = SelectiveMode(tracker, frozenset(names))
     with torch.no_grad(), autocast(), mode:
         run(x)
-    nbytes = dict.fromkeys(names, 0)
+    nbytes, int8 = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
     for rec in mode.records:
         for t in rec.leaves:
             if device.holds(t):  # what a record packs (host outputs such as an RNG seed stay as they are)
                 nbytes[rec.op] += align_up(t.numel() * t.element_size(), TENSOR_ALIGN)
+                int8[rec.op] += stored_nbytes(t, TENSOR_ALIGN)
 
     params = [p for p in block.parameters() if p.requires_grad]
 
@@ -96,9 +101,20 @@ def profile_block(run: Callable[[Tensor], Tensor], block: torch.nn.Module, x: Te
         torch.autograd.grad(out, [z, *params], grad_outputs=torch.ones_like(out))  # leaves .grad untouched
 
     seconds = _timed(fwd_bwd, device, repeats, warmup=2) / 3
-    ops = [OpProfile(name, flops[name], nbytes[name]) for name in names]
-    input_bytes = align_up(x.numel() * x.element_size(), TENSOR_ALIGN)
+    ops = [OpProfile(name, flops[name], nbytes[name], int8[name]) for name in names]
+    input_bytes = (align_up(x.numel() * x.element_size(), TENSOR_ALIGN), stored_nbytes(x, TENSOR_ALIGN))
     return ops, input_bytes, sum(flops.values()), seconds
+
+
+def measure_quant_rate(device: Device, dtype: torch.dtype, numel: int = 1 << 22) -> tuple[float, float]:
+    """Bytes/s of activations (in `dtype`, as the device holds them) that int8 quantization, and dequantization, of
+    a record process on the device: `act_quant` on rows of 4096 values, ``numel`` of them (16 MiB in fp32, larger
+    than a cache, as a block's outputs are)."""
+    x = device.put(torch.randn(max(1, numel // 4096), 4096).to(dtype))
+    q, scale = quantize_rows(x)
+    nbytes = x.numel() * x.element_size()
+    return (nbytes / _timed(lambda: quantize_rows(x), device, 3),
+            nbytes / _timed(lambda: dequantize_rows(q, scale, dtype), device, 3))
 
 
 def measure_copy_bandwidth(device: Device, nbytes: int = 64 << 20) -> float:
