@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 # it is built for the CPU accelerator everywhere, a GPU box included (the same op the tests use).
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help install sysdeps aio-op run test test-all lint bench-io bench-ago clean
+.PHONY: help install sysdeps aio-op kernels run test test-all lint bench-io bench-ago clean
 
 help:
 	@echo "make run       create .venv, install everything, run the default fine-tune (configs/tiny.yaml)"
@@ -46,13 +46,18 @@ aio-op: install
 	@timeout 1800 $(PY) -m io_engine info || { echo "io_engine info failed or took over 30 min (exit $$?);" \
 	  "see the messages above. The threads backend does not need this op."; exit 1; }
 
-run: aio-op
+# The compiled update of the compressed state formats (--state-format; about a minute once). Without a compiler
+# those formats run on torch ops instead, slower, and the default format does not need it.
+kernels: install
+	@$(PY) -m lohan.runtime.format_kernel || echo "NOTE: the format kernel did not build; compressed state formats use torch ops"
+
+run: aio-op kernels
 	$(PY) finetune.py --overwrite
 
-test: aio-op
+test: aio-op kernels
 	$(PY) -m pytest -q
 
-test-all: aio-op
+test-all: aio-op kernels
 	$(PY) -m pytest -q -m ""
 
 lint: install

@@ -28,8 +28,16 @@ import torch
 from torch import Tensor
 
 from lohan.plan.formats import FORMATS, QBLOCK
+from lohan.runtime import format_kernel
 from lohan.runtime.optim import AdamWHyper, ParamRange, _adamw
-from lohan.runtime.quant import dequantize_blockwise, quantize_blockwise, stochastic_round_bf16
+from lohan.runtime.quant import (
+    _code_table,
+    _key,
+    dequantize_blockwise,
+    dynamic_map,
+    quantize_blockwise,
+    stochastic_round_bf16,
+)
 
 
 def qstarts(params: Sequence[ParamRange]) -> list[int]:
@@ -60,11 +68,30 @@ def _pieces(params: Sequence[ParamRange], lo: int, hi: int, quantized: bool,
 
 
 def _piece_(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], p16: Tensor | None,
-            g32: Tensor, step: int, hp: AdamWHyper, decay: bool, *, seed: int, block: int, at: int) -> Tensor:
+            g32: Tensor, step: int, hp: AdamWHyper, decay: bool, *, seed: int, block: int, at: int) -> None:
     """AdamW on one piece of one parameter whose states are in their format: `master` (fp32 or bf16), each moment as
     (values or 8-bit codes, the piece's absmax per quantization block or None); `g32` its fp32 clipped gradient;
     `at` the piece's first element in the block's vector (the rounding noise's index). Writes the new P16 into
-    `p16` if given; returns the new weights as fp32."""
+    `p16` if given. Compiled (`format_kernel`) where it could be built, torch ops otherwise."""
+    compressed = master.dtype == torch.bfloat16 or m[0].dtype != torch.float32 or v[0].dtype != torch.float32
+    mod = format_kernel.kernel() if compressed else None  # (exact's states: torch's own fused AdamW, bit for bit)
+    if mod is None:
+        _piece_torch(master, m, v, p16, g32, step, hp, decay, seed=seed, block=block, at=at)
+        return
+    key = _key(seed, block, step) if master.dtype == torch.bfloat16 else 0
+    (ms, mt, mi), (us, ut, ui) = ((dynamic_map(sg), *_code_table(sg)) for sg in (True, False))
+    mod.adamw_piece(master, m[0], m[1], v[0], v[1], p16 if p16 is not None else _NONE, g32.contiguous(), hp.lr,
+                    hp.beta1, hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, step, at, key,
+                    ms, mt, mi, us, ut, ui)
+
+
+_NONE = torch.empty(0)
+
+
+def _piece_torch(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None],
+                 p16: Tensor | None, g32: Tensor, step: int, hp: AdamWHyper, decay: bool, *, seed: int, block: int,
+                 at: int) -> None:
+    """`_piece_` in torch ops: decode, the engine's fused AdamW kernel (`optim._adamw`), encode."""
     p32 = master.float()  # (an fp32 master: itself, updated in place)
     mv = [dequantize_blockwise(x, scale, signed) if scale is not None else x.float()
           for (x, scale), signed in ((m, True), (v, False))]
@@ -81,7 +108,6 @@ def _piece_(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tensor, Te
         master.copy_(stochastic_round_bf16(p32, seed, block, step, offset=at))
     if p16 is not None:
         p16.copy_(p32)
-    return p32
 
 
 def adamw_unit_(views, grad: Tensor, step: int, hp: AdamWHyper, params: Sequence[ParamRange], lo: int, *,
@@ -158,9 +184,9 @@ def adamw_format_(states: BlockStates, grad: Tensor, step: int, hp: AdamWHyper, 
     for k, a, z in _pieces(params, lo, lo + grad.numel(), states.m.codes is not None):
         p = params[k]
         q = starts[k] + (a - p.offset) // QBLOCK
-        new = _piece_(states.master[a:z], states.m.piece(q, a, z), states.v.piece(q, a, z), None,
-                      grad[a - lo:z - lo], step, hp, p.decay, seed=seed, block=block, at=a)
-        out[a - lo:z - lo].copy_(states.master[a:z] if states.master.dtype == torch.bfloat16 else new)
+        _piece_(states.master[a:z], states.m.piece(q, a, z), states.v.piece(q, a, z), None,
+                grad[a - lo:z - lo], step, hp, p.decay, seed=seed, block=block, at=a)
+        out[a - lo:z - lo].copy_(states.master[a:z])
     return out
 
 
