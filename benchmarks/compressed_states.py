@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quality-steps", type=int, default=None, help="fine-tune steps per variant (300; --quick 40)")
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument("--skip-quality", action="store_true", help="only bytes and speed")
+    p.add_argument("--quality-from", type=Path, default=None,
+                   help="take part 3 from an earlier result JSON of this benchmark instead of running it")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/compressed_states[_quick].json)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 3)
@@ -66,8 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- speed and bytes
-def update_rates(n: int = 1 << 22) -> dict[str, float]:
-    """Parameters per second of each format's CPU update (one block of `n` parameters, the engine's own code)."""
+def update_rates(n: int = 1 << 22, compiled: bool = True) -> dict[str, float]:
+    """Parameters per second of each format's CPU update (one block of `n` parameters, the engine's own code), on
+    the compiled path (`format_kernel`) or the torch ops."""
+    import os
+
     import torch
 
     from lohan.plan.records import BlockLayout, ParamSpec
@@ -76,6 +81,7 @@ def update_rates(n: int = 1 << 22) -> dict[str, float]:
     from lohan.store.states import unit_views
 
     hp, params, g = AdamWHyper(1e-4, 0.9, 0.95, 1e-8, 0.01), [ParamRange(0, n, (n,), True)], torch.randn(n)
+    os.environ["LOHAN_FORMAT_KERNEL"] = "1" if compiled else "0"
     out = {}
     for fmt in FORMATS:
         b = BlockLayout(0, "b", (ParamSpec("w", (n,), 0, n),), n, 2, 0, fmt)
@@ -90,6 +96,7 @@ def update_rates(n: int = 1 << 22) -> dict[str, float]:
                 adamw_unit_(v, g, step, hp, params, 0, seed=0, block=0, fp32=lambda x: x, limit=1 << 20)
             times.append(time.perf_counter() - t0)
         out[fmt] = n / statistics.median(times[1:])
+    os.environ["LOHAN_FORMAT_KERNEL"] = "1"
     return out
 
 
@@ -185,8 +192,13 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- report
 def report(args: argparse.Namespace) -> dict[str, Any]:
-    rates = update_rates()
-    print("CPU update rates: " + ", ".join(f"{f} {r / 1e6:.0f} M params/s" for f, r in rates.items()), flush=True)
+    from lohan.runtime import format_kernel
+
+    compiled = format_kernel.kernel() is not None
+    rates, torch_rates = update_rates(compiled=compiled), update_rates(compiled=False)
+    print("CPU update rates: " + ", ".join(f"{f} {r / 1e6:.0f} M params/s" for f, r in rates.items())
+          + f" ({'compiled' if compiled else 'torch ops'}); torch ops: "
+          + ", ".join(f"{f} {r / 1e6:.0f}" for f, r in torch_rates.items()), flush=True)
     fast = speed(args)
     fmts = fast["formats"]
     out: dict[str, Any] = {
@@ -194,12 +206,18 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
                      "emulate_ssd_gbps": args.emulate_ssd_gbps, "quality_steps": args.quality_steps,
                      "eval_fraction": args.eval_fraction, "speed_model": fast["model"]},
         "priced_bytes_per_param_step": {f: state_format(f).per_step() for f in FORMATS},
-        "update_rate_params_per_s": rates, "speed": fmts,
+        "update_rate_params_per_s": rates, "update_rate_torch_params_per_s": torch_rates,
+        "update_path": "compiled" if compiled else "torch ops",
+        "update_cost": {f: rates["exact"] / rates[f] for f in FORMATS}, "speed": fmts,
         "min_bytes_per_param_step": fmts[MOST_COMPRESSED]["bytes_per_param_step"],
         "speedup_vs_exact_ssd_bound": fmts["exact"]["step_s"] / fmts[MOST_COMPRESSED]["step_s"],
         "speedups": {f: fmts["exact"]["step_s"] / fmts[f]["step_s"] for f in FORMATS},
     }
-    if not args.skip_quality:
+    if args.quality_from is not None:
+        q = json.loads(args.quality_from.read_text())["quality"]
+        out["quality"] = q
+        out["max_eval_loss_gap"] = max(v["eval_gap"] for v in q.values())
+    elif not args.skip_quality:
         q = quality(args)
         out["quality"] = q
         out["max_eval_loss_gap"] = max(v["eval_gap"] for v in q.values())
@@ -217,11 +235,12 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
     if "max_eval_loss_gap" in r:
         lines.append(f"- `max_eval_loss_gap` = **{r['max_eval_loss_gap']:.4f}** over {s['quality_steps']} steps "
                      "(target <= 0.01)")
-    lines += ["", "| format | bytes/param/step measured | priced | step (s) | vs exact | CPU update (M params/s) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", f"| format | bytes/param/step measured | priced | step (s) | vs exact | CPU update, {r['update_path']} "
+                  "(M params/s) | torch ops |", "|---|---|---|---|---|---|---|"]
     for f, v in r["speed"].items():
         lines.append(f"| {f} | {v['bytes_per_param_step']:.2f} | {r['priced_bytes_per_param_step'][f]:.2f} | "
-                     f"{v['step_s']:.2f} | {r['speedups'][f]:.2f}x | {r['update_rate_params_per_s'][f] / 1e6:.0f} |")
+                     f"{v['step_s']:.2f} | {r['speedups'][f]:.2f}x | {r['update_rate_params_per_s'][f] / 1e6:.0f} | "
+                     f"{r['update_rate_torch_params_per_s'][f] / 1e6:.0f} |")
     if "quality" in r:
         lines += ["", f"Quality: 110M Llama (`scripts/make_tiny_hf.py --size 110m`), data/corpus.txt, "
                       f"{s['quality_steps']} steps, batch 2 x 256, lr 3e-4, {s['eval_fraction']:.0%} held out.", "",

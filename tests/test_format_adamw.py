@@ -158,3 +158,24 @@ def test_the_compiled_update_is_the_torch_update_up_to_rounding(monkeypatch, fmt
         exact.step([g])
     moved = (exact.weights(0) - flat).norm()
     assert (runs["1"] - runs["0"]).norm() / moved < 0.25 * max(1e-3, (runs["0"] - exact.weights(0)).norm() / moved)
+
+
+def test_the_compiled_update_picks_the_nearest_8bit_codes(monkeypatch):
+    """After a first step from zero, m = (1 - beta1) g on both paths: the kernel's codes and scales (its cache-sized
+    code table) are exactly quantize_blockwise's, over magnitudes from 1e-12 to 1 of the block's absmax."""
+    monkeypatch.setenv("LOHAN_FORMAT_KERNEL", "1")
+    if format_kernel.kernel() is None:
+        pytest.skip("the format kernel could not be built here (no compiler)")
+    g = torch.Generator().manual_seed(7)
+    n = 256 * 40
+    grad = torch.randn(n, generator=g) * 10.0 ** -torch.randint(0, 13, (n,), generator=g).float()
+    ranges = [ParamRange(0, n, (n,), True)]
+    flat = torch.zeros(n)
+    states = {}
+    for path in ("1", "0"):
+        monkeypatch.setenv("LOHAN_FORMAT_KERNEL", path)
+        opt = FormatAdamW("8bit-moments", [(flat, ranges)], HP)
+        opt.step([grad])
+        states[path] = opt.states[0].m
+    assert torch.equal(states["1"].absmax, states["0"].absmax)
+    assert torch.equal(states["1"].codes, states["0"].codes)

@@ -31,8 +31,9 @@ from lohan.plan.formats import FORMATS, QBLOCK
 from lohan.runtime import format_kernel
 from lohan.runtime.optim import AdamWHyper, ParamRange, _adamw
 from lohan.runtime.quant import (
-    _code_table,
     _key,
+    _midpoints,
+    compact_code_table,
     dequantize_blockwise,
     dynamic_map,
     quantize_blockwise,
@@ -79,10 +80,9 @@ def _piece_(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tensor, Te
         _piece_torch(master, m, v, p16, g32, step, hp, decay, seed=seed, block=block, at=at)
         return
     key = _key(seed, block, step) if master.dtype == torch.bfloat16 else 0
-    (ms, mt, mi), (us, ut, ui) = ((dynamic_map(sg), *_code_table(sg)) for sg in (True, False))
+    books = [t for sg in (True, False) for t in (dynamic_map(sg), _midpoints(sg), compact_code_table(sg))]
     mod.adamw_piece(master, m[0], m[1], v[0], v[1], p16 if p16 is not None else _NONE, g32.contiguous(), hp.lr,
-                    hp.beta1, hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, step, at, key,
-                    ms, mt, mi, us, ut, ui)
+                    hp.beta1, hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, step, at, key, *books)
 
 
 _NONE = torch.empty(0)

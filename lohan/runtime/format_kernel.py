@@ -53,7 +53,7 @@ def _load() -> ModuleType | None:
 
         if sys.prefix != sys.base_prefix:  # one build per virtual environment, as io_engine's aio op
             os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-        return load("lohan_format_adamw", [str(SOURCE)], extra_cflags=["-O3"], verbose=False)
+        return load("lohan_format_adamw", [str(SOURCE)], extra_cflags=["-O3", "-fno-math-errno"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch ops do the same work, slower
         log.warning("the compiled update of the compressed state formats is unavailable (%s: %s); they run on "
                     "torch ops instead, 10-20x slower on the CPU. Install g++ and ninja, then run `python -m "

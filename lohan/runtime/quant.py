@@ -84,6 +84,21 @@ def _code_table(signed: bool) -> tuple[Tensor, Tensor]:
     return first.to(torch.int32), mids[first]
 
 
+_TINY_BUCKET = 0x322BC
+"""The bucket of 1e-8 (`_BUCKET_SHIFT`): every value of smaller magnitude has the code of 0 (the midpoints nearest 0
+are ~3e-7 away), so the compiled update's table (`compact_code_table`) starts there."""
+_ONE_BUCKET = 0x3F800  # the bucket of 1.0, the largest magnitude a scaled value has
+
+
+@functools.cache
+def compact_code_table(signed: bool) -> Tensor:
+    """`_code_table`'s counts (uint8) for the buckets of magnitudes 1e-8 .. 1, positive ones then negative ones: the
+    compiled update looks codes up in this (109 KB, cache-resident) and corrects by one against `_midpoints`."""
+    table, _ = _code_table(signed)
+    span = torch.arange(_TINY_BUCKET, _ONE_BUCKET + 1)
+    return torch.cat([table[span], table[span + (1 << (31 - _BUCKET_SHIFT))]]).to(torch.uint8)
+
+
 def _nearest_codes(scaled: Tensor, signed: bool) -> Tensor:
     """The index of the nearest map entry of each value of `scaled` (fp32 in [-1, 1]); a value exactly between two
     entries takes the larger. The same as ``searchsorted(midpoints, x, right=True)``, without the binary search

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,10 +19,14 @@ namespace {
 constexpr int64_t QBLOCK = 256;
 constexpr uint64_t M32 = 0xFFFFFFFFull;
 
+constexpr uint32_t TINY_BUCKET = 0x322BC;  // quant._TINY_BUCKET: magnitude 1e-8
+constexpr uint32_t ONE_BUCKET = 0x3F800;   // quant._ONE_BUCKET: magnitude 1
+constexpr uint32_t SPAN = ONE_BUCKET - TINY_BUCKET + 1;
+
 struct Codebook {
-  const float* qmap;     // 256 map entries
-  const int32_t* table;  // per bucket of the float's top 20 bits: midpoints at or below its smallest value
-  const float* inside;   // the midpoint inside the bucket (+inf if none)
+  const float* qmap;      // 256 map entries
+  const float* mids;      // 255 midpoints between them, then +inf
+  const uint8_t* table;   // quant.compact_code_table: midpoints at or below each bucket's smallest value
 };
 
 inline uint32_t bits_of(float x) {
@@ -36,9 +41,12 @@ inline float float_of(uint32_t b) {
   return x;
 }
 
+// the nearest map entry of x in [-1, 1] (ties to the larger), as quant._nearest_codes finds it
 inline uint8_t nearest(float x, const Codebook& cb) {
   const uint32_t bucket = bits_of(x) >> 12;
-  return static_cast<uint8_t>(cb.table[bucket] + (cb.inside[bucket] <= x ? 1 : 0));
+  const uint32_t magnitude = std::min(std::max(bucket & 0x7FFFFu, TINY_BUCKET), ONE_BUCKET);
+  const uint32_t code = cb.table[magnitude - TINY_BUCKET + (bucket >> 19 ? SPAN : 0)];
+  return static_cast<uint8_t>(code + (cb.mids[code] <= x ? 1 : 0));
 }
 
 inline uint32_t noise16(int64_t index, uint64_t key) {
@@ -54,9 +62,18 @@ inline float stochastic_bf16(float x, int64_t index, uint64_t key) {
   return (std::isfinite(rounded) && std::isfinite(x)) ? rounded : x;  // then to bf16: exact, or to nearest
 }
 
+inline float from_bf16(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+// round to nearest even, as at::BFloat16(float) does (NaN stays NaN), in plain integer ops that vectorize
+inline uint16_t to_bf16(float x) {
+  const uint32_t u = bits_of(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 struct Moment {
   float* f32 = nullptr;
-  at::BFloat16* bf16 = nullptr;
+  uint16_t* bf16 = nullptr;
   uint8_t* codes = nullptr;
   float* absmax = nullptr;
   Codebook book{};
@@ -64,39 +81,44 @@ struct Moment {
   void decode(int64_t at, int64_t n, int64_t block, float* out) const {
     if (codes != nullptr) {
       const float scale = absmax[block];
-      for (int64_t i = 0; i < n; ++i) out[i] = book.qmap[codes[at + i]] * scale;
+      const uint8_t* c = codes + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = book.qmap[c[i]] * scale;
     } else if (bf16 != nullptr) {
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(bf16[at + i]);
+      const uint16_t* h = bf16 + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = from_bf16(h[i]);
     } else {
-      for (int64_t i = 0; i < n; ++i) out[i] = f32[at + i];
+      std::memcpy(out, f32 + at, n * sizeof(float));
     }
   }
 
   void encode(int64_t at, int64_t n, int64_t block, const float* x) const {
     if (codes != nullptr) {
       float amax = 0.f;
-      for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
       absmax[block] = amax;
       const float div = amax > 0.f ? amax : 1.f;
-      for (int64_t i = 0; i < n; ++i) codes[at + i] = nearest(x[i] / div, book);
+      uint8_t* c = codes + at;
+      for (int64_t i = 0; i < n; ++i) c[i] = nearest(x[i] / div, book);
     } else if (bf16 != nullptr) {
-      for (int64_t i = 0; i < n; ++i) bf16[at + i] = at::BFloat16(x[i]);
+      uint16_t* h = bf16 + at;
+      for (int64_t i = 0; i < n; ++i) h[i] = to_bf16(x[i]);
     } else {
-      for (int64_t i = 0; i < n; ++i) f32[at + i] = x[i];
+      std::memcpy(f32 + at, x, n * sizeof(float));
     }
   }
 };
 
 Moment moment_of(const torch::Tensor& x, const c10::optional<torch::Tensor>& absmax, const torch::Tensor& qmap,
-                 const torch::Tensor& table, const torch::Tensor& inside) {
+                 const torch::Tensor& mids, const torch::Tensor& table) {
   Moment m;
   if (x.scalar_type() == at::kByte) {
     TORCH_CHECK(absmax.has_value(), "8-bit moments need their absmax");
     m.codes = x.data_ptr<uint8_t>();
     m.absmax = absmax->data_ptr<float>();
-    m.book = {qmap.data_ptr<float>(), table.data_ptr<int32_t>(), inside.data_ptr<float>()};
+    TORCH_CHECK(table.numel() == 2 * SPAN && mids.numel() == 256, "the code table does not match the kernel");
+    m.book = {qmap.data_ptr<float>(), mids.data_ptr<float>(), table.data_ptr<uint8_t>()};
   } else if (x.scalar_type() == at::kBFloat16) {
-    m.bf16 = x.data_ptr<at::BFloat16>();
+    m.bf16 = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
   } else {
     m.f32 = x.data_ptr<float>();
   }
@@ -111,19 +133,23 @@ Moment moment_of(const torch::Tensor& x, const c10::optional<torch::Tensor>& abs
 void adamw_piece(torch::Tensor master, torch::Tensor m, c10::optional<torch::Tensor> m_absmax, torch::Tensor v,
                  c10::optional<torch::Tensor> v_absmax, torch::Tensor p16, torch::Tensor grad, double lr,
                  double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t at, int64_t key,
-                 torch::Tensor qmap_s, torch::Tensor table_s, torch::Tensor inside_s, torch::Tensor qmap_u,
-                 torch::Tensor table_u, torch::Tensor inside_u) {
+                 torch::Tensor qmap_s, torch::Tensor mids_s, torch::Tensor table_s, torch::Tensor qmap_u,
+                 torch::Tensor mids_u, torch::Tensor table_u) {
   const int64_t n = grad.numel();
   TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous(), "grad must be contiguous fp32");
   TORCH_CHECK(master.numel() == n && m.numel() == n && v.numel() == n, "states and gradient differ in size");
-  const Moment mm = moment_of(m, m_absmax, qmap_s, table_s, inside_s);
-  const Moment vv = moment_of(v, v_absmax, qmap_u, table_u, inside_u);
+  const Moment mm = moment_of(m, m_absmax, qmap_s, mids_s, table_s);
+  const Moment vv = moment_of(v, v_absmax, qmap_u, mids_u, table_u);
   const bool bf16_master = master.scalar_type() == at::kBFloat16;
   float* p32 = bf16_master ? nullptr : master.data_ptr<float>();
-  at::BFloat16* pb = bf16_master ? master.data_ptr<at::BFloat16>() : nullptr;
+  uint16_t* pb = bf16_master ? reinterpret_cast<uint16_t*>(master.data_ptr<at::BFloat16>()) : nullptr;
   const float* g = grad.data_ptr<float>();
   const bool has_p16 = p16.numel() > 0;
-  const auto p16_type = p16.scalar_type();
+  const auto p16_type = has_p16 ? p16.scalar_type() : at::kFloat;
+  uint16_t* p16b = has_p16 && p16_type == at::kBFloat16 ? reinterpret_cast<uint16_t*>(p16.data_ptr<at::BFloat16>())
+                                                         : nullptr;
+  at::Half* p16h = has_p16 && p16_type == at::kHalf ? p16.data_ptr<at::Half>() : nullptr;
+  float* p16f = has_p16 && p16_type == at::kFloat ? p16.data_ptr<float>() : nullptr;
   // the scalars as torch's fused AdamW computes them (double, then used in float arithmetic)
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step)));
@@ -139,35 +165,30 @@ void adamw_piece(torch::Tensor master, torch::Tensor m, c10::optional<torch::Ten
       const int64_t lo = blk * QBLOCK, len = std::min(QBLOCK, n - lo);
       mm.decode(lo, len, blk, mb);
       vv.decode(lo, len, blk, vb);
-      for (int64_t i = 0; i < len; ++i) {
-        const float gi = g[lo + i];
-        float p = bf16_master ? static_cast<float>(pb[lo + i]) : p32[lo + i];
-        p *= decay;
-        mb[i] = mb[i] * b1 + gi * omb1;
-        vb[i] = vb[i] * b2 + gi * gi * omb2;
-        const float denom = std::sqrt(vb[i]) / bc2s + e;
-        pw[i] = p - step_size * mb[i] / denom;
+      if (bf16_master) {
+        for (int64_t i = 0; i < len; ++i) pw[i] = from_bf16(pb[lo + i]);
+      } else {
+        std::memcpy(pw, p32 + lo, len * sizeof(float));
+      }
+      const float* gi = g + lo;
+      for (int64_t i = 0; i < len; ++i) {  // torch's fused AdamW, elementwise (vectorizes)
+        mb[i] = mb[i] * b1 + gi[i] * omb1;
+        vb[i] = vb[i] * b2 + gi[i] * gi[i] * omb2;
+        pw[i] = pw[i] * decay - step_size * mb[i] / (std::sqrt(vb[i]) / bc2s + e);
       }
       mm.encode(lo, len, blk, mb);
       vv.encode(lo, len, blk, vb);
-      for (int64_t i = 0; i < len; ++i) {
-        if (bf16_master) {
-          pb[lo + i] = at::BFloat16(stochastic_bf16(pw[i], at + lo + i, k));
-        } else {
-          p32[lo + i] = pw[i];
-        }
+      if (bf16_master) {
+        for (int64_t i = 0; i < len; ++i) pb[lo + i] = to_bf16(stochastic_bf16(pw[i], at + lo + i, k));
+      } else {
+        std::memcpy(p32 + lo, pw, len * sizeof(float));
       }
-      if (has_p16) {
-        if (p16_type == at::kBFloat16) {
-          auto* out = p16.data_ptr<at::BFloat16>();
-          for (int64_t i = 0; i < len; ++i) out[lo + i] = at::BFloat16(pw[i]);
-        } else if (p16_type == at::kHalf) {
-          auto* out = p16.data_ptr<at::Half>();
-          for (int64_t i = 0; i < len; ++i) out[lo + i] = at::Half(pw[i]);
-        } else {
-          auto* out = p16.data_ptr<float>();
-          for (int64_t i = 0; i < len; ++i) out[lo + i] = pw[i];
-        }
+      if (p16_type == at::kBFloat16) {
+        for (int64_t i = 0; i < len; ++i) p16b[lo + i] = to_bf16(pw[i]);
+      } else if (p16_type == at::kHalf) {
+        for (int64_t i = 0; i < len; ++i) p16h[lo + i] = at::Half(pw[i]);
+      } else if (p16f != nullptr) {
+        std::memcpy(p16f + lo, pw, len * sizeof(float));
       }
     }
   });
