@@ -25,6 +25,8 @@ import torch
 import lohan
 from lohan.app.fit import Machine, data_parallel_machine
 from lohan.config import EngineConfig, get_model_config
+from lohan.models.adapter import GPTBlocks
+from lohan.models.gpt import build_model
 from lohan.plan.planner import Hardware
 from lohan.runtime.parallel import (
     SHARD_ALIGN,
@@ -33,7 +35,7 @@ from lohan.runtime.parallel import (
     shard_bounds,
     shard_layout,
 )
-from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
+from lohan.store.states import BlockLayout, ParamSpec, StoreLayout, plan_layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dp_worker import batches  # noqa: E402
@@ -226,11 +228,19 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path, mode):
     assert 0.6 * model <= result["network_bytes"] <= model
 
 
-@pytest.mark.parametrize("fmt", ["bf16-moments", "8bit-moments"])
-def test_two_ranks_in_a_compressed_state_format_equal_one_process(tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["bf16-moments", "8bit-moments", "bf16-master"])
+def test_two_ranks_in_a_compressed_state_format_equal_one_process(tmp_path, monkeypatch, fmt):
     """Each rank keeps its shards' states in the format (8-bit moments: shards cut only on the 256 grid of each
-    parameter, so no quantization block is split; blocks that cannot be cut so are replicated)."""
-    engine = engine_kw(str(tmp_path / "dp"), state_format=fmt, max_grad_norm=0.5)
+    parameter, so no quantization block is split; blocks that cannot be cut so are replicated); bf16-master's
+    rounding noise is indexed in the whole block, so the ranks round as one process does."""
+    engine = engine_kw(str(tmp_path / "dp"), state_format=fmt, max_grad_norm=0.5,
+                       compute_dtype="bf16" if fmt == "bf16-master" else "fp32")
+    if fmt != "bf16-moments":  # a model whose parameters start on the 256 grid, so its layers are sharded
+        model = {**MODEL, "d_model": 256, "n_layer": 1}
+        monkeypatch.setattr(sys.modules[__name__], "MODEL", model)
+        program = GPTBlocks(build_model(get_model_config("tiny", **model), device="meta"))
+        layout = plan_layout(program.modules, program.names, "bf16", 2, fmt)
+        assert any(shard_bounds(b, 2) for b in layout.blocks)
     codes, out = launch(tmp_path, 2, engine)
     assert codes == [0, 0], out
     assert_same(torch.load(tmp_path / "run.pt"), *single_process(str(tmp_path / "one"), engine))

@@ -178,7 +178,8 @@ class Engine:
         resident = (plan_resident(layout, plan.records + plan.resident, cfg.max_inflight_blocks,
                                   self.store.chunk_elems) if cfg.resident_records else [])
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
-                                       self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.seed)
+                                       self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.seed,
+                                       origins=[bd[self.dp.rank] if self.dp and bd else 0 for bd in self.bounds])
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=plan.total, model_label=label, param_count=self.layout.param_count,

@@ -111,12 +111,13 @@ def _piece_torch(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tenso
 
 
 def adamw_unit_(views, grad: Tensor, step: int, hp: AdamWHyper, params: Sequence[ParamRange], lo: int, *,
-                seed: int, block: int, fp32: Callable[[Tensor], Tensor], limit: int) -> None:
+                seed: int, block: int, fp32: Callable[[Tensor], Tensor], limit: int, origin: int = 0) -> None:
     """The engine's update of a unit lo..hi of block `block` (a whole record or a chunk) in its buffer: `views` are
     its `store.states.UnitViews` (master, m, v, their scales, P16), `grad` the unit's gradient in any dtype, `fp32`
     makes a piece of it fp32 and clipped (a scratch of `limit` elements). Each parameter is cut at multiples of
     `limit` from its start, which keeps both the fused kernel's vector lanes and the quantization blocks where a
-    whole-parameter update has them: the result is `adamw_format_`'s bit for bit."""
+    whole-parameter update has them: the result is `adamw_format_`'s bit for bit. `origin`: where this vector starts
+    in the whole block's (a data-parallel rank's shard), so the rounding noise is the whole block's."""
     starts = qstarts(params)
     first = None
     for k, a, z in _pieces(params, lo, lo + grad.numel(), views.m_scale is not None, limit):
@@ -129,7 +130,7 @@ def adamw_unit_(views, grad: Tensor, step: int, hp: AdamWHyper, params: Sequence
                 for x, scale in ((views.m, views.m_scale), (views.v, views.v_scale)))
         sep = views.p16.data_ptr() != views.master.data_ptr()
         _piece_(views.master[sl], m, v, views.p16[sl] if sep else None, fp32(grad[sl]), step, hp, p.decay,
-                seed=seed, block=block, at=a)
+                seed=seed, block=block, at=origin + a)
 
 
 @dataclass

@@ -255,7 +255,8 @@ class UpdatePass:
         t0 = time.perf_counter()
         if b.fmt != "exact":  # decoded, updated and encoded piece by piece (format_adamw.py)
             adamw_unit_(views, g, self.update, self.hyper, params, lo, seed=ago.seed, block=i,
-                        fp32=lambda piece, coef=coef: ago._fp32(piece, coef), limit=FORMAT_ELEMS)
+                        fp32=lambda piece, coef=coef: ago._fp32(piece, coef), limit=FORMAT_ELEMS,
+                        origin=ago.origins[i])
         elif g.dtype != torch.float32 or float(coef) != 1.0:  # through the fp32 scratch, piece by piece
             adamw_upcast_(p32, g, m, v, p16, self.update, self.hyper, params, lo,
                           lambda piece, coef=coef: ago._fp32(piece, coef), UPCAST_ELEMS)
@@ -461,7 +462,7 @@ class GradOffloader:
     def __init__(self, store: StateStore, pool: BufferPool, mode: str, grad_dtype: torch.dtype = torch.float32,
                  decays: list[list[bool]] | None = None, stash: GradStash | None = None,
                  resident: list[int] | None = None, thread_init: Callable[[], None] | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, origins: list[int] | None = None) -> None:
         if mode not in ("serial", "naive", "optimized"):
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         layout = store.layout
@@ -475,6 +476,7 @@ class GradOffloader:
         self.params = [param_ranges(b, d) for b, d in zip(layout.blocks, decays, strict=True)]
         self.stash = stash  # where gradients are kept for a redo (clipping); cleared by `release_kept`
         self.seed = seed  # bf16-master's stochastic rounding: its noise is a hash of (seed, block, step, element)
+        self.origins = origins or [0] * len(layout.blocks)  # data parallel: each shard's first element in its block
         for b in layout.blocks:  # 8-bit moments: a chunk must not split a quantization block
             bad = [lo for _, lo, _ in self.units(b.index) if not b.cut_ok(lo)]
             if bad:
