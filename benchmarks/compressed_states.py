@@ -235,7 +235,7 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
     if "max_eval_loss_gap" in r:
         lines.append(f"- `max_eval_loss_gap` = **{r['max_eval_loss_gap']:.4f}** over {s['quality_steps']} steps "
                      "(target <= 0.01)")
-    lines += ["", f"| format | bytes/param/step measured | priced | step (s) | vs exact | CPU update, {r['update_path']} "
+    lines += ["", f"| format | bytes/param/step measured | priced (P16 read back) | step (s) | vs exact | CPU update, {r['update_path']} "
                   "(M params/s) | torch ops |", "|---|---|---|---|---|---|---|"]
     for f, v in r["speed"].items():
         lines.append(f"| {f} | {v['bytes_per_param_step']:.2f} | {r['priced_bytes_per_param_step'][f]:.2f} | "

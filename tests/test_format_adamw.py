@@ -138,7 +138,7 @@ def test_8bit_moments_are_torchaos_adamw8bit():
     assert (ours.weights(0) - exact.weights(0)).norm() / moved > 1e-3
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "exact"])
+@pytest.mark.parametrize("fmt", ["8bit-moments", "bf16-master"])  # (the formats the kernel updates)
 def test_the_compiled_update_is_the_torch_update_up_to_rounding(monkeypatch, fmt):
     """The kernel computes the same algorithm as the torch ops: after 20 steps the weights differ by float rounding
     (and the rare 8-bit code or bf16 rounding it flips), far less than the formats differ from fp32 AdamW."""

@@ -38,9 +38,9 @@ class StateFormat:
     """Whether the compute-dtype copy (P16) is stored beside the master (False: the master is it)."""
     update_cost: float = 1.0
     """CPU time of the update per parameter relative to ``exact``'s fused AdamW: the decode and encode (8-bit
-    codes, stochastic rounding) are torch ops, several passes over memory each. Measured by
-    ``benchmarks/compressed_states.py`` (``update_rate_params_per_s``) on this project's 2-core test machine;
-    the planner prices the CPU lane with it."""
+    codes, stochastic rounding; `lohan.runtime.format_kernel`) cost more than the AdamW arithmetic. Measured by
+    ``benchmarks/compressed_states.py`` (``update_cost``) on this project's 2-core test machine; the planner
+    prices the CPU lane with it."""
 
     @property
     def master_itemsize(self) -> int:
@@ -78,9 +78,9 @@ def state_format(name: str) -> StateFormat:
     q8 = 1 + 4 / QBLOCK
     table = {
         "exact": StateFormat("exact", 4, 4, True),
-        "bf16-moments": StateFormat("bf16-moments", 4, 2, True, update_cost=1.6),
-        "8bit-moments": StateFormat("8bit-moments", 4, q8, True, update_cost=15.0),
-        "bf16-master": StateFormat("bf16-master", 2, q8, False, update_cost=27.0),
+        "bf16-moments": StateFormat("bf16-moments", 4, 2, True, update_cost=1.2),
+        "8bit-moments": StateFormat("8bit-moments", 4, q8, True, update_cost=12.6),
+        "bf16-master": StateFormat("bf16-master", 2, q8, False, update_cost=13.6),
     }
     if name not in table:
         raise ValueError(f"state format {name!r}: choose one of {', '.join(FORMATS)}")

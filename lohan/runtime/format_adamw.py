@@ -74,8 +74,10 @@ def _piece_(master: Tensor, m: tuple[Tensor, Tensor | None], v: tuple[Tensor, Te
     (values or 8-bit codes, the piece's absmax per quantization block or None); `g32` its fp32 clipped gradient;
     `at` the piece's first element in the block's vector (the rounding noise's index). Writes the new P16 into
     `p16` if given. Compiled (`format_kernel`) where it could be built, torch ops otherwise."""
-    compressed = master.dtype == torch.bfloat16 or m[0].dtype != torch.float32 or v[0].dtype != torch.float32
-    mod = format_kernel.kernel() if compressed else None  # (exact's states: torch's own fused AdamW, bit for bit)
+    # the kernel where torch ops are slow (8-bit codes, stochastic rounding: 2-3x faster on 2 cores); fp32 and bf16
+    # moments with an fp32 master are a few casts around torch's fused AdamW, which runs them faster
+    slow = master.dtype == torch.bfloat16 or m[1] is not None
+    mod = format_kernel.kernel() if slow else None
     if mod is None:
         _piece_torch(master, m, v, p16, g32, step, hp, decay, seed=seed, block=block, at=at)
         return
