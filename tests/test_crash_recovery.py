@@ -94,12 +94,14 @@ def _run_with_faults(args: list[str], spec: str) -> tuple[int, str]:
     ("vol=lohan:write#20:ENOSPC", r"write failed on device 0 \(.*nvme\): No space left on device \[ENOSPC\] "
                                   r"\(path=.*lohan\.slab, offset=\d+"),
     # a read of step 3 fails (a dying drive)
-    ("vol=lohan:read#30:EIO", r"read failed on device 0 \(.*nvme\): Input/output error \[EIO\] \(path=.*lohan\.slab"),
+    ("vol=lohan:read#40:EIO", r"read failed on device 0 \(.*nvme\): Input/output error \[EIO\] \(path=.*lohan\.slab"),
+    # a read of the checkpoint after step 2 fails: step 2 is committed and keeps its metrics line
+    ("vol=lohan:read#30:EIO", r"read failed on device 0 .*\[EIO\].*committed at step 2 is intact"),
     # the fsync of the second commit fails
     ("vol=lohan:fsync#3:EIO", r"fsync failed on device 0 .*\[EIO\]"),
     # the disk fills up during store creation (its 4th block)
     ("vol=lohan:write#4:ENOSPC", r"\[ENOSPC\].*continue with --resume"),
-], ids=["enospc-write", "eio-read", "eio-fsync", "enospc-creation"])
+], ids=["enospc-write", "eio-read", "eio-save-read", "eio-fsync", "enospc-creation"])
 def test_io_faults_end_the_run_cleanly_and_resume_bit_identically(tmp_path, reference, spec, expect):
     ref, _ = reference
     work = tmp_path / "run"

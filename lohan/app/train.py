@@ -739,17 +739,26 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
             step = engine.last_stats.step
             # after the run state is saved: an evaluation reads the committed weights and nothing else
             due = ctx.eval_set is not None and (step == steps or bool(run.eval_every and step % run.eval_every == 0))
-            eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
-            save_s, saved = _save(ctx, engine) if ckpt is not None and ckpt.due(step) else (None, "")
+            try:
+                eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
+                save_s, saved = _save(ctx, engine) if ckpt is not None and ckpt.due(step) else (None, "")
+            except BaseException:  # the step is committed: its line is kept, and a resume goes on after it
+                _record(StepMetrics.from_stats(engine.last_stats, None, None, None), history, writer, trackers)
+                raise
             sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s, save_s)
-            history.append(sm)
-            if writer is not None:
-                writer.write(sm)
-            trackers.log(sm)
+            _record(sm, history, writer, trackers)
             report_step(bar, sm, steps, print_line=should_log(step, steps, every, start + 1,
                                                               eval_loss is not None or bool(saved)))
             if saved:
                 ctx.console.print(saved)
+
+
+def _record(sm: StepMetrics, history: list, writer: Any, trackers: Any) -> None:
+    """A committed step's metrics: kept for the summary, written to the JSONL file, sent to the trackers."""
+    history.append(sm)
+    if writer is not None:
+        writer.write(sm)
+    trackers.log(sm)
 
 
 def _save(ctx: _Run, engine: Engine) -> tuple[float, str]:
