@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lohan.plan.formats import FORMATS
-
 __all__ = ["ModelConfig", "PRESETS", "get_model_config"]
+
+STATE_FORMATS = ("exact", "bf16-moments", "8bit-moments", "bf16-master")
+"""The optimizer-state formats (`EngineConfig.state_format`; their bytes in `lohan.plan.formats`)."""
 
 
 def _is_int(value: object) -> bool:
@@ -587,8 +588,8 @@ class EngineConfig:
         if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
             problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
         problems += self._schedule_problems()
-        if self.state_format not in FORMATS:
-            problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(FORMATS)}")
+        if self.state_format not in STATE_FORMATS:
+            problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
         elif self.state_format == "bf16-master" and self.compute_dtype != "bf16":
             problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
                             f"it needs compute_dtype bf16, not {self.compute_dtype} (--dtype bf16)")

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lohan.config import STATE_FORMATS
+
 QBLOCK = 256
 """Values per quantization block (`lohan.runtime.quant.QBLOCK`, which the tests keep equal)."""
 
-FORMATS = ("exact", "bf16-moments", "8bit-moments", "bf16-master")
+FORMATS = STATE_FORMATS  # (named in the config layer, which validates them)
 
 
 @dataclass(frozen=True)
