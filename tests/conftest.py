@@ -51,3 +51,15 @@ def make_dirs(tmp_path):
         return dirs
 
     return make
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def update_path(request, monkeypatch):
+    """A test on both paths of a compressed state format's update: compiled (`lohan.runtime.format_kernel`) and
+    torch ops (`LOHAN_FORMAT_KERNEL=0`)."""
+    from lohan.runtime import format_kernel
+
+    monkeypatch.setenv("LOHAN_FORMAT_KERNEL", "1" if request.param == "kernel" else "0")
+    if request.param == "kernel" and format_kernel.kernel() is None:
+        pytest.skip("the format kernel could not be built here (no compiler)")
+    return request.param

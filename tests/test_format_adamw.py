@@ -15,13 +15,7 @@ HP = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 SHAPES = [(64, 100), (100,), (37, 64)]  # 6400 + 100 + 2368: not a multiple of the 256-value blocks
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
-def update_path(request, monkeypatch):
-    """Every test on both paths of a compressed format's update: compiled (`format_kernel`) and torch ops."""
-    monkeypatch.setenv("LOHAN_FORMAT_KERNEL", "1" if request.param == "kernel" else "0")
-    if request.param == "kernel" and format_kernel.kernel() is None:
-        pytest.skip("the format kernel could not be built here (no compiler)")
-    return request.param
+pytestmark = pytest.mark.usefixtures("update_path")  # both update paths (conftest.py)
 
 
 def block(seed: int = 0) -> tuple[torch.Tensor, list[ParamRange]]:

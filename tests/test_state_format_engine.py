@@ -14,7 +14,6 @@ from test_clipping import batches, config, same_weights, tiny_cfg
 import lohan
 from lohan.models.gpt import build_model
 from lohan.plan.formats import FORMATS
-from lohan.runtime import format_kernel
 from lohan.runtime.format_adamw import FormatAdamW
 from lohan.runtime.offload import GradOffloader
 from lohan.runtime.optim import AdamWHyper, ParamRange, decay_mask, lr_factor
@@ -23,13 +22,7 @@ from lohan.store.states import StateStore
 COMPRESSED = [f for f in FORMATS if f != "exact"]
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
-def update_path(request, monkeypatch):
-    """Every test on both paths of a compressed format's update: compiled (`format_kernel`) and torch ops."""
-    monkeypatch.setenv("LOHAN_FORMAT_KERNEL", "1" if request.param == "kernel" else "0")
-    if request.param == "kernel" and format_kernel.kernel() is None:
-        pytest.skip("the format kernel could not be built here (no compiler)")
-    return request.param
+pytestmark = pytest.mark.usefixtures("update_path")  # both update paths (conftest.py)
 
 
 def _fmt_config(dirs, fmt: str, **kw):
