@@ -13,6 +13,7 @@ help:
 	@echo "make run       create .venv, install everything, run the default fine-tune (configs/tiny.yaml)"
 	@echo "make test      create .venv, install everything, run the test suite (fast set)"
 	@echo "make test-all  the full suite, slow end-to-end tests included"
+	@echo "make kernels   build the compiled update of the compressed state formats (run and test do it)"
 	@echo "make bench-io  NVMe I/O benchmark (io_engine vs fio, SSD scaling); writes benchmarks/results/"
 	@echo "make lint      ruff"
 
