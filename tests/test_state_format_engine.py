@@ -233,3 +233,26 @@ def test_fp16_loss_scaling_feeds_the_format_what_it_feeds_exact(make_dirs, monke
             _replay(ref, rec, m["clip_coef"])
         _check_weights(engine, ref)
     assert ref.step_count >= 3  # updates were made, not only skipped
+
+
+def test_a_block_bigger_than_the_staging_room_initializes_in_every_format(tmp_path):
+    """Records bigger than the staging budget are written in pieces; with 8-bit moments a block whose pieces would
+    split a quantization block (a parameter off the 256 grid) is written whole instead, and both read back."""
+    from torch import nn
+
+    from lohan.store.states import StateStore, plan_layout
+
+    blocks = [nn.Sequential(nn.Linear(100, 300), nn.Linear(300, 90))]  # offsets 30000, 30300, 57300: off the grid
+    weights = [p.detach().clone() for p in blocks[0].parameters()]
+    for fmt in FORMATS:
+        layout = plan_layout(blocks, ["b"], "bf16", 1, fmt)
+        (tmp_path / fmt).mkdir()
+        store = StateStore.create([str(tmp_path / fmt)], layout, {"kind": "t"}, lambda i: weights,
+                                  staging_budget=16 << 10, backend="threads")
+        try:
+            assert not store.verify()
+            got = store.read_params(0)
+            for a, b in zip(got, weights):
+                assert torch.equal(a, b.to(torch.bfloat16).float() if fmt == "bf16-master" else b), fmt
+        finally:
+            store.close()

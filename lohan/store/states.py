@@ -169,6 +169,16 @@ def unit_sections(layout: StoreLayout, unit: tuple[int, int, int], slot: int,
     return out
 
 
+def _piece_elems(piece: int) -> int:
+    """Elements per piece of a record initialized in pieces of `piece` bytes of fp32 (a multiple of 4096)."""
+    return max(4096, piece // 4 // 4096 * 4096)
+
+
+def _pieces_ok(b: BlockLayout, piece: int) -> bool:
+    """Whether initializing block b in pieces splits no quantization block (always, unless 8-bit moments)."""
+    return all(b.cut_ok(lo) for lo in range(0, b.numel, _piece_elems(piece)))
+
+
 def sub_views(rec: UnitViews, b: BlockLayout, lo: int, hi: int) -> UnitViews:
     """The views of elements lo..hi (and their quantization blocks) of a whole record's views."""
     q0, q1 = b.qrange(lo, hi)
@@ -308,14 +318,16 @@ class StateStore:
             # Whole records up to the staging budget; bigger ones (a 175B layer's is 25 GB) section by
             # section in pieces, so initialization needs the block's parameters plus one piece.
             piece = max(ALIGN, staging_budget // 4 // ALIGN * ALIGN)
-            biggest = max((b.record_bytes for b in layout.blocks if b.record_bytes <= staging_budget), default=0)
-            least = max((b.unit(0, 4096).total for b in layout.blocks if b.record_bytes > staging_budget), default=0)
+            # (8-bit moments: a block whose pieces would split a quantization block is written whole instead)
+            whole = [b.record_bytes <= staging_budget or not _pieces_ok(b, piece) for b in layout.blocks]
+            biggest = max((b.record_bytes for b, w in zip(layout.blocks, whole) if w), default=0)
+            least = max((b.unit(0, 4096).total for b, w in zip(layout.blocks, whole) if not w), default=0)
             pool = volume.buffer_pool(max(staging_budget, biggest, least))  # (a piece is 4096 elements or more)
             for b in layout.blocks[start:]:
                 params = init_block(b.index)
                 if [tuple(p.shape) for p in params] != [s.shape for s in b.params]:
                     raise ValueError(f"init_block({b.index}) returned shapes that do not match the layout")
-                if b.record_bytes <= staging_budget:
+                if whole[b.index]:
                     with pool.acquire(b.record_bytes) as buf:
                         rec = RecordView(buf.tensor, b, store.p16_dtype)
                         for view, p in zip(block_views(rec.master, b), params):
@@ -362,12 +374,9 @@ class StateStore:
         zeroed, `piece` bytes of fp32 at a time (a multiple of 4096 elements, so every write but a section's
         last is aligned)."""
         flats = [p.detach().reshape(-1) for p in params]  # views: no second copy of a multi-GB block
-        elems = max(4096, piece // 4 // 4096 * 4096)
+        elems = _piece_elems(piece)
         for lo in range(0, b.numel, elems):
             hi = min(lo + elems, b.numel)
-            if not b.cut_ok(lo) or not b.cut_ok(hi):  # (8-bit moments: whole quantization blocks per piece)
-                raise ValueError(f"block {b.index} ({b.name}): a piece of its initialization would split a "
-                                 "quantization block; its parameters must start at multiples of 256 elements")
             with pool.acquire(b.unit(lo, hi).total) as buf:
                 buf.tensor.zero_()
                 views = unit_views(buf.tensor, b, lo, hi, self.p16_dtype)
