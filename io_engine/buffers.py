@@ -179,12 +179,15 @@ class BufferPool:
         self.peak_allocated = 0
         self.waits = 0
 
-    def acquire(self, nbytes: int, block: bool = True, timeout: float | None = None) -> AlignedBuffer:
+    def acquire(self, nbytes: int, block: bool = True, timeout: float | None = None,
+                evict: bool = True) -> AlignedBuffer:
         """A buffer of at least `nbytes` (exposed as exactly `nbytes`, capacity rounded to ALIGN).
 
         Blocks while the budget is exhausted by buffers in use, unless `block=False` (raises
         BudgetExceededError at once) or `timeout` elapses (raises as well). A request larger
-        than the whole budget raises immediately, since no release could ever satisfy it.
+        than the whole budget raises immediately, since no release could ever satisfy it. With
+        `evict=False` kept buffers do not give way: only free room serves the request (for content
+        that is worth less than what is kept).
         """
         if nbytes <= 0:
             raise ValueError(f"buffer size must be positive, got {nbytes}")
@@ -210,11 +213,11 @@ class BufferPool:
                     if bigger is not None:
                         tensor = self._cache[bigger].pop()
                         break
-                    kept = self._oldest_kept(cap)  # content kept for later gives way before anyone waits
-                    if kept is not None:
+                    kept = self._oldest_kept(cap) if evict else None  # content kept for later gives way
+                    if kept is not None:  # before anyone waits
                         tensor = self._kept.pop(kept)[0]
                         break
-                if self._make_room(cap):
+                if self._make_room(cap, evict):
                     self.allocated += cap
                     self.peak_allocated = max(self.peak_allocated, self.allocated)
                     try:
@@ -241,9 +244,9 @@ class BufferPool:
         """The key of the oldest kept buffer of at least `cap` bytes (lock held)."""
         return next((k for k, (t, _) in self._kept.items() if t.numel() >= cap), None)
 
-    def _make_room(self, cap: int) -> bool:
-        """Evict cached free buffers, then kept ones (oldest first), until `cap` more bytes fit in the
-        budget (lock held)."""
+    def _make_room(self, cap: int, evict: bool = True) -> bool:
+        """Evict cached free buffers, then (`evict`) kept ones, oldest first, until `cap` more bytes fit in
+        the budget (lock held)."""
         if self.allocated + cap <= self.budget_bytes:
             return True
         for size in list(self._cache):
@@ -253,7 +256,7 @@ class BufferPool:
                 self.allocated -= size
             if not bufs:
                 del self._cache[size]
-        while self._kept and self.allocated + cap > self.budget_bytes:
+        while evict and self._kept and self.allocated + cap > self.budget_bytes:
             t, _ = self._kept.popitem(last=False)[1]
             self._free(t)
             self.allocated -= t.numel()

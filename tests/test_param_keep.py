@@ -5,6 +5,8 @@ when the pool is too small to keep everything (kept blocks give way to prefetche
 
 from __future__ import annotations
 
+import pytest
+
 import lohan
 from lohan.data import synthetic_batches
 from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, reference_run, tiny_cfg
@@ -23,7 +25,7 @@ def _p16_read_per_step(engine, steps, follow: bool) -> list[int]:
 
 def test_backward_reads_no_p16_that_forward_read(make_dirs):
     mcfg = tiny_cfg(n_layer=3)
-    with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=0.0)) as engine:
+    with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=0.0, mode="serial")) as engine:
         # forward reads every block but the head, backward only the head (which forward does not visit)
         once = sum(b.p16_bytes for b in engine.store.layout.blocks)
         assert _p16_read_per_step(engine, 3, follow=False) == [once] * 3
@@ -39,6 +41,36 @@ def test_a_deferred_step_with_the_next_batch_reads_no_p16_after_the_first(make_d
     with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=1.0, clip_mode="defer")) as engine:
         reads = _p16_read_per_step(engine, 4, follow=True)
     assert reads[0] > 0 and reads[1:] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", ["naive", "optimized"])
+def test_an_update_during_backward_hands_its_p16_to_the_next_forward(make_dirs, mode):
+    """Clipping off: each block's new P16 is kept from its update during backward, so after the first step no
+    P16 comes from the SSDs (serial mode, the ablation's baseline, reads it back: above)."""
+    mcfg = tiny_cfg(n_layer=3)
+    with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=0.0, mode=mode)) as engine:
+        reads = _p16_read_per_step(engine, 4, follow=False)
+        assert engine.streamer.handed_over == 4 * len(engine.store.layout.blocks)
+    assert reads[0] > 0 and reads[1:] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_redone_step_does_not_leave_its_speculated_p16_kept(make_dirs, follow):
+    """Speculated steps that all clip: the speculative pass hands its coefficient-1 P16 over, the redo rewrites
+    the slot; the next step must run on the redo's parameters (with the next batch, the redo provides them;
+    without, they are read from the SSDs)."""
+    mcfg = tiny_cfg(n_layer=3)
+    ecfg = engine_config(make_dirs(1), max_grad_norm=1e-3, clip_mode="speculate")
+    data = list(batches(4, 4, 32, 256))
+    ref_losses, ref_params = reference_run(mcfg, ecfg, data)
+    with lohan.init(mcfg, ecfg) as engine:
+        losses = [engine.step(b, next_batch=data[s + 1] if follow and s + 1 < len(data) else None)
+                  for s, b in enumerate(data)]
+        assert engine.last_stats.redone
+        assert engine.streamer.handed_over > 0
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    assert_params_equal(params, ref_params)
 
 
 def test_bit_exact_when_the_pool_cannot_keep_every_block(make_dirs):

@@ -52,7 +52,7 @@ from lohan.runtime.activations import ActivationManager
 from lohan.runtime.clip_schedule import ClipSchedule
 from lohan.runtime.device import Device
 from lohan.runtime.heap import release_free_memory, reuse_heap
-from lohan.runtime.offload import GradOffloader
+from lohan.runtime.offload import GradOffloader, Provide
 from lohan.runtime.optim import decay_mask
 from lohan.runtime.parallel import (
     DataParallel,
@@ -304,10 +304,19 @@ class Engine:
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
         # the last step's staged commit is made durable on the worker, after its writes and before this pass's
         self.offloader.begin_step(plan.update, plan.hyper, list(plan.order), plan.read_slot, plan.write_slot,
-                                  gate=plan.gate, keep=plan.speculated,
-                                  provide=self.streamer.offer if plan.follow else None, lazy=plan.lazy,
+                                  gate=plan.gate, keep=plan.speculated, provide=self._provide(plan), lazy=plan.lazy,
                                   before=store.persist if store.staged else None)
         return run
+
+    def _provide(self, plan: StepPlan) -> Provide | None:
+        """Where the pass's new P16 goes besides the SSDs: to the next forward running beside a deferred pass
+        (`offer`), or kept for the next step's forward by a pass during backward (`handover`). Not in serial
+        mode, the ablation's baseline: ZeRO-Infinity reads the parameters back."""
+        if plan.follow:
+            return self.streamer.offer
+        if plan.deferred or self.cfg.mode == "serial":
+            return None
+        return self.streamer.handover(plan.read_slot, plan.write_slot)
 
     def _train(self, run: StepRun) -> float:
         """Forward (unless the previous step ran it), backward, settlement and the end of the optimizer pass;
@@ -340,11 +349,14 @@ class Engine:
         if settled.skipped:
             self.offloader.abort()
             self.streamer.release_all()  # cancels what a deferred pass would have provided
+            self.streamer.end_handover()
             return
         self.offloader.backward_done()
         follow = plan.follow
         if settled.redone:
             self.offloader.finish()  # the speculative pass (coefficient 1) ends; its slot is rewritten below
+            self.streamer.end_handover()
+            self.streamer.invalidate(plan.write_slot)  # what it handed over is not the step's update
             follow = plan.next_idx is not None
             order = list(range(n)) if follow else list(range(n - 1, -1, -1))
             if follow:
@@ -356,6 +368,7 @@ class Engine:
             acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
             self._next.keep(plan.next_idx, acts)
         self.offloader.finish()
+        self.streamer.end_handover()
         run.next_fwd_s = fwd_t.seconds() if fwd_t else 0.0
 
     def _conclude(self, run: StepRun, loss: float) -> None:

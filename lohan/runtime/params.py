@@ -15,6 +15,12 @@ whose P16 fits the pool, no P16 is read twice in a step), and the next step's fo
 provided by the optimizer. Any request for room takes the oldest kept buffer first; a slot's entries
 are dropped (`invalidate`) before the optimizer writes that slot. In place (one slot) nothing is kept.
 
+Hand-over during backward: an update that runs during backward (clipping off, or speculated) gives each block's
+new P16 to `handover`'s callable, which copies it into the buffer block i's backward just released (or free room,
+never a kept block backward still needs) and keeps it under (block, written slot): the next step's forward then
+reads from the SSDs only the blocks there was no room for (2 bytes a parameter a step less, as a deferred pass's
+provisions save them). A speculated step that clips forgets them before its redo rewrites the slot.
+
 Data parallel (parallel.py): the rank's store holds its shard of each block; the shard is read into its
 place in a buffer of the whole (padded) block and the ranks all-gather the rest in `acquire`, every time
 (a kept block too: the ranks' kept blocks may differ, their collectives may not).
@@ -27,6 +33,7 @@ buffer of this pool), and `acquire` waits for the offer instead of reading the S
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +80,8 @@ class ParamStreamer:
         self._lock = threading.Lock()  # provisions are filled on the optimizer's thread
         self._provisions: dict[int, _Provision] = {}
         self._failure: Callable[[], BaseException | None] = lambda: None
+        self._handover: _Handover | None = None  # the running in-backward pass's blocks being filled
+        self.handed_over = 0  # blocks kept from an update for the next forward
         # block -> (host buffer, or None once copied to a separate device; its parameters; the slot read)
         self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter], int]] = {}
         self.max_resident = 0
@@ -105,8 +114,15 @@ class ParamStreamer:
 
     def drop_kept(self) -> None:
         """Forget every kept block (after a failed step, whose slots are no longer known to be what they were)."""
+        self.end_handover()
         self._reap(wait=True)
         self.pool.forget()
+
+    def end_handover(self) -> None:
+        """The in-backward pass ended or was stopped: the blocks it completed stay kept, those it left half
+        filled are given back."""
+        with self._lock:
+            self._drop_handover()
 
     def expect(self, blocks: list[int], failure: Callable[[], BaseException | None]) -> None:
         """Blocks whose new P16 the optimizer will `offer`: acquiring them waits for the offer (or raises
@@ -139,6 +155,49 @@ class ParamStreamer:
             prov.filled += hi - lo
             if prov.filled == numel:
                 prov.ready.set()
+
+    def handover(self, old_slot: int, new_slot: int) -> Callable[[int, int, int, torch.Tensor], None] | None:
+        """A `provide` for an update pass that runs during backward: each block's new P16 is kept under
+        (block, `new_slot`) for the next forward (module docstring). None in place, where nothing is kept."""
+        if not self.keeps:
+            return None
+        with self._lock:
+            self._drop_handover()
+            self._handover = _Handover(old_slot, new_slot)
+            return functools.partial(self._hand_over, self._handover)
+
+    def _hand_over(self, h: _Handover, i: int, lo: int, hi: int, p16: torch.Tensor) -> None:
+        """Elements lo..hi of block i's new P16 (the optimizer's thread). Never waits for room: backward needs
+        the pool, and a block without room is read by the next forward as before."""
+        start, numel = self._own(i)
+        with self._lock:  # (release_all may give the buffers back meanwhile: the copy stays under the lock)
+            if h is not self._handover:
+                return
+            if i not in h.blocks:
+                buf = self.pool.take_kept((i, h.old_slot))  # backward is done with block i
+                if buf is None:
+                    try:
+                        buf = self.pool.acquire(self.buffer_bytes(i), block=False, evict=False)
+                    except BudgetExceededError:
+                        buf = None
+                h.blocks[i] = [buf, 0]
+            entry = h.blocks[i]
+            if entry[0] is None:
+                return
+            entry[0].tensor.view(self.store.p16_dtype)[start + lo:start + hi].copy_(p16)
+            entry[1] += hi - lo
+            if entry[1] == numel:
+                entry[0].keep((i, h.new_slot))
+                entry[0] = None
+                self.handed_over += 1
+
+    def _drop_handover(self) -> None:
+        """Give back the buffers of blocks an ended (or failed) pass left half filled (lock held)."""
+        if self._handover is not None:
+            for entry in self._handover.blocks.values():
+                if entry[0] is not None:
+                    entry[0].release()
+            self._handover = None
 
     def prefetch(self, i: int, slot: int) -> None:
         """Start reading block i's P16 from `slot` unless it is already resident, on its way or expected."""
@@ -326,7 +385,8 @@ class ParamStreamer:
         return sorted(self._resident)
 
     def release_all(self) -> None:
-        """Drop every resident block, wait for reads in flight, and cancel the provisions not yet taken."""
+        """Drop every resident block, wait for reads in flight, and cancel the provisions not yet taken (a
+        hand-over goes on: its pass may outlast backward)."""
         with self._lock:
             provisions, self._provisions = self._provisions, {}
             for prov in provisions.values():
@@ -349,6 +409,16 @@ class ParamStreamer:
             finally:
                 buf.release()
         self._gathering.clear()
+
+
+class _Handover:
+    """An in-backward pass's hand-over: block -> [its buffer while being filled (None: no room, or kept once
+    whole), elements filled]."""
+
+    def __init__(self, old_slot: int, new_slot: int) -> None:
+        self.old_slot = old_slot
+        self.new_slot = new_slot
+        self.blocks: dict[int, list[Any]] = {}
 
 
 class _Provision:
