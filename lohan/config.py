@@ -375,7 +375,13 @@ class EngineConfig:
     (early fine-tuning). ``auto``: choose per step (`runtime/clip_schedule.py`): speculate when the chance that
     the step clips, estimated from the recent norms, times a redo's cost is below what deferring costs, both
     measured as the run goes (the cost model's figures until then); data parallel ranks speculate after an
-    unclipped step and defer after a clipped one. With ``slots=1`` only ``defer`` is possible."""
+    unclipped step and defer after a clipped one. With ``slots=1`` only ``defer`` is possible.
+
+    With clipping off (``max_grad_norm`` 0) nothing is redone, and the choice is where the update runs: under
+    backward (``speculate``), or after it beside the next step's forward (``defer``; one process, two slots, not
+    serial mode; the step's gradients are kept meanwhile). ``auto`` plans room for them only where they all fit
+    in what cpu_mem leaves, and then defers where that measures faster (a CPU device whose cores the optimizer
+    shares: the update fills the forward's idle time); elsewhere it updates under backward."""
 
     loss_scale: float = 65536.0
     """fp16 only: the initial dynamic loss scale (`torch.amp.GradScaler`'s ``init_scale``). The loss is

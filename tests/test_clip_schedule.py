@@ -13,7 +13,7 @@ from lohan.runtime.clip_schedule import ClipSchedule
 
 
 def cfg(**kw) -> EngineConfig:
-    return EngineConfig(nvme=["/nonexistent"], cpu_mem="1GiB", max_grad_norm=1.0, **kw)
+    return EngineConfig(**{"nvme": ["/nonexistent"], "cpu_mem": "1GiB", "max_grad_norm": 1.0, **kw})
 
 
 def stats(norm: float, step_s: float = 1.0, deferred: bool = False, redone: bool = False, skipped: bool = False,
@@ -113,3 +113,36 @@ def test_a_schedule_never_measured_is_tried_for_two_steps_where_that_is_cheap():
     for _ in range(120):  # every step clips: speculating would redo, so it is never tried
         assert s2.speculate(estimate()) is False
         s2.observe(stats(3.0, deferred=True))
+
+
+def unclipped(norm: float, step_s: float = 1.0, deferred: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(grad_norm=norm, clip_coef=None, deferred=deferred, redone=False, skipped=False,
+                           step_s=step_s, next_forward_overlapped=deferred)
+
+
+def test_clipping_off_without_room_for_the_gradients_always_updates_during_backward():
+    s = ClipSchedule(cfg(max_grad_norm=0.0, clip_mode="defer"), defer_unclipped=False)
+    for _ in range(3):
+        assert s.speculate(estimate(t_deferred=1.0)) is True
+        s.observe(unclipped(2.0))
+    assert s.last_choice["rule"] == "clipping off"
+
+
+def test_clipping_off_defers_only_where_deferring_measures_cheaper():
+    s = ClipSchedule(cfg(max_grad_norm=0.0), defer_unclipped=True)
+    s.observe(unclipped(2.0))
+    assert s.speculate(None) is True  # no cost known yet: during backward, the classic schedule
+    assert s.speculate(estimate(t_iter=4.0, t_deferred=5.0)) is True  # the model: deferring costs 1 s
+    for _ in range(3):
+        s.observe(unclipped(2.0, step_s=5.0))
+    for _ in range(3):
+        s.observe(unclipped(2.0, step_s=4.5, deferred=True))
+    assert s.speculate(estimate(t_iter=4.0, t_deferred=5.0)) is False  # measured: 0.5 s less
+    assert s.last_choice["p_clip"] == 0.0
+
+
+@pytest.mark.parametrize("mode,expected", [("speculate", True), ("defer", False)])
+def test_clipping_off_obeys_a_fixed_clip_mode(mode, expected):
+    s = ClipSchedule(cfg(max_grad_norm=0.0, clip_mode=mode), defer_unclipped=True)
+    s.observe(unclipped(2.0))
+    assert s.speculate(estimate()) is expected

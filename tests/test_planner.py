@@ -674,9 +674,11 @@ def test_capacity_prices_the_resident_records_the_engine_keeps() -> None:
     cfg, hw = get_model_config("tiny", n_layer=12), parse_hardware("rtx4090,1xP5510,64GB")
     s, n = 2, cfg.param_count()
 
-    def read(cap):  # the states' part of the step's SSD reads
+    def read(cap):  # the states' part of the step's SSD reads (P16: read in each pass, the whole model here)
         t = cap.plan.estimate.traffic
-        return t["ssd_read"] - 2 * s * n - cap.plan.estimate.alpha_bytes
+        return t["ssd_read"] - cap.plan.estimate.alpha_bytes
+
+    assert engine_pools(cfg)["params"] >= s * n  # the parameter pool keeps every block: no P16 read
 
     lean = capacity(cfg, hw, 4, 256, readahead_mem=0)
     every = capacity(cfg, hw, 4, 256, resident_mem="all", readahead_mem=0)
@@ -731,3 +733,27 @@ def test_the_dry_run_report_says_what_clipping_costs() -> None:
     one = fit_report(cfg, machine, 4, 256, slots=1, keep_grads=True, clips=False, cpu_mem=8 * 2**30)
     assert one.waits and one.step_s == one.capacity.plan.estimate.t_deferred and "clipping:" not in one.format()
     assert "every update waits for the global norm" in one.format()
+
+
+def test_p16_the_parameter_pool_keeps_is_read_in_neither_pass_but_serial_forward_reads_it_all() -> None:
+    """``Profile.kept_p16_params``: backward finds the blocks forward read, the next forward those the update during
+    backward handed over; serial mode hands nothing over, so its forward reads every P16."""
+    profile = analytic_profile(get_model_config("1b"), 8, 1024, parse_hardware(PAPER_256))
+    p16 = profile.p16
+    base = estimate(profile, [])
+    kept = estimate(dataclasses.replace(profile, kept_p16_params=profile.param_count), [])
+    assert kept.traffic["ssd_read"] == pytest.approx(base.traffic["ssd_read"] - 2 * p16)
+    assert kept.lanes_f["ssd"] == pytest.approx(base.lanes_f["ssd"] - p16 / profile.hardware.bw_s2m)
+    assert kept.lanes_b["ssd"] == pytest.approx(base.lanes_b["ssd"] - p16 / profile.hardware.bw_s2m)
+    assert kept.t_serial <= base.t_serial and kept.t_iter <= base.t_iter
+    with pytest.raises(ValueError, match="kept_p16_params"):
+        dataclasses.replace(profile, kept_p16_params=profile.param_count + 1)
+
+
+def test_the_kept_share_of_p16_is_what_the_blocks_in_use_leave_of_the_pool() -> None:
+    from lohan.plan.pools import kept_p16_fraction
+
+    blocks = [100] * 10
+    assert kept_p16_fraction(1000, blocks, 2) == 1.0  # every block fits: all kept
+    assert kept_p16_fraction(500, blocks, 2) == pytest.approx(0.2)  # 5 buffers, 3 in use
+    assert kept_p16_fraction(300, blocks, 2) == 0.0

@@ -26,10 +26,18 @@ def test_counts_and_slots_come_from_the_commit():
     assert p.hyper.lr > 0
 
 
-def test_clipping_off_updates_at_once_in_backward_order():
-    p = plan(max_grad_norm=0.0)
+@pytest.mark.parametrize("next_idx", [True, False])
+def test_clipping_off_updates_at_once_in_backward_order(next_idx):
+    p = plan(speculate=True, max_grad_norm=0.0, next_idx=next_idx)
     assert not p.deferred and not p.speculated and not p.follow and not p.lazy
     assert not p.gate.deferred and p.order == (3, 2, 1, 0)
+
+
+def test_clipping_off_defers_only_a_step_the_next_forward_follows():
+    p = plan(speculate=False, max_grad_norm=0.0)
+    assert p.deferred and p.follow and p.lazy and not p.speculated and p.order == (0, 1, 2, 3)
+    p = plan(speculate=False, max_grad_norm=0.0, next_idx=False)
+    assert not p.deferred and not p.gate.deferred and p.order == (3, 2, 1, 0)
 
 
 @pytest.mark.parametrize("speculate", [True, False])

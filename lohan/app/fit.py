@@ -317,6 +317,9 @@ class FitReport:
     waits: bool = False
     """Every update waits for the step's global norm (slots=1, or clip_mode defer): ``step_s`` is the estimate's
     ``t_deferred``, not ``t_iter``."""
+    defers: bool = False
+    """Clipping off, an update may still run after backward beside the next forward (the plan kept room for the
+    gradients: `pools.may_defer_unclipped`): the plan says what that costs."""
 
     @property
     def fits(self) -> bool:
@@ -324,10 +327,11 @@ class FitReport:
 
     def format(self) -> str:
         c = self.capacity
-        lines = [c.format(), "", c.plan.format_table(clip=self.clips), "",
+        lines = [c.format(), "", c.plan.format_table(clip=self.clips, defer=self.defers), "",
                  f"rates: {self.machine.hardware.describe()}",
                  f"predicted step {self.step_s:.4g} s"
-                 + (" (every update waits for the global norm)" if self.waits else "")
+                 + ((" (every update after backward)" if self.defers else " (every update waits for the global norm)")
+                    if self.waits else "")
                  + f" | {self.tokens_per_s:,.3g} tokens/s | {self.tflops:.3g} TFLOPS (model FLOPs)"
                  + (f" | epoch {_duration(self.epoch_s)}" if self.epoch_s else "")]
         lines += [f"  note: {n}" for n in self.machine.notes]
@@ -370,20 +374,21 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says); ``act_compress``: the
     engine's setting (int8 records priced compressed, `planner.capacity`). The predicted step is
     the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
-    norm (slots=1, or clipping with ``clip_mode`` defer)."""
+    norm (slots=1, or ``clip_mode`` defer: with clipping off too, where the plan keeps room for the gradients)."""
     clips = keep_grads if clips is None else clips
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
                    keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
                    clip_mode=clip_mode, state_format=state_format, act_compress=act_compress)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, machine.hardware)
-    waits = slots == 1 or (clips and clip_mode == "defer")
+    defers = not clips and slots == 2 and "grad_stash" in cap.cpu_parts  # the plan kept room for the gradients
+    waits = slots == 1 or (clip_mode == "defer" and (clips or defers))
     est = cap.plan.estimate
     step_s = est.t_deferred if waits and est.t_deferred else est.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
-                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits)
+                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers)
 
 
 def _with_device_in_ram(cap: Capacity, hw: Hardware) -> Capacity:

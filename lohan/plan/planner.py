@@ -36,7 +36,9 @@ The lanes, each a resource that works in parallel with the others (the time one 
   overflowed activations, and writes P32, m, v, P16. So per step the SSDs read ``(12 + 2 s) P`` and write
   ``(12 + s) P`` bytes, at the *effective* bandwidths of :class:`Hardware` (see :class:`SsdSpec`); the
   records kept in main memory across steps (``Profile.resident_params``, ``pools.plan_resident``) are
-  written but not read: ``12 R`` bytes less.
+  written but not read: ``12 R`` bytes less; and the P16 the parameter pool keeps over a turn
+  (``Profile.kept_p16_params``, K) are read in neither pass: backward finds those forward read, the next forward
+  those the update handed over: ``2 s K`` bytes less.
 - ``cpu`` (backward only): the CPU AdamW, ``P / cpu_adam_params_per_s`` (the fp32 master, m and v
   updated and the P16 copy made). Active gradient offloading (DESIGN §4.3) runs the optimizer of block i
   while the GPU runs backward of block i-1, so it is one more lane of the backward phase. A rate of 0
@@ -57,7 +59,7 @@ done). That ``fill`` is the non-overlapped head and tail; the paper's equations 
 
 ``t_serial`` is the same step with the optimizer after backward instead of under it (ZeRO-Infinity's
 schedule, the engine's ``offload=serial``): backward without the optimizer's lanes, then a phase of
-``cpu`` and the optimizer's SSD traffic. ``t_serial / t_iter`` is the gain of active gradient offloading.
+``cpu`` and the optimizer's SSD traffic; its forward reads every P16 (nothing is handed over). ``t_serial / t_iter`` is the gain of active gradient offloading.
 
 Clipping (``engine.max_grad_norm`` > 0) needs the global gradient norm, known only when backward ends. ``T_iter``
 is a *speculated* step that did not clip: every block updated at coefficient 1 under backward. Two more steps
@@ -258,6 +260,10 @@ class Profile:
     readahead_params: int = 0
     """Params whose records the read-ahead room holds: read during backward ahead of a deferred update
     (``pools.HostMemoryPlan.readahead``), none of them resident."""
+    kept_p16_params: int = 0
+    """Params whose P16 the parameter pool keeps over a turn (``pools.HostMemoryPlan.params``, all of them for a
+    small model): backward finds those forward read, and the next forward those the update during backward handed
+    over, so neither reads them from the SSDs. Serial mode hands nothing over: its forward reads every P16."""
     follow: bool = True
     """The next step's forward runs beside a deferred or redone update (the next batch known, as the training
     loop always gives it); False: it starts after the update."""
@@ -288,6 +294,8 @@ class Profile:
             problems.append(f"n_blocks={self.n_blocks} must be >= 1")
         if not 0 <= self.resident_params <= self.param_count:
             problems.append(f"resident_params={self.resident_params} must be in [0, param_count]")
+        if not 0 <= self.kept_p16_params <= self.param_count:
+            problems.append(f"kept_p16_params={self.kept_p16_params} must be in [0, param_count]")
         if not 0 <= self.readahead_params <= self.param_count - max(0, self.resident_params):
             problems.append(f"readahead_params={self.readahead_params} must be in [0, param_count - resident_params]")
         if any(op.flops < 0 or op.bytes < 0 or (op.bytes_int8 or 0) < 0 for op in self.ops) or self.input_bytes < 0:
@@ -391,9 +399,11 @@ class Estimate:
     def from_dict(d: Mapping[str, Any]) -> Estimate:
         return Estimate(**{**d, "swap": tuple(d["swap"])})
 
-    def format_lanes(self, clip: bool = True) -> str:
+    def format_lanes(self, clip: bool = True, defer: bool = False) -> str:
         """Seconds each lane is busy per step, forward and backward, one line per term, and the bottleneck; then
-        what clipping costs (``clip``: the run clips) and the optimizer after backward (serial mode)."""
+        what clipping costs (``clip``: the run clips), what an update after backward costs with clipping off
+        (``defer``: the run may defer one, `pools.may_defer_unclipped`) and the optimizer after backward (serial
+        mode)."""
         lines = [f"{'lane':<6}{'forward':>10}{'backward':>10}  term"]
         for lane in LANES_B:
             f, b = self.lanes_f.get(lane), self.lanes_b.get(lane)
@@ -405,11 +415,12 @@ class Estimate:
         lines.append(f"{'fill':<6}{_secs(self.fill_f):>10}{_secs(self.fill_b):>10}  {LANE_DOC['fill']}")
         lines.append(f"T_f = {_secs(self.t_f)} (bottleneck {self.bottleneck_f}), T_b = {_secs(self.t_b)} "
                      f"(bottleneck {self.bottleneck_b}), T_iter = {_secs(self.t_iter)}")
-        lines += self._clip_lines(clip)
+        lines += self._clip_lines(clip, defer)
         return "\n".join(lines)
 
-    def _clip_lines(self, clip: bool) -> list[str]:
-        """What clipping costs (when the run clips and the estimate prices it) and the serial schedule's step."""
+    def _clip_lines(self, clip: bool, defer: bool = False) -> list[str]:
+        """What clipping costs (when the run clips and the estimate prices it), or an update after backward with
+        clipping off, and the serial schedule's step."""
         def ratio(t: float) -> str:
             return f"{_secs(t)} ({t / self.t_iter:.2f}x)" if self.t_iter else _secs(t)
         lines = []
@@ -419,6 +430,10 @@ class Estimate:
                       f"{ratio(self.t_deferred)};",
                       f"          a speculated step that clipped after all (its optimizer pass redone) "
                       f"{ratio(self.t_redo)}; one that did not clip, T_iter"]
+        elif defer and self.t_deferred:
+            lines.append(f"clipping off: an update after backward, beside the next forward, takes "
+                         f"{ratio(self.t_deferred)}; clip_mode auto runs it there where it measures faster than "
+                         "under backward (T_iter)")
         if self.t_serial:
             lines.append(f"optimizer after backward (serial mode): {ratio(self.t_serial)}")
         return lines
@@ -470,20 +485,24 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     opt_read = profile.record_bytes * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
     cpu = profile.update_cost * profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
+    # P16 read from the SSDs in each pass: what the parameter pool does not keep over the turn (Profile)
+    p16_read = p16 * (1 - profile.kept_p16_params / max(1, profile.param_count))
     lanes_f = {"gpu": profile.flop_f / hw.thp_g + quant, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
-               "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
+               "ssd": p16_read / hw.bw_s2m + alpha / hw.bw_m2s}
     lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g + dequant, "g2m": p16 / hw.bw_g,
-               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (p16 + opt_read + alpha) / hw.bw_s2m + states / hw.bw_m2s,
+               "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (p16_read + opt_read + alpha) / hw.bw_s2m + states / hw.bw_m2s,
                "cpu": cpu}
     (slow_f, fill_f), (slow_b, fill_b) = _pipeline(lanes_f, n), _pipeline(lanes_b, n)
     t_f, t_b = slow_f + fill_f, slow_b + fill_b
-    # The optimizer after backward: backward keeps its own traffic, then the optimizer's lanes run alone.
-    serial_b = {**lanes_b, "cpu": 0.0, "ssd": (p16 + alpha) / hw.bw_s2m}
+    # The optimizer after backward: backward keeps its own traffic, then the optimizer's lanes run alone; its
+    # forward reads every P16 (nothing handed over)
+    serial_f = {**lanes_f, "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
+    serial_b = {**lanes_b, "cpu": 0.0, "ssd": (p16_read + alpha) / hw.bw_s2m}
     serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
-    t_serial = t_f + _phase(serial_b, n) + _phase(serial_opt, n)
+    t_serial = sum(_pipeline(serial_f, n)) + _phase(serial_b, n) + _phase(serial_opt, n)
     t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_f + t_b)
     traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + p16),
-               "ssd_read": float(2 * p16 + opt_read + alpha), "ssd_write": float(states + alpha),
+               "ssd_read": float(2 * p16_read + opt_read + alpha), "ssd_write": float(states + alpha),
                "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
@@ -569,8 +588,9 @@ class Plan:
             start = end + 1
         return "blocks " + ", ".join(runs)
 
-    def format_table(self, clip: bool = True) -> str:
-        """The walk, the tiers and the chosen point's lanes; ``clip``: the run clips (:meth:`Estimate.format_lanes`)."""
+    def format_table(self, clip: bool = True, defer: bool = False) -> str:
+        """The walk, the tiers and the chosen point's lanes; ``clip``: the run clips, ``defer``: clipping off, it may
+        update after backward (:meth:`Estimate.format_lanes`)."""
         rows = self.points or (self.estimate,)
         head = (f"{'':2}{'#':>2}  {'swap (cumulative)':<18}{'A_G2M':>11}{'to SSD':>11}{'FLOP_r':>12}"
                 f"{'T_f':>10}{'T_b':>10}{'T_iter':>10}  bottleneck f/b")
@@ -598,7 +618,7 @@ class Plan:
         lines.append(f"{self.tier_summary()} (cpu {_gb(self.cpu_bytes)}, ssd {_gb(self.ssd_bytes)})")
         lines.append(_CASES.get(self.case, "") or f"forced policy {self.policy!r} (not chosen by Algorithm 1)")
         lines.append("lanes of the chosen point (seconds each resource is busy per step):")
-        lines += ["  " + line for line in self.estimate.format_lanes(clip).splitlines()]
+        lines += ["  " + line for line in self.estimate.format_lanes(clip, defer).splitlines()]
         return "\n".join(lines)
 
 
@@ -1186,7 +1206,8 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
                         resident_mem, cpu_mem, readahead_mem, clip_mode, state_format)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
-    layout = pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format).store
+    geometry = pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format)
+    layout = geometry.store
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
     profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
@@ -1194,7 +1215,10 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     # the room holds whole records (P32, m, v, P16) of parameters not resident
     fmt = formats.state_format(state_format)
     ahead = min(int(host.readahead // fmt.at_rest(profile.p16_itemsize)), profile.param_count - resident)
+    kept = round(profile.param_count * pools.kept_p16_fraction(host.params, geometry.p16, prefetch_depth)) \
+        if slots > 1 else 0  # (in place nothing is kept)
     plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
+                                          kept_p16_params=kept,
                                           write_behind=slots == 2, record_bytes=fmt.record(),
                                           separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
                                           act_compress=act_compress))

@@ -17,7 +17,8 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
   the global norm or ahead of the gradients (``readahead_mem``; optimized mode: :func:`reads_ahead`);
 - grad_stash: the step's gradients kept for a clipped (deferred or redone) update, or until an in-place step is
   known to be finite (``keeps_all_grads``), as far as ``cpu_mem`` allows; the rest goes to the SSDs
-  (``store.gradstash``). In serial mode the grads pool holds them already.
+  (``store.gradstash``). In serial mode the grads pool holds them already. Clipping off, an update may still
+  run after backward beside the next forward (``may_defer_unclipped``): then too, where they all fit.
 
 Torch-free: the geometry is a :class:`~lohan.plan.records.StoreLayout` (records laid out by
 ``lohan.plan.records``, the store's own geometry) and the settings an ``EngineConfig``. With ``align=1`` the same
@@ -37,7 +38,7 @@ from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, la
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
-    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "reads_ahead", "optimizer_chunk_elems", "upcast_bytes",
+    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
     "plan_host_memory", "pool_config", "chunk_record_bytes",
 ]
@@ -86,6 +87,25 @@ def keeps_all_grads(cfg: EngineConfig) -> bool:
     """Whether a step holds every block's gradient at once: serial mode updates after backward; clipping needs the
     global norm (a deferred or redone update); slots=1 writes nothing before the step is known to be finite."""
     return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
+
+
+def may_defer_unclipped(cfg: EngineConfig, world: int = 1) -> bool:
+    """Clipping off: whether a step may still run its update after backward, in forward order with the next
+    step's forward beside it (``clip_mode`` defer, or auto where that measures faster: a CPU device that shares
+    its cores with the optimizer fills its forward's idle time so), for which it keeps the step's gradients.
+    One process, two slots, not serial mode (the ablation's baseline: ZeRO-Infinity's schedule)."""
+    return (cfg.max_grad_norm <= 0 and cfg.slots == 2 and cfg.mode != "serial" and world == 1
+            and cfg.clip_mode != "speculate")
+
+
+def kept_p16_fraction(params_bytes: int, p16: tuple[int, ...] | list[int], prefetch_depth: int) -> float:
+    """The share of the model's P16 the parameter pool (``params_bytes``) keeps over a forward/backward turn
+    (``planner.Profile.kept_p16_params``): all of it where the pool holds every block, else what the blocks in use
+    (the current one and those read ahead) leave."""
+    total = sum(p16)
+    if not total or params_bytes >= total:
+        return 1.0
+    return max(0, params_bytes - (prefetch_depth + 1) * max(p16)) / total
 
 
 def reads_ahead(cfg: EngineConfig) -> bool:
@@ -323,7 +343,7 @@ def pool_config(compute_dtype: str = "bf16", micro_batches: int = 1, prefetch_de
                         max_inflight_blocks=max_inflight, slots=slots, max_grad_norm=1.0 if clip else 0.0,
                         resident_records=resident, resident_mem=resident_mem if resident else 0, cpu_mem=cpu_mem,
                         opt_chunk_bytes=opt_chunk_bytes, mode=mode, readahead_mem=readahead_mem,
-                        clip_mode=clip_mode if clip else "auto")
+                        clip_mode=clip_mode)
 
 
 def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, free: int | None = None,
@@ -370,6 +390,9 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         plan = replace(plan, grad_stash=stash, has_stash=True, stash_ram=stash)
     elif cfg.mode == "serial":  # the grads pool holds every gradient: the stash keeps those very buffers
         plan = replace(plan, stash_ram=sum(shards))
+    elif may_defer_unclipped(cfg, world) and cfg.clip_mode == "defer":  # clipping off, every update deferred
+        stash = min(sum(shards), max(0, plan.budget - plan.total))
+        plan = replace(plan, grad_stash=stash, has_stash=True, stash_ram=stash)
     # half of what cpu_mem (and the machine) leave goes to records: resident ones first (auto), read-ahead room
     # with the rest of that half (auto); the other half stays for swapped activations and the process
     share = max(0, (plan.budget if free is None else min(plan.budget, free)) - plan.total) // 2
@@ -382,6 +405,11 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         every = readahead_every(local, chunk, records + plan.resident, a)
         want = share if cfg.readahead_mem == "auto" else int(cfg.readahead_mem)
         plan = replace(plan, readahead=min(want, every), readahead_all=every)
+    if may_defer_unclipped(cfg, world) and cfg.clip_mode == "auto" and sum(shards) <= plan.budget - plan.total:
+        # clipping off, an update that may run after backward (auto): from what the pools leave, only where every
+        # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
+        # the resident and read-ahead rooms stay what they were without it)
+        plan = replace(plan, grad_stash=sum(shards), has_stash=True, stash_ram=sum(shards))
     if check:
         _check(plan, cfg)
     return plan

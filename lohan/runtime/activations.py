@@ -53,7 +53,7 @@ class ActivationManager:
     def __init__(self, cfg: EngineConfig, program: Any, device: Device, autocast: Callable[[], Any],
                  engine_pool_bytes: int, model_label: str, param_count: int, p16_itemsize: int,
                  flops_per_token: Callable[[int], float] | None, resident_params: int = 0,
-                 readahead_params: int = 0) -> None:
+                 readahead_params: int = 0, kept_p16_fraction: float = 0.0) -> None:
         self.cfg = cfg
         self.program = program
         self.device = device
@@ -66,6 +66,7 @@ class ActivationManager:
         self.resident_params = resident_params  # whose records are not read each step (the planner's SSD lane)
         # whose records the read-ahead room holds: read during backward ahead of a deferred update (t_deferred)
         self.readahead_params = readahead_params
+        self.kept_p16_fraction = kept_p16_fraction  # of the P16 the parameter pool keeps over a turn
         n = len(program.modules)
         self.inner = range(1, n - 1)
         self.tracker = OpTracker(program.modules[i] for i in self.inner)
@@ -107,6 +108,7 @@ class ActivationManager:
         resident = min(self.resident_params, param_count)
         fmt = state_format(self.cfg.state_format)  # the records' bytes and the update's CPU cost in the format
         return {"resident_params": resident, "readahead_params": min(self.readahead_params, param_count - resident),
+                "kept_p16_params": round(param_count * self.kept_p16_fraction),
                 "write_behind": self.cfg.slots == 2 and self.cfg.write_behind, "record_bytes": fmt.record(),
                 "separate_p16": fmt.separate_p16, "update_cost": fmt.update_cost}
 

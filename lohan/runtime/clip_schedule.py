@@ -8,6 +8,10 @@ known, in forward order with the next step's forward beside it). Both give the s
 - a deferred step costs ``defer`` seconds more than a speculated step that was right, clipped or not;
 - a speculated step that clips costs ``redo`` seconds more (the optimizer pass runs twice, its I/O included).
 
+With clipping off (``max_grad_norm`` 0) nothing is redone (``p_clip`` is 0): a step updates during backward unless
+deferring measures cheaper (``defer <= 0``, below), where the memory plan kept the step's gradients in main memory
+(`lohan.plan.pools.may_defer_unclipped`); `step.clip_gate` then defers only a step the next forward follows.
+
 So speculating pays when ``p_clip * redo < defer`` (`lohan.plan.clipping.should_speculate`), with ``p_clip`` the
 probability that this step clips, estimated from the recent norms (`lohan.plan.clipping.clip_probability`).
 Steady clipping (early fine-tuning) then defers every step and never redoes; norms well below the limit speculate;
@@ -51,8 +55,11 @@ PROBE_P_CLIP = 0.1
 class ClipSchedule:
     """The speculate-or-defer choice of `clip_mode` (module docstring), fed each step's `StepStats`."""
 
-    def __init__(self, cfg: EngineConfig, by_cost: bool = True) -> None:
+    def __init__(self, cfg: EngineConfig, by_cost: bool = True, defer_unclipped: bool = False) -> None:
         self.cfg = cfg
+        # clipping off: whether an update may run after backward at all (`pools.may_defer_unclipped`, and the
+        # memory plan kept room for the gradients meanwhile)
+        self.defer_unclipped = defer_unclipped
         # data parallel: every rank must choose alike (a deferred pass gathers the next forward's blocks from
         # the other ranks), and their step times differ; the coefficient, a global figure, is the same on all
         self.by_cost = by_cost
@@ -66,8 +73,11 @@ class ClipSchedule:
         self.last_choice: dict[str, float | str | None] = {}  # why the last step was scheduled as it was
 
     def speculate(self, estimate: Estimate | None = None) -> bool:
-        """Whether the next step speculates (clipping on, two slots: `step.clip_gate` decides the rest)."""
+        """Whether the next step speculates: updates during backward (`step.clip_gate` decides the rest)."""
         mode = self.cfg.clip_mode
+        if self.cfg.max_grad_norm <= 0 and not self.defer_unclipped:
+            self.last_choice = {"rule": "clipping off"}
+            return True
         if mode != "auto":
             return mode == "speculate"
         if not self.norms:  # the first step: nothing known of the norm
@@ -76,7 +86,7 @@ class ClipSchedule:
         costs = self.costs(estimate) if self.by_cost else None
         if costs is None:
             self.last_choice = {"rule": "last step", "last_coef": self.last_coef}
-            return self.last_coef == 1.0
+            return self.last_coef == 1.0 or self.cfg.max_grad_norm <= 0
         defer, redo = costs
         p = clip_probability(list(self.norms), self.cfg.max_grad_norm, HISTORY)
         choice = should_speculate(p, defer, redo)

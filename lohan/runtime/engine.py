@@ -44,6 +44,7 @@ from lohan.plan.formats import state_format
 from lohan.plan.pools import (
     PoolGeometry,
     keeps_all_grads,
+    kept_p16_fraction,
     optimizer_chunk_elems,
     plan_host_memory,
     plan_resident,
@@ -134,6 +135,9 @@ class Engine:
         # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
         self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize)
         self.memory_plan = self.host_memory.parts()
+        # the share of the P16 the parameter pool keeps over a turn (in place, with one slot, nothing is kept)
+        self._kept_p16 = kept_p16_fraction(self.host_memory.params, geometry.p16, cfg.prefetch_depth) \
+            if cfg.slots > 1 else 0.0
         if self.dp:
             init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
         self.store, self._lock = _open_store(cfg, local_layout, model_meta, init_block, resume, overwrite, progress,
@@ -146,7 +150,8 @@ class Engine:
             raise
         self.last_stats: StepStats | None = None  # what the last step measured
         self._broken: str | None = None
-        self.clip_schedule = ClipSchedule(self.cfg, by_cost=self.dp is None)  # speculate or defer (clip_mode)
+        self.clip_schedule = ClipSchedule(self.cfg, by_cost=self.dp is None,  # speculate or defer (clip_mode)
+                                          defer_unclipped=self.host_memory.has_stash and self.cfg.max_grad_norm <= 0)
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
@@ -172,7 +177,7 @@ class Engine:
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
         self.stash = (GradStash(list(cfg.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
-                                cfg.stripe_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) else None)
+                                cfg.stripe_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) or plan.has_stash else None)
         # (on the pool without the read-ahead room: that room is for one backward, not from step to step; the
         # store's chunk, which a resumed store keeps)
         resident = (plan_resident(layout, plan.records + plan.resident, cfg.max_inflight_blocks,
@@ -188,6 +193,7 @@ class Engine:
             resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
             // max(1, sum(b.numel for b in layout.blocks)),
             # the records the read-ahead room holds (the same share of the whole model as of the rank's shards)
+            kept_p16_fraction=self._kept_p16,
             readahead_params=self.layout.param_count
             * int(plan.readahead // state_format(cfg.state_format).at_rest(self.store.p16_dtype.itemsize))
             // max(1, sum(b.numel for b in layout.blocks)))

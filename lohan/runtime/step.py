@@ -73,7 +73,7 @@ class StepPlan:
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
              speculate: bool, next_idx: Tensor | None, one_process: bool) -> StepPlan:
-        gate = clip_gate(cfg, speculate)
+        gate = clip_gate(cfg, speculate, next_idx is not None)
         deferred = gate.deferred
         follow = deferred and next_idx is not None
         return StepPlan(
@@ -87,14 +87,15 @@ class StepPlan:
             next_idx=next_idx)
 
 
-def clip_gate(cfg: EngineConfig, speculate: bool) -> ClipGate:
+def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False) -> ClipGate:
     """The step's coefficient gate: open at 1 (no clipping, or a speculated update), or deferred until the norm
-    is known. In place (slots=1) nothing may be written before the step is known good. With clipping on,
-    `speculate` is the schedule's choice (`clip_schedule.ClipSchedule`: `clip_mode`, and for `auto` the running
-    norm and what each way costs)."""
+    is known. In place (slots=1) nothing may be written before the step is known good. `speculate` is the
+    schedule's choice (`clip_schedule.ClipSchedule`: `clip_mode`, and for `auto` the running norm and what each
+    way costs); clipping off, not speculating means updating after backward beside the next forward, so only
+    where one `follow`s."""
     if cfg.slots == 1:
         return ClipGate(None)
-    if cfg.max_grad_norm <= 0 or speculate:
+    if speculate or (cfg.max_grad_norm <= 0 and not follow):
         return ClipGate(1.0)
     return ClipGate(None)
 
