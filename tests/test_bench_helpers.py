@@ -280,3 +280,20 @@ def test_ago_cli_runs_finetune_on_the_tiny_preset(tmp_path, capsys):
     assert "## clipped" in out.with_suffix(".md").read_text()
     assert not scratch.exists()  # stores, metrics files and logs removed
     assert "run 2/2" in capsys.readouterr().out
+
+
+GB = 10**9
+
+
+def test_ago_bench_counts_other_disk_traffic_over_the_measured_steps_not_per_step():
+    """Write-behind completes a step's last writes in the next one: per step the disk and the engine disagree,
+    over the steps they agree; only traffic beyond the engine's is another process's."""
+    def rec(own_w, disk):
+        return {"ssd_read_bytes": 4 * GB, "ssd_write_bytes": own_w, "disk_bytes": disk}
+    shifted = [rec(6 * GB, 7 * GB), rec(1 * GB, 8 * GB)]  # the first step's tail lands in the second
+    sm = {"other_disk_bytes": ago_bench._other_disk_bytes(shifted), "other_busy_max": 0.0}
+    assert sm["other_disk_bytes"] == {"other": 0, "own": 15 * GB}
+    assert ago_bench.check_machine("clipped", "optimized", sm) == []
+    sm["other_disk_bytes"] = ago_bench._other_disk_bytes([rec(6 * GB, 9 * GB), rec(1 * GB, 8 * GB)])
+    assert "2.0 GB of other disk traffic" in ago_bench.check_machine("clipped", "optimized", sm)[0]
+    assert ago_bench._other_disk_bytes([rec(1, None)]) is None
