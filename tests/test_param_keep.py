@@ -5,6 +5,8 @@ when the pool is too small to keep everything (kept blocks give way to prefetche
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import lohan
@@ -52,6 +54,23 @@ def test_an_update_during_backward_hands_its_p16_to_the_next_forward(make_dirs, 
         reads = _p16_read_per_step(engine, 4, follow=False)
         assert engine.streamer.handed_over == 4 * len(engine.store.layout.blocks)
     assert reads[0] > 0 and reads[1:] == [0, 0, 0]
+
+
+def test_the_hand_over_does_not_race_the_release(make_dirs):
+    """A block is released before its gradient goes to the optimizer: an update that reaches the block before
+    backward lets go of it would find no buffer to keep its P16 in (slow releases make that race certain)."""
+    mcfg = tiny_cfg(n_layer=3)
+    with lohan.init(mcfg, engine_config(make_dirs(1), max_grad_norm=0.0, mode="optimized")) as engine:
+        release = engine.streamer.release
+
+        def slow_release(i: int) -> None:
+            time.sleep(0.05)
+            release(i)
+
+        engine.streamer.release = slow_release
+        reads = _p16_read_per_step(engine, 3, follow=False)
+        assert engine.streamer.handed_over == 3 * len(engine.store.layout.blocks)
+    assert reads[1:] == [0, 0]
 
 
 @pytest.mark.parametrize("follow", [False, True])

@@ -229,11 +229,13 @@ class BlockPasses:
             pending.append(Pending(i, gbuf, block_views(host, layout), self.dp.all_reduce_async(host)))
         else:
             pending.append(Pending(i, gbuf, block_views(host, layout), event))
+        # released before its gradient goes to the optimizer: an update during backward hands the block's new
+        # P16 over in the buffer this frees (ParamStreamer.handover), and may reach block i at once
+        self.leave(run.visits, p, slot)
         # hand over every gradient whose copy (or sum) is complete, and never keep more than one waiting
         while pending and (len(pending) > 1 or (self.dp is None and pending[0].work.query())):
             self._hand_over(run, pending.pop(0), norms)
         crashpoint("engine.backward")
-        self.leave(run.visits, p, slot)
 
     def _accumulate(self, run: StepRun, i: int, params: list[torch.nn.Parameter], acc: list[Tensor] | None,
                     acts: Acts, tgt_mb: tuple[Tensor, ...], grad_out: list[Tensor | None],
