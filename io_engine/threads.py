@@ -32,14 +32,14 @@ _IOV_MAX = 512
 def open_direct(path: str) -> tuple[int, bool]:
     """Open `path` read-write with O_DIRECT, or buffered (with a warning) where the filesystem refuses it."""
     try:
-        return os.open(path, os.O_RDWR | os.O_DIRECT), True
+        return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW), True
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise IOEngineError(f"cannot open slab file: {e.strerror}", path, op="open",
                                 directory=os.path.dirname(path), err=e.errno) from e
     log.warning("filesystem of %s refuses O_DIRECT; using buffered I/O (page cache) for it, "
                 "so bandwidth numbers include caching", path)
-    return os.open(path, os.O_RDWR), False
+    return os.open(path, os.O_RDWR | os.O_NOFOLLOW), False
 
 
 class ThreadsBackend:

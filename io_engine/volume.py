@@ -187,7 +187,8 @@ class Volume:
         try:
             for path in self.paths:
                 existed = os.path.exists(path)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                # never through a link: the slab would be written into whatever it points at (ELOOP instead)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
                 if not existed:
                     created.append(path)
                 try:

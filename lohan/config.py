@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -223,6 +224,25 @@ def get_model_config(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid presets are: {', '.join(PRESETS)}")
     return ModelConfig(name=name, **PRESETS[name]).with_overrides(**overrides)
+
+
+_STORE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_VOLUME_TAILS = ("-act", "-grad", "-probe")
+"""The run's scratch volumes are ``<name>-act`` and so on (lohan.store.files.VOLUMES): a store named like one of them
+would share its files with another store's scratch volume in the same directory."""
+
+
+def store_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a store (None if it can). The store's files are ``<nvme>/<name><suffix>``, so the name
+    must be a plain file name: a ``/``, ``..`` or an empty name would put them outside the directories the run
+    checks and locks (or name them ``None.slab``)."""
+    fix = "a store name is a file name: letters, digits, '_' and '-', 1 to 64 characters, e.g. lohan or run-2"
+    if not isinstance(name, str) or not _STORE_NAME.fullmatch(name):
+        return f"name={name!r}: {fix}"
+    if name.endswith(_VOLUME_TAILS):
+        return (f"name={name!r}: names ending in {', '.join(_VOLUME_TAILS)} are the scratch volumes of other stores "
+                "in the same directory; choose another")
+    return None
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -474,7 +494,8 @@ class EngineConfig:
     tensors do not mix with host buffers and whose copies complete late (lohan/runtime/simdevice.py; for tests)."""
 
     name: str = "lohan"
-    """Store name: file stem of the slab files and records in the NVMe directories."""
+    """Store name: file stem of the slab files and records in the NVMe directories (``<nvme>/<name>.slab``, ...).
+    A file name, not a path: letters, digits, ``_`` and ``-`` (`store_name_problem`)."""
 
     act_policy: str = "plan"
     """Which activations leave the device between forward and backward (DESIGN.md §4.4):
@@ -523,6 +544,9 @@ class EngineConfig:
             problems.append("nvme: give at least one directory")
         nvme = tuple(os.fspath(d) for d in nvme)
         object.__setattr__(self, "nvme", nvme)
+        problem = store_name_problem(self.name)
+        if problem:
+            problems.append(problem)
         for name in ("act_mem", "gpu_mem"):
             if getattr(self, name) is not None:
                 try:

@@ -73,10 +73,12 @@ from lohan.runtime.step import (
     StepPlan,
     StepRun,
     StepStats,
+    commit_note,
     measure,
     rank_batch,
     settle,
     skip_outcome,
+    stats_from_note,
 )
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
@@ -217,6 +219,13 @@ class Engine:
         return self.store.durable_step
 
     @property
+    def committed_stats(self) -> StepStats | None:
+        """What the committed step measured, as committed with it (None before the first step, or for a store
+        written by an older lohan): a process that was killed before it wrote the step's metrics finds them
+        here. Its `step_s` leaves out the commit's own time, which `last_stats` includes."""
+        return stats_from_note(self.store.commit_state.note)
+
+    @property
     def gpu_plan(self) -> dict[str, int] | None:
         """The GPU memory plan checked at the first step (planner.gpu_need), where one was checked."""
         return self.passes.gpu_plan
@@ -275,7 +284,9 @@ class Engine:
         run = self._begin(batch, next_batch)
         try:
             loss = self._train(run)
-            self._conclude(run, loss)
+            # measured before the commit too, to be committed with it (`committed_stats`): the time of the commit
+            # itself is in `last_stats` only
+            self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
             self.last_stats = measure(self, run, loss, overlapped=self._next.held)
             self.clip_schedule.observe(self.last_stats)
         except BaseException:
@@ -377,16 +388,17 @@ class Engine:
         self.streamer.end_handover()
         run.next_fwd_s = fwd_t.seconds() if fwd_t else 0.0
 
-    def _conclude(self, run: StepRun, loss: float) -> None:
-        """Commit the step, or (not finite) its skip; fp16: the loss scale's update goes with either."""
+    def _conclude(self, run: StepRun, loss: float, note: dict) -> None:
+        """Commit the step, or (not finite) its skip, with `note` (what it measured); fp16: the loss scale's update
+        goes with either."""
         plan = run.plan
         run.phase = Phase.COMMITTING
         scaler = run.scaler.update(self.device) if run.scaler else {}
         if run.settlement.skipped:
-            self._skip(run, loss, scaler)
+            self._skip(run, loss, {**scaler, "note": note})
         else:
             self._commit(plan.step + 1, plan.write_slot, sums=self.offloader.sums_written(), updates=plan.update,
-                         durable=not plan.lazy, **scaler)
+                         durable=not plan.lazy, note=note, **scaler)
         run.phase = Phase.COMMITTED
 
     def _abort(self, run: StepRun) -> None:

@@ -360,6 +360,20 @@ class StepStats:
         return {**dataclasses.asdict(self), **{k: getattr(self, k) for k in derived}}
 
 
+def commit_note(stats: StepStats) -> dict[str, Any]:
+    """What a commit keeps of its step's `StepStats` (`Commit.note`): every field but the activation plan's
+    counters (the bulk of it, and not part of the run's metrics)."""
+    return {k: v for k, v in dataclasses.asdict(stats).items() if k != "activations"}
+
+
+def stats_from_note(note: dict[str, Any] | None) -> StepStats | None:
+    """The `StepStats` a commit kept (`commit_note`), or None (no note: before the first step, an older store)."""
+    if not note:
+        return None
+    fields = {f.name for f in dataclasses.fields(StepStats)}
+    return StepStats(**{k: v for k, v in note.items() if k in fields}, activations={})
+
+
 def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> StepStats:
     """The step's `StepStats` from the engine's counters now and at the step's start (`overlapped`: the next
     step's forward ran beside this step's optimizer pass)."""

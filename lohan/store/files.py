@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from lohan.config import store_name_problem
+
 VOLUME_SUFFIXES = (".slab", ".volume.json")
 """An io_engine volume's files in each directory: the striped slab and its manifest."""
 VOLUMES = ("", "-act", "-grad", "-probe")
@@ -16,6 +18,14 @@ RECORDS = (".store.json", ".commit.json", ".init.json", ".run.json", ".profile.j
 the activation profile, and a data-parallel group's commit record."""
 SUFFIXES = tuple(v + s for v in VOLUMES for s in VOLUME_SUFFIXES) + RECORDS
 """Every file of a run; JSON records are written through `<file>.tmp` (integrity.write_json_atomic)."""
+
+
+def check_name(name: str) -> None:
+    """ValueError unless `name` can name a store (`lohan.config.store_name_problem`): its files must stay inside the
+    directories a run checks and locks, whoever calls the store (the command line, `lohan.init`, a script)."""
+    problem = store_name_problem(name)
+    if problem:
+        raise ValueError(problem)
 
 
 def is_run_file(filename: str, name: str) -> bool:

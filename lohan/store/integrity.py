@@ -59,7 +59,8 @@ def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
     path = os.fspath(path)
     data = {**data, "checksum": json_checksum(data)}
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    # never through a link: a `.tmp` that links elsewhere would have its target truncated (ELOOP instead)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w") as f:
         json.dump(data, f, indent=1)
         f.flush()
         os.fsync(f.fileno())

@@ -123,11 +123,13 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
                                  stripe_bytes=cfg.stripe_bytes, name=cfg.name, progress=progress,
                                  emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems,
                                  checksums=cfg.checksums)
+    replaces = (status.volume_id, *status.replaces) if status.volume_id else ()
     if status.state != "none":  # overwrite, or the slab files of a creation that stopped before its first block
         remove_store(dirs, cfg.name)
     return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
                              stripe_bytes=cfg.stripe_bytes, name=cfg.name, progress=progress,
-                             emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems, checksums=cfg.checksums)
+                             emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems, checksums=cfg.checksums,
+                             replaces=replaces)
 
 
 def remove_store(dirs: list[str], name: str) -> None:

@@ -43,7 +43,7 @@ from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format as state_format_of
 from lohan.plan.records import BlockLayout, ParamSpec, StoreLayout  # the record geometry (re-exported)
-from lohan.store.files import VOLUME_SUFFIXES
+from lohan.store.files import VOLUME_SUFFIXES, check_name
 from lohan.store.integrity import (
     StoreCorruptError,
     Sums,
@@ -217,10 +217,16 @@ class Commit:
     loss_scale: float | None = None   # fp16: the dynamic loss scale and its growth tracker (GradScaler's state)
     growth_tracker: int = 0
     prev: dict | None = None   # data parallel: the commit before this one, until the group has decided (runtime/parallel.py)
+    note: dict | None = None   # what the step measured (its loss, lr, ...), committed with it: the run's record of the
+    #                            step survives a kill between the commit and the record's write (app.train)
 
     @property
     def applied(self) -> int:
         return self.step if self.updates is None else self.updates
+
+
+MAX_LINEAGE = 64
+"""How many replaced stores a store remembers (`StoreStatus.replaces`)."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,8 @@ class StoreStatus:
     step: int = 0
     blocks_done: int = 0
     n_blocks: int = 0
+    volume_id: str | None = None  # the store's identity: new with each creation, the same across resumes
+    replaces: tuple[str, ...] = ()  # the identities of the stores this one replaced (--overwrite), latest first
 
     def describe(self) -> str:
         label = (self.model or {}).get("config", {}).get("name") or (self.model or {}).get("kind", "a model")
@@ -277,8 +285,11 @@ class StateStore:
                backend: str = "auto", stripe_bytes: int = 1 << 20, name: str = "lohan",
                progress: Callable[[int, int], None] | None = None,
                emulate_ssd_gbps: float | None = None, chunk_elems: int | None = None,
-               checksums: bool = True) -> StateStore:
+               checksums: bool = True, replaces: Sequence[str] = ()) -> StateStore:
         """Create the volume and write every block's initial record into slot 0, one block at a time.
+
+        `replaces`: the identities (volume ids) of the stores this one replaces in these directories, kept in its
+        description (`StoreStatus.replaces`): the run's outputs stamped with them are its own to replace.
 
         `init_block(i)` returns block i's initialized parameters (in layout order, any float dtype);
         only one block is ever materialized, so models larger than main memory initialize. Each block
@@ -286,6 +297,7 @@ class StateStore:
         creation was interrupted (killed, disk full, Ctrl-C) continues from the first missing block
         when `create` is called again with the same layout and model.
         """
+        check_name(name)
         check = chunk_elems or align_up(max(b.numel for b in layout.blocks), 4096)
         meta_path = os.path.join(dirs[0], f"{name}.store.json")
         init_path = os.path.join(dirs[0], f"{name}.init.json")
@@ -310,7 +322,8 @@ class StateStore:
             if not os.path.exists(meta_path):
                 write_json_atomic(meta_path, {"format": FORMAT_VERSION, "model": model_meta,
                                               "volume_id": volume.volume_id, "layout": layout.to_json(),
-                                              "check_elems": check, "checksums": checksums})
+                                              "check_elems": check, "checksums": checksums,
+                                              "replaces": list(replaces)[:MAX_LINEAGE]})
             if start:
                 log.info("continuing the initialization of %s at block %d of %d", dirs[0], start, len(layout.blocks))
                 if progress:
@@ -387,6 +400,7 @@ class StateStore:
     @staticmethod
     def status(dirs: Sequence[str], name: str = "lohan") -> StoreStatus:
         """What `dirs` hold under `name` (reads the metadata only; StoreCorruptError if it is damaged)."""
+        check_name(name)
         d = dirs[0]
         meta_path, commit_path = os.path.join(d, f"{name}.store.json"), os.path.join(d, f"{name}.commit.json")
         if not os.path.exists(meta_path):
@@ -401,17 +415,19 @@ class StateStore:
         if os.path.exists(commit_path):
             commit = _read_commit(commit_path)
             if not commit.dirty or commit.step > 0 or not os.path.exists(os.path.join(d, f"{name}.init.json")):
-                return StoreStatus("complete", meta["model"], commit.step, n_blocks, n_blocks)
+                return StoreStatus("complete", meta["model"], commit.step, n_blocks, n_blocks, meta["volume_id"],
+                                   tuple(meta.get("replaces", ())))
         done = 0
         init_path = os.path.join(d, f"{name}.init.json")
         if os.path.exists(init_path):
             done = int(read_json_checked(init_path, "initialization progress", _FIX_META)["blocks_done"])
-        return StoreStatus("partial", meta["model"], 0, done, n_blocks)
+        return StoreStatus("partial", meta["model"], 0, done, n_blocks, meta["volume_id"], tuple(meta.get("replaces", ())))
 
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", stripe_bytes: int = 1 << 20,
              name: str = "lohan", emulate_ssd_gbps: float | None = None) -> StateStore:
         """Open an existing store at its last commit."""
+        check_name(name)
         meta_path = os.path.join(dirs[0], f"{name}.store.json")
         commit_path = os.path.join(dirs[0], f"{name}.commit.json")
         if not os.path.exists(meta_path) or not os.path.exists(commit_path):
@@ -462,15 +478,16 @@ class StateStore:
         marked dirty, names the last good state once more). fp16's loss scale and tracker stay as committed."""
         c = self.commit_state
         self.commit(c.step, c.slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
-                    loss_scale=c.loss_scale, growth_tracker=c.growth_tracker, keep_prev=keep_prev)
+                    loss_scale=c.loss_scale, growth_tracker=c.growth_tracker, keep_prev=keep_prev, note=c.note)
 
     def commit(self, step: int, slot: int, sums: Sums | None = None, updates: int | None = None,
                bad_streak: int = 0, loss_scale: float | None = None, growth_tracker: int = 0,
-               keep_prev: bool = False, durable: bool = True) -> None:
+               keep_prev: bool = False, durable: bool = True, note: dict | None = None) -> None:
         """Make `slot` current at training step `step`, durably (all writes must be complete).
         `sums` are the checksums of every record in `slot` (required when the store keeps checksums);
         `updates` the optimizer updates the slot's states have seen (default: `step`). `keep_prev` keeps the
-        last commit of an earlier step in the record, so `revert` can go back to it (data parallel).
+        last commit of an earlier step in the record, so `revert` can go back to it (data parallel). `note`, a
+        JSON-ready dict the store keeps with the commit and does not read (`Commit.note`).
 
         `durable=False` stages the commit: it is current for this process at once (reads of `slot` check
         against its checksums), while the record on disk still names the previous one until `persist`, which
@@ -489,7 +506,7 @@ class StateStore:
             prev = {**asdict(old), "prev": None} if old.step < step else old.prev
         self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=sums,
                                    updates=None if updates == step else updates, bad_streak=bad_streak,
-                                   loss_scale=loss_scale, growth_tracker=growth_tracker, prev=prev)
+                                   loss_scale=loss_scale, growth_tracker=growth_tracker, prev=prev, note=note)
         if durable:
             write_json_atomic(self.commit_path, asdict(self.commit_state))
         else:
