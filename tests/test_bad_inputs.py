@@ -256,7 +256,7 @@ CASES = [
     # ------------------------------------------------------------------ export
     Case("export-into-non-empty-dir", lambda t, m: preset(t, "--export", str(write(mkdir(t / "out") / "notes.txt",
                                                                                   "keep me").parent)),
-         r"export directory .*out holds files that are not an export of lohan's .*choose another --export"),
+         r"export directory .*out holds what lohan cannot prove it wrote: notes.txt .*choose another --export"),
     Case("export-onto-a-file", lambda t, m: preset(t, "--export", str(write(t / "out.bin", "x"))),
          r"export path .*out\.bin is a file; give a directory"),
     # ------------------------------------------------------------------ paths: the run layout owns every output
@@ -314,7 +314,7 @@ CASES = [
          r"--metrics and --eval-data are the same path"),
     Case("export-staging-directory-foreign",
          lambda t, m: (write(mkdir(t / "out.partial") / "x", "mine"), preset(t, "--export", str(t / "out")))[1],
-         r"export staging directory .*out\.partial holds files that are not an export of lohan's"),
+         r"export's staging directory .*out\.partial holds what lohan cannot prove it wrote"),
     # ------------------------------------------------------------------ hardware
     Case("hardware-without-dry-run", lambda t, m: preset(t, "--hardware", "rtx4090,12xP5510,256GB"),
          r"--hardware describes another machine: use it with --dry-run"),

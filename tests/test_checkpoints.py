@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from lohan.app.cli import main
 from lohan.app.export import Checkpoints
 from lohan.app.layout import EXPORT_MARKER, RunLayout
+from lohan.app.ownership import Owner, begin_folder, seal_folder
 from tests.test_cli import args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def test_checkpoints_at_every_nth_step_with_save_s_in_the_metrics(tmp_path, caps
     assert steps_saved(out) == [2, 4]
     assert f"checkpoint {out / 'step-2'} (step 2, float32) written in" in text
     assert "checkpoints 2 written" in text  # the summary
-    assert json.loads((out / "step-4" / EXPORT_MARKER).read_text())["step"] == 4
+    assert json.loads((out / "step-4" / EXPORT_MARKER).read_text())["info"]["step"] == 4
     assert (out / EXPORT_MARKER).is_file() and (out / "config.json").is_file()  # the final export, as before
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "save_s" in r] == [2, 4]
@@ -89,6 +90,11 @@ def test_a_checkpoint_is_the_engines_weights_and_loads_with_its_tokenizer(tmp_pa
     assert same(weights(out / "step-4"), weights(out))  # the final export is the same step's
 
 
+def run_id(work: Path) -> str:
+    """The identity of the run whose metrics are in `work`/m.jsonl (every record carries it)."""
+    return json.loads((work / "m.jsonl").read_text().splitlines()[0])["run_id"]
+
+
 def test_total_limit_keeps_the_last_k_and_never_a_foreign_folder(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(args(tmp_path, "--steps", "5", "--save-every", "1", "--save-total-limit", "2", "--export",
@@ -96,26 +102,33 @@ def test_total_limit_keeps_the_last_k_and_never_a_foreign_folder(tmp_path, capsy
     assert steps_saved(out) == [4, 5]
     assert "removed step-3 (--save-total-limit 2)" in capsys.readouterr().out
 
-    # pruning by hand, with a stranger's step-1 (no marker) and a later step of another run's in the folder
-    layout = RunLayout(("unused",), "lohan", tmp_path / "m2.jsonl", out)
+    # pruning by hand, with a stranger's step-1 (no manifest), a later checkpoint of another run's, and a file a
+    # user added to step-5: only step-4 goes
+    layout = RunLayout(("unused",), "lohan", tmp_path / "m2.jsonl", out, owner=Owner("the store", run_id(tmp_path)))
     foreign = out / "step-1"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    (out / "step-9").mkdir()
-    (out / "step-9" / EXPORT_MARKER).write_text("{}")
-    removed = Checkpoints(layout, None, None, every=1, limit=1, dtype=None).prune(6)
-    assert removed == [out / "step-4"]
+    begin_folder(out / "step-9", "another-run", {"step": 9})
+    seal_folder(out / "step-9", "another-run", {"step": 9})
+    (out / "step-4" / "EVAL_NOTES.md").write_text("mine")
+    checkpoints = Checkpoints(layout, None, None, every=1, limit=1, dtype=None)
+    removed, kept = checkpoints.prune(6)
+    assert removed == [] and len(kept) == 1
+    assert "step-4 is kept" in kept[0] and "EVAL_NOTES.md (not written by lohan)" in kept[0]
+    assert (out / "step-4" / "EVAL_NOTES.md").read_text() == "mine"
+    (out / "step-4" / "EVAL_NOTES.md").unlink()
+    assert checkpoints.prune(6) == ([out / "step-4"], [])
     assert steps_saved(out) == [1, 5, 9] and (foreign / "notes.txt").read_text() == "keep me"
 
 
 def test_a_foreign_file_or_folder_in_the_export_directory_refuses_the_run(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "step-3").mkdir()  # named like a checkpoint, but not lohan's (no marker)
+    (out / "step-3").mkdir()  # named like a checkpoint, but not lohan's (no manifest)
     (out / "step-3" / "mine.bin").write_bytes(b"x")
     assert main(args(tmp_path, "--steps", "3", "--save-every", "1", "--export", str(out))) == 2
     text = capsys.readouterr().out
-    assert "holds files that are not an export of lohan's (step-3" in text
+    assert "step-3 is named like a checkpoint of lohan's but is not one" in text
     assert not (tmp_path / "nvme").exists()  # refused before anything was written
     assert [p.name for p in out.iterdir()] == ["step-3"] and (out / "step-3" / "mine.bin").read_bytes() == b"x"
 
@@ -177,34 +190,66 @@ def test_a_kill_while_the_final_export_moves_the_checkpoints_loses_none(tmp_path
 
 
 @pytest.mark.parametrize("leftover", ["step-8.partial", "step-8.old"])
-def test_only_leftovers_lohan_wrote_are_cleaned(tmp_path, leftover):
-    """A folder named like a leftover is lohan's only with the marker in it (or empty); a stranger's refuses
-    the run and stays as it is."""
+def test_only_leftovers_lohan_wrote_are_cleaned(tmp_path, leftover, capsys):
+    """A folder named like a leftover is removed only when its manifest proves it this run's (a save in writing, or
+    a sealed checkpoint being removed, with the files it lists unchanged); a stranger's, or one holding a file
+    added since, refuses the run and stays as it is."""
     out = tmp_path / "out"
+    assert main(args(tmp_path, "--steps", "1", "--save-every", "1", "--export", str(out))) == 0
     (out / leftover).mkdir(parents=True)
     (out / leftover / "data.bin").write_bytes(b"mine")
-    assert main(args(tmp_path, "--steps", "2", "--save-every", "1", "--export", str(out))) == 2
+    assert main(args(tmp_path, "--steps", "2", "--save-every", "1", "--export", str(out), "--resume")) == 2
+    assert "data.bin (no lohan_export.json)" in capsys.readouterr().out
     assert (out / leftover / "data.bin").read_bytes() == b"mine"
-    (out / leftover / EXPORT_MARKER).write_text("{}")
-    assert main(args(tmp_path, "--steps", "2", "--save-every", "1", "--export", str(out))) == 0
+    (out / leftover / "data.bin").unlink()
+    (out / leftover).rmdir()
+    begin_folder(out / leftover, run_id(tmp_path), {"step": 8})
+    (out / leftover / "model.safetensors").write_bytes(b"lohan's")
+    if leftover.endswith(".old"):  # a sealed checkpoint a kill caught in its removal, and a file added since
+        seal_folder(out / leftover, run_id(tmp_path), {"step": 8})
+        (out / leftover / "notes.md").write_text("mine")
+        assert main(args(tmp_path, "--steps", "2", "--save-every", "1", "--export", str(out), "--resume")) == 2
+        assert "notes.md (not written by lohan)" in capsys.readouterr().out
+        (out / leftover / "notes.md").unlink()
+    assert main(args(tmp_path, "--steps", "2", "--save-every", "1", "--export", str(out), "--resume")) == 0
     assert not (out / leftover).exists() and steps_saved(out) == [1, 2]
 
 
 def test_what_the_layout_takes_for_lohans_in_an_export_directory(tmp_path):
-    """An export directory lohan may write to: empty, an export of its own (files beside the marker), its
-    checkpoints and their leftovers; never a folder without the marker, nor a file named like a checkpoint."""
+    """An export directory a run may write to: empty, an export of its own run (the files its manifest lists,
+    unchanged), its checkpoints and their leftovers; never a folder without a manifest, a loose file, a file
+    named like a checkpoint, a changed file, or another run's export."""
     out = tmp_path / "out"
+    me = Owner("the store", "run-a")
 
-    def problems() -> list[str]:
-        return RunLayout((str(tmp_path / "nvme"),), "lohan", tmp_path / "m.jsonl", out).problems()
+    def problems(owner: Owner = me) -> list[str]:
+        return RunLayout((str(tmp_path / "nvme"),), "lohan", tmp_path / "m.jsonl", out, owner=owner).problems()
 
-    (out / "step-2").mkdir(parents=True)
-    (out / "step-2" / EXPORT_MARKER).write_text("{}")
+    begin_folder(out / "step-2", "run-a", {"step": 2})
+    seal_folder(out / "step-2", "run-a", {"step": 2})
     (out / "step-4.partial").mkdir()  # empty: a kill right after its mkdir
     assert problems() == []
-    (out / "config.json").write_text("{}")  # a loose file, and no export marker beside it
-    assert "holds files that are not an export of lohan's (config.json;" in problems()[0]
-    (out / EXPORT_MARKER).write_text("{}")
+    assert "holds the checkpoint of step 2 of another lohan run (run id run-a)" in problems(Owner("x", "run-b"))[0]
+    (out / "config.json").write_text("{}")  # a loose file, and no manifest beside it
+    assert "config.json (no lohan_export.json)" in problems()[0]
+    (out / "config.json").unlink()
+    (out / "step-2").rename(tmp_path / "step-2")
+    (out / "step-4.partial").rmdir()
+    out.rmdir()
+    begin_folder(out, "run-a", {"step": 3})
+    (out / "config.json").write_text("{}")
+    seal_folder(out, "run-a", {"step": 3})
+    (tmp_path / "step-2").rename(out / "step-2")
     assert problems() == []
+    (out / EXPORT_MARKER).write_text("{}")  # a marker without a manifest proves nothing
+    assert "config.json (its lohan_export.json was written by an older lohan" in problems()[0]
+    os.utime(out / "config.json", ns=(1, 1))  # touched since it was sealed
+    (out / "step-2").rename(tmp_path / "step-2")
+    seal_folder(out, "run-a", {"step": 3})
+    (tmp_path / "step-2").rename(out / "step-2")
+    assert problems() == []
+    (out / "config.json").write_text('{"edited": true}')
+    assert "config.json (not the file lohan wrote there: changed, replaced or copied since)" in problems()[0]
+    (out / "config.json").unlink()
     (out / "step-6").write_text("not a checkpoint")
-    assert "(step-6;" in problems()[0]
+    assert "step-6 (not written by lohan)" in problems()[0]

@@ -134,7 +134,7 @@ def test_export_preset_loads_in_transformers_with_identical_logits(tmp_path, cap
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     assert main(args(tmp_path, "--steps", "3", "--resume", "--compute-dtype", "fp32", "--export", str(foreign))) == 2
-    assert "holds files that are not an export of lohan's" in capsys.readouterr().out
+    assert "holds what lohan cannot prove it wrote: notes.txt" in capsys.readouterr().out
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 

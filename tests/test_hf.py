@@ -431,9 +431,12 @@ def test_export_bf16_and_reexport(hf_dir, make_dirs, tmp_path):
         hf.export_hf(engine, engine.program, path, out, max_shard_bytes=20_000)
         n_shards = sum(n.endswith(".safetensors") for n in os.listdir(out))
         assert n_shards > 2
-        hf.export_hf(engine, engine.program, path, out, dtype="bfloat16")  # over a previous export: allowed
+        with pytest.raises(ValueError, match="refusing to export into .*: it is not empty"):
+            hf.export_hf(engine, engine.program, path, out)  # over anything: a run replaces exports (app.export)
+        out = tmp_path / "export-bf16"
+        hf.export_hf(engine, engine.program, path, out, dtype="bfloat16")
         state = engine_hf_state(engine, engine.program)
-    assert sorted(n for n in os.listdir(out) if "safetensors" in n) == [hf.WEIGHTS_NAME]  # old shards gone
+    assert sorted(n for n in os.listdir(out) if "safetensors" in n) == [hf.WEIGHTS_NAME]
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["hidden_size"] == 32
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
@@ -447,7 +450,7 @@ def test_export_refuses_a_foreign_directory(hf_dir, make_dirs, tmp_path):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     with init_from_hf(path, engine_config(make_dirs(1))) as engine:
-        with pytest.raises(ValueError, match="refusing to export.*notes.txt"):
+        with pytest.raises(ValueError, match="refusing to export into .*notes.txt"):
             hf.export_hf(engine, engine.program, path, foreign)
         with pytest.raises(ValueError, match="is the source directory"):
             hf.export_hf(engine, engine.program, path, path)

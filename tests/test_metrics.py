@@ -24,6 +24,7 @@ from lohan.app.metrics import (
     progress_bar,
     report_step,
 )
+from lohan.app.ownership import ForeignFileError
 
 
 def _m(step: int = 1, **overrides) -> StepMetrics:
@@ -151,21 +152,56 @@ def test_step_line_width_is_stable_across_very_different_values(gpu):
 
 def test_metrics_writer_appends_parseable_jsonl(tmp_path):
     path = tmp_path / "run" / "nested" / "metrics.jsonl"
-    with MetricsWriter(path) as w:
-        w.write({"event": "start", "preset": "tiny"})
+    with MetricsWriter(path, "run-a") as w:
+        assert not path.exists()  # created with its first record, never empty
         w.write(_m(step=1, loss=3.0))
         w.write(_m(step=2, loss=float("inf")))
         # Flushed per line: readable while the writer is still open.
-        assert len(path.read_text().splitlines()) == 3
-    with MetricsWriter(path) as w:  # resuming appends, it does not truncate
+        assert len(path.read_text().splitlines()) == 2
+    with MetricsWriter(path, "run-a") as w:  # resuming appends, it does not truncate
+        assert w.last_step == 2
         w.write(_m(step=3, loss=2.0))
     records = load_metrics(path)
     for line in path.read_text().splitlines():
         json.loads(line)
-    assert [r.get("step") for r in records] == [None, 1, 2, 3]
-    assert [r.get("loss") for r in records[1:]] == [3.0, "Infinity", 2.0]
+    assert [r.get("step") for r in records] == [1, 2, 3]
+    assert [r.get("loss") for r in records] == [3.0, "Infinity", 2.0]
+    assert {r["run_id"] for r in records} == {"run-a"}  # every record says whose it is
+    assert StepMetrics.from_record(records[1]).loss == float("inf")
     with pytest.raises(ValueError, match="closed"):
         w.write(_m())
+
+
+def test_metrics_writer_cuts_back_to_the_committed_steps_and_refuses_other_files(tmp_path):
+    """A resume after a kill: the records of steps past the committed one and a line cut short go; another run's
+    file, a user's JSONL (even one whose records have a step) and an empty file are never written to."""
+    path = tmp_path / "m.jsonl"
+    with MetricsWriter(path, "run-a") as w:
+        for step in (1, 2, 3):
+            w.write(_m(step=step, loss=1.0))
+    with path.open("a") as f:
+        f.write('{"step": 4, "loss"')  # a kill in the middle of a line
+    with MetricsWriter(path, "run-a", through=2) as w:
+        assert w.last_step == 2
+        w.write(_m(step=3, loss=1.5))
+    assert [(r["step"], r["loss"]) for r in load_metrics(path)] == [(1, 1.0), (2, 1.0), (3, 1.5)]
+    with pytest.raises(ForeignFileError, match="the metrics of another run"):
+        MetricsWriter(path, "run-b")
+    user = tmp_path / "my_training_log.jsonl"
+    user.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(100)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for foreign in (user, empty):
+        before = foreign.read_bytes()
+        with pytest.raises(ForeignFileError, match="a file lohan did not write"):
+            MetricsWriter(foreign, "run-a")
+        assert foreign.read_bytes() == before
+    w = MetricsWriter(tmp_path / "new.jsonl", "run-a")
+    (tmp_path / "new.jsonl").write_text("a user's file, made after the run started\n")
+    with pytest.raises(ForeignFileError, match="appeared"):
+        w.write(_m(step=1))
+    assert (tmp_path / "new.jsonl").read_text() == "a user's file, made after the run started\n"
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_summary_numbers_from_known_inputs():

@@ -4,9 +4,11 @@ checkpoints (``--save-every N``: ``DIR/step-N``, the last ``--save-total-limit K
 Both are the same files (`write_export`: sharded safetensors, config.json, generation config, tokenizer and
 chat template; `lohan.models.hf.export_hf` or, for presets, `lohan.models.gpt_export.export_gpt2`), written into
 a staging folder, made durable, then renamed in: a kill (SIGKILL, a power cut) leaves the previous export and
-checkpoints whole, and never a half-written one where a reader looks. Every folder lohan writes holds
-`EXPORT_MARKER` from its first moment to its last (`remove_owned` deletes it last), so the next run knows a
-leftover for its own and cleans it (`tidy`), and nothing else is ever removed (`lohan.app.layout`).
+checkpoints whole, and never a half-written one where a reader looks. Every folder lohan writes holds its
+manifest (`EXPORT_MARKER`, `lohan.app.ownership`) from its first moment to its last: the run that wrote it, and once
+complete each file with its size, checksum and inode. The next run knows a leftover of its own and cleans it
+(`tidy`); it removes only files the manifest proves it wrote and that are unchanged since (`ownership.remove_folder`),
+so a file a user added to an export or a checkpoint stops the removal, and pruning keeps that checkpoint whole.
 
 A save blocks training between two steps: it reads the committed weights back from the store, which the next
 step's writes would race (with one slot they overwrite them in place) on the SSDs that step needs. Its seconds are
@@ -17,85 +19,83 @@ Resume: a checkpoint is written after its step is durable (`Engine.whole` flushe
 resumed run never recomputes a step whose checkpoint exists. One that a kill cut short (the leftover
 ``step-N.partial``) is written at the start of the resumed run, from the same committed weights. A checkpoint
 found at a step the run saves (a store started over with --overwrite into the same export directory) is
-lohan's, and is replaced atomically (renamed to ``step-N.old``, the new one renamed in, the old one removed).
+this run's (the store it replaced wrote it), and is replaced atomically (renamed to ``step-N.old``, the new one renamed in, the old one removed).
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from io_engine import IOEngineError
 from io_engine.base import fsync_dir
-from lohan.app.layout import EXPORT_MARKER, RunLayout, checkpoint_step, is_leftover, partial_dir
+from lohan.app.layout import OutputError, RunLayout, checkpoint_step, is_leftover, partial_dir
+from lohan.app.ownership import (
+    ForeignFileError,
+    begin_folder,
+    folder_problem,
+    read_manifest,
+    remove_folder,
+    seal_folder,
+)
 from lohan.config import RunConfig
 from lohan.crashpoints import crashpoint
 
 
-def write_export(out: Path, run: RunConfig, model: Any, whole: Any, dtype: str | None, marker: dict) -> str:
-    """Write the weights `whole` (`Engine.whole`) as a Hugging Face checkpoint into `out`, a new folder: the
-    marker first, then the model's files, each fsynced. Returns the dtype written."""
-    out.mkdir(parents=True)
-    (out / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
-    if model.hf_program is not None:
-        from lohan.models.hf import export_hf
+def write_export(out: Path, run: RunConfig, model: Any, whole: Any, dtype: str | None, info: dict,
+                 run_id: str) -> str:
+    """Write the weights `whole` (`Engine.whole`) as a Hugging Face checkpoint into `out`, a new folder: its manifest
+    first (``writing``, `ownership.begin_folder`), then the model's files, then the manifest listing each of them with
+    its checksum, all durable (`ownership.seal_folder`). Returns the dtype written."""
+    try:
+        begin_folder(out, run_id, info)
+        if model.hf_program is not None:
+            from lohan.models.hf import export_hf
 
-        dtype = export_hf(whole, model.hf_program, run.model, out, dtype)
-    else:
-        from lohan.models.gpt_export import export_gpt2
-
-        export_gpt2(whole, model.config, out)
-        dtype = "float32"
-    for f in out.iterdir():  # durable before it replaces anything
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    return dtype
-
-
-def remove_owned(path: Path) -> None:
-    """Remove a folder lohan wrote (checked by the caller), its marker last: a kill midway leaves a folder that
-    still says it is lohan's, or an empty one, never one the next run would take for a stranger's."""
-    entries = [e for e in path.iterdir() if e.name != EXPORT_MARKER]
-    folders = [e for e in entries if e.is_dir() and not e.is_symlink()]
-    for entry in folders:
-        # exports are flat: a folder in one is a checkpoint (one a killed final export moved, see tidy), or a
-        # stranger's that appeared since the run's checks, which is not lohan's to remove
-        if checkpoint_step(entry) is None and not is_leftover(entry):
-            raise ValueError(f"{entry} appeared in a folder of lohan's while it was being replaced; it is not "
-                             f"lohan's, so {path} is left as it is: move {entry} away and run again")
-    for entry in entries:
-        if entry in folders:
-            remove_owned(entry)
+            dtype = export_hf(whole, model.hf_program, run.model, out, dtype)
         else:
-            entry.unlink()
-    (path / EXPORT_MARKER).unlink(missing_ok=True)
-    path.rmdir()
+            from lohan.models.gpt_export import export_gpt2
 
+            export_gpt2(whole, model.config, out)
+            dtype = "float32"
+        seal_folder(out, run_id, {**info, "dtype": dtype})
+    except IOEngineError:  # reading the weights from the store: its own message says where
+        raise
+    except OSError as err:  # safetensors and json say neither which file nor what was being done
+        raise OutputError(err, f"writing the {info.get('kind', 'export')}", err.filename or out) from err
+    except Exception as err:
+        if "No space left" not in str(err) and "os error 28" not in str(err):
+            raise
+        # safetensors raises its own error type for a full disk (SafetensorError: "... os error 28")
+        raise OutputError(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), f"writing the "
+                          f"{info.get('kind', 'export')}", out) from err
+    return dtype
 
 
 def tidy(layout: RunLayout, console: Console) -> None:
     """Before the run writes to its export directory: put back the checkpoints a killed final export had moved
-    into its staging folder, and remove what killed saves left (each checked to be lohan's: `is_leftover`)."""
+    into its staging folder, and remove what killed saves left (each proven this run's, `ownership.remove_folder`)."""
     final = layout.export
     if final is None:
         return
     staging = partial_dir(final)
-    if staging.is_dir():  # lohan's (the run's layout checked it): a killed final export
+    if staging.is_dir() and not staging.is_symlink():  # this run's (checked): a killed final export
         for entry in staging.iterdir():
             if checkpoint_step(entry) is not None and not (final / entry.name).exists():
                 final.mkdir(exist_ok=True)
                 os.replace(entry, final / entry.name)
                 console.print(f"restored the checkpoint {final / entry.name} from a killed export's staging folder")
-        remove_owned(staging)
-    if final.is_dir():
+        remove_folder(staging, layout.owner, "the export's staging")
+    if final.is_dir() and not final.is_symlink():
         for entry in final.iterdir():
             if is_leftover(entry):
-                remove_owned(entry)
+                remove_folder(entry, layout.owner, "the checkpoint")
                 console.print(f"removed {entry}, left by a save that was killed")
 
 
@@ -103,19 +103,21 @@ def export_final(console: Console, run: RunConfig, model: Any, engine: Any, layo
                  dtype: str | None = None) -> None:
     """Export into the sibling ``<out>.partial``, then swap it in, the checkpoints moved along: a kill before the
     swap leaves the previous export at `out`, and the same command redoes it. Checked again first (the run may
-    have taken hours): nothing but lohan's is ever removed."""
+    have taken hours): nothing but this run's is ever removed."""
     layout.check_export()
     final = layout.export
     tmp = partial_dir(final)
     tidy(layout, console)
-    dtype = write_export(tmp, run, model, engine.whole, dtype, {"step": engine.step_count, "model": run.model})
+    dtype = write_export(tmp, run, model, engine.whole, dtype, {"step": engine.step_count, "model": run.model,
+                                                                "kind": "export"}, layout.owner.current)
     crashpoint("export.written")
     if final.exists():
+        layout.check_export()  # nothing appeared in it while the export was written
         for entry in final.iterdir():  # the checkpoints go with the new export (a kill: tidy moves them back)
             if checkpoint_step(entry) is not None:
                 os.replace(entry, tmp / entry.name)
                 crashpoint("export.checkpoint_moved")
-        remove_owned(final)  # now the previous export's files only (checked above)
+        remove_folder(final, layout.owner)  # now the previous export's files only (proven)
     os.replace(tmp, final)
     fsync_dir(final.parent)
     console.print(f"exported the step-{engine.step_count} weights to {final} in {dtype} (loads with transformers "
@@ -125,18 +127,21 @@ def export_final(console: Console, run: RunConfig, model: Any, engine: Any, layo
 @dataclass(frozen=True)
 class Saved:
     """A checkpoint written: where, of which step, in which dtype, the seconds training waited for it (the
-    weights' reads, a staged commit's completion, the files and their fsyncs, the pruning), what was pruned."""
+    weights' reads, a staged commit's completion, the files and their fsyncs, the pruning), what was pruned, and
+    what pruning left because it holds files lohan cannot prove it wrote."""
 
     path: Path
     step: int
     dtype: str
     seconds: float
     removed: list[Path]
+    kept: list[str] = field(default_factory=list)
 
     def describe(self, limit: int | None) -> str:
         gone = f"; removed {', '.join(p.name for p in self.removed)} (--save-total-limit {limit})" if self.removed \
             else ""
-        return f"checkpoint {self.path} (step {self.step}, {self.dtype}) written in {self.seconds:.2f} s{gone}"
+        kept = "".join(f"\n  note: {k}" for k in self.kept)
+        return f"checkpoint {self.path} (step {self.step}, {self.dtype}) written in {self.seconds:.2f} s{gone}{kept}"
 
 
 class Checkpoints:
@@ -156,46 +161,58 @@ class Checkpoints:
         return checkpoint_step(self.layout.checkpoint(step)) is not None
 
     def save(self, engine: Any) -> Saved:
-        """Write the checkpoint of the engine's committed step, then prune (`limit`)."""
+        """Write the checkpoint of the engine's committed step, then prune (`limit`). What it replaces (a
+        checkpoint of the same step, leftovers of a killed save) is proven this run's first (ForeignFileError)."""
         t0 = time.perf_counter()
         step = engine.step_count
-        self.layout.check_export()  # a folder that appeared since the start is not written over
+        owner = self.layout.owner
         final = self.layout.checkpoint(step)
         tmp, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
+        problem = next((p for p in (folder_problem(f, owner, None, "the checkpoint") for f in (final, tmp, old))
+                        if p), None)
+        if problem:
+            raise ForeignFileError(problem)
         for leftover in (tmp, old):
             if leftover.exists():
-                remove_owned(leftover)  # a killed save's or removal's (checked: layout.is_leftover)
+                remove_folder(leftover, owner, "the checkpoint")  # a killed save's or removal's
         try:
             dtype = write_export(tmp, self.run, self.model, engine.whole, self.dtype,
-                                 {"step": step, "model": self.run.model, "kind": "checkpoint"})
+                                 {"step": step, "model": self.run.model, "kind": "checkpoint"}, owner.current)
             crashpoint("checkpoint.written")
-            if final.exists():  # lohan's (checked): a store started over reaches a step saved before
+            if final.exists():  # this run's (proven): a store started over reaches a step saved before
                 os.replace(final, old)
                 os.replace(tmp, final)
-                remove_owned(old)
+                remove_folder(old, owner, "the checkpoint")
             else:
                 os.replace(tmp, final)
             fsync_dir(final.parent)
         except BaseException:
             if old.exists() and not final.exists():  # failed between the two renames: the old one back
                 os.replace(old, final)
-            if tmp.exists():
-                remove_owned(tmp)
+            if tmp.exists() and not folder_problem(tmp, owner, None, "the checkpoint"):
+                remove_folder(tmp, owner, "the checkpoint")
             raise
-        return Saved(final, step, dtype, time.perf_counter() - t0, self.prune(step))
+        removed, kept = self.prune(step)
+        return Saved(final, step, dtype, time.perf_counter() - t0, removed, kept)
 
-    def prune(self, step: int) -> list[Path]:
-        """Remove all but the last `limit` checkpoints of lohan's up to `step` (later ones are another run's,
-        left until this run saves their step), each renamed to ``step-N.old`` first: a kill never leaves a
-        half-removed ``step-N`` that looks whole."""
+    def prune(self, step: int) -> tuple[list[Path], list[str]]:
+        """Remove all but the last `limit` of this run's checkpoints up to `step` (later ones are left until this
+        run saves their step), each renamed to ``step-N.old`` first: a kill never leaves a half-removed ``step-N``
+        that looks whole. One that holds a file lohan cannot prove it wrote is kept whole, and said so."""
         if self.limit is None or not self.layout.export.is_dir():
-            return []
+            return [], []
+        owner = self.layout.owner
         ours = sorted((s, p) for p in self.layout.export.iterdir()
-                      if (s := checkpoint_step(p)) is not None and s <= step)
-        removed = []
+                      if (s := checkpoint_step(p)) is not None and s <= step
+                      and owner.owns(read_manifest(p)[0].run_id))
+        removed, kept = [], []
         for _, path in ours[:-self.limit]:
+            problem = folder_problem(path, owner, None, "the checkpoint")
+            if problem:
+                kept.append(f"{path} is kept: {problem.split(': ', 1)[-1]}")
+                continue
             old = path.with_name(path.name + ".old")
             os.replace(path, old)
-            remove_owned(old)
+            remove_folder(old, owner, "the checkpoint")
             removed.append(path)
-        return removed
+        return removed, kept

@@ -3,7 +3,8 @@
 A run never deletes or overwrites a file it did not write (DESIGN.md §5). Its outputs:
 
 - the store directories (``--nvme``): shared places, where lohan writes only the files of its store
-  (``<name>.*``, ``<name>-*``: slabs, manifests, commit record, run state, profile) and its default metrics;
+  (``<name>.*``, ``<name>-*``: slabs, manifests, commit record, run state, profile; the store name is a file name,
+  `lohan.config.store_name_problem`) and its default metrics;
 - the metrics JSONL (``--metrics``; by default ``<nvme>/<name>.metrics.jsonl``, so that two runs never share
   it) and its plot beside it (``.png``);
 - the export directory (``--export``), whose files are replaced whole, and the ``.partial`` sibling it is
@@ -14,25 +15,44 @@ A run never deletes or overwrites a file it did not write (DESIGN.md §5). Its o
 Its inputs: the model directory, the data and eval data files, the config file. `RunLayout.problems` finds,
 before anything is written, every path that would make the run destroy or corrupt something: an output that
 is an input or lies inside one, an input or another output inside the export (replaced whole), an output that
-names another one, and a file where an output goes that lohan did not write. What lohan wrote says so: a
-metrics file is JSON records with a step, a plot carries lohan's tag in its PNG text, an export and each
-checkpoint hold `EXPORT_MARKER` (written first, removed last: a folder a kill leaves half-written or
-half-removed still holds it, or is empty).
+names another one, an output that is a symbolic link (`ownership.link_problem`), and a file where an output goes
+that this run cannot prove it wrote: what lohan wrote carries the identity of the run that wrote it
+(`lohan.app.ownership`: the metrics' records, the plot's PNG text, the manifest of every export and checkpoint, which
+lists each file with its checksum), and a run replaces only what its own store or a store it replaced wrote.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lohan.models import EXPORT_MARKER
-from lohan.store.files import is_run_file
+from lohan.app.ownership import (
+    ForeignFileError,
+    Owner,
+    folder_problem,
+    link_problem,
+    metrics_owner,
+    read_manifest,
+)
+from lohan.models import EXPORT_MARKER  # noqa: F401 (export.py and the tests name it here)
+from lohan.store.dirlock import LOCK_NAME
+from lohan.store.files import is_run_file, run_files
 
 PLOT_TAG = "lohan metrics plot"
 """The PNG ``Software`` text of the metrics plot (metrics.plot_metrics)."""
+PLOT_RUN_KEY = "lohan run id"
+"""The PNG text key of the run that drew the plot (metrics.plot_metrics)."""
+
+
+class OutputError(OSError):
+    """An output of the run (its metrics, plot, export, a checkpoint) could not be written: the OS error, with the
+    output's path and what lohan was doing (`doing`), which messages name instead of a bare ``[Errno 28]``."""
+
+    def __init__(self, err: OSError, doing: str, path: str | os.PathLike) -> None:
+        super().__init__(err.errno, err.strerror or str(err), os.fspath(path))
+        self.doing = doing
 
 
 @dataclass(frozen=True)
@@ -54,12 +74,17 @@ def default_metrics(nvme: str, name: str) -> Path:
 
 
 class RunLayout:
-    """Every path of a run, with the checks that keep a run from destroying what is not its own."""
+    """Every path of a run, with the checks that keep a run from destroying what is not its own.
+
+    `owner`: the runs whose outputs this run may replace (`ownership.Owner`; by default none: a new store's);
+    `adopt` adds the store's identity once it is open."""
 
     def __init__(self, nvme: tuple[str, ...], store_name: str, metrics: str | os.PathLike,
                  export: str | os.PathLike | None = None, inputs: dict[str, str | os.PathLike] | None = None,
-                 logging_dir: str | os.PathLike | None = None) -> None:
+                 logging_dir: str | os.PathLike | None = None, owner: Owner | None = None) -> None:
+        self.nvme = tuple(nvme)
         self.store_name = store_name
+        self.owner = owner or Owner(os.path.join(nvme[0], store_name))
         self.logging_dir = Path(logging_dir) if logging_dir else None
         self.metrics = Path(metrics)
         self.plot = self.metrics.with_suffix(".png")
@@ -76,6 +101,10 @@ class RunLayout:
                for label, p in (inputs or {}).items() if p]
         self.places = outs + ins
 
+    def adopt(self, current: str, replaced: tuple[str, ...] = ()) -> None:
+        """The store is open: its identity (and those of the stores it replaced) own the run's outputs from now."""
+        self.owner = self.owner.adopt(current, replaced)
+
     def problems(self) -> list[str]:
         """What would make this run write over or into what is not its own; each says how to fix it."""
         out = []
@@ -86,6 +115,7 @@ class RunLayout:
                 problem = _clash(a, b, self.store_name) or _clash(b, a, self.store_name)
                 if problem:
                     out.append(problem)
+        out += self._links()
         out += self._foreign_files()
         return list(dict.fromkeys(out))
 
@@ -95,32 +125,57 @@ class RunLayout:
         return self.export / f"{CHECKPOINT_PREFIX}{step}"
 
     def check_export(self) -> None:
-        """At export and checkpoint time, again: the export directory holds nothing but lohan's (the run may have
-        taken hours, and the export's files are replaced whole)."""
+        """At export and checkpoint time, again: the export directory holds nothing but this run's (the run may
+        have taken hours, and the export's files are replaced whole). ForeignFileError if it does."""
+        problem = self._export_problem()
+        if problem:
+            raise ForeignFileError(problem)
+
+    def _export_problem(self) -> str | None:
+        if self.export is None:
+            return None
+        return (folder_problem(self.export, self.owner, in_export, "the export")
+                or folder_problem(partial_dir(self.export), self.owner, in_export, "the export's staging"))
+
+    def _links(self) -> list[str]:
+        """Outputs that are symbolic links: the store's files in each SSD directory too (a slab or a record through
+        a link would be written into whatever it points at)."""
+        paths = [("--metrics", self.metrics), ("the metrics plot", self.plot)]
         if self.export is not None:
-            problem = _foreign_export(self.export) or _foreign_export(partial_dir(self.export), "staging ")
-            if problem:
-                raise ValueError(problem)
+            paths += [("--export", self.export), ("the export's staging directory", partial_dir(self.export))]
+        if self.logging_dir is not None:
+            paths.append(("--logging-dir", self.logging_dir))
+        out = [p for label, path in paths if (p := link_problem(path, label))]
+        fix = "remove the link (it is not a file of lohan's), or choose other --nvme directories"
+        return out + [p for d in self.nvme for f in (*run_files(self.store_name), LOCK_NAME)
+                      if (p := link_problem(Path(d) / f, "the store's file", fix))]
 
     def _foreign_files(self) -> list[str]:
         out = []
         if self.metrics.is_dir():
             out.append(f"--metrics {self.metrics} is a directory: give the path of a file (e.g. "
                        f"{self.metrics / 'metrics.jsonl'})")
-        elif self.metrics.exists() and not is_lohan_metrics(self.metrics):
-            out.append(f"--metrics {self.metrics} holds a file lohan did not write (not a metrics JSONL): lohan "
-                       "never overwrites one; choose another --metrics path, or move that file away")
-        if self.plot.exists() and not self.plot.is_dir() and not is_lohan_plot(self.plot):
-            out.append(f"the metrics plot goes to {self.plot}, which holds a file lohan did not write: choose another "
-                       "--metrics path (the plot is written beside it, as .png), or move that file away")
-        elif self.plot.is_dir():
+        elif self.metrics.exists() and not self.metrics.is_symlink():
+            run_id, why = metrics_owner(self.metrics)
+            if run_id is None:
+                out.append(f"--metrics {self.metrics} holds a file lohan did not write ({why}): lohan never "
+                           "overwrites one; choose another --metrics path, or move that file away")
+            elif not self.owner.owns(run_id):
+                out.append(self.owner.stranger("the metrics", self.metrics, run_id))
+        if self.plot.is_dir():
             out.append(f"the metrics plot goes to {self.plot}, which is a directory: choose another --metrics path")
+        elif self.plot.exists() and not self.plot.is_symlink():
+            run_id = plot_owner(self.plot)
+            if run_id is None:
+                out.append(f"the metrics plot goes to {self.plot}, which holds a file lohan did not write: choose "
+                           "another --metrics path (the plot is written beside it, as .png), or move that file away")
+            elif not self.owner.owns(run_id):
+                out.append(self.owner.stranger("the metrics plot", self.plot, run_id))
         if self.logging_dir is not None and self.logging_dir.exists() and not self.logging_dir.is_dir():
             out.append(f"--logging-dir {self.logging_dir} is a file: the trackers need a directory; choose another")
-        if self.export is not None:
-            for problem in (_foreign_export(self.export), _foreign_export(partial_dir(self.export), "staging ")):
-                if problem:
-                    out.append(problem)
+        problem = self._export_problem()
+        if problem and not (self.export.is_symlink() or partial_dir(self.export).is_symlink()):
+            out.append(problem)
         return out
 
 
@@ -151,44 +206,36 @@ def _clash(a: Place, b: Place, store: str) -> str | None:
     if b.kind == "store" and not a.output:
         return (f"{a.label} {a.path} lies inside the store directory {b.path} (--nvme): keep inputs out of the "
                 "directories lohan writes its states to")
-    if b.kind == "store" and a.kind == "file" and a.path.parent == b.path and _store_file(a.path.name, store):
+    if b.kind == "store" and a.kind == "file" and a.path.parent == b.path and is_run_file(a.path.name, store):
         return f"{a.label} {a.path} is the name of one of the store's own files: choose another"
     return None
 
 
-def _store_file(name: str, store: str) -> bool:
-    return is_run_file(name, store)
+def plot_owner(path: Path) -> str | None:
+    """The run id in the PNG text of a plot lohan drew (`PLOT_TAG`, `PLOT_RUN_KEY`), or None if lohan did not."""
+    texts = png_texts(path)
+    return texts.get(PLOT_RUN_KEY) if texts.get("Software") == PLOT_TAG else None
 
 
-def is_lohan_metrics(path: Path) -> bool:
-    """Whether `path` is a metrics JSONL (every line a JSON record with a step; the last may be cut short by a
-    kill) or empty: what a fresh run may replace and a resumed run appends to."""
-    try:
-        with path.open(encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except (OSError, UnicodeDecodeError):
-        return False
-    complete, last = lines[:-1], lines[-1]
-    for line in complete:
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return False
-        if not isinstance(record, dict) or "step" not in record:
-            return False
-    return not last.strip() or last.lstrip().startswith("{")
-
-
-def is_lohan_plot(path: Path) -> bool:
-    """Whether `path` is a PNG lohan wrote (its ``Software`` text is `PLOT_TAG`)."""
+def png_texts(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file (keyword -> text), read up to its image data; {} if it is not a PNG."""
+    out: dict[str, str] = {}
     try:
         with path.open("rb") as f:
-            head = f.read(1 << 16)
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return {}
+            while len(head := f.read(8)) == 8:
+                size, kind = int.from_bytes(head[:4], "big"), head[4:]
+                if kind in (b"IDAT", b"IEND") or size > 1 << 20:
+                    break
+                data = f.read(size)
+                f.seek(4, os.SEEK_CUR)  # the chunk's CRC
+                if kind == b"tEXt" and b"\x00" in data:
+                    key, _, text = data.partition(b"\x00")
+                    out[key.decode("latin-1")] = text.decode("latin-1")
     except OSError:
-        return False
-    return head.startswith(b"\x89PNG") and b"Software\x00" + PLOT_TAG.encode() in head
+        return {}
+    return out
 
 
 CHECKPOINT_PREFIX = "step-"
@@ -196,42 +243,26 @@ _CHECKPOINT = re.compile(r"step-(\d+)")
 _LEFTOVER = re.compile(r"step-(\d+)\.(partial|old)")
 
 
+def in_export(entry: Path) -> str | None:
+    """What folder `entry` of an export directory is (`ownership.Subfolders`): a checkpoint (``owned``: kept, moved
+    with the export, removed only once proven), what a killed save or removal of one left (``step-N.partial``,
+    ``step-N.old``: ``deep``, removed, so proven now), or a stranger's (None)."""
+    if _CHECKPOINT.fullmatch(entry.name):
+        return "owned"
+    return "deep" if _LEFTOVER.fullmatch(entry.name) else None
+
+
 def checkpoint_step(path: Path) -> int | None:
-    """The step of `path` if it is a checkpoint of lohan's (``step-N``, holding `EXPORT_MARKER`), else None."""
+    """The step of `path` if it is a complete checkpoint of lohan's (``step-N``, its manifest complete), else None
+    (whose it is, `ownership.folder_problem` says)."""
     match = _CHECKPOINT.fullmatch(path.name)
-    if match is None or path.is_symlink() or not (path / EXPORT_MARKER).is_file():
+    if match is None or path.is_symlink() or not path.is_dir():
         return None
-    return int(match.group(1))
+    manifest, _ = read_manifest(path)
+    return int(match.group(1)) if manifest is not None and manifest.state == "complete" else None
 
 
 def is_leftover(path: Path) -> bool:
-    """Whether `path` is what a killed save or removal of a checkpoint left (``step-N.partial``, ``step-N.old``):
-    lohan's if it holds `EXPORT_MARKER` (written first, removed last) or is empty (a kill right after mkdir)."""
-    if _LEFTOVER.fullmatch(path.name) is None or path.is_symlink() or not path.is_dir():
-        return False
-    return (path / EXPORT_MARKER).is_file() or not any(path.iterdir())
-
-
-def _is_ours(entry: Path, exported: bool) -> bool:
-    """Whether lohan wrote `entry` of an export directory: a checkpoint or a leftover of one; or, in a directory
-    lohan exported to (`exported`: it holds the marker), a file (an export is flat) not named like those."""
-    if entry.is_dir() and not entry.is_symlink():
-        return checkpoint_step(entry) is not None or is_leftover(entry)
-    return exported and not (_CHECKPOINT.fullmatch(entry.name) or _LEFTOVER.fullmatch(entry.name))
-
-
-def _foreign_export(out: Path, what: str = "") -> str | None:
-    """The problem if `out` exists and holds anything lohan did not write there (None if it may be replaced)."""
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        return f"the export {what}path {out} is a file; give a directory (a new or empty one)"
-    exported = (out / EXPORT_MARKER).is_file()
-    foreign = sorted(e.name for e in out.iterdir() if not _is_ours(e, exported))
-    if foreign:
-        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        return (f"the export {what}directory {out} holds files that are not an export of lohan's ({names}; an "
-                f"export holds {EXPORT_MARKER}, its checkpoints step-N/ too): lohan replaces an export's files and "
-                "manages its checkpoints, so it takes only a new or empty directory, or one it exported to before; "
-                "choose another --export, or move those away")
-    return None
+    """Whether `path` is named as what a killed save or removal of a checkpoint left (``step-N.partial``,
+    ``step-N.old``), a folder (whose it is, `ownership.folder_problem` says)."""
+    return _LEFTOVER.fullmatch(path.name) is not None and not path.is_symlink() and path.is_dir()

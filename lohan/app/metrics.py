@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from lohan.app.layout import PLOT_TAG
+from io_engine.base import fsync_dir
+from lohan.app.layout import PLOT_RUN_KEY, PLOT_TAG
+from lohan.app.ownership import FILE_KEY, RUN_ID_KEY, ForeignFileError, metrics_owner
 
 if TYPE_CHECKING:
     from lohan.runtime.step import StepStats
@@ -278,6 +281,19 @@ class StepMetrics:
             skipped=stats.skipped, loss_scale=stats.loss_scale, eval_loss=eval_loss,
             eval_s=eval_s, network_bytes=stats.network_bytes, save_s=save_s)
 
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> StepMetrics:
+        """A record of the metrics file back as a `StepMetrics` (what the trackers are given again after a resume):
+        the names of NaN and the infinities read back as floats, other keys (``run_id``) left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+
+        def back(value: Any) -> Any:
+            if isinstance(value, str) and value in ("NaN", "Infinity", "-Infinity"):
+                return float(value)
+            return {k: back(v) for k, v in value.items()} if isinstance(value, Mapping) else value
+
+        return cls(**{k: back(v) for k, v in record.items() if k in names})
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``.
         The ``eval_*`` fields appear only on the records of steps that evaluated, ``save_s`` only on those that
@@ -433,49 +449,83 @@ def should_log(step: int, total_steps: int, every: int, first: int = 1, evaluate
 # ------------------------------------------------------------------------------------- JSONL file
 
 
-def _drop_partial_line(path: Path) -> None:
-    """A process killed while writing a record leaves a line without its newline; cut it off before
-    appending, so the resumed run's records start on a line of their own."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return
-        f.truncate(data.rfind(b"\n") + 1)
-
-
 class MetricsWriter:
-    """Append-only JSONL metrics file: one JSON object per line, flushed as it is written.
+    """The run's JSONL metrics file: one JSON object per line, each carrying the run's identity (``run_id``,
+    `lohan.app.ownership`), durable (flushed and fsynced) as it is written.
 
-    Appending (not truncating) keeps the records of an interrupted run when it is resumed into the same
-    directory. Use as a context manager, or call :meth:`close`.
+    The file is created with its first record, linked into place from a temporary file: it never exists empty,
+    and a file that appeared at its path in the meantime is never written over (ForeignFileError). A resumed run
+    appends to the file of its own run (anything else is refused: ForeignFileError), after cutting it back to the
+    committed steps: the records of steps after `through` (a kill took them back, and the resumed run writes them
+    again) and a line a kill cut short. Use as a context manager, or call :meth:`close`.
 
     Args:
-        path: File to append to; missing parent directories are created.
+        path: The file; missing parent directories are created.
+        run_id: The run's identity (its store's volume id).
+        through: The last committed step (None: keep every record).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, run_id: str, through: int | None = None) -> None:
         self.path = Path(path)
+        self.run_id = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_partial_line(self.path)
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        self._file: IO[str] | None = None
+        self.last_step: int | None = None
+        """The step of the last record in the file (None: no record yet)."""
+        if self.path.exists() or self.path.is_symlink():
+            owner, why = metrics_owner(self.path) if not self.path.is_symlink() else (None, "a symbolic link")
+            if owner != run_id:
+                raise ForeignFileError(f"--metrics {self.path} holds " + (
+                    f"a file lohan did not write ({why})" if owner is None else f"the metrics of another run ({owner})")
+                    + ": lohan never writes over it; choose another --metrics path, or move that file away")
+            self.last_step = _cut_back(self.path, through)
+            self._file = _append(self.path)
+        self._closed = False
 
     def write(self, record: StepMetrics | Mapping[str, Any]) -> None:
-        """Append one record (a step's metrics, or any mapping such as a run header) and flush it.
+        """Append one record (a step's metrics, or any mapping with a ``step``) durably.
 
         Args:
             record: A :class:`StepMetrics` (written via :meth:`StepMetrics.to_dict`) or a mapping of
                 JSON-compatible values (floats are rounded and NaN/inf spelled out the same way).
         """
-        if self._file is None:
+        if self._closed:
             raise ValueError(f"MetricsWriter({str(self.path)!r}) is closed")
         data = record.to_dict() if isinstance(record, StepMetrics) else _json_safe(record)
-        self._file.write(json.dumps(data, allow_nan=False) + "\n")
-        self._file.flush()  # a crash or kill -9 loses at most the line being written
+        data[RUN_ID_KEY] = self.run_id
+        if self._file is None:
+            self._file = self._create(data)
+        else:
+            self._file.write(json.dumps(data, allow_nan=False) + "\n")
+            self._file.flush()
+        os.fsync(self._file.fileno())  # a kill, or a power cut, loses no committed step's record
+        self.last_step = data.get("step", self.last_step)
+
+    def _create(self, first: dict[str, Any]) -> IO[str]:
+        """The file, created holding the record `first` and its own inode (`ownership.FILE_KEY`: a copy is not
+        lohan's): written under a temporary name of this run's, then linked to its path (the same inode), which
+        fails if anything is there (a file lohan did not write is never replaced)."""
+        tmp = self.path.with_name(f".{self.path.name}.{self.run_id}.tmp")
+        tmp.unlink(missing_ok=True)  # this run's own, left by a kill (its name carries the run's identity)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            line = json.dumps({**first, FILE_KEY: os.fstat(fd).st_ino}, allow_nan=False) + "\n"
+            os.write(fd, line.encode())
+            os.fsync(fd)
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                raise ForeignFileError(f"--metrics {self.path} appeared while the run was starting; lohan never "
+                                       "writes over a file it did not write: choose another --metrics path") from None
+        finally:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.path.parent)
+        return _append(self.path)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -489,16 +539,45 @@ class MetricsWriter:
         self.close()
 
 
+def _append(path: Path) -> IO[str]:
+    """`path` opened to append, never through a link."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "a", encoding="utf-8")
+
+
+def _cut_back(path: Path, through: int | None) -> int | None:
+    """Cut a metrics file (this run's) back to its complete records of steps up to `through`; returns the step of
+    the last record kept (None: none)."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1  # a line a kill cut short is not a record
+        pos, last = 0, None
+        for line in data[:keep].splitlines(keepends=True):
+            step = json.loads(line).get("step", 0)
+            if through is not None and step > through:
+                keep = pos
+                break
+            pos, last = pos + len(line), step
+        if keep < len(data):
+            f.truncate(keep)
+            os.fsync(f.fileno())
+    return last
+
+
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read back a JSONL metrics file (for reports and tests); blank lines are skipped."""
+    """Read back a JSONL metrics file (for reports and tests); blank lines are skipped, and so is a last line a
+    kill or a full disk cut short (no newline: not a record yet)."""
     with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
-def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -> Path | None:
+def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None, run_id: str | None = None) -> Path | None:
     """Plot loss, learning rate and tokens/s per step of a JSONL metrics file next to it (``<stem>.png``); the
     eval loss of the records that have one is drawn next to the training loss, the steps that wrote a checkpoint
     are marked on the lr panel (the schedule).
+
+    The PNG's text names lohan and `run_id` (the run the plot is of: `layout.plot_owner`, so that only that run
+    replaces it; the caller checks that it may); it is written under a temporary name and renamed in.
 
     Returns the PNG path, or None when matplotlib is unavailable or there is nothing to plot.
     """
@@ -530,9 +609,15 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -
     ax2.grid(alpha=0.3)
     fig.suptitle(Path(metrics_path).name)
     fig.tight_layout()
-    # tagged: a later run replaces this file, and only this one (layout.is_lohan_plot)
-    fig.savefig(out, dpi=100, metadata={"Software": PLOT_TAG})
-    plt.close(fig)
+    # tagged: the run replaces this file, and only this one (layout.plot_owner)
+    tmp = out.with_name(f".{out.name}.{run_id or os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=100,
+                    metadata={"Software": PLOT_TAG, **({PLOT_RUN_KEY: run_id} if run_id else {})})
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 

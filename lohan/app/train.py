@@ -36,7 +36,7 @@ from lohan.app.fit import (
     fit_report,
     local_problems,
 )
-from lohan.app.layout import RunLayout, default_metrics
+from lohan.app.layout import OutputError, RunLayout, default_metrics, plot_owner
 from lohan.app.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -47,6 +47,7 @@ from lohan.app.metrics import (
     report_step,
     should_log,
 )
+from lohan.app.ownership import Owner, metrics_owner
 from lohan.app.tracking import Trackers, flat_params, missing_packages
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
 from lohan.data import (
@@ -71,6 +72,7 @@ from lohan.runtime.parallel import (
 )
 from lohan.runtime.step import NonFiniteError
 from lohan.store.dirlock import DirectoryInUseError, DirLock
+from lohan.store.group import rank_dir
 from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
 from lohan.store.opening import CLI, StoreExistsError, check_request
 from lohan.store.states import StateStore, StoreStatus
@@ -504,7 +506,7 @@ def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: 
     if steps > MAX_STEPS:  # RunConfig bounds --steps; --epochs is only known in steps now
         raise Refusal(f"{run.epochs:,} epochs of {per_epoch:,} steps are {steps:,} steps, more than lohan counts "
                       f"({MAX_STEPS:,}); ask for fewer epochs")
-    layout = run_layout(run, model, export, config)
+    layout = run_layout(run, model, export, config, dp)
     problems = missing_packages(run.report_to) + ([] if dry_run else layout.problems())
     if problems:
         raise Refusal("; ".join(problems))
@@ -588,7 +590,9 @@ def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
         # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
         engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
     try:
-        return _open_engine(ctx.console, run, ctx.model, engine_cfg, resume)
+        engine = _open_engine(ctx.console, run, ctx.model, engine_cfg, resume)
+        ctx.layout.adopt(engine.store.volume.volume_id)  # the run's outputs carry its store's identity
+        return engine
     except KeyboardInterrupt as err:
         ctx.console.print(f"\n{_interrupt_name(err)} while initializing the states; every block written so far is "
                           "durable: continue with --resume")
@@ -653,8 +657,8 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
             console.print(f"[yellow]note:[/yellow] act_compress {saved} -> {engine.cfg.act_compress}: swapped "
                           f"activations were {how.get(saved, saved)} in the run being resumed and are "
                           f"{how[engine.cfg.act_compress]} from step {start + 1} on")
-    elif ctx.layout.metrics.exists() and ctx.main_rank:
-        ctx.layout.metrics.unlink()
+    if ctx.main_rank:
+        _start_metrics(ctx.layout, resume)
     label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name
     _header(console, run, ctx.model.config, engine, ctx.seq_len, label)
     if ctx.dataset is not None and ctx.dataset.description:
@@ -664,6 +668,21 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
         when = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
         console.print(f"  eval: {len(ctx.eval_set)} sequences {source}, {when} (forward only)")
     return batches, data_state
+
+
+def _start_metrics(layout: RunLayout, resume: bool) -> None:
+    """A new run starts its metrics file afresh: the file there is its store's, or a replaced store's (proven at the
+    pre-flight, and again now). A resumed run appends to its own, and starts afresh over one of a store it replaced
+    (it was killed before its first record)."""
+    path, owner = layout.metrics, layout.owner
+    if path.is_symlink() or not path.exists():
+        return
+    run_id, why = metrics_owner(path)
+    if run_id is None or not owner.owns(run_id):  # it changed since the pre-flight
+        raise Refusal(f"--metrics {path} holds a file lohan did not write ({why})" if run_id is None else
+                      owner.stranger("the metrics", path, run_id))
+    if not resume or run_id != owner.current:
+        path.unlink()
 
 
 def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None, export: str | None,
@@ -713,52 +732,117 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
 def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None,
                  history: list[StepMetrics]) -> None:
     """The loop: a step, its run state (the data position a resume needs) once it is committed, an evaluation
-    and a checkpoint when due, its metrics (the JSONL, the trackers, a log line when due). One batch is drawn
-    ahead: a step whose optimizer pass runs after backward runs the next step's forward beside it."""
-    run, steps, start, ckpt = ctx.run, ctx.steps, engine.step_count, ctx.checkpoints
-    writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
+    and a checkpoint when due, its metrics (the JSONL, the trackers: each step exactly once, when its commit is
+    durable, `_Outbox`; a log line when due). One batch is drawn ahead: a step whose optimizer pass runs after
+    backward runs the next step's forward beside it."""
+    run, steps, start = ctx.run, ctx.steps, engine.step_count
+    run_id = ctx.layout.owner.current
+    writer_cm = MetricsWriter(ctx.layout.metrics, run_id, through=start) if ctx.main_rank \
+        else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
     trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run))
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
-    if ckpt is not None and ckpt.due(start) and _agreed(ctx, not ckpt.has(start)):
-        ctx.console.print(_save(ctx, engine)[1])  # a resumed run whose checkpoint of this step a kill cut short
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
-        position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
-        batch = next(batches) if start < steps else None
-        if start < steps and not ctx.console.is_terminal:  # a log file: say why the first line takes long to come
-            ctx.console.print("note: the first step of a process also profiles the model and the SSDs (unless a saved "
-                              "profile is loaded) and plans the activations, so its line takes longer to come")
-        run_state = data_state if data_state is not None and data_state.get("step") == start else None
-        for s in range(start, steps):
-            after = position()  # the data position once this step's batch is consumed
-            nxt = next(batches) if s + 1 < steps else None
-            engine.step(batch, next_batch=nxt)
-            if ctx.main_rank:
-                run_state = save_run_state(run, ctx.seq_len, engine, after, run_state)
-            batch = nxt
-            step = engine.last_stats.step
-            # after the run state is saved: an evaluation reads the committed weights and nothing else
-            due = ctx.eval_set is not None and (step == steps or bool(run.eval_every and step % run.eval_every == 0))
-            try:
-                eval_loss, eval_s = evaluate(engine, ctx.eval_set, run.batch_size) if due else (None, None)
-                save_s, saved = _save(ctx, engine) if ckpt is not None and ckpt.due(step) else (None, "")
-            except BaseException:  # the step is committed: its line is kept, and a resume goes on after it
-                _record(StepMetrics.from_stats(engine.last_stats, None, None, None), history, writer, trackers)
-                raise
-            sm = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s, save_s)
-            _record(sm, history, writer, trackers)
-            report_step(bar, sm, steps, print_line=should_log(step, steps, every, start + 1,
-                                                              eval_loss is not None or bool(saved)))
-            if saved:
-                ctx.console.print(saved)
+        out = _Outbox(ctx, writer, trackers, history)
+        try:
+            _catch_up(ctx, engine, out)
+            _steps(ctx, engine, batches, data_state, out, bar, every)
+            engine.flush()  # the last step's commit, staged with write-behind, then its record
+        finally:  # what is durable goes out, whatever stopped the loop; the rest is run again by a resume
+            out.emit(engine.committed_step)
 
 
-def _record(sm: StepMetrics, history: list, writer: Any, trackers: Any) -> None:
-    """A committed step's metrics: kept for the summary, written to the JSONL file, sent to the trackers."""
-    history.append(sm)
-    if writer is not None:
-        writer.write(sm)
-    trackers.log(sm)
+def _steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None, out: _Outbox, bar: Any,
+           every: int) -> None:
+    run, steps, start = ctx.run, ctx.steps, engine.step_count
+    position = (lambda: batches.state_dict()) if isinstance(batches, BatchIterator) else (lambda: None)
+    batch = next(batches) if start < steps else None
+    if start < steps and not ctx.console.is_terminal:  # a log file: say why the first line takes long to come
+        ctx.console.print("note: the first step of a process also profiles the model and the SSDs (unless a saved "
+                          "profile is loaded) and plans the activations, so its line takes longer to come")
+    run_state = data_state if data_state is not None and data_state.get("step") == start else None
+    for s in range(start, steps):
+        after = position()  # the data position once this step's batch is consumed
+        nxt = next(batches) if s + 1 < steps else None
+        engine.step(batch, next_batch=nxt)
+        if ctx.main_rank:
+            run_state = save_run_state(run, ctx.seq_len, engine, after, run_state)
+        batch = nxt
+        # the steps before it are durable now (write-behind: this step made its predecessor's commit durable);
+        # out before this step's evaluation and checkpoint, which make this one durable too
+        out.emit(engine.committed_step)
+        sm, saved = _after_step(ctx, engine, engine.last_stats)
+        out.add(sm)
+        out.emit(engine.committed_step)
+        step = sm.step
+        report_step(bar, sm, steps, print_line=should_log(step, steps, every, start + 1,
+                                                          sm.eval_loss is not None or bool(saved)))
+        if saved:
+            ctx.console.print(saved)
+
+
+def _after_step(ctx: _Run, engine: Engine, stats: Any, catching_up: bool = False) -> tuple[StepMetrics, str]:
+    """A committed step's evaluation and checkpoint where due (both read the committed weights and nothing else),
+    and its record; the line that says what was saved ('' if nothing). `catching_up` (`_catch_up`): a checkpoint
+    the step already has stands."""
+    step, ckpt = stats.step, ctx.checkpoints
+    due = ctx.eval_set is not None and (step == ctx.steps or bool(ctx.run.eval_every and step % ctx.run.eval_every == 0))
+    eval_loss, eval_s = evaluate(engine, ctx.eval_set, ctx.run.batch_size) if due else (None, None)
+    save_s, saved = (None, "")
+    if ckpt is not None and ckpt.due(step) and (not catching_up or _agreed(ctx, not ckpt.has(step))):
+        save_s, saved = _save(ctx, engine)
+    return StepMetrics.from_stats(stats, eval_loss, eval_s, save_s), saved
+
+
+def _catch_up(ctx: _Run, engine: Engine, out: _Outbox) -> None:
+    """A resumed run's first task: the committed step's record, if a kill lost it (between the commit and the
+    record's write, or in its evaluation or checkpoint), taken from the commit (`Engine.committed_stats`), its
+    evaluation and checkpoint done now where due; or a checkpoint of the committed step that a kill cut short."""
+    start, ckpt = engine.step_count, ctx.checkpoints
+    last = out.writer.last_step if out.writer is not None else None
+    if not _agreed(ctx, start > 0 and (last or 0) < start):
+        if ckpt is not None and ckpt.due(start) and _agreed(ctx, not ckpt.has(start)):
+            ctx.console.print(_save(ctx, engine)[1])
+        return
+    stats = engine.committed_stats
+    if stats is None or stats.step != start:  # a store written by an older lohan keeps no record in its commits
+        if ctx.main_rank:
+            ctx.console.print(f"note: the metrics of step {start} were not recorded before the run stopped, and its "
+                              "commit keeps none (written by an older lohan): the file goes on from step "
+                              f"{start + 1}")
+        return
+    sm, saved = _after_step(ctx, engine, stats, catching_up=True)
+    out.add(sm)
+    out.emit(engine.committed_step)
+    if saved:
+        ctx.console.print(saved)
+
+
+class _Outbox:
+    """The records of the run's steps on their way out. A record goes to the metrics file and the trackers once its
+    step's commit is durable, and not before: a step that a kill or a failed commit takes back is run again by the
+    resumed run, and must not be recorded twice; a committed step's record that a kill kept from going out is in
+    its commit (`_catch_up`)."""
+
+    def __init__(self, ctx: _Run, writer: MetricsWriter | None, trackers: Trackers,
+                 history: list[StepMetrics]) -> None:
+        self.ctx, self.writer, self.trackers, self.history = ctx, writer, trackers, history
+        self.pending: list[StepMetrics] = []
+
+    def add(self, sm: StepMetrics) -> None:
+        self.pending.append(sm)
+
+    def emit(self, committed: int) -> None:
+        """Send out the records of the steps up to `committed`, in order."""
+        while self.pending and self.pending[0].step <= committed:
+            sm = self.pending.pop(0)
+            self.history.append(sm)
+            if self.writer is not None:
+                try:
+                    self.writer.write(sm)
+                except OSError as err:
+                    raise OutputError(err, "writing the metrics", self.writer.path) from err
+            self.trackers.log(sm)
 
 
 def _save(ctx: _Run, engine: Engine) -> tuple[float, str]:
@@ -802,8 +886,20 @@ def _finish(ctx: _Run, history: list[StepMetrics], batches: Iterator[Batch]) -> 
     if untrained:
         console.print(f"  data        {untrained} batch(es) skipped: every target masked (no response or assistant "
                       "token), nothing to train on")
-    png = plot_metrics(ctx.layout.metrics)
-    console.print(f"metrics: {ctx.layout.metrics}" + (f", plot: {png}" if png else ""))
+    console.print(f"metrics: {ctx.layout.metrics}" + _plot(ctx.layout))
+
+
+def _plot(layout: RunLayout) -> str:
+    """The metrics plot, drawn over a previous one only if it is this run's (it was checked at the pre-flight, and
+    is again now); ', plot: <path>', or what kept it from being drawn."""
+    owner = plot_owner(layout.plot) if layout.plot.exists() or layout.plot.is_symlink() else layout.owner.current
+    if layout.plot.is_symlink() or not layout.owner.owns(owner):
+        return f" (no plot: {layout.plot} holds a file that is not this run's plot)"
+    try:
+        png = plot_metrics(layout.metrics, layout.plot, run_id=layout.owner.current)
+    except (OSError, ValueError) as err:  # the plot is a convenience: a full disk must not fail a finished run
+        return f" (no plot: {err})"
+    return f", plot: {png}" if png else ""
 
 
 def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: EngineConfig, resume: bool) -> Engine:
@@ -866,11 +962,14 @@ def _interrupt_code(err: BaseException) -> int:
 
 
 def _os_error_text(err: OSError, doing: str) -> str:
-    """An OSError as a sentence with its path, and what a full disk means (the usual one on a long run)."""
+    """An OSError as a sentence with its path, and what a full disk means (the usual one on a long run). An
+    `OutputError` says itself what was being done."""
+    if isinstance(err, OutputError):
+        doing = err.doing
     where = f" ({err.filename})" if err.filename else ""
     text = f"{err.strerror or err} while {doing}{where}"
     if err.errno == errno.ENOSPC:
-        text += ": the disk is full; free space on it (or point --nvme / --metrics elsewhere)"
+        text += ": the disk is full; free space on it (or point --nvme / --metrics / --export elsewhere)"
     return text
 
 
@@ -884,7 +983,8 @@ def _root_cause(err: BaseException) -> BaseException | str:
     return str(err) if not err.__cause__ else f"{err}: {err.__cause__}"
 
 
-def run_layout(run: RunConfig, model: Model, export: str | None, config: str | os.PathLike | None) -> RunLayout:
+def run_layout(run: RunConfig, model: Model, export: str | None, config: str | os.PathLike | None,
+               dp: DataParallel | None = None) -> RunLayout:
     """The run's paths (layout.RunLayout): its outputs, and the inputs none of them may touch."""
     e = run.engine
     inputs = {"--model": run.model if model.hf_program is not None else None,
@@ -892,7 +992,21 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
               "--config": config}
     metrics = run.metrics or default_metrics(e.nvme[0], e.name)
     logging_dir = (run.logging_dir or Path(metrics).parent / f"{e.name}.logs") if run.report_to else None
-    return RunLayout(e.nvme, e.name, metrics, export, inputs, logging_dir)
+    return RunLayout(e.nvme, e.name, metrics, export, inputs, logging_dir, owner=_owner(run, dp))
+
+
+def _owner(run: RunConfig, dp: DataParallel | None) -> Owner:
+    """Whose outputs this run may replace (`ownership.Owner`): those of the store it resumes or replaces (rank 0's,
+    which writes the outputs), and of the stores that one replaced. A damaged store owns nothing (the run is refused
+    when the store is checked)."""
+    e = run.engine
+    dirs = tuple(rank_dir(d, 0) for d in e.nvme) if dp else e.nvme
+    where = os.path.join(e.nvme[0], e.name)
+    try:
+        status = StateStore.status(dirs, e.name)
+    except (StoreCorruptError, ValueError, OSError):
+        return Owner(where)
+    return Owner(where, status.volume_id, frozenset(status.replaces))
 
 
 def verify_store(run: RunConfig) -> int:

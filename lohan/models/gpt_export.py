@@ -43,25 +43,24 @@ def gpt2_config(cfg: ModelConfig) -> dict:
 
 
 def check_export_dir(out: str | os.PathLike) -> None:
-    """Refuse a directory that holds anything but a previous export (checked before a run starts)."""
+    """Refuse a directory that holds anything (an export is written into a new or empty folder, or one that holds
+    only the manifest its caller began it with, `lohan.app.ownership.begin_folder`): nothing is ever written over.
+    Replacing a previous export is the run's job (`lohan.app.export`), which proves what it removes."""
     out = Path(out)
+    if out.is_symlink():
+        raise ValueError(f"export path {out} is a symbolic link; give the directory it points to, or a new one")
     if out.exists() and not out.is_dir():
         raise ValueError(f"export path {out} is a file; give a directory")
-    if out.exists() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
-        raise ValueError(f"export directory {out} exists and holds other files (it is not an export of lohan's: no "
-                         f"{EXPORT_MARKER}); choose a new or empty directory")
-
-
-def _check_out_dir(out: Path) -> None:
-    check_export_dir(out)
-    for f in out.glob("model-*.safetensors"):
-        f.unlink()
+    held = sorted(e.name for e in out.iterdir() if e.name != EXPORT_MARKER) if out.exists() else []
+    if held:
+        raise ValueError(f"refusing to export into {out}: it is not empty (it holds {', '.join(held[:5])}"
+                         f"{' ...' if len(held) > 5 else ''}); export into a new or empty directory")
 
 
 def export_gpt2(engine, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     """Write `engine`'s current fp32 weights to `out_dir` as a GPT-2 checkpoint (`from_pretrained` loads it)."""
     out = Path(out_dir)
-    _check_out_dir(out)
+    check_export_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     layout = engine.store.layout
     weight_map: dict[str, str] = {}

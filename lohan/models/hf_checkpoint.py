@@ -21,8 +21,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from lohan.models import EXPORT_MARKER
-
 if TYPE_CHECKING:
     from lohan.models.hf import HFBlocks
 
@@ -39,9 +37,6 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9
 """The export's shard size bound (transformers' own default for save_pretrained is 5 GB too)."""
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_EXPORT_FILES = frozenset(("config.json", "generation_config.json", WEIGHTS_NAME, WEIGHTS_INDEX, *TOKENIZER_FILES,
-                           EXPORT_MARKER))
 
 EXPORT_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                  "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -216,15 +211,11 @@ def check_weights(program: HFBlocks, path: str | os.PathLike) -> None:
 
 # ------------------------------------------------------------------------------------------ export
 def _check_out_dir(src_dir: str, out_dir: str) -> None:
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"export target {out_dir} exists and is not a directory")
+    from lohan.models.gpt_export import check_export_dir
+
     if os.path.isdir(out_dir) and os.path.samefile(src_dir, out_dir):
         raise ValueError(f"export target {out_dir} is the source directory; export to a new directory")
-    if os.path.isdir(out_dir):
-        foreign = [n for n in os.listdir(out_dir) if n not in _EXPORT_FILES and not _SHARD_RE.match(n)]
-        if foreign:
-            raise ValueError(f"refusing to export into {out_dir}: it is not empty and holds files an export does "
-                             f"not write ({', '.join(sorted(foreign)[:5])}); choose a new or empty directory")
+    check_export_dir(out_dir)
 
 
 def _write_shard(path: str, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
@@ -278,9 +269,6 @@ def export_hf(engine: Any, program: HFBlocks, src_dir: str | os.PathLike, out_di
     tdtype = EXPORT_DTYPES[name]
     _check_out_dir(src_dir, out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    for n in os.listdir(out_dir):  # a previous export's weights: the shard count may change
-        if n in (WEIGHTS_NAME, WEIGHTS_INDEX) or _SHARD_RE.match(n):
-            os.unlink(os.path.join(out_dir, n))
 
     layout = engine.store.layout
     if [b.name for b in layout.blocks] != program.names:
