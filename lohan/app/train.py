@@ -718,7 +718,8 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     run, steps, start, ckpt = ctx.run, ctx.steps, engine.step_count, ctx.checkpoints
     writer_cm = MetricsWriter(ctx.layout.metrics) if ctx.main_rank else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
-    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run))
+    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run),
+                           run_id=engine.store.volume.volume_id)
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
     if ckpt is not None and ckpt.due(start) and _agreed(ctx, not ckpt.has(start)):
         ctx.console.print(_save(ctx, engine)[1])  # a resumed run whose checkpoint of this step a kill cut short
