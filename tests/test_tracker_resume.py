@@ -66,8 +66,9 @@ def _expected(steps: int) -> dict[str, list[int]]:
     return out
 
 
-def _tensorboard(logs: Path, run_id: str = RUN) -> dict[str, list[int]]:
-    """Each tag's steps as TensorBoard's reader shows them (purges applied), with the values checked."""
+def _tensorboard(logs: Path, run_id: str = RUN, check: bool = True) -> dict[str, list[int]]:
+    """Each tag's steps as TensorBoard's reader shows them (purges applied), with the values of `records`
+    checked."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (folder,) = (logs / "tensorboard").iterdir()
@@ -75,7 +76,7 @@ def _tensorboard(logs: Path, run_id: str = RUN) -> dict[str, list[int]]:
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
     want = {m.step: step_scalars(m) for m in records(99)}
-    for tag in acc.Tags()["scalars"]:
+    for tag in acc.Tags()["scalars"] if check else ():
         assert all(e.value == pytest.approx(want[e.step][tag], rel=1e-6) for e in acc.Scalars(tag))
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
@@ -281,3 +282,15 @@ def test_a_tracker_write_error_says_which_where_and_the_fix():
     assert isinstance(err, OSError) and "\n" not in str(err) and "[SQL" not in str(err)
     assert str(err).startswith("--report-to mlflow could not write to /logs/mlflow/mlflow.db (")
     assert "point --logging-dir elsewhere" in str(err)
+
+
+def test_the_cli_passes_the_stores_run_id_the_same_after_resume(env, tmp_path):
+    """The CLI's run id is the store's volume id: a resume adds to the run's one TensorBoard folder (the other
+    trackers take the same id; the tests above show each continues its run for it)."""
+    args = ["--nvme", str(tmp_path / "nvme"), "--metrics", str(tmp_path / "m.jsonl"), "--report-to",
+            "tensorboard", "--logging-dir", str(tmp_path / "logs")]
+    assert main(args + ["--steps", "1"]) == 0
+    assert main(args + ["--steps", "2", "--resume"]) == 0
+    (folder,) = (tmp_path / "logs" / "tensorboard").iterdir()
+    assert re.fullmatch(r"lohan-[0-9a-f]{32}", folder.name)
+    assert _tensorboard(tmp_path / "logs", folder.name.removeprefix("lohan-"), check=False)["train/loss"] == [1, 2]
