@@ -186,6 +186,29 @@ def test_mlflow_a_kill_at_any_point_of_a_log_call_ends_with_each_step_once(logs,
     assert len(runs) == 1 and steps == _expected(5)
 
 
+def test_wandb_a_kill_while_it_writes_its_run_file_ends_with_each_step_once(env, tmp_path):
+    """A kill while wandb writes its run file leaves a prefix of it, the last record torn: the reader stops at the
+    torn record (its CRC), and the resume logs the steps after it."""
+    from lohan.app.tracker_backends import wandb_run_files, wandb_steps
+
+    with _open(tmp_path / "full", ["wandb"]) as t:
+        for m in records(3):
+            t.log(m)
+    (run_file,) = wandb_run_files(tmp_path / "full" / "wandb", RUN)
+    data = run_file.read_bytes()
+    for k in (1, 2, 3):
+        logs = tmp_path / f"cut{k}"
+        shutil.copytree(tmp_path / "full", logs, symlinks=True)  # wandb's latest-run link stays a link
+        (kept,) = wandb_run_files(logs / "wandb", RUN)
+        kept.write_bytes(data[:len(data) * k // 4 + 3])  # mid-record (3 bytes past a quarter)
+        held = wandb_steps(logs / "wandb", RUN)
+        assert held == list(range(1, len(held) + 1)) and len(held) <= 3
+        with _open(logs, ["wandb"]) as t:
+            t.replay(records(4))
+            t.log(records(5)[4])
+        assert wandb_steps(logs / "wandb", RUN) == [1, 2, 3, 4, 5], f"cut at byte {len(data) * k // 4 + 3}"
+
+
 def _kill_worker(logs: Path, names: str, kill: str, n: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(Path(lohan.__file__).parents[1]))
     env.pop("WANDB_SERVICE", None)  # this process's wandb service: the worker starts one of its own, as a run does

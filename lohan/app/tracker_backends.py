@@ -203,6 +203,7 @@ class WandB:
     def __init__(self, logdir: Path, run_name: str, run_id: str) -> None:
         import wandb
 
+        self.wandb = wandb
         self.where = logdir / "wandb"
         self.held = set(wandb_steps(self.where, run_id))  # before init: it starts a folder of its own
         logdir.mkdir(parents=True, exist_ok=True)
@@ -222,6 +223,9 @@ class WandB:
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+        # wandb's service may write the run file after finish returns; its teardown waits for it (what exit does),
+        # so the file holds every step before anything reads it back
+        self.wandb.teardown()
 
 
 # ---------------------------------------------------------------------------------------------------- mlflow
