@@ -1,34 +1,46 @@
 """Experiment trackers: ``--report-to tensorboard,wandb,mlflow`` (the names HF Trainer uses).
 
 Each step's record, the same fields as the metrics JSONL, goes to every tracker asked for, with the run's
-settings as hyperparameters. Only rank 0 reports (the JSONL's rule). Every tracker writes locally:
+settings as hyperparameters. Only rank 0 reports (the JSONL's rule). Every tracker writes locally, and each
+continues its own run for a lohan run (``run_id``: the store's volume id) across resumes:
 
-- ``tensorboard``: event files through ``torch.utils.tensorboard`` in ``<logging_dir>/tensorboard``
+- ``tensorboard``: event files in ``<logging_dir>/tensorboard/<name>-<run_id>``, one folder per run
   (``tensorboard --logdir <logging_dir>``);
-- ``wandb``: offline unless ``WANDB_MODE`` says otherwise, files in ``<logging_dir>/wandb``
-  (``wandb sync <logging_dir>/wandb/offline-run-*`` uploads them later); ``WANDB_PROJECT`` names the project;
+- ``wandb``: offline unless ``WANDB_MODE`` says otherwise, files in ``<logging_dir>/wandb``, the W&B run id the
+  run's id (``wandb sync <logging_dir>/wandb/offline-run-*`` uploads them later, as one run);
+  ``WANDB_PROJECT`` names the project;
 - ``mlflow``: the tracking URI ``MLFLOW_TRACKING_URI`` when set, else a local SQLite store,
-  ``<logging_dir>/mlflow/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///<logging_dir>/mlflow/mlflow.db``);
-  ``MLFLOW_EXPERIMENT_NAME`` names the experiment.
+  ``<logging_dir>/mlflow/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///<logging_dir>/mlflow/mlflow.db``),
+  one MLflow run per run, tagged ``lohan.run_id``; ``MLFLOW_EXPERIMENT_NAME`` names the experiment.
 
-All three only ever add files of their own naming (time-, host- or id-stamped) to these folders, so a resumed
-run adds to them and never overwrites what another run wrote. wandb and mlflow are optional packages: asking
-for one that is not installed is refused before anything is written, with the pip command.
+A resume replays the committed steps (from the metrics JSONL) and each tracker logs only those it does not hold,
+read back with its own reader, so after any kill every committed step is in each tracker exactly once
+(lohan.app.tracker_backends says how each does it). All three only ever add files of their own naming (time-,
+host- or id-stamped) to these folders, so a resumed run adds to them and never overwrites what another run
+wrote; lohan removes only the temporary file of a local MLflow store whose builder a kill stopped. A tracker that
+cannot open or write stops the run with one line: which tracker, where, the fix. wandb and mlflow are optional
+packages: asking for one that is not installed is refused before anything is written, with the pip command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import importlib.util
 import os
+import re
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from lohan.app.metrics import StepMetrics
+from lohan.app.tracker_backends import MLflow, TensorBoard, TrackerOpenError, WandB
 from lohan.config import TRACKERS, parse_report_to
 
-__all__ = ["TRACKERS", "Trackers", "flat_params", "missing_packages", "parse_report_to", "step_scalars"]
+__all__ = ["TRACKERS", "TrackerOpenError", "TrackerWriteError", "Trackers", "flat_params", "missing_packages",
+           "parse_report_to", "step_scalars"]
 
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
@@ -80,122 +92,118 @@ def flat_params(config: Any, prefix: str = "") -> dict[str, str | int | float | 
 
 
 class Tracker(Protocol):
+    """One tracker's run (lohan.app.tracker_backends): `where` its folder or store, for messages."""
+
+    where: Any
+
     def log_params(self, params: Mapping[str, Any]) -> None: ...
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, status: str) -> None: ...
 
 
-class _TensorBoard:
-    def __init__(self, logdir: Path, run_name: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+class TrackerWriteError(OSError):
+    """A tracker could not write a step: which tracker, where, why, and the fix (a full disk: free space or point
+    --logging-dir elsewhere). An OSError, so the run stops as on its other I/O failures: the committed state
+    intact, continued with --resume."""
 
-        self.writer = SummaryWriter(log_dir=str(logdir / run_name))
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        # as text: add_hparams would start a run folder of its own for every call
-        table = "\n".join(f"| {k} | {v} |" for k, v in params.items())
-        self.writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
-
-    def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()  # a killed run keeps every step it reported
-
-    def close(self) -> None:
-        self.writer.close()
+    def __init__(self, name: str, where: Any, err: BaseException) -> None:
+        cause = getattr(err, "orig", None) or err  # a database error's own message, not its SQL
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        full = getattr(cause, "errno", None) == errno.ENOSPC or "disk is full" in why
+        fix = "the disk is full; free space on it or point --logging-dir elsewhere" if full else (
+            f"fix the cause, point --logging-dir elsewhere, or drop {name} from --report-to")
+        super().__init__(f"--report-to {name} could not write to {where} ({why}: {fix})")
 
 
-class _WandB:
-    def __init__(self, logdir: Path, run_name: str) -> None:
-        import wandb
-
-        self.wandb = wandb
-        logdir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "lohan"), name=run_name, dir=str(logdir),
-                              mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        self.run.config.update(dict(params), allow_val_change=True)
-
-    def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        self.run.log(dict(scalars), step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class _MLflow:
-    def __init__(self, logdir: Path, run_name: str) -> None:
-        import mlflow
-
-        self.mlflow = mlflow
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "lohan")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # a local SQLite store (MLflow 3 refuses new plain-file stores), its artifacts beside it rather than
-            # in the working directory
-            logdir.mkdir(parents=True, exist_ok=True)
-            mlflow.set_tracking_uri(f"sqlite:///{(logdir / 'mlflow.db').resolve()}")
-            if mlflow.get_experiment_by_name(name) is None:
-                mlflow.create_experiment(name, artifact_location=(logdir / "artifacts").resolve().as_uri())
-        mlflow.set_experiment(name)
-        self.run = mlflow.start_run(run_name=run_name)
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        # MLflow caps a value at 6000 characters; the run's settings are far below it
-        self.mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
-
-    def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        # MLflow's metric keys take '/' (they are shown as groups), not every other character
-        self.mlflow.log_metrics(dict(scalars), step=step)
-
-    def close(self) -> None:
-        self.mlflow.end_run()
+def _open_one(name: str, folder: Path, run_name: str, run_id: str) -> Tracker:
+    cls = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}[name]
+    try:
+        return cls(folder, run_name, run_id)
+    except TrackerOpenError:
+        raise
+    except Exception as err:  # the tracker's own refusal, said as lohan says one: one line, the fix
+        cause = getattr(err, "orig", None) or err
+        why = (str(cause).strip().splitlines() or [""])[0]
+        raise TrackerOpenError(f"--report-to {name} could not start a run in {folder}: {type(cause).__name__}: "
+                               f"{why}; fix that, point --logging-dir elsewhere, or drop {name} from "
+                               "--report-to") from err
 
 
 # each in a folder of its own under the logging dir (wandb makes its own `wandb/`)
-_OPEN = {"tensorboard": (_TensorBoard, "tensorboard"), "wandb": (_WandB, ""), "mlflow": (_MLflow, "mlflow")}
+_FOLDERS = {"tensorboard": "tensorboard", "wandb": "", "mlflow": "mlflow"}
 
 
 class Trackers:
-    """The trackers of a run (none: every call does nothing). Use as a context manager."""
+    """The trackers of a run (none: every call does nothing). Use as a context manager.
+
+    `run_id` names one training run: the same for every resume of it (each tracker then continues its own run
+    for it), a new one for a store created afresh; None: a run of its own, never continued. After opening,
+    `replay` the committed steps of the run so far, then `log` each new one: every tracker logs only what it
+    does not hold, so after any kill and resume each committed step is in each tracker exactly once."""
 
     def __init__(self, names: Sequence[str], logging_dir: str | os.PathLike, run_name: str,
-                 params: Mapping[str, Any] | None = None) -> None:
+                 params: Mapping[str, Any] | None = None, run_id: str | None = None) -> None:
         problems = missing_packages(names)
         if problems:
             raise ValueError("; ".join(problems))
+        self.run_id = run_id or uuid.uuid4().hex
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id):  # a folder name part and a wandb run id
+            raise ValueError(f"a tracker run id is 1-64 letters, digits, '-' or '_', not {self.run_id!r}")
         self.names = tuple(names)
         self.dir = Path(logging_dir)
-        self._open: list[Tracker] = []
+        self._open: list[tuple[str, Tracker]] = []
         try:
             for name in self.names:
-                cls, sub = _OPEN[name]
-                try:
-                    self._open.append(cls(self.dir / sub if sub else self.dir, run_name))
-                except Exception as err:  # the tracker's own refusal, said as lohan says one
-                    raise ValueError(f"--report-to {name}: it could not start a run in {self.dir}: "
-                                     f"{type(err).__name__}: {err}") from err
+                folder = self.dir / _FOLDERS[name] if _FOLDERS[name] else self.dir
+                self._open.append((name, _open_one(name, folder, run_name, self.run_id)))
             if params:
-                for t in self._open:
-                    t.log_params(params)
+                for name, t in self._open:
+                    try:
+                        t.log_params(params)
+                    except Exception as err:
+                        raise TrackerOpenError(str(TrackerWriteError(name, t.where, err))) from err
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):  # the error to report is the one that stopped the opening
+                self.close("FAILED")
             raise
 
+    def replay(self, records: Iterable[StepMetrics]) -> None:
+        """The run's committed steps so far, in step order (a resume's; none on a fresh run): each tracker logs
+        those it lacks, and completes a step a kill left half-logged."""
+        for m in records:
+            self.log(m)
+
     def log(self, m: StepMetrics) -> None:
+        """A newly committed step (a tracker that holds it already, whole, logs nothing)."""
         if self._open:
             scalars = step_scalars(m)
-            for t in self._open:
-                t.log(m.step, scalars)
+            for name, t in self._open:
+                try:
+                    t.log(m.step, scalars)
+                except Exception as err:
+                    raise TrackerWriteError(name, t.where, err) from err
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """Close every tracker, its run marked `status` (MLflow's FINISHED, FAILED or KILLED)."""
+        failed: TrackerWriteError | None = None
         while self._open:
-            self._open.pop().close()
+            name, t = self._open.pop()
+            try:
+                t.close(status)
+            except Exception as err:  # the others are closed still
+                failed = failed or TrackerWriteError(name, t.where, err)
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> Trackers:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if kind is None:
+            self.close()
+            return
+        # closing after a failure may fail the same way (a full disk): the first error is the one to report
+        with contextlib.suppress(Exception):
+            self.close("KILLED" if issubclass(kind, KeyboardInterrupt) else "FAILED")

@@ -740,7 +740,8 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     writer_cm = MetricsWriter(ctx.layout.metrics, run_id, through=start) if ctx.main_rank \
         else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
-    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run))
+    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run),
+                           run_id=engine.store.volume.volume_id)
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
         out = _Outbox(ctx, writer, trackers, history)
