@@ -5,21 +5,25 @@ bit-identical to an uninterrupted run.
     python scripts/kill_harness.py --trials 6 --seed 3  # a quicker look
     python scripts/kill_harness.py --set engine.resident_mem=all  # every optimizer record kept in RAM too
 
-Each trial runs the same small fine-tune (the tiny preset on the shipped corpus, seq 64, batch 4, 6 steps, a
-checkpoint every 2 steps, export at the end) and kills it one to three times: at named crash points
-(`lohan/crashpoints.py`: a block of store creation, the rename of each JSON file, forward, backward, the
-optimizer's writes, the commit's fsync, the run-state write, profiling, a checkpoint before its rename, the
-export, the export's swap as it moves the checkpoints) or after a random delay. After each kill it does what
-the error message tells a user to do: the same command with `--resume` (without it when nothing was
-created yet). Checked per trial: every step's loss in the metrics equals the uninterrupted run's, and the
-final weights (fp32 masters, every block, read back from the store), the export and every checkpoint
-(``export/step-N``) are bit-identical. A trial whose crash point was never reached is counted as such, not as survived.
+Each trial runs the same small fine-tune (the tiny preset on the shipped corpus, seq 64, batch 4, 6 steps, an
+evaluation on held-out sequences every 3 steps, a checkpoint every 2 steps, export at the end, the steps reported to
+TensorBoard and MLflow) and kills it one to three times: at named crash points (`lohan/crashpoints.py`: a block of
+store creation, the rename of each JSON file, forward, backward, the optimizer's writes, the commit's fsync, the
+run-state write, profiling, an evaluation, a metrics record's write, between two trackers' logs, a checkpoint before
+its rename, the export, the export's swap as it moves the checkpoints) or after a random delay. After each kill it
+does what the error message tells a user to do: the same command with `--resume` (without it when nothing was
+created yet). Checked per trial: the metrics hold every step exactly once, its loss and its evaluation the
+uninterrupted run's; TensorBoard and MLflow, read back with their own readers, hold every step exactly once with the
+uninterrupted run's values; and the final weights (fp32 masters, every block, read back from the store), the export
+and every checkpoint (``export/step-N``) are bit-identical. A trial whose crash point was never reached is counted as
+such, not as survived.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -50,6 +54,9 @@ POINTS: list[tuple[str, str]] = [
     ("commit fsync", "store.commit.synced:{k:5}"),
     ("commit rename", "json.rename:lohan.commit.json:{k:5}"),
     ("run-state write", "json.rename:lohan.run.json:{k:4}"),
+    ("evaluation", "eval.batch:{k:14}"),
+    ("metrics write", "metrics.write:{k:6}"),
+    ("tracker log", "trackers.logged:{k:12}"),
     ("checkpoint save", "checkpoint.written:{k:3}"),
     ("export", "export.written"),
     ("export", "export.checkpoint_moved:{k:3}"),
@@ -60,10 +67,15 @@ POINTS: list[tuple[str, str]] = [
 SETS: list[str] = []  # --set KEY=VALUE given to every finetune.py run (main's --set)
 
 
+TRACKERS = "tensorboard,mlflow"  # (wandb too with --report-to: its offline runs start slowly)
+
+
 def base_args(work: Path, steps: int = STEPS) -> list[str]:
     return [sys.executable, str(ROOT / "finetune.py"), "--steps", str(steps), "--seq-len", "64", "--batch-size", "4",
             "--nvme", str(work / "nvme"), "--metrics", str(work / "metrics.jsonl"), "--export", str(work / "export"),
-            "--save-every", "2", "--backend", "threads", *(a for kv in SETS for a in ("--set", kv))]
+            "--save-every", "2", "--eval-fraction", "0.002", "--eval-every", "3", "--report-to", TRACKERS,
+            "--logging-dir", str(work / "logs"), "--backend", "threads",
+            *(a for kv in SETS for a in ("--set", kv))]
 
 
 @dataclass
@@ -85,8 +97,10 @@ class Trial:
 
 
 def _env(spec: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOHAN_CRASH_AT", "LOHAN_DEBUG")}
+    env = {k: v for k, v in os.environ.items() if k not in ("LOHAN_CRASH_AT", "LOHAN_DEBUG", "MLFLOW_TRACKING_URI",
+                                                           "MLFLOW_EXPERIMENT_NAME")}
     env.setdefault("DS_ACCELERATOR", "cpu")
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     if spec:
         env["LOHAN_CRASH_AT"] = spec
     return env
@@ -118,6 +132,39 @@ def read_losses(path: Path) -> dict[int, float]:
     return losses
 
 
+def read_records(work: Path) -> list[tuple[int, object, object]]:
+    """(step, loss, eval loss) of every record of the metrics file, in file order (duplicates kept)."""
+    path = work / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [(r["step"], r["loss"], r.get("eval_loss")) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def read_trackers(work: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each tracker's train/loss and eval/loss series as (step, value), in step order, duplicates kept, read back
+    with the tracker's own reader (TensorBoard's event accumulator, MLflow's client)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    logs = work / "logs"
+    if "tensorboard" in TRACKERS:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        for folder in sorted((logs / "tensorboard").glob("*")):
+            acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in ("train/loss", "eval/loss"):
+                if tag in acc.Tags()["scalars"]:
+                    out.setdefault(f"tensorboard {tag}", []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    if "mlflow" in TRACKERS and (logs / "mlflow" / "mlflow.db").exists():
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{logs / 'mlflow' / 'mlflow.db'}")
+        for run in client.search_runs([client.get_experiment_by_name("lohan").experiment_id]):
+            for tag in ("train/loss", "eval/loss"):
+                out.setdefault(f"mlflow {tag}", []).extend(
+                    (m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag))
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def read_weights(work: Path) -> dict[str, object]:
     from lohan.store.states import StateStore
 
@@ -145,14 +192,50 @@ def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def reference(work: Path) -> tuple[dict[int, float], dict, dict, float]:
+@dataclass
+class Reference:
+    """What the uninterrupted run wrote: its metrics records, trackers' series, weights and export."""
+
+    records: list
+    trackers: dict
+    weights: dict
+    export: dict
+
+
+def reference(work: Path) -> tuple[Reference, float]:
     rc, out, secs = run_once(base_args(work), None)
     if rc != 0:
         raise SystemExit(f"the uninterrupted reference run failed (exit {rc}):\n{out}")
-    return read_losses(work / "metrics.jsonl"), read_weights(work), read_export(work), secs
+    return Reference(read_records(work), read_trackers(work), read_weights(work), read_export(work)), secs
 
 
-def run_trial(index: int, work: Path, kills: list[tuple[str, str]], ref: tuple, ref_s: float,
+def compare(work: Path, ref: Reference) -> list[str]:
+    """What differs from the uninterrupted run (empty: nothing): the metrics records, each step once, with their
+    losses and evaluations; the trackers' series; the weights, the export and the checkpoints."""
+    problems = []
+    records = read_records(work)
+    steps = [r[0] for r in records]
+    if steps != list(range(1, STEPS + 1)):
+        problems.append(f"the metrics hold steps {steps}, not each of 1..{STEPS} once")
+    diff = [(a, b) for a, b in zip(records, ref.records) if a != b]
+    if diff:
+        problems.append(f"metrics records (step, loss, eval loss) differ: {diff}")
+    trackers = read_trackers(work)
+    for series, want in ref.trackers.items():
+        got = trackers.get(series, [])
+        # a step a resumed run gives a tracker again comes from the metrics file (6 significant digits), and
+        # TensorBoard keeps float32: the values agree to those
+        if [s for s, _ in got] != [s for s, _ in want] or not all(
+                math.isclose(a, b, rel_tol=2e-6) for (_, a), (_, b) in zip(got, want)):
+            problems.append(f"{series}: {got} where the uninterrupted run has {want}")
+    if not same_tensors(read_weights(work), ref.weights):
+        problems.append("final weights differ from the uninterrupted run")
+    if not same_tensors(read_export(work), ref.export):
+        problems.append("the export or a checkpoint differs from the uninterrupted run")
+    return problems
+
+
+def run_trial(index: int, work: Path, kills: list[tuple[str, str]], ref: Reference, ref_s: float,
               rng: random.Random) -> Trial:
     """Kill the run once per entry of `kills`, resuming after each, then finish and compare with `ref`."""
     trial = Trial(index)
@@ -185,15 +268,7 @@ def run_trial(index: int, work: Path, kills: list[tuple[str, str]], ref: tuple, 
         resume = True
         if rc == 0 and not pending:
             break
-    ref_losses, ref_weights, ref_export = ref
-    losses = read_losses(work / "metrics.jsonl")
-    diff = {s: (losses[s], ref_losses.get(s)) for s in losses if losses[s] != ref_losses.get(s)}
-    if diff:
-        trial.problems.append(f"losses differ at steps {sorted(diff)}: {diff}")
-    if not same_tensors(read_weights(work), ref_weights):
-        trial.problems.append("final weights differ from the uninterrupted run")
-    if not same_tensors(read_export(work), ref_export):
-        trial.problems.append("the export or a checkpoint differs from the uninterrupted run")
+    trial.problems += compare(work, ref)
     trial.identical = not trial.problems
     return trial
 
@@ -216,17 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the trials' directories")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run, e.g. engine.resident_mem=all (repeatable)")
+    ap.add_argument("--report-to", default=TRACKERS, help="the trackers every run reports to (checked read back)")
     args = ap.parse_args(argv)
     SETS[:] = args.set
+    globals()["TRACKERS"] = args.report_to
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="lohan-kill-"))
     try:
-        ref = reference(root / "ref")
-        print(f"reference run: {ref[3]:.1f} s, {len(ref[0])} steps")
+        ref, ref_s = reference(root / "ref")
+        print(f"reference run: {ref_s:.1f} s, {len(ref.records)} steps")
         trials = []
         for i in range(args.trials):
             kills = draw_kills(rng, 1 if i % 3 == 0 else 2 if i % 3 == 1 else 3)
-            t = run_trial(i, root / f"trial{i}", kills, ref[:3], ref[3], rng)
+            t = run_trial(i, root / f"trial{i}", kills, ref, ref_s, rng)
             trials.append(t)
             got = ", ".join(f"{a.phase or '-'}: {a.note}" for a in t.attempts)
             print(f"trial {i:2d}: {'identical' if t.identical else 'DIFFERENT'} | {t.kills} kill(s) | {got}"

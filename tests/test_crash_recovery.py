@@ -24,8 +24,7 @@ _spec.loader.exec_module(kh)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    losses, weights, export, secs = kh.reference(tmp_path_factory.mktemp("ref"))
-    return (losses, weights, export), secs
+    return kh.reference(tmp_path_factory.mktemp("ref"))
 
 
 @pytest.mark.parametrize("kills", [
@@ -37,7 +36,12 @@ def reference(tmp_path_factory):
     [("optimizer write", "offload.write_issued:20"), ("export", "export.written")],
     # before the second checkpoint's rename, then as the final export's swap moves the second checkpoint
     [("checkpoint save", "checkpoint.written:2"), ("export", "export.checkpoint_moved:2")],
-], ids=["create+backward", "commit+runstate", "write+export", "checkpoint+swap"])
+    # inside the evaluation of step 3 (after its commit, before its record), then inside the final evaluation
+    [("evaluation", "eval.batch:4"), ("evaluation", "eval.batch:9")],
+    # before the record of step 2 is written (its commit durable), then between two trackers' logs of a step
+    [("metrics write", "metrics.write:2"), ("tracker log", "trackers.logged:5")],
+], ids=["create+backward", "commit+runstate", "write+export", "checkpoint+swap", "eval+final-eval",
+        "metrics+trackers"])
 def test_killed_runs_resume_bit_identically(tmp_path, reference, kills):
     ref, ref_s = reference
     trial = kh.run_trial(0, tmp_path / "run", kills, ref, ref_s, random.Random(0))
@@ -54,9 +58,10 @@ def test_a_killed_run_in_a_compressed_state_format_resumes_bit_identically(tmp_p
     """bf16-master: its stochastic rounding is seeded per block and step, so the resumed run draws what the
     uninterrupted one drew; killed after an optimizer write and before a commit record's rename."""
     monkeypatch.setattr(kh, "SETS", ["engine.state_format=bf16-master"])
-    losses, weights, export, secs = kh.reference(tmp_path / "ref")
+    monkeypatch.setattr(kh, "TRACKERS", "none")
+    ref, secs = kh.reference(tmp_path / "ref")
     kills = [("optimizer write", "offload.write_issued:20"), ("commit rename", "json.rename:lohan.commit.json:3")]
-    trial = kh.run_trial(0, tmp_path / "run", kills, (losses, weights, export), secs, random.Random(0))
+    trial = kh.run_trial(0, tmp_path / "run", kills, ref, secs, random.Random(0))
     assert trial.kills == len(kills), trial.attempts
     assert trial.identical, trial.problems
 
@@ -77,9 +82,7 @@ def test_sigterm_stops_like_ctrl_c_and_resumes(tmp_path, reference):
     assert "terminated (SIGTERM)" in out and "--resume" in out and "Traceback" not in out
     rc, out, _ = kh.run_once(args + ["--resume"], None)
     assert rc == 0, out
-    losses = kh.read_losses(metrics)
-    assert losses == ref[0]
-    assert kh.same_tensors(kh.read_weights(work), ref[1])
+    assert kh.compare(work, ref) == []
 
 
 def _run_with_faults(args: list[str], spec: str) -> tuple[int, str]:
@@ -99,9 +102,12 @@ def _run_with_faults(args: list[str], spec: str) -> tuple[int, str]:
     ("vol=lohan:read#30:EIO", r"read failed on device 0 .*\[EIO\].*committed at step 2 is intact"),
     # the fsync of the second commit fails
     ("vol=lohan:fsync#3:EIO", r"fsync failed on device 0 .*\[EIO\]"),
+    # a write of step 3's optimizer pass fails after the step returned (write-behind): its commit never becomes
+    # durable, and its record must not be written before it does
+    ("vol=lohan:write#45:ENOSPC", r"\[ENOSPC\].*--resume"),
     # the disk fills up during store creation (its 4th block)
     ("vol=lohan:write#4:ENOSPC", r"\[ENOSPC\].*continue with --resume"),
-], ids=["enospc-write", "eio-read", "eio-save-read", "eio-fsync", "enospc-creation"])
+], ids=["enospc-write", "eio-read", "eio-save-read", "eio-fsync", "enospc-write-behind", "enospc-creation"])
 def test_io_faults_end_the_run_cleanly_and_resume_bit_identically(tmp_path, reference, spec, expect):
     ref, _ = reference
     work = tmp_path / "run"
@@ -110,12 +116,11 @@ def test_io_faults_end_the_run_cleanly_and_resume_bit_identically(tmp_path, refe
     assert rc == 2, out
     assert re.search(expect, out, re.S), out
     assert "Traceback" not in out and "--resume" in out
-    committed = kh.read_losses(work / "metrics.jsonl")
-    assert all(committed[s] == ref[0][s] for s in committed)  # what was committed before the fault is right
+    committed = kh.read_records(work)
+    assert committed == ref.records[:len(committed)]  # what was committed before the fault, once each, is right
     rc, out = _run_with_faults(args + ["--resume"], "")  # the fault has cleared
     assert rc == 0, out
-    assert kh.read_losses(work / "metrics.jsonl") == ref[0]
-    assert kh.same_tensors(kh.read_weights(work), ref[1])
+    assert kh.compare(work, ref) == []  # every step once in the metrics and in each tracker
 
 
 def test_short_transfers_are_completed_transparently(tmp_path, reference):
@@ -123,4 +128,4 @@ def test_short_transfers_are_completed_transparently(tmp_path, reference):
     work = tmp_path / "run"
     rc, out = _run_with_faults(kh.base_args(work), "vol=lohan:write#10+:short,vol=lohan:read#5+:short")
     assert rc == 0, out
-    assert kh.same_tensors(kh.read_weights(work), ref[1])
+    assert kh.same_tensors(kh.read_weights(work), ref.weights)

@@ -190,7 +190,8 @@ def _run_flags(g: argparse._ArgumentGroup) -> None:
                    help="discard the states already in the NVMe directories and start over (without --resume or "
                         "--overwrite, a directory that holds a run is refused)")
     g.add_argument("--verify", action="store_true",
-                   help="check every stored record against its checksum, report, and exit (writes nothing)")
+                   help="check every stored record against its checksum, report, and exit (writes nothing); with "
+                        "--export DIR, every file of that export and its checkpoints instead")
     g.add_argument("--dry-run", action="store_true",
                    help="print the plan (placement, bytes per tier, predicted step time) and exit; writes nothing")
     g.add_argument("--hardware", metavar="DESC",
@@ -455,6 +456,14 @@ def _main(args: argparse.Namespace) -> int:
         verify_store,
     )
 
+    if args.verify and args.export:
+        from pathlib import Path
+
+        from rich.console import Console
+
+        from lohan.app.export import verify_export
+
+        return verify_export(Path(args.export), Console(soft_wrap=True, highlight=False))
     if args.verify:
         return verify_store(run)
     return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export,

@@ -43,6 +43,7 @@ from lohan.app.ownership import (
     read_manifest,
     remove_folder,
     seal_folder,
+    verify_folder,
 )
 from lohan.config import RunConfig
 from lohan.crashpoints import crashpoint
@@ -216,3 +217,28 @@ class Checkpoints:
             remove_folder(old, owner, "the checkpoint")
             removed.append(path)
         return removed, kept
+
+
+def verify_export(out: Path, console: Console) -> int:
+    """`finetune.py --verify --export DIR`: read every file of the export and of each of its checkpoints back
+    against the checksums its manifest recorded when lohan wrote it. Exit code 0: intact; 1: damaged (each file
+    listed); 2: not an export lohan completed."""
+    if not out.is_dir() or out.is_symlink():
+        console.print(f"error: {out} is not a directory: nothing to verify")
+        return 2
+    folders = [out] if read_manifest(out)[0] is not None else []
+    folders += sorted((p for p in out.iterdir() if checkpoint_step(p) is not None), key=checkpoint_step)
+    if not folders:
+        console.print(f"error: {out} holds no export or checkpoint of lohan's ({read_manifest(out)[1]})")
+        return 2
+    problems = [p for folder in folders for p in verify_folder(folder)]
+    for p in problems:
+        console.print(f"damaged: {p}")
+    files = sum(len(m.files) for f in folders if (m := read_manifest(f)[0]) is not None)
+    if problems:
+        console.print(f"{len(problems)} problem(s) in {out}: export again from the store (--resume --steps N "
+                      "--export DIR, N the committed step), or restore the folder from a backup")
+        return 1
+    console.print(f"{out}: {len(folders)} folder(s) (the export and its checkpoints), all {files} files match the "
+                  "checksums lohan recorded when it wrote them")
+    return 0

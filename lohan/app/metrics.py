@@ -44,6 +44,7 @@ from rich.progress import (
 from io_engine.base import fsync_dir
 from lohan.app.layout import PLOT_RUN_KEY, PLOT_TAG
 from lohan.app.ownership import FILE_KEY, RUN_ID_KEY, ForeignFileError, metrics_owner
+from lohan.crashpoints import crashpoint
 
 if TYPE_CHECKING:
     from lohan.runtime.step import StepStats
@@ -493,6 +494,7 @@ class MetricsWriter:
             raise ValueError(f"MetricsWriter({str(self.path)!r}) is closed")
         data = record.to_dict() if isinstance(record, StepMetrics) else _json_safe(record)
         data[RUN_ID_KEY] = self.run_id
+        crashpoint("metrics.write")
         if self._file is None:
             self._file = self._create(data)
         else:

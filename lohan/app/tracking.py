@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from lohan.app.metrics import StepMetrics
 from lohan.app.tracker_backends import MLflow, TensorBoard, TrackerOpenError, WandB
 from lohan.config import TRACKERS, parse_report_to
+from lohan.crashpoints import crashpoint
 
 __all__ = ["TRACKERS", "TrackerOpenError", "TrackerWriteError", "Trackers", "flat_params", "missing_packages",
            "parse_report_to", "step_scalars"]
@@ -184,6 +185,7 @@ class Trackers:
                     t.log(m.step, scalars)
                 except Exception as err:
                     raise TrackerWriteError(name, t.where, err) from err
+                crashpoint("trackers.logged")  # (the kill harness: between one tracker's log and the next's)
 
     def close(self, status: str = "FINISHED") -> None:
         """Close every tracker, its run marked `status` (MLflow's FINISHED, FAILED or KILLED)."""

@@ -42,6 +42,7 @@ from lohan.app.metrics import (
     StepMetrics,
     default_log_every,
     format_summary,
+    load_metrics,
     plot_metrics,
     progress_bar,
     report_step,
@@ -50,6 +51,7 @@ from lohan.app.metrics import (
 from lohan.app.ownership import Owner, metrics_owner
 from lohan.app.tracking import Trackers, flat_params, missing_packages
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
+from lohan.crashpoints import crashpoint
 from lohan.data import (
     IGNORE_INDEX,
     Batch,
@@ -155,6 +157,7 @@ def evaluate(engine: Engine, eval_set: TokenDataset, batch_size: int) -> tuple[f
     t0 = time.perf_counter()
     total, weight = 0.0, 0
     for batch in eval_batches(eval_set, batch_size, engine.cfg.micro_batches):
+        crashpoint("eval.batch")
         n = int((batch[1] != IGNORE_INDEX).sum())
         if n:
             total += engine.evaluate(batch) * n
@@ -740,17 +743,22 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     writer_cm = MetricsWriter(ctx.layout.metrics, run_id, through=start) if ctx.main_rank \
         else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
-    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run),
-                           run_id=engine.store.volume.volume_id)
+    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run), run_id=run_id)
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
-        out = _Outbox(ctx, writer, trackers, history)
+        if writer is not None and writer.last_step is not None and report_to:
+            # the committed steps so far (the file is cut back to them): each tracker takes those a kill kept from it
+            trackers.replay(StepMetrics.from_record(r) for r in load_metrics(writer.path))
+        out = _Outbox(engine, writer, trackers, history)
         try:
             _catch_up(ctx, engine, out)
             _steps(ctx, engine, batches, data_state, out, bar, every)
             engine.flush()  # the last step's commit, staged with write-behind, then its record
-        finally:  # what is durable goes out, whatever stopped the loop; the rest is run again by a resume
-            out.emit(engine.committed_step)
+        except BaseException:  # what is durable goes out, whatever stopped the loop; the rest is run again by a resume
+            with contextlib.suppress(Exception):  # (the error that stopped it is the one to report)
+                out.emit(engine.committed_step)
+            raise
+        out.emit(engine.committed_step)
 
 
 def _steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict | None, out: _Outbox, bar: Any,
@@ -825,25 +833,31 @@ class _Outbox:
     resumed run, and must not be recorded twice; a committed step's record that a kill kept from going out is in
     its commit (`_catch_up`)."""
 
-    def __init__(self, ctx: _Run, writer: MetricsWriter | None, trackers: Trackers,
+    def __init__(self, engine: Engine, writer: MetricsWriter | None, trackers: Trackers,
                  history: list[StepMetrics]) -> None:
-        self.ctx, self.writer, self.trackers, self.history = ctx, writer, trackers, history
+        self.engine, self.writer, self.trackers, self.history = engine, writer, trackers, history
         self.pending: list[StepMetrics] = []
 
     def add(self, sm: StepMetrics) -> None:
         self.pending.append(sm)
 
     def emit(self, committed: int) -> None:
-        """Send out the records of the steps up to `committed`, in order."""
+        """Send out the records of the steps up to `committed`, in order. One that cannot be written stops the
+        run, and the step after it, if its commit is still staged, is taken back (`Engine.drop_staged`): a
+        resumed run finds at most its last committed step's record missing, which its commit keeps."""
         while self.pending and self.pending[0].step <= committed:
             sm = self.pending.pop(0)
             self.history.append(sm)
-            if self.writer is not None:
-                try:
-                    self.writer.write(sm)
-                except OSError as err:
-                    raise OutputError(err, "writing the metrics", self.writer.path) from err
-            self.trackers.log(sm)
+            try:
+                if self.writer is not None:
+                    try:
+                        self.writer.write(sm)
+                    except OSError as err:
+                        raise OutputError(err, "writing the metrics", self.writer.path) from err
+                self.trackers.log(sm)
+            except BaseException:
+                self.engine.drop_staged()
+                raise
 
 
 def _save(ctx: _Run, engine: Engine) -> tuple[float, str]:
@@ -998,16 +1012,16 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
 
 def _owner(run: RunConfig, dp: DataParallel | None) -> Owner:
     """Whose outputs this run may replace (`ownership.Owner`): those of the store it resumes or replaces (rank 0's,
-    which writes the outputs), and of the stores that one replaced. A damaged store owns nothing (the run is refused
-    when the store is checked)."""
+    which writes the outputs), and of the stores that one replaced. A store whose description is damaged owns
+    nothing (the run is refused when the store is checked)."""
     e = run.engine
     dirs = tuple(rank_dir(d, 0) for d in e.nvme) if dp else e.nvme
     where = os.path.join(e.nvme[0], e.name)
     try:
-        status = StateStore.status(dirs, e.name)
+        current, replaced = StateStore.identity(dirs, e.name)
     except (StoreCorruptError, ValueError, OSError):
         return Owner(where)
-    return Owner(where, status.volume_id, frozenset(status.replaces))
+    return Owner(where, current, frozenset(replaced))
 
 
 def verify_store(run: RunConfig) -> int:

@@ -23,6 +23,7 @@ A failure in any phase takes one abort path (`Engine._abort`), which leaves the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -247,6 +248,19 @@ class Engine:
             log.error("step %d could not be made durable; the state committed at step %d stands", lost,
                       self.store.step)
             raise
+
+    def drop_staged(self) -> None:
+        """Take the last step's staged commit back (write-behind) instead of making it durable: a caller that could
+        not record what that step's predecessor did (its metrics) stops here, and the resumed run runs the step
+        again. The engine takes no more steps."""
+        if not self.store.staged:
+            return
+        with contextlib.suppress(Exception):  # its writes go to the slot no commit names: done or not, no matter
+            self.offloader.drain_tail()
+        self.store.discard_staged()
+        self.offloader.forget_tail_error()
+        self._next.drop()
+        self._broken = f"step {self.store.step + 1}'s commit was taken back (drop_staged); resume the run"
 
     def _await_tail(self, slot: int) -> None:
         """Before the SSDs are read: a staged slot's last writes may still be in flight (write-behind)."""

@@ -423,6 +423,18 @@ class StateStore:
             done = int(read_json_checked(init_path, "initialization progress", _FIX_META)["blocks_done"])
         return StoreStatus("partial", meta["model"], 0, done, n_blocks, meta["volume_id"], tuple(meta.get("replaces", ())))
 
+    @staticmethod
+    def identity(dirs: Sequence[str], name: str = "lohan") -> tuple[str | None, tuple[str, ...]]:
+        """(the store's volume id, those of the stores it replaced), from its description alone (a damaged commit
+        record does not hide whose the store is); (None, ()) where there is none. StoreCorruptError if the
+        description is damaged."""
+        check_name(name)
+        meta_path = os.path.join(dirs[0], f"{name}.store.json")
+        if not os.path.exists(meta_path):
+            return None, ()
+        meta = read_json_checked(meta_path, "store description", _FIX_META)
+        return meta.get("volume_id"), tuple(meta.get("replaces", ()))
+
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", stripe_bytes: int = 1 << 20,
              name: str = "lohan", emulate_ssd_gbps: float | None = None) -> StateStore:
