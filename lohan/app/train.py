@@ -120,7 +120,8 @@ def load_dataset(run: RunConfig, model: Model, seq_len: int, dry_run: bool = Fal
         raise ValueError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary is "
                          f"{model.config.vocab_size} (for presets set model_overrides.vocab_size >= 256)")
     return TokenDataset.from_source(run.data, seq_len, model.tokenizer, data_format=run.data_format,
-                                    text_field=run.text_field, split=run.split, write_cache=not dry_run)
+                                    text_field=run.text_field, split=run.split, write_cache=not dry_run,
+                                    vocab_size=model.config.vocab_size)
 
 
 def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, seq_len: int,
@@ -132,7 +133,8 @@ def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, se
         what = f"{run.eval_fraction:g} of {run.data}"
     elif run.eval_data is not None:
         held = TokenDataset.from_source(run.eval_data, seq_len, model.tokenizer, data_format=run.data_format,
-                                        text_field=run.text_field, split=run.eval_split, write_cache=not dry_run)
+                                        text_field=run.text_field, split=run.eval_split, write_cache=not dry_run,
+                                        vocab_size=model.config.vocab_size)
         what = run.eval_data
     else:
         return dataset, None
