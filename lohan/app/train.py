@@ -477,6 +477,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return _fail(console, dp, str(err))
     except _Interrupted as stop:
         return stop.code
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM in the pre-flight (a token cache's build, say)
+        console.print(f"\n{_interrupt_name(err)} before the store was opened: nothing of the run was written (a "
+                      "token cache being built goes on where it stopped next time)")
+        return _interrupt_code(err)
     try:
         batches, data_state = _position(ctx, engine, resume)
     except Refusal as err:
