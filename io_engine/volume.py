@@ -448,11 +448,11 @@ _MANIFEST_FIELDS = {"version": int, "volume_id": str, "index": int, "n_devices":
 
 
 def _read_manifest(path: str, problems: list[str]) -> dict | None:
-    """A volume manifest, checked: its checksum (version 2), its fields (every version); None when there is none,
-    or when it is damaged (the problem, with the fix, is added to `problems`). Version 1 manifests (written before
-    they carried a checksum) are still read, and rewritten as version 2 when the volume opens: a damaged field of
-    one is caught by the checks of the volume against them (its id against the store's, its devices, chunk and
-    file size), where a refusal would strand every store created before."""
+    """A volume manifest, checked: its checksum (version 2) and its fields; None when there is none, or when it is
+    damaged (the problem, with the fix, is added to `problems`). A version 1 manifest (before manifests carried a
+    checksum) is still read, fields checked, and rewritten as version 2 when the volume opens: refusing it would
+    strand every store created before, and a damaged value in it still meets the volume's checks (devices, chunk,
+    file size) and the store's (its volume id)."""
     if not os.path.exists(path):
         return None
     try:

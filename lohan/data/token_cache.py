@@ -156,7 +156,7 @@ def load_stream(path: str | os.PathLike, tokenizer: Tokenizer | None = None, *, 
             log.warning("%s; this dry run tokenizes into a temporary folder (a run sets the damaged one aside and "
                         "builds it again)", damage)
         with tempfile.TemporaryDirectory(prefix="lohan-tokens-") as tmp:
-            _build_explained(Path(tmp), build)
+            _build_explained(Path(tmp), build, "TMPDIR")  # (where a dry run tokenizes)
             return _stream(Path(tmp), key, path, None, check_files=False)
     return _build_cached(root, name, key, path, build)
 
@@ -196,9 +196,10 @@ def _build_cached(root: Path, name: str, key: str, path: str | os.PathLike, buil
         _unlock(lock_path, lock)
 
 
-def _build_explained(out: Path, build: Callable[[Path], None]) -> None:
+def _build_explained(out: Path, build: Callable[[Path], None], env: str = CACHE_ENV) -> None:
     """`build(out)`; a full disk anywhere below it (datasets and pyarrow wrap or re-raise the OSError) becomes a
-    ValueError that names the folder, the file, the space left and the fix, not a bare ``[Errno 28]``."""
+    ValueError that names the folder, the file, the space left and the fix (another folder, through `env`), not a
+    bare ``[Errno 28]``."""
     try:
         build(out)
     except Exception as e:
@@ -209,7 +210,7 @@ def _build_explained(out: Path, build: Callable[[Path], None]) -> None:
         left = f" with {shutil.disk_usage(out).free / 2**20:,.1f} MiB left" if out.exists() else ""
         raise ValueError(f"the disk is full while building the token cache in {out}{writing}{left}. The cache "
                          "takes about 9 bytes per token, twice that while it is built, plus a copy of the source: "
-                         f"free space there, or set {CACHE_ENV} to a folder on a disk with room. Nothing of it was "
+                         f"free space there, or set {env} to a folder on a disk with room. Nothing of it was "
                          "kept") from None
 
 
@@ -312,6 +313,9 @@ def _manifest(folder: Path, key: str) -> dict[str, Any]:
     if problem is None:
         problem = durable.fields_problem(data["counts"], _COUNTS) or durable.fields_problem(
             data["files"], {TOKENS: str, MASK: str})
+    ids = data.get("ids") if problem is None else None
+    if ids is not None and not (len(ids) == 2 and all(type(i) is int for i in ids)):
+        problem = f"its token id range {ids} is not two integers"
     if problem is None and (data["key"], data["version"]) != (key, CACHE_VERSION):
         problem = f"it names key {data['key']} (version {data['version']}), not the folder's {key}"
     if problem:
