@@ -27,6 +27,7 @@ import torch
 
 # ALIGN, align_up, ...: torch-free (align.py, which the planning layer imports), re-exported here
 from .align import ALIGN, align_down, align_up, is_aligned, size_text  # noqa: F401
+from .durable import fsync_dir  # noqa: F401  (its home is durable.py; imported from here too)
 
 if TYPE_CHECKING:
     from .faults import Fault
@@ -95,16 +96,6 @@ class VolumeConfigError(ValueError):
 
 class BudgetExceededError(MemoryError):
     """A buffer request cannot be satisfied within the pool's hard byte budget."""
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make the renames and creations in directory `path` durable (each is a change of the directory, which a
-    power cut can lose even after the files themselves were fsynced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

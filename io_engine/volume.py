@@ -13,7 +13,6 @@ so neighbouring bytes are never clobbered (no garbage padding, no stale tails).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from . import durable
 from .base import (
     ALIGN,
     Backend,
@@ -45,7 +45,8 @@ from .faults import FAULTS_ENV, FaultyBackend, plan_from_env
 log = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "aio", "threads"]
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: the manifest carries a checksum (`durable.write_json_atomic`); 1 did not."""
 
 
 def open_volume(dirs: list[str] | str, capacity_bytes: int, chunk_bytes: int = 1 << 20,
@@ -158,7 +159,7 @@ class Volume:
             if err:
                 problems.append(f"{d}: not writable ({err}); fix its permissions or pick another directory")
             manifests.append(_read_manifest(mpath, problems))
-            if manifests[-1] is None and os.path.exists(path):
+            if manifests[-1] is None and os.path.exists(path) and not os.path.exists(mpath):
                 problems.append(f"{path} exists without its manifest {os.path.basename(mpath)}; refusing to "
                                 f"overwrite it. Delete it, or open the volume with another name")
             elif manifests[-1] is not None:
@@ -443,25 +444,35 @@ def _slab_problems(path: str, mpath: str, manifest: dict) -> list[str]:
     return []
 
 
+_MANIFEST_FIELDS = {"version": int, "volume_id": str, "index": int, "n_devices": int, "chunk_bytes": int,
+                    "file_size": int}
+
+
 def _read_manifest(path: str, problems: list[str]) -> dict | None:
+    """A volume manifest, checked: its checksum (version 2) and its fields; None when there is none, or when it is
+    damaged (the problem, with the fix, is added to `problems`). A version 1 manifest (before manifests carried a
+    checksum) is still read, fields checked, and rewritten as version 2 when the volume opens: refusing it would
+    strand every store created before, and a damaged value in it still meets the volume's checks (devices, chunk,
+    file size) and the store's (its volume id)."""
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            m = json.load(f)
-        missing = [k for k in ("volume_id", "index", "n_devices", "chunk_bytes") if k not in m]
-        if missing:
-            raise KeyError(f"missing {missing}")
-        return m
-    except (OSError, ValueError, KeyError) as e:
-        problems.append(f"{path}: unreadable volume manifest ({e}); it belongs to a damaged volume")
+        m, problem = durable.load_json(path)
+    except OSError as e:
+        m, problem = None, e.strerror or str(e)
+    if problem is None and not (isinstance(m, dict) and m.get("version") == 1 and durable.CHECKSUM not in m):
+        problem = durable.checksum_problem(m)
+    if problem is None:
+        problem = durable.fields_problem(m, _MANIFEST_FIELDS)
+        if problem is None and m["version"] not in (1, MANIFEST_VERSION):
+            problem = f"version {m['version']} is not one this io_engine reads (1 or {MANIFEST_VERSION})"
+    if problem:
+        problems.append(f"{path}: damaged volume manifest ({problem}); the volume's layout cannot be trusted: restore "
+                        "the file from a backup, or start over (delete this volume's slab and manifest files in "
+                        "every directory)")
         return None
+    return {k: v for k, v in m.items() if k != durable.CHECKSUM}
 
 
 def _write_manifest(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    durable.write_json_atomic(path, data)

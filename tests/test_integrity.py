@@ -200,7 +200,7 @@ def test_a_second_process_is_refused_and_a_dead_holder_is_taken_over(make_dirs, 
     assert str(holder.pid) in open(os.path.join(dirs[0], LOCK_NAME)).read()
     with DirLock(dirs):
         assert str(os.getpid()) in open(os.path.join(dirs[0], LOCK_NAME)).read()
-    assert open(os.path.join(dirs[0], LOCK_NAME)).read() == ""  # a clean release leaves no claim
+    assert not os.path.exists(os.path.join(dirs[0], LOCK_NAME))  # a clean release leaves no lock file
 
 
 def test_a_removed_store_description_is_not_mistaken_for_a_fresh_directory(make_dirs):

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -409,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return _main(args)
+    except KeyboardInterrupt as e:  # one the run's own handling did not meet: a second Ctrl-C during the first one's
+        # clean-up (or one while torch loads): stop at once, quietly, with the code a scheduler expects
+        train = sys.modules.get("lohan.app.train")
+        term = train is not None and isinstance(e, train.Terminated)
+        print(f"\n{'terminated (SIGTERM)' if term else 'interrupted'}: stopped at once; a store keeps its last "
+              "committed step (continue with --resume)", file=sys.stderr)
+        return 128 + signal.SIGTERM if term else 130
     except Exception as e:  # the safety net: KeyboardInterrupt and SystemExit are not Exceptions
         if os.environ.get("LOHAN_DEBUG"):
             raise  # tests and developers: the real traceback, nothing masked

@@ -72,10 +72,11 @@ from lohan.runtime.parallel import (
     network_bytes_per_step,
     read_decision,
 )
+from lohan.runtime.profiler import saved_profile_usable
 from lohan.runtime.step import NonFiniteError
 from lohan.store.dirlock import DirectoryInUseError, DirLock
 from lohan.store.group import rank_dir
-from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from lohan.store.integrity import StoreCorruptError, check_record, read_json_checked, write_json_atomic
 from lohan.store.opening import CLI, StoreExistsError, check_request
 from lohan.store.states import StateStore, StoreStatus
 
@@ -123,7 +124,8 @@ def load_dataset(run: RunConfig, model: Model, seq_len: int, dry_run: bool = Fal
         raise ValueError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary is "
                          f"{model.config.vocab_size} (for presets set model_overrides.vocab_size >= 256)")
     return TokenDataset.from_source(run.data, seq_len, model.tokenizer, data_format=run.data_format,
-                                    text_field=run.text_field, split=run.split, write_cache=not dry_run)
+                                    text_field=run.text_field, split=run.split, write_cache=not dry_run,
+                                    vocab_size=model.config.vocab_size)
 
 
 def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, seq_len: int,
@@ -135,7 +137,8 @@ def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, se
         what = f"{run.eval_fraction:g} of {run.data}"
     elif run.eval_data is not None:
         held = TokenDataset.from_source(run.eval_data, seq_len, model.tokenizer, data_format=run.data_format,
-                                        text_field=run.text_field, split=run.eval_split, write_cache=not dry_run)
+                                        text_field=run.text_field, split=run.eval_split, write_cache=not dry_run,
+                                        vocab_size=model.config.vocab_size)
         what = run.eval_data
     else:
         return dataset, None
@@ -260,13 +263,31 @@ def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: di
                          "(stored, now); resume with the settings it was created with, or start over with --overwrite")
     path = run_state_path(run)
     if path.exists():
-        state = read_json_checked(path, "run state (data position, RNG)",
-                                  f"Delete {path} to resume from the step count instead")
+        state = _read_run_state(path, f"Delete {path} to resume from the step count instead")
         if state.get("version") == RUN_STATE_VERSION and state["run"] != _fingerprint(run, seq_len):
             diff = {k: (state["run"].get(k), v) for k, v in _fingerprint(run, seq_len).items()
                     if state["run"].get(k) != v}
             raise ValueError(f"--resume with other settings than the run being resumed: {diff} (saved, now); "
                              "pass the same settings, or start over with --overwrite")
+
+
+_RUN_STATE_FIELDS = {"version": int, "step": int, "run": dict, "store": dict, "iterator": (dict, type(None)),
+                     "torch_rng": str}
+_RUN_STATE_LATER = {"schedule": dict, "activations": dict}  # (states saved before these settings lack them)
+
+
+def _read_run_state(path: Path, fix: str) -> dict:
+    """The run state at `path`, checked (integrity.read_json_checked); a state of this version also has its
+    fields checked, and the one before kept in it (`prev`) too, so damage is refused with the file named."""
+    what = "run state (data position, RNG)"
+    state = read_json_checked(path, what, fix)
+    if state.get("version") == RUN_STATE_VERSION:
+        prev = {**_RUN_STATE_LATER, "prev": (dict, type(None))}  # the state of the step before, without its own
+        for record, later in ((state, prev), (state.get("prev"), _RUN_STATE_LATER)):
+            if record is not None:
+                check_record(path, record, what, fix, _RUN_STATE_FIELDS, later)
+                check_record(path, record["store"], what, fix, {"step": int, "slot": int, "volume_id": str})
+    return state
 
 
 def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
@@ -276,9 +297,8 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
     path = run_state_path(run)
     if not path.exists():
         return None
-    state = read_json_checked(path, "run state (data position, RNG)",
-                              f"Delete {path} to resume from the step count instead (the data position is then "
-                              "recomputed, the RNG state is not restored)")
+    state = _read_run_state(path, f"Delete {path} to resume from the step count instead (the data position is "
+                                  "then recomputed, the RNG state is not restored)")
     if state.get("version") != RUN_STATE_VERSION:
         return None
     if state["store"]["volume_id"] != engine.store.volume.volume_id:
@@ -462,6 +482,10 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         return _fail(console, dp, str(err))
     except _Interrupted as stop:
         return stop.code
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM in the pre-flight (a token cache's build, say)
+        console.print(f"\n{_interrupt_name(err)} before the store was opened: nothing of the run was written (a "
+                      "token cache being built goes on where it stopped next time)")
+        return _interrupt_code(err)
     try:
         batches, data_state = _position(ctx, engine, resume)
     except Refusal as err:
@@ -589,7 +613,8 @@ def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
     _check_store(ctx, resume, overwrite)
     engine_cfg = e.with_overrides(total_steps=e.total_steps or ctx.steps)
     saved_profile = Path(store_dirs[0]) / f"{e.name}.profile.json"
-    if resume and not e.profile_from and saved_profile.exists():
+    if resume and not e.profile_from and saved_profile.exists() and saved_profile_usable(
+            saved_profile, lambda text: ctx.console.print(escape(text))):
         # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
         engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
     try:

@@ -35,6 +35,18 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) % (2**63)
 
 
+def _check_ids(id_range: tuple[int, int] | None, vocab_size: int | None, source: str) -> None:
+    """ValueError unless every token id of `id_range` (smallest, largest) is an id of a `vocab_size` vocabulary."""
+    if vocab_size is None or id_range is None:
+        return
+    lo, hi = id_range
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{source}: the tokenizer made token id {bad:,}, outside the model's vocabulary of "
+                         f"{vocab_size:,} (ids 0 to {vocab_size - 1:,}); train with the model's own tokenizer, or a "
+                         "model whose vocabulary covers this one's")
+
+
 class TokenDataset:
     """A tokenized text packed into windows; ``dataset[i]`` is the ``(input, target)`` pair of window ``i``.
 
@@ -182,6 +194,7 @@ class TokenDataset:
         split: str | None = None,
         cache_root: str | os.PathLike | None = None,
         write_cache: bool = True,
+        vocab_size: int | None = None,
     ) -> TokenDataset:
         """Load any source lohan trains on (what ``--data`` takes), with its :attr:`description` set.
 
@@ -200,13 +213,18 @@ class TokenDataset:
             split: The split of a ``DatasetDict`` folder (default ``train``).
             cache_root: The token cache's folder (default: :func:`~lohan.data.token_cache.default_cache_root`).
             write_cache: False for a dry run: nothing that lasts is written (a cached stream is still used).
+            vocab_size: The model's vocabulary: every token id must be below it (checked here, from the range the
+                token cache recorded, so an id out of range is refused before anything is trained, never met by
+                the embedding as an IndexError).
 
         Raises:
             FileNotFoundError, IsADirectoryError: If nothing, or a folder that is no saved dataset, is at ``path``.
             ValueError: If the source cannot be read, a record is malformed (named by its line or number), the flags
-                do not fit the source, or the data is too short for one window or has no target.
+                do not fit the source, the data is too short for one window or has no target, or a token id is not
+                below `vocab_size`.
         """
         _check_positive(seq_len=seq_len)
+        source = repr(str(Path(path).expanduser()))
         if source_kind(path) == "text":
             given = [f"--{k.replace('_', '-')} {v}" for k, v in (("data_format", data_format),
                                                                   ("text_field", text_field), ("split", split))
@@ -217,11 +235,13 @@ class TokenDataset:
                                  "datasets; drop it")
             ds = cls.from_text(load_text(path), seq_len, tokenizer)
             ds.description = f"{path}: plain text, {len(ds):,} windows of {seq_len + 1:,} tokens (read in memory)"
+            _check_ids((int(ds.windows.min()), int(ds.windows.max())), vocab_size, source)
             return ds
         stream = load_stream(path, tokenizer, data_format=data_format, text_field=text_field, split=split,
                              cache_root=cache_root, write=write_cache)
-        return cls._packed(stream.ids, stream.mask, seq_len, repr(str(Path(path).expanduser())), stream.n_examples,
-                           copy=False, description=stream.description)
+        _check_ids(stream.id_range, vocab_size, source)
+        return cls._packed(stream.ids, stream.mask, seq_len, source, stream.n_examples, copy=False,
+                           description=stream.description)
 
     @property
     def seq_len(self) -> int:

@@ -120,15 +120,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from io_engine import durable
 from lohan.config import PRESETS, ModelConfig, parse_bytes
 from lohan.plan import formats, pools
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
@@ -340,18 +339,32 @@ class Profile:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Profile:
-        return Profile(**{**d, "ops": tuple(OpProfile(**op) for op in d["ops"]),
-                          "hardware": Hardware.from_dict(d["hardware"])})
+        """The profile `to_dict` gave (a saved file's own checksum, if `d` has it, is not a field)."""
+        return Profile(**{**{k: v for k, v in d.items() if k != durable.CHECKSUM},
+                          "ops": tuple(OpProfile(**op) for op in d["ops"]), "hardware": Hardware.from_dict(d["hardware"])})
 
     def save(self, path: str | Path) -> None:
-        """Write atomically (temp file, rename): a resumed run reuses the profile, so it is never half-written."""
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        """Write with a checksum, atomically and durably (`io_engine.durable`): a resumed run reuses the profile,
+        so it is never half-written, and a damaged one is known as such."""
+        durable.write_json_atomic(path, self.to_dict(), indent=2)
 
     @staticmethod
     def load(path: str | Path) -> Profile:
-        return Profile.from_dict(json.loads(Path(path).read_text()))
+        """Read a profile `save` wrote. ProfileError, naming the file, when it is not JSON, carries no checksum
+        (a profile saved before they were written, or one whose key was damaged), its checksum does not match, or
+        its fields are not a profile's; OSError when it cannot be read."""
+        data, problem = durable.load_json(path)
+        problem = problem or durable.checksum_problem(data) or durable.dataclass_problem(Profile, data)
+        if problem is None:
+            try:
+                return Profile.from_dict(data)
+            except (TypeError, ValueError) as e:  # values a profile cannot have (__post_init__)
+                problem = str(e)
+        raise ProfileError(f"{path} (an activation profile) is damaged: {problem}")
+
+
+class ProfileError(ValueError):
+    """A saved profile that cannot be used (`Profile.load`): damaged, or saved without a checksum."""
 
 
 # -------------------------------------------------------------------------------------- cost model

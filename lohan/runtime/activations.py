@@ -36,7 +36,7 @@ from io_engine.base import align_up
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format
-from lohan.plan.planner import POLICIES, Hardware, OpProfile, Plan, Profile, make_plan
+from lohan.plan.planner import POLICIES, Hardware, OpProfile, Plan, Profile, ProfileError, make_plan
 from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
 from lohan.runtime.device import Device
 from lohan.runtime.profiler import measure_hardware, measure_quant_rate, profile_block
@@ -127,7 +127,11 @@ class ActivationManager:
         measured = {"input_bytes": in_bytes * m, "input_bytes_int8": in_int8 * m,
                     "act_compress": self.cfg.act_compress}
         if self.cfg.profile_from:
-            profile = Profile.load(self.cfg.profile_from)
+            try:
+                profile = Profile.load(self.cfg.profile_from)
+            except ProfileError as e:
+                raise ValueError(f"engine.profile_from: {e}. Profile this run instead (leave profile_from unset; "
+                                 f"the run saves what it measures as <nvme>/{self.cfg.name}.profile.json)") from None
             if (profile.batch, profile.seq, profile.n_blocks) != (batch, seq, len(self.inner)):
                 raise ValueError(
                     f"profile {self.cfg.profile_from} is for batch {profile.batch}, seq {profile.seq}, "

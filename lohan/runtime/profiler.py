@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from io_engine import open_volume
+from io_engine import durable, open_volume
 from io_engine.base import align_up
-from lohan.plan.planner import Hardware, OpProfile
+from lohan.plan.planner import Hardware, OpProfile, Profile, ProfileError
 from lohan.runtime.act_quant import dequantize_rows, quantize_rows, stored_nbytes
 from lohan.runtime.activation_store import TENSOR_ALIGN, OpTracker, SelectiveMode, block_ops
 from lohan.runtime.device import Device
@@ -181,3 +181,19 @@ def measure_hardware(device: Device, dirs: list[str], backend: str, name: str, t
     bw_s2m, bw_m2s = measure_ssd_bandwidth(dirs, backend, name, probe_bytes, emulate_ssd_gbps=emulate_ssd_gbps)
     return Hardware(name=hardware_name(device, len(dirs)), thp_g=thp_g, bw_g=measure_copy_bandwidth(device),
                     bw_s2m=bw_s2m, bw_m2s=bw_m2s, mem_avail=int(mem_avail))
+
+
+def saved_profile_usable(path: str | os.PathLike, note: Callable[[str], None]) -> bool:
+    """Whether the profile a run saved at `path` loads (`Profile.load`). One that does not (damaged, or saved
+    without a checksum) is only a cache of measurements: it is set aside (renamed beside itself, never deleted),
+    `note` says so and where it went, and the run measures again (False)."""
+    try:
+        Profile.load(path)
+        return True
+    except ProfileError as e:
+        try:
+            where = f"set aside as {durable.set_aside(path)}"
+        except OSError as err:  # then the profile this run measures replaces it
+            where = f"it could not be set aside ({err.strerror or err})"
+        note(f"note: {e}; {where}: this run measures the model and the SSDs again")
+        return False

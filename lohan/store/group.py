@@ -26,5 +26,5 @@ def read_decision(base_dirs: Sequence[str], name: str) -> dict | None:
     path = decision_path(base_dirs, name)
     if not os.path.exists(path):
         return None
-    data = read_json_checked(path, "data-parallel commit record", _FIX_DECISION)
-    return {"world": int(data["world"]), "step": int(data["step"])}
+    data = read_json_checked(path, "data-parallel commit record", _FIX_DECISION, {"world": int, "step": int})
+    return {"world": data["world"], "step": data["step"]}

@@ -11,21 +11,23 @@ fixed when the store is created), so whatever reads or writes a unit can hash ex
 `state` = hash of its P32, m and v elements (in that order) and `p16` = hash of its P16 elements.
 Padding bytes between sections are not covered (they carry nothing).
 
-Metadata (`store.json`, `commit.json`, the run state, the init progress) carries a `checksum` field
-over its canonical JSON, so a damaged or hand-edited file is detected too.
+Metadata (`store.json`, `commit.json`, the run state, the init progress, the group's record) carries a
+`checksum` field over its canonical JSON (`io_engine.durable`), so a damaged or hand-edited file is detected
+too; a file without one is damaged (every record of store format 2 has carried one), and each record's keys
+and value types are checked when it is read, so damage never reaches a constructor as a TypeError.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import xxhash
 
-from io_engine.base import fsync_dir
+from io_engine import durable
+from io_engine.durable import Types, json_checksum  # noqa: F401  (json_checksum: its home is io_engine.durable)
 from lohan.crashpoints import crashpoint
 
 Sums = list[list[list[int]]]  # [block][unit] -> [state, p16]
@@ -49,40 +51,37 @@ def unit_bounds(numel: int, chunk_elems: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_elems, numel)) for lo in range(0, numel, chunk_elems)]
 
 
-def json_checksum(data: dict[str, Any]) -> str:
-    payload = json.dumps({k: v for k, v in data.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
-    return f"xxh3:{xxhash.xxh3_64_hexdigest(payload.encode())}"
-
-
 def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
     """Write `data` plus its checksum to `path` atomically and durably (temp file, fsync, rename, fsync dir)."""
-    path = os.fspath(path)
-    data = {**data, "checksum": json_checksum(data)}
-    tmp = f"{path}.tmp"
-    # never through a link: a `.tmp` that links elsewhere would have its target truncated (ELOOP instead)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    crashpoint(f"json.rename:{os.path.basename(path)}")
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))  # make the rename itself durable
+    name = os.path.basename(os.fspath(path))
+    durable.write_json_atomic(path, data, before_rename=lambda: crashpoint(f"json.rename:{name}"))
 
 
-def read_json_checked(path: str | os.PathLike, what: str, fix: str) -> dict[str, Any]:
-    """Load a JSON file written by `write_json_atomic`; StoreCorruptError (naming the file and `fix`)
-    when it does not parse or its checksum does not match."""
+def read_json_checked(path: str | os.PathLike, what: str, fix: str, required: Mapping[str, Types] | None = None,
+                      optional: Mapping[str, Types] | None = None) -> dict[str, Any]:
+    """Load a JSON file written by `write_json_atomic`; StoreCorruptError (naming the file, what is wrong and
+    `fix`) when it does not parse, carries no checksum (never trusted as it is: the key's name may be what was
+    damaged) or its checksum does not match, and, given `required` keys (`check_record`), when its record does
+    not have the keys and types of a `what`."""
     path = os.fspath(path)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreCorruptError(f"{path} ({what}) is damaged: it does not parse ({e}). {fix}") from None
-    if not isinstance(data, dict):
-        raise StoreCorruptError(f"{path} ({what}) is damaged: not a JSON object. {fix}")
-    if "checksum" in data and data["checksum"] != json_checksum(data):
-        raise StoreCorruptError(f"{path} ({what}) is damaged: its checksum does not match its contents. {fix}")
+    data, problem = durable.load_json(path)
+    problem = problem or durable.checksum_problem(data)
+    if problem:
+        raise StoreCorruptError(f"{path} ({what}) is damaged: {problem}. {fix}")
+    if required is not None:
+        check_record(path, data, what, fix, required, optional)
     return data
+
+
+def check_record(path: str | os.PathLike, data: Mapping[str, Any], what: str, fix: str,
+                 required: Mapping[str, Types], optional: Mapping[str, Types] | None = None) -> None:
+    """StoreCorruptError unless `data` has the `required` keys, no key outside them and `optional`, and values of
+    their types (`io_engine.durable.fields_problem`): a record that passed its checksum but is not what this
+    lohan writes (an edit, a bug) is refused with the file named, never handed to a constructor."""
+    problem = durable.fields_problem(data, required, optional)
+    if problem:
+        raise StoreCorruptError(f"{os.fspath(path)} ({what}) is damaged: its fields are not those of a {what}: "
+                                f"{problem}. {fix}")
 
 
 def describe_range(dirs: Sequence[str], offset: int, nbytes: int) -> str:

@@ -47,6 +47,7 @@ from lohan.store.files import VOLUME_SUFFIXES, check_name
 from lohan.store.integrity import (
     StoreCorruptError,
     Sums,
+    check_record,
     describe_range,
     read_json_checked,
     tensor_hash,
@@ -309,8 +310,8 @@ class StateStore:
                 raise ValueError(f"{dirs[0]} holds the unfinished initialization of another store (other model or "
                                  "settings); start over with --overwrite, or use another directory")
             if os.path.exists(init_path):
-                done = read_json_checked(init_path, "initialization progress", _FIX_META)
-                if done.get("volume_id") == meta["volume_id"]:
+                done = _read_init(init_path)
+                if done["volume_id"] == meta["volume_id"]:
                     start, sums = int(done["blocks_done"]), list(done["sums"])
         volume = open_volume(list(dirs), layout.total_bytes, chunk_bytes=stripe_bytes, backend=backend, name=name,
                              emulate_ssd_gbps=emulate_ssd_gbps)
@@ -420,7 +421,7 @@ class StateStore:
         done = 0
         init_path = os.path.join(d, f"{name}.init.json")
         if os.path.exists(init_path):
-            done = int(read_json_checked(init_path, "initialization progress", _FIX_META)["blocks_done"])
+            done = _read_init(init_path)["blocks_done"]
         return StoreStatus("partial", meta["model"], 0, done, n_blocks, meta["volume_id"], tuple(meta.get("replaces", ())))
 
     @staticmethod
@@ -432,8 +433,8 @@ class StateStore:
         meta_path = os.path.join(dirs[0], f"{name}.store.json")
         if not os.path.exists(meta_path):
             return None, ()
-        meta = read_json_checked(meta_path, "store description", _FIX_META)
-        return meta.get("volume_id"), tuple(meta.get("replaces", ()))
+        meta = _read_meta(meta_path)
+        return meta["volume_id"], tuple(meta.get("replaces", ()))
 
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", stripe_bytes: int = 1 << 20,
@@ -633,18 +634,61 @@ class StateStore:
         self.volume.close()
 
 
+# The keys and value types of each metadata record: any other record is refused as damage (check_record). A
+# commit's fields after `sums` came later, so a store committed before them lacks them.
+_META_FIELDS = {"format": int, "model": dict, "volume_id": str, "layout": dict, "check_elems": int, "checksums": bool}
+_META_LATER = {"replaces": list}
+_INIT_FIELDS = {"volume_id": str, "blocks_done": int, "sums": list}
+_COMMIT_FIELDS = {"step": int, "slot": int, "dirty": bool, "time": float, "sums": (list, type(None))}
+_COMMIT_LATER = {"updates": (int, type(None)), "bad_streak": int, "loss_scale": (float, type(None)),
+                 "growth_tracker": int, "prev": (dict, type(None)), "note": (dict, type(None))}
+
+
 def _read_meta(path: str) -> dict:
     meta = read_json_checked(path, "store description", _FIX_META)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: store format {meta.get('format')} is not {FORMAT_VERSION} (written by another "
                          "lohan version); start over with --overwrite or use that version")
+    check_record(path, meta, "store description", _FIX_META, _META_FIELDS, _META_LATER)
+    if not all(isinstance(r, str) for r in meta.get("replaces", ())):
+        raise StoreCorruptError(f"{path} (store description) is damaged: `replaces` is not a list of store ids. "
+                                f"{_FIX_META}")
+    try:
+        StoreLayout.from_json(meta["layout"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreCorruptError(f"{path} (store description) is damaged: its layout cannot be read ({e!r}). "
+                                f"{_FIX_META}") from None
     return meta
 
 
+def _read_init(path: str) -> dict:
+    done = read_json_checked(path, "initialization progress", _FIX_META, _INIT_FIELDS)
+    _check_sums(path, "initialization progress", done["sums"], allow_none=True)
+    return done
+
+
 def _read_commit(path: str) -> Commit:
-    data = read_json_checked(path, "commit record", _FIX_META)
-    data.pop("checksum", None)
+    data = read_json_checked(path, "commit record", _FIX_META, _COMMIT_FIELDS, _COMMIT_LATER)
+    if data.get("prev") is not None:  # the commit before (data parallel), kept whole for `revert`
+        check_record(path, data["prev"], "commit record", _FIX_META, _COMMIT_FIELDS, _COMMIT_LATER)
+    for record in (data, data.get("prev") or {}):
+        if record.get("sums") is not None:
+            _check_sums(path, "commit record", record["sums"])
+    data.pop("checksum")
     return Commit(**data)
+
+
+def _check_sums(path: str, what: str, sums: list, allow_none: bool = False) -> None:
+    """Checksums as `Sums` holds them: per block (None in the init progress of a store without checksums), per
+    unit, two integers."""
+    def unit_ok(u: object) -> bool:
+        return isinstance(u, list) and len(u) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in u)
+
+    for i, block in enumerate(sums):
+        if (block is None and allow_none) or (isinstance(block, list) and all(map(unit_ok, block))):
+            continue
+        raise StoreCorruptError(f"{path} ({what}) is damaged: the checksums of block {i} are not a list of "
+                                f"[state, p16] integer pairs. {_FIX_META}")
 
 
 __all__ = ["ALIGN", "BlockLayout", "Commit", "StoreCorruptError", "StoreStatus", "ParamSpec", "RecordView", "StateStore",
