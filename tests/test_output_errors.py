@@ -95,3 +95,26 @@ def test_the_python_api_refuses_a_store_name_that_is_not_a_file_name(tmp_path, b
     with pytest.raises(ValueError, match="name="):
         lohan.init("tiny", {"nvme": [str(tmp_path / "nvme")], "name": bad, "backend": "threads"})
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())
+
+
+@pytest.mark.parametrize("damaged", ["lohan.commit.json", "lohan.store.json"])
+def test_a_store_whose_metadata_is_damaged_can_be_started_over(tmp_path, capsys, damaged):
+    """The damage's message says: restore, or start over with --overwrite; the overwrite must then work (it
+    discards the store by its files' names), and it still takes the run's own metrics only where it can tell
+    they are its own (the store's description names it)."""
+    assert main(args(tmp_path, "--steps", "1")) == 0
+    (tmp_path / "nvme" / damaged).write_text('{"x":')
+    assert main(args(tmp_path, "--steps", "1")) == 2
+    text = "".join(capsys.readouterr())
+    assert "is damaged" in text and ("start over with --overwrite" in text or "cannot tell whether" in text), text
+    code = main(args(tmp_path, "--steps", "1", "--overwrite"))
+    text = "".join(capsys.readouterr())
+    if damaged == "lohan.commit.json":  # the description still says whose the metrics are
+        assert code == 0, text
+        assert steps(tmp_path / "m.jsonl") == [1]
+    else:  # it cannot tell: the metrics file is left alone, and the message says what to do
+        assert code == 2 and "m.jsonl holds the metrics of a lohan run" in text, text
+        assert "cannot tell whether it is its own: " in text and "store.json (store description) is damaged" in text
+        (tmp_path / "m.jsonl").unlink()
+        (tmp_path / "m.png").unlink()
+        assert main(args(tmp_path, "--steps", "1", "--overwrite")) == 0

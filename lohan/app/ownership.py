@@ -57,6 +57,7 @@ class Owner:
     store: str
     current: str | None = None
     replaced: frozenset[str] = field(default_factory=frozenset)
+    unknown: str | None = None  # why the store's identity could not be read (its description is damaged)
 
     @property
     def ids(self) -> frozenset[str]:
@@ -71,6 +72,10 @@ class Owner:
 
     def stranger(self, what: str, path: Path, run_id: str) -> str:
         """The problem of `path`, lohan's `what` of another run (`run_id`)."""
+        if self.unknown:
+            return (f"{path} holds {what} of a lohan run (run id {run_id}), and this run cannot tell whether it is "
+                    f"its own: {self.unknown}. lohan never replaces another run's outputs; move it away, or choose "
+                    "another path")
         return (f"{path} holds {what} of another lohan run (run id {run_id}), not of the store {self.store} this run "
                 "uses or replaces: lohan never replaces another run's outputs; choose another path, or move it away "
                 "(delete it yourself if you no longer need it)")

@@ -1044,8 +1044,8 @@ def _owner(run: RunConfig, dp: DataParallel | None) -> Owner:
     where = os.path.join(e.nvme[0], e.name)
     try:
         current, replaced = StateStore.identity(dirs, e.name)
-    except (StoreCorruptError, ValueError, OSError):
-        return Owner(where)
+    except (StoreCorruptError, ValueError, OSError) as err:
+        return Owner(where, unknown=str(err).split(". ")[0])
     return Owner(where, current, frozenset(replaced))
 
 

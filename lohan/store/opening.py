@@ -13,7 +13,7 @@ from lohan.config import EngineConfig
 from lohan.plan.formats import state_format
 from lohan.store.files import remove_files, run_files
 from lohan.store.group import rank_dir, read_decision
-from lohan.store.integrity import unit_bounds
+from lohan.store.integrity import StoreCorruptError, unit_bounds
 from lohan.store.states import StateStore, StoreLayout, StoreStatus
 
 
@@ -55,6 +55,21 @@ class StoreExistsError(FileExistsError):
         super().__init__(text)
 
 
+def status_for(dirs: Sequence[str], name: str, overwrite: bool) -> StoreStatus:
+    """`StateStore.status`, except that a store whose metadata is damaged is, to an overwrite, a ``damaged`` store it
+    discards (with its identity where its description still tells it): the fix the damage's message gives."""
+    try:
+        return StateStore.status(dirs, name)
+    except StoreCorruptError:
+        if not overwrite:
+            raise
+    try:
+        current, replaced = StateStore.identity(dirs, name)
+    except StoreCorruptError:
+        current, replaced = None, ()
+    return StoreStatus("damaged", volume_id=current, replaces=replaced)
+
+
 def check_request(base_dirs: Sequence[str], name: str, *, resume: bool, overwrite: bool, world: int = 1,
                   rank: int | None = None, must_exist: bool = False, asked: Asked = API) -> StoreStatus:
     """What the NVMe directories hold against what was asked, refused alike wherever a run starts (the command
@@ -63,7 +78,7 @@ def check_request(base_dirs: Sequence[str], name: str, *, resume: bool, overwrit
     `<dir>/rank<r>`), None in one process. `must_exist`: a resume with nothing to resume is refused (the API
     starts a new store instead). Raises StoreExistsError, or StoreRequestError with the reason and the fix."""
     dirs = [rank_dir(d, rank) for d in base_dirs] if rank is not None else list(base_dirs)
-    status = StateStore.status(dirs, name)
+    status = status_for(dirs, name, overwrite)
     decided = read_decision(base_dirs, name)
     where = base_dirs[0]
     if rank is not None and resume and decided is not None and decided["world"] != world:
@@ -92,7 +107,7 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
     """Open the store in `dirs` (resume), continue its interrupted initialization (resume), or create it
     (nothing there, or overwrite). Anything else is refused: a store is never discarded silently. `chunk_elems`:
     the optimizer's unit, in which the records' checksums are taken."""
-    status = StateStore.status(dirs, cfg.name)
+    status = status_for(dirs, cfg.name, overwrite)
     if status.state != "none" and not resume and not overwrite:  # (check_request, for a caller that did not ask)
         raise StoreExistsError(dirs[0], status)
     if status.state in ("complete", "partial") and resume and status.model != model_meta:

@@ -234,7 +234,7 @@ MAX_LINEAGE = 64
 class StoreStatus:
     """What a directory holds under a store name, read without opening the volume."""
 
-    state: str                 # "none" | "partial" (initialization stopped) | "complete" | "stray" (slab files only)
+    state: str  # "none" | "partial" (initialization stopped) | "complete" | "stray" (slab files only) | "damaged"
     model: dict | None = None
     step: int = 0
     blocks_done: int = 0
@@ -251,6 +251,8 @@ class StoreStatus:
                     f"{self.n_blocks} blocks")
         if self.state == "stray":
             return "the slab files of a store whose creation stopped before its first block"
+        if self.state == "damaged":
+            return "a store whose metadata is damaged"
         return "no store"
 
 
