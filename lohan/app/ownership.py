@@ -31,8 +31,9 @@ from typing import Any
 
 import xxhash
 
+from io_engine import durable
 from lohan.models import EXPORT_MARKER
-from lohan.store.integrity import StoreCorruptError, read_json_checked, write_json_atomic
+from lohan.store.integrity import write_json_atomic
 
 MANIFEST_VERSION = 2
 """`EXPORT_MARKER`'s format: 2 lists the files (lohan before it wrote a bare marker, which proves nothing)."""
@@ -133,12 +134,15 @@ def read_manifest(folder: Path) -> tuple[Manifest | None, str]:
     if path.is_symlink() or not path.is_file():
         return None, f"no {EXPORT_MARKER}"
     try:
-        data = read_json_checked(path, "export manifest", "")
-    except (StoreCorruptError, OSError) as err:
-        return None, f"its {EXPORT_MARKER} is unreadable or damaged ({err})"
-    if data.get("version") != MANIFEST_VERSION or "checksum" not in data:
+        data, problem = durable.load_json(path)
+    except OSError as err:
+        return None, f"its {EXPORT_MARKER} cannot be read ({err.strerror or err})"
+    if problem is None and (not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION):
         return None, (f"its {EXPORT_MARKER} was written by an older lohan, which kept no list of the files it wrote "
                       "(lohan cannot tell them from files added since)")
+    problem = problem or durable.checksum_problem(data)
+    if problem:
+        return None, f"its {EXPORT_MARKER} is damaged: {problem}"
     try:
         files = {str(k): dict(v) for k, v in data["files"].items()}
         return Manifest(str(data["run_id"]), str(data["state"]), dict(data["info"]), files), ""
