@@ -450,6 +450,10 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if run.is_hf:  # before transformers builds a model: its torchao import only prints noise (hf_imports.py)
+        from lohan.models.hf_imports import keep_torchao_out
+
+        keep_torchao_out()
     from lohan.app.train import (  # torch is imported only once the settings are known to be valid
         train,
         verify_store,
