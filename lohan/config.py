@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "PRESETS", "get_model_config"]
+__all__ = ["MAX_LAYERS", "MAX_PARAMS", "ModelConfig", "PRESETS", "get_model_config"]
 
 STATE_FORMATS = ("exact", "bf16-moments", "8bit-moments", "bf16-master")
 """The optimizer-state formats (`EngineConfig.state_format`; their bytes in `lohan.plan.formats`)."""
@@ -31,6 +31,17 @@ def _is_int(value: object) -> bool:
 def _is_finite(value: object) -> bool:
     """A real number that is neither NaN nor infinite (bool excluded, as in `_is_int`)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+MAX_LAYERS = 1024
+"""The most transformer blocks a model may have: 8 times the deepest preset (412b: 128) and beyond any published
+LLM. The planner, the store and the engine build one record per block, so a typo such as ``--layers 1000000000``
+must be refused from the count, before the first per-block object is made (it once grew to 23 GB)."""
+
+MAX_PARAMS = 2 * 10**12
+"""The most parameters a model may have (2T: 5 times the largest preset, 412b; its exact optimizer states alone
+would fill 56 TB of SSDs in two slots). The planners' work grows with the bytes of each block's record, so a shape
+past this (``d_model`` or ``vocab_size`` a million times too big) is refused from its arithmetic at once."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +111,33 @@ class ModelConfig:
             )
         if not isinstance(self.tie_embeddings, bool):
             problems.append(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
+        if not problems:  # the dimensions are valid integers: now their arithmetic
+            problems += self._size_problems()
         if problems:
             raise ValueError(f"invalid ModelConfig {self.name!r}:\n  - " + "\n  - ".join(problems))
+
+    def _size_problems(self) -> list[str]:
+        """A shape past `MAX_LAYERS` or `MAX_PARAMS`, from the counts alone (nothing per block is built)."""
+        if self.n_layer > MAX_LAYERS:
+            return [f"n_layer={self.n_layer:,} transformer blocks are more than lohan builds (at most "
+                    f"{MAX_LAYERS:,}; the deepest preset, 412b, has 128): use --layers N with N <= {MAX_LAYERS:,} "
+                    "(a slice of the same width), or another preset"]
+        count = self.param_count()
+        if count <= MAX_PARAMS:
+            return []
+        block, embed = self.n_layer * self.block_param_count(), self.embed_param_count()
+        if block >= embed:
+            fits = MAX_PARAMS // self.block_param_count()
+            shrink = f"a smaller d_model ({self.d_model:,}) or mlp_ratio ({self.mlp_ratio:,})"
+            most = (f"the {self.n_layer:,} blocks of {self.block_param_count():,} ({block:,}): "
+                    + (f"use --layers N with N <= {fits:,}, or {shrink}" if fits else
+                       f"not even one block of this width fits; give it {shrink}"))
+        else:
+            most = (f"the embeddings, (vocab_size {self.vocab_size:,} + seq_len {self.seq_len:,}) x d_model "
+                    f"{self.d_model:,} ({embed:,}): make them smaller")
+        return [f"{count:,} parameters ({count / 1e12:,.4g}T) are more than lohan plans for (at most {MAX_PARAMS:,}, "
+                f"{MAX_PARAMS / 1e12:g}T: 5 times the largest preset, 412b); most are in {most}, or pick another "
+                "preset"]
 
     # ----------------------------------------------------------------------------------- sizes
 
