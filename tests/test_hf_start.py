@@ -1,8 +1,12 @@
-"""The start of a Hugging Face run (issue 42, item 11): it prints no warning a user cannot act on."""
+"""The start of a Hugging Face run (issue 42, items 10 and 11): it prints no warning a user cannot act on, and
+weights that hold NaN or infinite values are refused as they are imported, naming the tensor and its file, before
+a step is trained (they were found only after `max_bad_steps` skipped steps, with advice to lower the lr)."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from lohan.app.cli import main  # noqa: E402
 from tests.test_hf import make_hf_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,3 +50,26 @@ def test_finetune_and_export_print_no_warning_nobody_can_act_on(tiny_llama: Path
     noise = [line for line in text.splitlines() if any(n in line for n in NOISE)]
     assert not noise, "\n".join(noise)
 
+
+def test_nan_and_inf_in_imported_weights_are_refused_with_the_tensor_and_file(tiny_llama: Path, tmp_path: Path,
+                                                                              capsys):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(tiny_llama):
+        (model / name).write_bytes((tiny_llama / name).read_bytes())
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    key = "model.layers.1.mlp.up_proj.weight"
+    tensors[key][3, 5] = math.nan
+    tensors[key][0, 0] = -math.inf
+    save_file(tensors, weights, metadata={"format": "pt"})
+    metrics = tmp_path / "m.jsonl"
+    args = ["--model", str(model), "--data", "synthetic", "--nvme", str(tmp_path / "nvme"), "--metrics", str(metrics),
+            "--compute-dtype", "fp32", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--backend", "threads"]
+    assert main(args) == 2
+    text = "".join(capsys.readouterr())
+    assert re.search(rf"^error: tensor '{re.escape(key)}' in {re.escape(str(weights))} holds 1 NaN and 1 infinite "
+                     r"values \(of 2,048\): the checkpoint is damaged.*--resume .*--overwrite", text, re.M | re.S), text
+    assert "skipped" not in text and not metrics.exists()  # refused at import: no step ran, no metrics written
