@@ -634,7 +634,7 @@ class EngineConfig:
             problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
         elif self.state_format == "bf16-master" and self.compute_dtype != "bf16":
             problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
-                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--dtype bf16)")
+                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--compute-dtype bf16)")
         if isinstance(self.no_decay, str | list):
             object.__setattr__(self, "no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
                                else tuple(self.no_decay))

@@ -173,7 +173,7 @@ def _storage_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
     g.add_argument("--state-format", choices=list(FORMATS),
                    help="optimizer states on the SSDs: exact (fp32, 14 B/param), bf16-moments (10), 8bit-moments "
-                        "(8), bf16-master (4; stochastic rounding, needs --dtype bf16); fixed at creation")
+                        "(8), bf16-master (4; stochastic rounding, needs --compute-dtype bf16); fixed at creation")
     g.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
     g.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
 
