@@ -269,21 +269,30 @@ def parse_bytes(value: int | str) -> int:
     """Parse a size such as ``8GiB``, ``512 MiB``, ``2e9`` or ``1073741824`` into bytes.
 
     GiB/MiB are powers of two, GB/MB powers of ten (STYLE: GiB != GB).
+
+    Raises:
+        ValueError: Not a size, not finite (``1e400GiB``), or below zero (``-5GiB`` was once taken as a budget).
     """
+    size = None
     if _is_int(value):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
+        size = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(num):]
         if unit in _BYTE_UNITS and num:
             try:
-                return int(float(num) * _BYTE_UNITS[unit])
+                scaled = float(num) * _BYTE_UNITS[unit]
             except ValueError:
-                pass
-    raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
+                scaled = math.nan
+            size = int(scaled) if math.isfinite(scaled) else None
+    if size is None:
+        raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
+    if size < 0:
+        raise ValueError(f"{value!r} is below zero: a size is 0 or more; write e.g. 8GiB, 512MiB or a number of bytes")
+    return size
 
 
 SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "stripe_bytes", "opt_chunk_bytes", "resident_mem",
@@ -299,7 +308,7 @@ def unitless_size_problems(engine: dict) -> list[str]:
         value = engine.get(name)
         bare = (isinstance(value, int | float) and not isinstance(value, bool)) or (
             isinstance(value, str) and value.strip().replace(".", "", 1).isdigit())
-        if bare and float(value) != 0:
+        if bare and float(value) > 0:  # (a negative size is refused as one by parse_bytes)
             problems.append(f"{name}={value!r}: a size needs a unit; write e.g. {value}GiB, {value}MiB or {value}B "
                             "(bytes)")
     return problems
@@ -584,6 +593,22 @@ class EngineConfig:
             except ValueError as e:
                 problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else
                                                   ", or 'auto'" if name == "readahead_mem" else ""))
+        return problems + self._size_range_problems()
+
+    def _size_range_problems(self) -> list[str]:
+        """Sizes that parse but cannot be (parse_bytes refuses negative ones): zero where it means nothing, a stripe
+        the SSD volumes cannot cut."""
+        problems = []
+        if _is_int(self.gpu_mem) and self.gpu_mem == 0:
+            problems.append("gpu_mem=0: give the device memory the run must fit in, e.g. 24GiB, or leave it unset "
+                            "(the device's own)")
+        if _is_int(self.opt_chunk_bytes) and self.opt_chunk_bytes == 0:
+            problems.append("opt_chunk_bytes=0: give the largest piece of a record the optimizer updates at once, "
+                            "e.g. 512MiB")
+        # io_engine.align.ALIGN (this layer imports nothing): every transfer is O_DIRECT, in 4 KiB units
+        if _is_int(self.stripe_bytes) and (self.stripe_bytes == 0 or self.stripe_bytes % 4096):
+            problems.append(f"stripe_bytes={self.stripe_bytes}: the stripe unit over the SSD directories must be a "
+                            "positive multiple of 4 KiB (4096 bytes, the unit of direct I/O), e.g. 1MiB")
         return problems
 
     def _execution_problems(self) -> list[str]:
@@ -601,11 +626,7 @@ class EngineConfig:
         for name in (f.name for f in dataclasses.fields(self) if f.type in ("bool", bool)):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
-        if _is_int(self.readahead_mem) and self.readahead_mem < 0:
-            problems.append(f"readahead_mem={self.readahead_mem} must be >= 0 (or 'auto')")
-        if _is_int(self.resident_mem) and self.resident_mem < 0:
-            problems.append(f"resident_mem={self.resident_mem} must be >= 0 (or 'auto', 'all')")
-        elif self.resident_mem not in (0, "auto") and not self.resident_records:
+        if self.resident_mem not in (0, "auto") and not self.resident_records:
             problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
