@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "PRESETS", "get_model_config"]
+__all__ = ["MAX_LAYERS", "MAX_PARAMS", "ModelConfig", "PRESETS", "get_model_config"]
 
 STATE_FORMATS = ("exact", "bf16-moments", "8bit-moments", "bf16-master")
 """The optimizer-state formats (`EngineConfig.state_format`; their bytes in `lohan.plan.formats`)."""
@@ -32,6 +32,17 @@ def _is_int(value: object) -> bool:
 def _is_finite(value: object) -> bool:
     """A real number that is neither NaN nor infinite (bool excluded, as in `_is_int`)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+MAX_LAYERS = 1024
+"""The most transformer blocks a model may have: 8 times the deepest preset (412b: 128) and beyond any published
+LLM. The planner, the store and the engine build one record per block, so a typo such as ``--layers 1000000000``
+must be refused from the count, before the first per-block object is made (it once grew to 23 GB)."""
+
+MAX_PARAMS = 2 * 10**12
+"""The most parameters a model may have (2T: 5 times the largest preset, 412b; its exact optimizer states alone
+would fill 56 TB of SSDs in two slots). The planners' work grows with the bytes of each block's record, so a shape
+past this (``d_model`` or ``vocab_size`` a million times too big) is refused from its arithmetic at once."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,33 @@ class ModelConfig:
             )
         if not isinstance(self.tie_embeddings, bool):
             problems.append(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
+        if not problems:  # the dimensions are valid integers: now their arithmetic
+            problems += self._size_problems()
         if problems:
             raise ValueError(f"invalid ModelConfig {self.name!r}:\n  - " + "\n  - ".join(problems))
+
+    def _size_problems(self) -> list[str]:
+        """A shape past `MAX_LAYERS` or `MAX_PARAMS`, from the counts alone (nothing per block is built)."""
+        if self.n_layer > MAX_LAYERS:
+            return [f"n_layer={self.n_layer:,} transformer blocks are more than lohan builds (at most "
+                    f"{MAX_LAYERS:,}; the deepest preset, 412b, has 128): use --layers N with N <= {MAX_LAYERS:,} "
+                    "(a slice of the same width), or another preset"]
+        count = self.param_count()
+        if count <= MAX_PARAMS:
+            return []
+        block, embed = self.n_layer * self.block_param_count(), self.embed_param_count()
+        if block >= embed:
+            fits = MAX_PARAMS // self.block_param_count()
+            shrink = f"a smaller d_model ({self.d_model:,}) or mlp_ratio ({self.mlp_ratio:,})"
+            most = (f"the {self.n_layer:,} blocks of {self.block_param_count():,} ({block:,}): "
+                    + (f"use --layers N with N <= {fits:,}, or {shrink}" if fits else
+                       f"not even one block of this width fits; give it {shrink}"))
+        else:
+            most = (f"the embeddings, (vocab_size {self.vocab_size:,} + seq_len {self.seq_len:,}) x d_model "
+                    f"{self.d_model:,} ({embed:,}): make them smaller")
+        return [f"{count:,} parameters ({count / 1e12:,.4g}T) are more than lohan plans for (at most {MAX_PARAMS:,}, "
+                f"{MAX_PARAMS / 1e12:g}T: 5 times the largest preset, 412b); most are in {most}, or pick another "
+                "preset"]
 
     # ----------------------------------------------------------------------------------- sizes
 
@@ -253,21 +289,30 @@ def parse_bytes(value: int | str) -> int:
     """Parse a size such as ``8GiB``, ``512 MiB``, ``2e9`` or ``1073741824`` into bytes.
 
     GiB/MiB are powers of two, GB/MB powers of ten (STYLE: GiB != GB).
+
+    Raises:
+        ValueError: Not a size, not finite (``1e400GiB``), or below zero (``-5GiB`` was once taken as a budget).
     """
+    size = None
     if _is_int(value):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
+        size = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(num):]
         if unit in _BYTE_UNITS and num:
             try:
-                return int(float(num) * _BYTE_UNITS[unit])
+                scaled = float(num) * _BYTE_UNITS[unit]
             except ValueError:
-                pass
-    raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
+                scaled = math.nan
+            size = int(scaled) if math.isfinite(scaled) else None
+    if size is None:
+        raise ValueError(f"cannot read {value!r} as a size; write e.g. 8GiB, 512MiB or a number of bytes")
+    if size < 0:
+        raise ValueError(f"{value!r} is below zero: a size is 0 or more; write e.g. 8GiB, 512MiB or a number of bytes")
+    return size
 
 
 SIZE_FIELDS = ("cpu_mem", "act_mem", "gpu_mem", "stripe_bytes", "opt_chunk_bytes", "resident_mem",
@@ -283,7 +328,7 @@ def unitless_size_problems(engine: dict) -> list[str]:
         value = engine.get(name)
         bare = (isinstance(value, int | float) and not isinstance(value, bool)) or (
             isinstance(value, str) and value.strip().replace(".", "", 1).isdigit())
-        if bare and float(value) != 0:
+        if bare and float(value) > 0:  # (a negative size is refused as one by parse_bytes)
             problems.append(f"{name}={value!r}: a size needs a unit; write e.g. {value}GiB, {value}MiB or {value}B "
                             "(bytes)")
     return problems
@@ -572,6 +617,22 @@ class EngineConfig:
             except ValueError as e:
                 problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else
                                                   ", or 'auto'" if name == "readahead_mem" else ""))
+        return problems + self._size_range_problems()
+
+    def _size_range_problems(self) -> list[str]:
+        """Sizes that parse but cannot be (parse_bytes refuses negative ones): zero where it means nothing, a stripe
+        the SSD volumes cannot cut."""
+        problems = []
+        if _is_int(self.gpu_mem) and self.gpu_mem == 0:
+            problems.append("gpu_mem=0: give the device memory the run must fit in, e.g. 24GiB, or leave it unset "
+                            "(the device's own)")
+        if _is_int(self.opt_chunk_bytes) and self.opt_chunk_bytes == 0:
+            problems.append("opt_chunk_bytes=0: give the largest piece of a record the optimizer updates at once, "
+                            "e.g. 512MiB")
+        # io_engine.align.ALIGN (this layer imports nothing): every transfer is O_DIRECT, in 4 KiB units
+        if _is_int(self.stripe_bytes) and (self.stripe_bytes == 0 or self.stripe_bytes % 4096):
+            problems.append(f"stripe_bytes={self.stripe_bytes}: the stripe unit over the SSD directories must be a "
+                            "positive multiple of 4 KiB (4096 bytes, the unit of direct I/O), e.g. 1MiB")
         return problems
 
     def _execution_problems(self) -> list[str]:
@@ -589,11 +650,7 @@ class EngineConfig:
         for name in (f.name for f in dataclasses.fields(self) if f.type in ("bool", bool)):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
-        if _is_int(self.readahead_mem) and self.readahead_mem < 0:
-            problems.append(f"readahead_mem={self.readahead_mem} must be >= 0 (or 'auto')")
-        if _is_int(self.resident_mem) and self.resident_mem < 0:
-            problems.append(f"resident_mem={self.resident_mem} must be >= 0 (or 'auto', 'all')")
-        elif self.resident_mem not in (0, "auto") and not self.resident_records:
+        if self.resident_mem not in (0, "auto") and not self.resident_records:
             problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
@@ -622,7 +679,7 @@ class EngineConfig:
             problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
         elif self.state_format == "bf16-master" and self.compute_dtype != "bf16":
             problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
-                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--dtype bf16)")
+                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--compute-dtype bf16)")
         if isinstance(self.no_decay, str | list):
             object.__setattr__(self, "no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
                                else tuple(self.no_decay))

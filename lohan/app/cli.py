@@ -174,7 +174,7 @@ def _storage_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
     g.add_argument("--state-format", choices=list(FORMATS),
                    help="optimizer states on the SSDs: exact (fp32, 14 B/param), bf16-moments (10), 8bit-moments "
-                        "(8), bf16-master (4; stochastic rounding, needs --dtype bf16); fixed at creation")
+                        "(8), bf16-master (4; stochastic rounding, needs --compute-dtype bf16); fixed at creation")
     g.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
     g.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
 
@@ -459,6 +459,10 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if run.is_hf:  # before transformers builds a model: its torchao import only prints noise (hf_imports.py)
+        from lohan.models.hf_imports import keep_torchao_out
+
+        keep_torchao_out()
     from lohan.app.train import (  # torch is imported only once the settings are known to be valid
         train,
         verify_store,

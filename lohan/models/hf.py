@@ -64,6 +64,7 @@ from lohan.models.hf_checkpoint import (
     make_init_block,
     read_config,
 )
+from lohan.models.hf_shape import check_dimensions, check_shape
 
 __all__ = ["SUPPORTED", "WEIGHTS_INDEX", "WEIGHTS_NAME", "HFBlocks", "check_weights", "export_hf", "has_tokenizer",
            "has_weights", "is_hf_dir", "load_hf_skeleton", "load_tokenizer", "make_init_block", "model_meta"]
@@ -610,10 +611,13 @@ def load_hf_skeleton(path: str | os.PathLike, n_layer: int | None = None) -> HFB
     family, data = _family(path)
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_dimensions(path, data)  # before transformers reads them (a config class divides by some)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _refuse_kind(path, {**config.to_dict(), **data})  # again with the family's defaults (BERT's token types)
+    check_dimensions(path, data, config)
     if n_layer is not None:
         data = _sliced_config(path, data, config, n_layer)
+    check_shape(path, config, _attention_for(config))  # from its arithmetic: the build below allocates for real
     with _meta_parameters():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                  attn_implementation=_attention_for(config))

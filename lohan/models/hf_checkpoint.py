@@ -163,10 +163,30 @@ def make_init_block(program: HFBlocks, path: str | os.PathLike) -> Callable[[int
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, the config gives "
                                  f"{tuple(p.shape)} for {program.names[i]}.{pname}")
-            out.append(t.to(torch.float32))
+            t = t.to(torch.float32)
+            _check_finite(t, key, os.path.join(str(path), src.key_file[key]))
+            out.append(t)
         return out
 
     return init_block
+
+
+def _check_finite(t: Tensor, key: str, file: str) -> None:
+    """Refuse an imported tensor holding NaN or infinite values. Every step would then be skipped as not finite
+    (`engine.max_bad_steps` of them, with advice about the learning rate), where the weights are what is wrong.
+
+    Every tensor passes here once, on its way into the store: its fp32 sum is one cheap pass with no temporary
+    (NaN and inf propagate into it); only a sum that is not finite is looked at element by element, since
+    finite values of a legitimate checkpoint may also overflow it.
+    """
+    if torch.isfinite(t.sum()):
+        return
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    if nan or inf:
+        raise ValueError(f"tensor {key!r} in {file} holds {nan:,} NaN and {inf:,} infinite values (of {t.numel():,}): "
+                         "the checkpoint is damaged, training from it would only skip steps. Save the model again "
+                         "(save_pretrained) or re-download it, then continue with --resume (the blocks imported "
+                         "before it are kept) or start over with --overwrite")
 
 
 def check_weights(program: HFBlocks, path: str | os.PathLike) -> None:

@@ -68,7 +68,7 @@ def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: st
     fmt = state_format_of(state_format)
     if not fmt.separate_p16 and p16_dtype != "bf16":
         raise ValueError(f"state format {state_format!r} keeps bf16 weights only, which the compute reads as they "
-                         f"are; it needs compute_dtype bf16, not {p16_dtype} (--dtype bf16)")
+                         f"are; it needs compute_dtype bf16, not {p16_dtype} (--compute-dtype bf16)")
     out = []
     offset = 0
     itemsize = torch.empty(0, dtype=DTYPES[p16_dtype]).element_size()
