@@ -254,7 +254,7 @@ def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(m
     assert all(m["ssd_read_bytes"] == 0 for m in metrics[1:])
 
 
-@pytest.mark.parametrize("kw,match", [({"resident_mem": "-1MiB"}, "resident_mem=.* must be >= 0"),
+@pytest.mark.parametrize("kw,match", [({"resident_mem": "-1MiB"}, "resident_mem: .-1MiB. is below zero"),
                                       ({"resident_mem": "lots"}, "resident_mem: cannot read 'lots' as a size"),
                                       ({"resident_mem": "1GiB", "resident_records": False},
                                        "resident_mem=.* needs resident_records=true")])
