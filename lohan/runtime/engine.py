@@ -142,6 +142,9 @@ class Engine:
             init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
         self.store, self._lock = _open_store(cfg, local_layout, model_meta, init_block, resume, overwrite, progress,
                                              self.dp, self._base_dirs)
+        # what building the store freed (a block's fp32 init, its records' chunks) goes back before the pools and
+        # the first step take their memory: kept in the heap (reuse_heap), it added GBs to that step's peak RSS
+        release_free_memory()
         try:
             self._build(local_layout, str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
         except BaseException:
