@@ -133,7 +133,8 @@ class Engine:
         # the machine's available memory, shared by the ranks on this host (resident_mem: auto)
         free = psutil.virtual_memory().available // (self.dp.local_world if self.dp else 1)
         # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
-        self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize)
+        self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize,
+                                            host_device=self.device.is_host)
         self.memory_plan = self.host_memory.parts()
         # the share of the P16 the parameter pool keeps over a turn (in place, with one slot, nothing is kept)
         self._kept_p16 = kept_p16_fraction(self.host_memory.params, geometry.p16, cfg.prefetch_depth) \
@@ -168,7 +169,7 @@ class Engine:
         # never leave main memory, and page-locked memory is scarce
         pin = self.device.is_cuda
         self.params_pool = volume.buffer_pool(plan.params, pin=pin)
-        self.grads_pool = volume.buffer_pool(plan.grads + plan.tied_grads + plan.grad_stash, pin=pin)
+        self.grads_pool = volume.buffer_pool(plan.grads + plan.grad_stash, pin=pin)
         # the optimizer's share of the plan also holds the fp32 upcast scratch (plan.upcast), which the offloader
         # allocates itself: the record pool gets the records, the resident room and the read-ahead room
         self.records_pool = volume.buffer_pool(plan.records + plan.resident + plan.readahead)
