@@ -75,7 +75,7 @@ def test_auto_plans_room_for_the_gradients_only_where_they_all_fit_in_main_memor
     ecfg = engine_config(make_dirs(1), max_grad_norm=0.0)
     geom = pool_geometry(program, plan_layout(program.modules, program.names, ecfg.compute_dtype, ecfg.slots))
     roomy = plan_host_memory(geom, ecfg)
-    assert roomy.has_stash and roomy.grad_stash == sum(align_up(4 * b.numel) for b in geom.layout.blocks)
+    assert roomy.has_stash and roomy.stash_ram == sum(align_up(4 * b.numel) for b in geom.layout.blocks)
     # just below what the stash takes: auto gives up deferring; clip_mode defer keeps it, spilling the rest
     tight = dataclasses.replace(ecfg, cpu_mem=roomy.total - roomy.resident - roomy.readahead - 4096)
     assert not plan_host_memory(geom, tight).has_stash

@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from lohan.config import ModelConfig
+from lohan.plan.memory import SLACK_BYTES, SLACK_FACTOR
 from lohan.plan.planner import (
     DEFAULT_CPU,
     HARDWARE_PRESETS,
@@ -369,18 +370,22 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                micro_batches: int = 1, prefetch_depth: int = 2, steps_per_epoch: int | None = None,
                slots: int = 2, keep_grads: bool = False, resident_mem: int | str = 0,
                cpu_mem: int | None = None, readahead_mem: int | str = "auto", clip_mode: str = "auto",
-               clips: bool | None = None, state_format: str = "exact", act_compress: str = "none") -> FitReport:
+               clips: bool | None = None, state_format: str = "exact", act_compress: str = "none",
+               heap_reuse: bool = True) -> FitReport:
     """The capacity plan of a run and its predicted speed. ``keep_grads``: the step keeps its gradients (clipping
     or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says); ``act_compress``: the
     engine's setting (int8 records priced compressed, `planner.capacity`). The predicted step is
     the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
-    norm (slots=1, or ``clip_mode`` defer: with clipping off too, where the plan keeps room for the gradients)."""
+    norm (slots=1, or ``clip_mode`` defer: with clipping off too, where the plan keeps room for the gradients).
+    ``heap_reuse``: the engine's setting, which on a CPU device keeps the freed device working set in the heap
+    (the allocator slack `plan.memory` bounds the peak RSS with)."""
     clips = keep_grads if clips is None else clips
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
                    keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
-                   clip_mode=clip_mode, state_format=state_format, act_compress=act_compress)
+                   clip_mode=clip_mode, state_format=state_format, act_compress=act_compress,
+                   host_device=machine.device_is_host)
     if machine.device_is_host:
-        cap = _with_device_in_ram(cap, machine.hardware)
+        cap = _with_device_in_ram(cap, machine.hardware, heap_reuse)
     defers = not clips and slots == 2 and "grad_stash" in cap.cpu_parts  # the plan kept room for the gradients
     waits = slots == 1 or (clip_mode == "defer" and (clips or defers))
     est = cap.plan.estimate
@@ -391,11 +396,14 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                      steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers)
 
 
-def _with_device_in_ram(cap: Capacity, hw: Hardware) -> Capacity:
+def _with_device_in_ram(cap: Capacity, hw: Hardware, heap_reuse: bool = True) -> Capacity:
     """On a CPU-only run the device's working set is in main memory too: its parameters are the host
     pool's buffers (no copy), but a block's activations and gradients, the logits and the process add up
-    (`planner.HOST_SHARED_PARTS`: the parts that do not)."""
+    (`planner.HOST_SHARED_PARTS`: the parts that do not), and so does the allocator's slack as `plan.memory`
+    bounds the peak RSS: with heap reuse, the heap keeps the working set it freed, fragmented (a 13b-shaped
+    layer here: 1.2-2.8 GB above its live bytes, none with heap reuse off)."""
     extra = {k: v for k, v in cap.gpu_parts.items() if k not in HOST_SHARED_PARTS}
+    extra["allocator slack"] = int(SLACK_BYTES + (SLACK_FACTOR * sum(extra.values()) if heap_reuse else 0))
     extra["runtime"] = RUNTIME_BYTES
     cpu_parts = {**cap.cpu_parts, **{f"device {k}": v for k, v in extra.items()}}
     need = sum(cpu_parts.values())

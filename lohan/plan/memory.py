@@ -14,7 +14,8 @@ sized from what `cpu_mem` leaves after the pools). The overhead is what no budge
   holds beyond the block parameters (those are views of the params pool's buffers, no copy): the block
   being recomputed (its activations and their gradients), autograd's gradients of a block, the tied
   embedding's borrowed gradients, the records the plan keeps on the device and the head's loss, after the
-  capacity planner's device-memory model (`planner.gpu_need`, less its `HOST_SHARED_PARTS`);
+  capacity planner's device-memory model of a CPU device (`planner.gpu_need(host=True)`: one block of autograd's
+  gradients, or the fp32 upcast of the largest parameter the norms take; less its `HOST_SHARED_PARTS`);
 - allocator slack: memory glibc keeps in its arenas after it is freed (fragmentation of the per-step
   temporaries), the first step's profiling and SSD probe, and what the analytic model leaves out.
   benchmarks/soak.py measured peak RSS minus (process + pool bytes allocated + activation tier) at
@@ -42,7 +43,7 @@ _BYTES_ONLY = Hardware("bytes-only", thp_g=1.0, bw_g=1.0, bw_s2m=1.0, bw_m2s=1.0
 def device_working_set(mcfg: ModelConfig, batch: int, seq: int, micro_batches: int, compute_dtype: str,
                        prefetch_depth: int, act_policy: str) -> int:
     """Bytes the compute device holds during a step beyond the block parameters (analytic)."""
-    need = gpu_need(mcfg, batch, seq, _BYTES_ONLY, compute_dtype, micro_batches, prefetch_depth, ())
+    need = gpu_need(mcfg, batch, seq, _BYTES_ONLY, compute_dtype, micro_batches, prefetch_depth, (), host=True)
     ws = sum(v for k, v in need.items() if k not in HOST_SHARED_PARTS)
     if act_policy == "recompute-all":  # every block's input stays on the device, not only the last one's
         ws += (mcfg.n_layer - 1) * analytic_profile(mcfg, batch, seq, _BYTES_ONLY, compute_dtype).input_bytes

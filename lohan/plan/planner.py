@@ -947,8 +947,8 @@ def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: 
     model's blocks (``pools.model_geometry``), without the 4 KiB padding of each buffer.
 
     params: current + k prefetched + k kept over the forward/backward turn + a borrowed tied block, at most every
-    block; grads: two block buffers (one filling, one queued; ``pools.grad_dtype``) plus the tied weight's per
-    micro-batch copies (``block_grads=False``: only those, for a design that counts the gradients itself);
+    block; grads: two block buffers (one filling, one queued; ``pools.grad_dtype``; ``block_grads=False``: none,
+    for a design that counts the gradients itself);
     optimizer: ``max_inflight`` records of the largest block, or of an ``opt_chunk_bytes`` chunk when records are
     bigger, with ``resident`` records no more than the records bigger than the streamed ones plus ``max_inflight``
     of those (a tied embedding stays: one buffer for it instead of ``max_inflight``), and the fp32 scratch bf16
@@ -957,7 +957,7 @@ def engine_pools(cfg: ModelConfig, compute_dtype: str = "bf16", prefetch_depth: 
     ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, resident=resident,
                              opt_chunk_bytes=opt_chunk_bytes)
     plan = pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype), ecfg, check=False)
-    return {"params": plan.params, "grads": (plan.grads if block_grads else 0) + plan.tied_grads,
+    return {"params": plan.params, "grads": plan.grads if block_grads else 0,
             "optimizer": plan.records + plan.upcast}
 
 
@@ -1067,7 +1067,7 @@ def check_gpu_budget(need: Mapping[str, int], budget: int, what: str = "this run
 
 def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype: str, micro_batches: int,
              prefetch_depth: int, swap: Sequence[str], world: int = 1,
-             measured: Profile | None = None) -> dict[str, int]:
+             measured: Profile | None = None, host: bool = False) -> dict[str, int]:
     """Bytes the engine allocates on the GPU at a step's peak, by part (the keys are printed in plans and
     errors). The CUDA context lies outside the caching allocator: budget this against the *free* memory.
 
@@ -1075,6 +1075,9 @@ def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype
     gradients fp32 as micro-batches do (``engine.grad_dtype``). ``swap``: the ops the plan swaps, named as in
     ``measured`` when given (the run's profile of ``batch`` x ``seq``, which sizes the activations: an HF
     block's ops are its own sub-modules, not the analytic GPT block's), else as in :func:`analytic_profile`.
+    ``host``: the CPU is the device; it sums autograd's gradients into the host buffer at once (no accumulator, no
+    copy in flight), so it holds one block's of them, or after them the fp32 upcast of the largest parameter
+    that the norms take (``pools.device_grad_bytes``), not two blocks'.
     """
     s = _itemsize(compute_dtype)
     big = max(cfg.block_param_count(), cfg.embed_param_count(), cfg.head_param_count())
@@ -1098,7 +1101,10 @@ def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype
         # tied embedding, which its borrower (the head) needs at both ends of the step, kept all step
         "params": (prefetch_depth + 2) * s * big + (s * cfg.embed_param_count() if tied else 0),
     }
-    if micro_batches == 1 and g == s:  # engine._direct: nothing to sum, autograd's gradients go to the host
+    if host:
+        largest = pools.model_geometry(cfg, compute_dtype).largest_param
+        need["block gradients"] = max(s * big, 4 * largest if g < 4 else 0)
+    elif micro_batches == 1 and g == s:  # engine._direct: nothing to sum, autograd's gradients go to the host
         # this block's, and the block after's until its copy to the host has completed
         need["block gradients"] = 2 * s * big
     else:
@@ -1180,7 +1186,8 @@ def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, po
 def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batches: int, prefetch_depth: int,
                  max_inflight: int, slots: int, keep_grads: bool, resident_mem: int | str,
                  cpu_mem: int | None, readahead_mem: int | str = "auto",
-                 clip_mode: str = "auto", state_format: str = "exact") -> pools.HostMemoryPlan:
+                 clip_mode: str = "auto", state_format: str = "exact",
+                 host_device: bool = False) -> pools.HostMemoryPlan:
     """The engine's host memory plan for the model on this machine (unchecked: :func:`_judge` judges it), with
     cpu_mem the run's budget within what the machine's RAM gives (:func:`_ram_budget`)."""
     budget = _ram_budget(hw)
@@ -1189,14 +1196,14 @@ def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batch
                              clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit, readahead_mem=readahead_mem,
                              clip_mode=clip_mode)
     return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format), ecfg,
-                                  free=budget, check=False)
+                                  free=budget, check=False, host_device=host_device)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
              keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
              readahead_mem: int | str = "auto", clip_mode: str = "auto", state_format: str = "exact",
-             act_compress: str = "none") -> Capacity:
+             act_compress: str = "none", host_device: bool = False) -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -1215,9 +1222,11 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     format, and the main-memory pools of its records.
     ``act_compress`` (``int8``: the engine's setting) plans activation records that leave the device compressed:
     the tiers hold, and the links move, their int8 bytes, and the GPU pays their quantization; the GPU memory plan
-    keeps counting them as the device makes them (an upper bound)."""
+    keeps counting them as the device makes them (an upper bound). ``host_device``: the CPU computes (its
+    gradients are in main memory: the pools' ``auto`` rooms leave them out, ``gpu_need`` prices them as it holds
+    them)."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
-                        resident_mem, cpu_mem, readahead_mem, clip_mode, state_format)
+                        resident_mem, cpu_mem, readahead_mem, clip_mode, state_format, host_device)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
     geometry = pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format)
     layout = geometry.store
@@ -1235,10 +1244,10 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
                                           write_behind=slots == 2, record_bytes=fmt.record(),
                                           separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
                                           act_compress=act_compress))
-    gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap)
+    gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap, host=host_device)
     states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
-        states += host.grad_itemsize * cfg.param_count() - host.grad_stash
+        states += max(0, host.grad_itemsize * cfg.param_count() - (host.stash_ram or 0))
     return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
                   {**parts, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
 

@@ -8,7 +8,8 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
   never more than every block at once (small models);
 - grads: the host gradient buffers (``grad_dtype``): one block filling while the one before is queued for the
   optimizer (serial mode: every block's until backward ends); data parallel: the whole block being reduced and
-  the rank's shards; plus, per micro-batch, the borrowed gradients of the tied weights;
+  the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
+  (``planner.gpu_need``'s "borrowed gradients"; a CPU device's: :func:`device_grad_bytes`);
 - optimizer: the record pool (``record_pool_bytes``: ``max_inflight_blocks`` records, or chunks, in flight, the
   records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into
   (``upcast_bytes``; the offloader allocates it itself, so the record pool's budget is the plan's ``records``);
@@ -17,8 +18,15 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
   the global norm or ahead of the gradients (``readahead_mem``; optimized mode: :func:`reads_ahead`);
 - grad_stash: the step's gradients kept for a clipped (deferred or redone) update, or until an in-place step is
   known to be finite (``keeps_all_grads``), as far as ``cpu_mem`` allows; the rest goes to the SSDs
-  (``store.gradstash``). In serial mode the grads pool holds them already. Clipping off, an update may still
-  run after backward beside the next forward (``may_defer_unclipped``): then too, where they all fit.
+  (``store.gradstash``). The stash keeps the grads pool's own buffers (no copy), so where every gradient fits
+  the pool holds each block's buffer once: ``grad_stash`` is what that adds to ``grads`` (it counted them twice:
+  4.88 GB too many for a 175b-shaped layer). Where some spill, the pool also holds the buffer of the spill write
+  in flight. In serial mode the grads pool holds them already. Clipping off, an update may still run after
+  backward beside the next forward (``may_defer_unclipped``): then too, where they all fit.
+
+When the CPU is the compute device, what it holds beside these pools (autograd's gradients of a block, the tied
+weights' borrowed ones: :func:`device_grad_bytes`) comes out of the machine's memory before the ``auto`` rooms
+(resident, read-ahead) take half of what is left (``host_device``), as it does out of the capacity planner's.
 
 Torch-free: the geometry is a :class:`~lohan.plan.records.StoreLayout` (records laid out by
 ``lohan.plan.records``, the store's own geometry) and the settings an ``EngineConfig``. With ``align=1`` the same
@@ -40,7 +48,7 @@ __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
     "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
-    "plan_host_memory", "pool_config", "chunk_record_bytes",
+    "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes",
 ]
 
 OS_RESERVE = 0.10
@@ -238,6 +246,7 @@ class PoolGeometry:
         tied: the element count of each tied weight a block borrows, once per borrowing.
         owners: blocks a tied weight is borrowed from (their P16 stays all step).
         align: the padding of each section and buffer: ALIGN in the engine, 1 to price a model unpadded.
+        largest: the element count of the model's largest parameter; None: the layout's (its parameters).
     """
 
     layout: StoreLayout
@@ -246,6 +255,7 @@ class PoolGeometry:
     tied: tuple[int, ...] = ()
     owners: int = 0
     align: int = ALIGN
+    largest: int | None = None
 
     @property
     def store(self) -> StoreLayout:
@@ -258,6 +268,12 @@ class PoolGeometry:
             return self.p16_bytes
         return tuple(align_up(b.p16_itemsize * b.numel, self.align) for b in self.layout.blocks)
 
+    @property
+    def largest_param(self) -> int:
+        if self.largest is not None:
+            return self.largest
+        return max(p.numel for b in self.layout.blocks for p in b.params)
+
 
 def model_geometry(cfg: ModelConfig, compute_dtype: str = "bf16", slots: int = 2, align: int = 1,
                    state_format: str = "exact") -> PoolGeometry:
@@ -267,22 +283,38 @@ def model_geometry(cfg: ModelConfig, compute_dtype: str = "bf16", slots: int = 2
     numels = [cfg.embed_param_count(), *[cfg.block_param_count()] * cfg.n_layer, cfg.head_param_count()]
     names = ["embed", *(f"block{i}" for i in range(cfg.n_layer)), "head"]
     tied = (cfg.vocab_size * cfg.d_model,) if cfg.tie_embeddings else ()
+    d = cfg.d_model  # the largest parameter: wte (or an untied lm_head), wpe, qkv or an MLP weight
+    largest = max(cfg.vocab_size * d, cfg.seq_len * d, 3 * d * d, cfg.mlp_hidden * d) if cfg.n_layer else \
+        max(cfg.vocab_size * d, cfg.seq_len * d)
     return PoolGeometry(layout_of(numels, compute_dtype, slots, names, state_format), tied=tied, owners=len(tied),
-                        align=align)
+                        align=align, largest=largest)
+
+
+def device_grad_bytes(geometry: PoolGeometry, micro_batches: int = 1, grad_size: int | None = None) -> int:
+    """Bytes of gradients a CPU compute device holds beside the host pools at backward's peak: autograd's
+    gradients of a block (in the parameters' dtype; summed into the host buffer at once, no copy in flight), or,
+    after them, the fp32 upcast of its largest parameter the gradient norms take from a bf16 buffer
+    (`runtime.passes._param_norms`), whichever is larger; plus the tied weights' borrowed gradients, autograd's,
+    per micro-batch, held from their borrower's backward to their owner's. ``grad_size``: the host gradient
+    buffers' itemsize (None: the P16's, as with one micro-batch and one rank in bf16)."""
+    s = geometry.layout.blocks[0].p16_itemsize
+    g = s if grad_size is None else grad_size
+    autograd = max(s * b.numel for b in geometry.layout.blocks)
+    upcast = 4 * geometry.largest_param if g < 4 else 0
+    return max(autograd, upcast) + micro_batches * s * sum(geometry.tied)
 
 
 @dataclass(frozen=True)
 class HostMemoryPlan:
     """Bytes of each main-memory pool of the engine (module docstring); each is a hard budget.
 
-    `params`, `grads` (block buffers) + `tied_grads`, `records` + `resident` + `readahead` (the record pool's
-    budget), `upcast` and `grad_stash` add up to `total`, which is at most `budget` (cpu_mem) when
+    `params`, `grads` + `grad_stash` (the grads pool's budget), `records` + `resident` + `readahead` (the record
+    pool's budget) and `upcast` add up to `total`, which is at most `budget` (cpu_mem) when
     :func:`plan_host_memory` checks.
     """
 
     params: int
     grads: int
-    tied_grads: int
     records: int
     upcast: int
     """The optimizer's scratch: the fp32 gradient pieces (`upcast_bytes`) and a compressed format's update
@@ -307,13 +339,13 @@ class HostMemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.tied_grads + self.records + self.upcast + self.resident
+        return (self.params + self.grads + self.records + self.upcast + self.resident
                 + self.readahead + self.grad_stash)
 
     def parts(self) -> dict[str, int]:
-        """The pools as the engine budgets them, for messages and `Engine.memory_plan`: `grads` with the tied
-        weights' copies, `optimizer` the record pool with the upcast scratch; `grad_stash` when a stash exists."""
-        out = {"params": self.params, "grads": self.grads + self.tied_grads, "optimizer": self.records + self.upcast,
+        """The pools as the engine budgets them, for messages and `Engine.memory_plan`: `optimizer` the record pool
+        with the upcast scratch; `grad_stash` (what the stash adds to the grads pool) when a stash exists."""
+        out = {"params": self.params, "grads": self.grads, "optimizer": self.records + self.upcast,
                "resident": self.resident}
         if self.has_stash:
             out["grad_stash"] = self.grad_stash
@@ -323,7 +355,7 @@ class HostMemoryPlan:
 
     def describe(self) -> str:
         """Every part, finer than :meth:`parts`, for the run header."""
-        rows = [("params", self.params), ("grads", self.grads + self.tied_grads), ("optimizer records", self.records),
+        rows = [("params", self.params), ("grads", self.grads), ("optimizer records", self.records),
                 ("optimizer scratch", self.upcast), ("resident records", self.resident)]
         if self.has_stash:
             rows.append(("gradient stash", self.grad_stash))
@@ -347,13 +379,14 @@ def pool_config(compute_dtype: str = "bf16", micro_batches: int = 1, prefetch_de
 
 
 def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, free: int | None = None,
-                     grad_size: int | None = None, check: bool = True) -> HostMemoryPlan:
+                     grad_size: int | None = None, check: bool = True, host_device: bool = False) -> HostMemoryPlan:
     """Bytes of every pool of the engine's main memory (module docstring); raises MemoryPlanError (with the
     least cpu_mem that fits) when they exceed `cfg.cpu_mem`, unless `check` is off (the capacity planner judges).
 
     `resident_mem: auto` takes half of what cpu_mem leaves after the other pools and the gradient stash, and
     of what `free` (this process's share of the machine's available memory) leaves after them: the other
     half stays for swapped activations (runtime.activations.ActivationManager) and the rest of the process.
+    `host_device`: the CPU computes, and its gradients (:func:`device_grad_bytes`) come out of `free` first.
 
     Data parallel (`world` > 1): `geometry.local` is the rank's store (its shards), `geometry.p16_bytes` each
     block's gathered P16 buffer; whole-block gradients are reduced, then the rank's shard of each is kept for
@@ -375,7 +408,6 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         # more than every block at once (small models)
         params=min((2 * cfg.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)),
         grads=kept if world == 1 else min(2 * max(whole), sum(whole)) + kept,
-        tied_grads=cfg.micro_batches * sum(align_up(g * n, a) for n in geometry.tied),
         records=records,
         upcast=upcast_bytes(local, chunk, g, clip=cfg.max_grad_norm > 0) + format_work_bytes(local, chunk),
         # more records kept from step to step (no more than all of them); auto: below
@@ -386,13 +418,13 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         # Clipping (a deferred or redone update) and in-place updates (slots=1: nothing is written before the
         # step is known to be finite) keep the step's gradients: in main memory as far as cpu_mem allows,
         # the rest on the SSDs (store.gradstash)
-        stash = min(sum(shards), max(0, plan.budget - plan.total))
-        plan = replace(plan, grad_stash=stash, has_stash=True, stash_ram=stash)
+        plan = _with_stash(plan, shards, kept, host_device)
     elif cfg.mode == "serial":  # the grads pool holds every gradient: the stash keeps those very buffers
         plan = replace(plan, stash_ram=sum(shards))
     elif may_defer_unclipped(cfg, world) and cfg.clip_mode == "defer":  # clipping off, every update deferred
-        stash = min(sum(shards), max(0, plan.budget - plan.total))
-        plan = replace(plan, grad_stash=stash, has_stash=True, stash_ram=stash)
+        plan = _with_stash(plan, shards, kept, host_device)
+    if free is not None and host_device:
+        free = max(0, free - device_grad_bytes(geometry, cfg.micro_batches, g))
     # half of what cpu_mem (and the machine) leave goes to records: resident ones first (auto), read-ahead room
     # with the rest of that half (auto); the other half stays for swapped activations and the process
     share = max(0, (plan.budget if free is None else min(plan.budget, free)) - plan.total) // 2
@@ -405,14 +437,28 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         every = readahead_every(local, chunk, records + plan.resident, a)
         want = share if cfg.readahead_mem == "auto" else int(cfg.readahead_mem)
         plan = replace(plan, readahead=min(want, every), readahead_all=every)
-    if may_defer_unclipped(cfg, world) and cfg.clip_mode == "auto" and sum(shards) <= plan.budget - plan.total:
+    if may_defer_unclipped(cfg, world) and cfg.clip_mode == "auto" and sum(shards) - kept <= plan.budget - plan.total:
         # clipping off, an update that may run after backward (auto): from what the pools leave, only where every
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
         # the resident and read-ahead rooms stay what they were without it)
-        plan = replace(plan, grad_stash=sum(shards), has_stash=True, stash_ram=sum(shards))
+        plan = _with_stash(plan, shards, kept, host_device)
     if check:
         _check(plan, cfg)
     return plan
+
+
+def _with_stash(plan: HostMemoryPlan, shards: list[int], kept: int, host_device: bool) -> HostMemoryPlan:
+    """`plan` with a gradient stash in what cpu_mem leaves. The stash keeps the grads pool's own buffers (`kept`
+    of them: one filling, one queued), so where every gradient fits the pool holds each block's buffer once and
+    `grad_stash` is what the others add. Where they do not, it keeps what is left and the rest spills; the pool
+    then also holds the buffer of a spill write in flight (`store.gradstash.GradStash.put`) beside the two, when a
+    device's copy can keep the queued one waiting (not on the CPU, which hands it over at once)."""
+    room = max(0, plan.budget - plan.total)
+    if sum(shards) - kept <= room:
+        return replace(plan, grad_stash=sum(shards) - kept, has_stash=True, stash_ram=sum(shards))
+    spill = 0 if host_device else min(max(shards), sum(shards) - kept)
+    stash = max(0, room - spill)
+    return replace(plan, grads=plan.grads + spill, grad_stash=stash, has_stash=True, stash_ram=stash)
 
 
 def _check(plan: HostMemoryPlan, cfg: EngineConfig) -> None:

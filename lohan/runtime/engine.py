@@ -136,7 +136,8 @@ class Engine:
         # the machine's available memory, shared by the ranks on this host (resident_mem: auto)
         free = psutil.virtual_memory().available // (self.dp.local_world if self.dp else 1)
         # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
-        self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize)
+        self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize,
+                                            host_device=self.device.is_host)
         self.memory_plan = self.host_memory.parts()
         # the share of the P16 the parameter pool keeps over a turn (in place, with one slot, nothing is kept)
         self._kept_p16 = kept_p16_fraction(self.host_memory.params, geometry.p16, cfg.prefetch_depth) \
@@ -145,6 +146,9 @@ class Engine:
             init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
         self.store, self._lock = _open_store(cfg, local_layout, model_meta, init_block, resume, overwrite, progress,
                                              self.dp, self._base_dirs)
+        # what building the store freed (a block's fp32 init, its records' chunks) goes back before the pools and
+        # the first step take their memory: kept in the heap (reuse_heap), it added GBs to that step's peak RSS
+        release_free_memory()
         try:
             self._build(local_layout, str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
         except BaseException:
@@ -168,7 +172,7 @@ class Engine:
         # never leave main memory, and page-locked memory is scarce
         pin = self.device.is_cuda
         self.params_pool = volume.buffer_pool(plan.params, pin=pin)
-        self.grads_pool = volume.buffer_pool(plan.grads + plan.tied_grads + plan.grad_stash, pin=pin)
+        self.grads_pool = volume.buffer_pool(plan.grads + plan.grad_stash, pin=pin)
         # the optimizer's share of the plan also holds the fp32 upcast scratch (plan.upcast), which the offloader
         # allocates itself: the record pool gets the records, the resident room and the read-ahead room
         self.records_pool = volume.buffer_pool(plan.records + plan.resident + plan.readahead)
