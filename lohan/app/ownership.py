@@ -290,8 +290,10 @@ def metrics_owner(path: Path) -> tuple[str | None, str]:
             record = json.loads(line)
         except ValueError:
             return None, "not JSON records"
-        if not isinstance(record, dict) or "step" not in record or RUN_ID_KEY not in record:
-            return None, "not lohan's records (each of lohan's names its run)"
+        if not isinstance(record, dict) or "step" not in record:
+            return None, "not lohan's records"
+        if RUN_ID_KEY not in record:  # a user's log, or an older lohan's metrics: neither proves whose it is
+            return None, "not lohan's records, or an older lohan's: they name no run"
         if i == 0 and record.get(FILE_KEY) != ino:
             return None, ("a copy of a metrics file lohan wrote, not the file itself" if FILE_KEY in record else
                           "written by an older lohan, whose records name no file")
