@@ -12,7 +12,8 @@ from typing import Protocol
 from torch import Tensor, nn
 
 from lohan.config import ModelConfig
-from lohan.models.gpt import GPT, lm_loss
+from lohan.models.gpt import GPT
+from lohan.models.lm_head import head_loss
 
 
 class BlockProgram(Protocol):
@@ -47,8 +48,10 @@ class GPTBlocks:
             return self.model.embed(x)
         if i < last:
             return self.modules[i](x)
-        wte = self.model.embed.wte.weight if self._tied else None
-        return lm_loss(self.model.head(x, wte), targets)
+        # the head's Linear and lm_loss in one (models.lm_head: padded vocabulary, chunked softmax)
+        head = self.model.head
+        weight = self.model.embed.wte.weight if self._tied else head.lm_head.weight
+        return head_loss(head.ln_f(x), weight, targets)
 
     def external_params(self, i: int) -> list[tuple[int, int]]:
         return [self._wte] if self._tied and i == len(self.modules) - 1 else []

@@ -52,7 +52,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lohan.config import ModelConfig
-from lohan.models.gpt import lm_loss
 from lohan.models.hf_checkpoint import (
     WEIGHTS_INDEX,
     WEIGHTS_NAME,
@@ -65,6 +64,7 @@ from lohan.models.hf_checkpoint import (
     read_config,
 )
 from lohan.models.hf_shape import check_dimensions, check_shape
+from lohan.models.lm_head import head_loss
 
 __all__ = ["SUPPORTED", "WEIGHTS_INDEX", "WEIGHTS_NAME", "HFBlocks", "check_weights", "export_hf", "has_tokenizer",
            "has_weights", "is_hf_dir", "load_hf_skeleton", "load_tokenizer", "make_init_block", "model_meta"]
@@ -383,7 +383,8 @@ class HFBlocks:
     """A Hugging Face causal LM as [embed, decoder layer 0..L-1, head] (implements BlockProgram).
 
     Block 0 maps token ids [B, T] to hidden states; the last block returns the mean fp32
-    cross-entropy over targets [B, T] (already shifted; -100 ignored), like `lohan.models.gpt.lm_loss`.
+    cross-entropy over targets [B, T] (already shifted; -100 ignored), like `lohan.models.gpt.lm_loss`
+    (`lohan.models.lm_head.head_loss`: the vocabulary padded for the GEMMs, the softmax in token chunks).
     """
 
     def __init__(self, model: nn.Module, family: str, config_dict: dict) -> None:
@@ -530,18 +531,24 @@ class HFBlocks:
             args, kwargs = self._layer_inputs(x)[i - 1]
             out = self.modules[i](x, *args, **kwargs)
             return out[0] if isinstance(out, tuple) else out
-        return lm_loss(self.logits(x), targets)
+        # the lm_head's Linear, soft-capping and lm_loss in one (models.lm_head: padded vocabulary, chunked)
+        return head_loss(self._features(x), self._head_weight(), targets, post=self._cap if self.softcap else None)
 
     def logits(self, x: Tensor) -> Tensor:
         """The head block without the loss: final hidden states -> logits (as HF's forward gives them)."""
-        h = x
+        return self._cap(F.linear(self._features(x), self._head_weight()))
+
+    def _features(self, x: Tensor) -> Tensor:
+        """The head's modules before the lm_head (the final norm, OPT's project_out) on final hidden states."""
         for name in self._post:
-            h = getattr(self.head, name)(h)
-        if self.tied:  # the embedding's current parameter (the streamer swaps it in and out)
-            logits = F.linear(h, getattr(self.embed, self._tokens_attr).weight)
-        else:
-            logits = getattr(self.head, self._head_attr)(h)
-        return self._cap(logits)
+            x = getattr(self.head, name)(x)
+        return x
+
+    def _head_weight(self) -> Tensor:
+        """The lm_head's weight: the embedding's current parameter when tied (the streamer swaps it in and out)."""
+        if self.tied:
+            return getattr(self.embed, self._tokens_attr).weight
+        return getattr(self.head, self._head_attr).weight
 
     def _cap(self, logits: Tensor) -> Tensor:
         """Final logit soft-capping (Gemma 2/3), with the very ops of HF's *ForCausalLM forward."""

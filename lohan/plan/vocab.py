@@ -1,0 +1,58 @@
+"""The LM head's shape on the device: the vocabulary padded for tensor cores, the loss taken in token chunks.
+
+Torch-free arithmetic shared by the head's loss (``lohan.models.lm_head``) and the GPU memory plan
+(``planner.gpu_need``), so the plan prices exactly the tensors the loss makes.
+
+- A vocabulary that is not a multiple of 8 (GPT-2's 50257) makes the logits' rows misaligned for the GPU's
+  vectorized loads, and cuBLAS falls back to ``align1`` GEMM kernels for all three of the head's GEMMs (15 of
+  44 ms of a 125m step on an H100, issue 38). The head computes with the weight padded by zero rows to
+  :func:`padded_vocab` (a multiple of :data:`VOCAB_MULTIPLE`); the stored weight, its gradient, the loss and
+  every export keep the real vocabulary.
+- The fp32 logits of a whole micro-batch (tokens x vocab x 4 bytes, and three more such tensors in the loss's
+  backward) are never materialized: :func:`loss_chunk_tokens` tokens at a time.
+"""
+
+from __future__ import annotations
+
+VOCAB_MULTIPLE = 64
+"""Rows the head's weight is padded to a multiple of. 8 bf16 elements (16 bytes) is what cuBLAS needs for
+aligned kernels; 64 also fills whole tensor-core tiles (Karpathy's nanoGPT pads 50257 to 50304 for this)."""
+
+LOSS_CHUNK_BYTES = 256 * 2**20
+"""fp32 bytes of one chunk's logits in the head's loss. Several fp32 tensors of this size live at once in a
+chunk's backward; at GPT-2's vocabulary it is 1280 tokens, enough rows to keep a GPU's GEMM efficient."""
+
+_CHUNK_ALIGN = 64
+"""A chunk's tokens are a multiple of this (row offsets stay aligned; the GEMMs see round sizes)."""
+
+
+def padded_vocab(vocab: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (itself when it already is one)."""
+    if vocab < 1 or multiple < 1:
+        raise ValueError(f"padded_vocab: vocab {vocab} and multiple {multiple} must be >= 1")
+    return -(-vocab // multiple) * multiple
+
+
+def loss_chunk_tokens(vocab: int, chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
+    """Tokens per chunk of the head's loss: as many as keep one chunk's fp32 logits (padded vocabulary) within
+    ``chunk_bytes``, rounded down to a multiple of 64, and at least 64."""
+    per_token = 4 * padded_vocab(vocab)
+    return max(_CHUNK_ALIGN, chunk_bytes // per_token // _CHUNK_ALIGN * _CHUNK_ALIGN)
+
+
+def head_loss_bytes(vocab: int, tokens: int, s: int) -> int:
+    """Device bytes the head's loss holds at its peak for one micro-batch of ``tokens`` in compute itemsize
+    ``s`` (``lohan.models.lm_head.head_loss``), beyond its inputs and the gradients it returns.
+
+    Backward holds the gradient of the padded logits of every token in ``s`` (one GEMM each then makes the
+    hidden states' and the weight's gradient, so that they are the unchunked ones bit for bit), the weight's
+    padded gradient (counted with the padded weight by the caller: ``d_model`` is not known here), and one
+    chunk's temporaries: its padded logits recomputed (``s``), their upcast (fp32, or none in fp32), the
+    log-softmax (fp32), its incoming and outgoing fp32 gradients, and the gradient in ``s`` padded back:
+    ``3s + 12`` bytes per padded logit of the chunk (``2s + 12`` in fp32, where the upcast is the logits).
+    Traced on the CPU with a dispatch mode (tests/test_gpu_memory_plan.py).
+    """
+    vp = padded_vocab(vocab)
+    chunk = min(tokens, loss_chunk_tokens(vocab))
+    temporaries = (2 * s + 12 + (s if s < 4 else 0)) * vp
+    return tokens * vp * s + chunk * temporaries
