@@ -107,12 +107,14 @@ def test_batch_8_backward_costs_less_than_the_cpu_optimizer() -> None:
 
 def test_ssd_count_reaching_135_tflops() -> None:
     """§V-F (13B): "It requires 12 SSDs to achieve 135 TFLOPS with a batch size of 32, while requiring 6 and 3
-    SSDs for batch sizes 48 and 64 respectively." Tolerance +-20 %: see the module docstring. Batches 48 and 64
-    do not fit the 4090 under the GPU memory plan (32 at most, with 8 micro-batches), so only the first holds."""
-    cap = fit("13b", 32, 12)
-    assert cap.fits, cap.format()
-    assert tflops("13b", cap) == pytest.approx(135, rel=0.20)
-    assert not fit("13b", 48, 6).fits and not fit("13b", 64, 3).fits
+    SSDs for batch sizes 48 and 64 respectively." Tolerance +-20 %: see the module docstring. Batch 48 does not fit
+    the 4090 under the GPU memory plan (no micro-batch count of it does); 64 does, in 8 micro-batches, since the
+    head's loss is taken in chunks (models/lm_head.py: it held 14 bytes per logit of a micro-batch before)."""
+    for batch, n_ssd in ((32, 12), (64, 3)):
+        cap = fit("13b", batch, n_ssd)
+        assert cap.fits, cap.format()
+        assert tflops("13b", cap) == pytest.approx(135, rel=0.20)
+    assert not fit("13b", 48, 6).fits
 
 
 def test_fewer_ssds_fall_short_at_the_smaller_batches() -> None:
@@ -126,11 +128,11 @@ def test_fewer_ssds_fall_short_at_the_smaller_batches() -> None:
 
 def test_near_linear_ssd_scaling_from_1_to_3() -> None:
     """§V-F (135B at "the largest batch size the two systems can fine-tune": under the GPU memory plan that is
-    batch 3 at prefetch depth 1, 1 at depth 2): "near linear scalability when the SSD number increases from 1
-    to 3, indicating that SSD I/O is the training bottleneck". (Its "small gain from 6 to 12 SSDs" is not
-    reproduced: see benchmarks/paper_testbed.py.)"""
-    batch = 3
-    assert fit("135b", batch, prefetch_depth=1).fits and not fit("135b", 4, prefetch_depth=1).fits
+    batch 5 at prefetch depth 1 with the head's loss in chunks, 1 at depth 2): "near linear scalability when the
+    SSD number increases from 1 to 3, indicating that SSD I/O is the training bottleneck". (Its "small gain from
+    6 to 12 SSDs" is not reproduced: see benchmarks/paper_testbed.py.)"""
+    batch = 5
+    assert fit("135b", batch, prefetch_depth=1).fits and not fit("135b", 6, prefetch_depth=1).fits
     assert not fit("135b", 2).fits
     t = {n: tflops("135b", fit("135b", batch, n, prefetch_depth=1)) for n in (1, 2, 3)}
     assert fit("135b", batch, 1, prefetch_depth=1).plan.estimate.bottleneck_b == "ssd"

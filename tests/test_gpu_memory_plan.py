@@ -12,12 +12,11 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lohan.config import get_model_config
-from lohan.models.gpt import lm_loss
+from lohan.models.lm_head import head_loss
 from lohan.plan.planner import (
     CUBLAS_STREAMS,
     CUBLAS_WORKSPACE_BYTES,
@@ -29,6 +28,7 @@ from lohan.plan.planner import (
     check_gpu_budget,
     gpu_need,
 )
+from lohan.plan.vocab import head_loss_bytes, loss_chunk_tokens
 
 HW = Hardware("bytes-only", thp_g=1e12, bw_g=1e10, bw_s2m=1e9, bw_m2s=1e9, mem_avail=10**12)
 MiB, GiB = 2**20, 2**30
@@ -112,28 +112,44 @@ def test_activations_count_a_micro_batch_being_recomputed_and_two_whole_batch_re
 
 def test_logits_count_the_losss_peak_of_one_micro_batch() -> None:
     cfg = tiny()
-    v = cfg.vocab_size
-    assert need(cfg, batch=4, seq=64)["logits"] == 4 * 64 * v * 14  # bf16: 2 + 3 fp32
-    assert need(cfg, batch=4, seq=64, dtype="fp32")["logits"] == 4 * 64 * v * 16
+    vp, pad = 50304, 64 * 160  # the padded vocabulary; the weight's last rows padded to 64
+    # bf16: 2 + 3 fp32 per logit (one chunk), and 24 bytes per token
+    assert need(cfg, batch=4, seq=64)["logits"] == 4 * 64 * (vp * 14 + 24) + 2 * pad + 256
+    assert need(cfg, batch=4, seq=64, dtype="fp32")["logits"] == 4 * 64 * (vp * 16 + 24) + 4 * pad + 256
     assert need(cfg, batch=8, seq=64, micro_batches=2)["logits"] == need(cfg, batch=4, seq=64)["logits"]
 
 
+def test_the_chunked_loss_never_plans_the_whole_fp32_logits() -> None:
+    """Issue 38: the loss held 14 bytes per logit in bf16 (16 in fp32) for every token of a micro-batch; chunked,
+    it holds the logits' gradient in the compute dtype and one chunk's fp32 temporaries."""
+    cfg = get_model_config("350m", seq_len=2048)
+    tokens = 8 * 2048
+    for dtype, s in (("bf16", 2), ("fp32", 4)):
+        logits = need(cfg, batch=8, seq=2048, dtype=dtype)["logits"]
+        assert logits < tokens * cfg.vocab_size * (s + 4)  # not even one fp32 tensor of every logit beside it
+        chunk = loss_chunk_tokens(cfg.vocab_size)
+        assert chunk == 1280 and logits == tokens * (50304 * s + 24) + chunk * 50304 * (s + 12) + s * 64 * cfg.d_model + 256
+
+
 @pytest.mark.parametrize("dtype,itemsize", [(torch.bfloat16, 2), (torch.float32, 4)])
-def test_the_logits_part_is_the_traced_peak_of_lm_loss(dtype: torch.dtype, itemsize: int) -> None:
-    """Trace every tensor the head's matmul and `lm_loss` make, forward and backward, and compare the peak of
-    live bytes with the plan's logits part (a thin head: its weight and input are negligible). The logits are
-    held while backward runs, as a caller that keeps them (to report them, or in a local) would."""
-    tokens, vocab = 256, 4096
-    x = torch.randn(tokens, 8, dtype=dtype, requires_grad=True)
-    w = torch.randn(vocab, 8, dtype=dtype, requires_grad=True)
+@pytest.mark.parametrize("vocab,chunk", [(4096, None), (4000, None), (4000, 64)])
+def test_the_logits_part_is_the_traced_peak_of_the_head_loss(dtype: torch.dtype, itemsize: int, vocab: int,
+                                                            chunk: int | None) -> None:
+    """Trace every tensor `head_loss` makes, forward and backward, and compare the peak of live bytes with the
+    plan's logits part (a thin head: its weight and input are small), in one chunk and in four, with a padded
+    vocabulary and without."""
+    tokens, d = 256, 8
+    x = torch.randn(tokens, d, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, d, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,))
     with _PeakBytes() as trace:
-        logits = F.linear(x, w)
-        grads = torch.autograd.grad(lm_loss(logits, targets), [x, w])
-        del logits
-    planned = gpu_need(tiny(vocab_size=vocab), 1, tokens, HW, "bf16" if itemsize == 2 else "fp32", 1, 2, ())
+        grads = torch.autograd.grad(head_loss(x, w, targets, chunk_tokens=chunk), [x, w])
+    planned = head_loss_bytes(vocab, tokens, itemsize, d, chunk_tokens=chunk)
     extra = sum(g.nbytes for g in grads)
-    assert 0.95 * planned["logits"] <= trace.peak - extra <= planned["logits"], (trace.peak, planned["logits"])
+    assert 0.95 * planned <= trace.peak - extra <= planned, (trace.peak - extra, planned)
+    cfg = tiny(vocab_size=vocab)
+    assert gpu_need(cfg, 1, tokens, HW, "bf16" if itemsize == 2 else "fp32", 1, 2, ())["logits"] == \
+        head_loss_bytes(vocab, tokens, itemsize, cfg.d_model)
 
 
 class _PeakBytes(TorchDispatchMode):

@@ -42,6 +42,7 @@ from lohan.plan.planner import (
     walk_order,
 )
 from lohan.plan.pools import UPCAST_ELEMS
+from lohan.plan.vocab import head_loss_bytes
 
 PAPER_256 = "rtx4090,12xP5510,256GB"
 
@@ -593,7 +594,7 @@ def test_gpu_need_parts() -> None:
         "block activations": 2 * (micro.input_bytes + sum(op.bytes for op in micro.ops)),
         "last block kept": record,
         "next block's records": record,
-        "logits": 2 * 1024 * cfg.vocab_size * 14,
+        "logits": head_loss_bytes(cfg.vocab_size, 2 * 1024, 2, cfg.d_model),  # chunked, padded vocabulary
         "cuBLAS workspace": 64 * 2**20,
     }
     assert c.gpu_parts == {**parts, "fragmentation": int(0.1 * sum(parts.values()))}

@@ -30,14 +30,15 @@ the reduction ``F.cross_entropy`` ends with, on the same values in the same orde
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lohan.plan.vocab import loss_chunk_tokens, padded_vocab
+from lohan.plan.vocab import VOCAB_MULTIPLE, loss_chunk_tokens, padded_vocab
 
-__all__ = ["IGNORE", "head_loss", "padded_weight"]
+__all__ = ["IGNORE", "head_loss"]
 
 IGNORE = -100
 """Target of a position that is not predicted (``F.cross_entropy``'s default ``ignore_index``)."""
@@ -46,10 +47,27 @@ PostFn = Callable[[Tensor], Tensor]
 """Elementwise ops on the logits before the loss (Gemma's final soft-capping), in the compute dtype."""
 
 
-def padded_weight(weight: Tensor) -> Tensor:
-    """``weight`` ``(vocab, d)`` with zero rows appended up to ``padded_vocab(vocab)`` (itself if none)."""
-    pad = padded_vocab(weight.shape[0]) - weight.shape[0]
-    return F.pad(weight, (0, 0, 0, pad)) if pad else weight
+class _Split(NamedTuple):
+    """The weight as the head's GEMMs take it: its first rows, a multiple of 64 (a view, no copy), and the
+    rest padded with zero rows to 64 (a copy of under 64 rows; None when there is no rest). A GEMM per part
+    keeps every GEMM's rows aligned without copying the whole weight (1.2 GB at 175b)."""
+
+    main: Tensor
+    tail: Tensor | None
+
+
+def _split(weight: Tensor) -> _Split:
+    vocab = weight.shape[0]
+    cut = vocab // VOCAB_MULTIPLE * VOCAB_MULTIPLE
+    if cut == vocab:
+        return _Split(weight, None)
+    return _Split(weight[:cut], F.pad(weight[cut:], (0, 0, 0, padded_vocab(vocab) - vocab)))
+
+
+def _padded_logits(h: Tensor, w: _Split) -> Tensor:
+    """``h @ weight.T`` with the padded vocabulary's columns (zeros past the real ones)."""
+    z = h.mm(w.main.t())
+    return z if w.tail is None else torch.cat([z, h.mm(w.tail.t())], dim=1)
 
 
 def head_loss(h: Tensor, weight: Tensor, targets: Tensor, post: PostFn | None = None,
@@ -85,6 +103,15 @@ def head_loss(h: Tensor, weight: Tensor, targets: Tensor, post: PostFn | None = 
     return torch.where((targets != IGNORE).any(), loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
+def _hidden_grad(dz: Tensor, w: _Split, wc: Tensor, padded: bool) -> Tensor:
+    """The head input's gradient from the padded logits' ``dz``: a sum over the vocabulary, padded (aligned
+    GEMMs, for CUDA) or real (the unpadded sum's bits, for the CPU; see the module's docstring)."""
+    if padded and w.tail is not None:
+        cut = w.main.shape[0]
+        return torch.addmm(dz[:, cut:].mm(w.tail), dz[:, :cut], w.main)
+    return dz[:, :wc.shape[0]].mm(wc)
+
+
 def _chunk_log_probs(z: Tensor, vocab: int, post: PostFn | None) -> Tensor:
     """fp32 log-softmax of a chunk's logits ``z`` (padded columns sliced off), as ``lm_loss`` takes it."""
     z = z[:, :vocab]
@@ -95,19 +122,18 @@ def _chunk_log_probs(z: Tensor, vocab: int, post: PostFn | None) -> Tensor:
 
 class _ChunkedHead(torch.autograd.Function):
     """``h2d``, ``weight`` -> each token's fp32 log-probability of its target ``(tokens, 1)`` (anything for an
-    ignored token, whose gradient the loss makes zero), chunk by chunk over the padded weight."""
+    ignored token, whose gradient the loss makes zero), chunk by chunk over the padded vocabulary."""
 
     @staticmethod
     def forward(ctx, h2d: Tensor, weight: Tensor, targets: Tensor, dtype: torch.dtype, post: PostFn | None,
                 chunk: int) -> Tensor:
         vocab = weight.shape[0]
-        wp = padded_weight(weight.to(dtype))
-        hc = h2d.to(dtype)
+        w, hc = _split(weight.to(dtype)), h2d.to(dtype)
         # an ignored target picks column 0; any other invalid id fails in gather, as nll_loss would
         index = torch.where(targets == IGNORE, 0, targets).unsqueeze(1)
         picked = h2d.new_empty((h2d.shape[0], 1), dtype=torch.float32)  # new_*: the simulated device's tensors too
         for lo in range(0, h2d.shape[0], chunk):
-            z = hc[lo:lo + chunk].mm(wp.t())
+            z = _padded_logits(hc[lo:lo + chunk], w)
             picked[lo:lo + chunk] = _chunk_log_probs(z, vocab, post).gather(1, index[lo:lo + chunk])
             del z
         ctx.save_for_backward(h2d, weight, index)
@@ -118,21 +144,30 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         h2d, weight, index = ctx.saved_tensors
         vocab, dtype = weight.shape[0], ctx.dtype
-        wc = weight.to(dtype)
-        wp, hc = padded_weight(wc), h2d.to(dtype)
-        dz = hc.new_empty((h2d.shape[0], wp.shape[0]))
-        for lo in range(0, h2d.shape[0], ctx.chunk):
+        wc, hc = weight.to(dtype), h2d.to(dtype)
+        w, tokens, cut = _split(wc), h2d.shape[0], weight.shape[0] // VOCAB_MULTIPLE * VOCAB_MULTIPLE
+        # one chunk: its gradient is the buffer (no copy, so no more memory than the unchunked loss's backward)
+        dz = hc.new_empty((tokens, padded_vocab(vocab))) if tokens > ctx.chunk else None
+        for lo in range(0, tokens, ctx.chunk):
             hi = lo + ctx.chunk
             with torch.enable_grad():
-                z = hc[lo:hi].mm(wp.t()).requires_grad_()
+                z = _padded_logits(hc[lo:hi], w).requires_grad_()
                 logp = _chunk_log_probs(z, vocab, ctx.post).gather(1, index[lo:hi])
                 # gather's backward scatters into zeros, as nll_loss's does: log_softmax's backward sees the
                 # same dense gradient, and the padded columns get exact zeros from the slice's backward
-                (dz[lo:hi],) = torch.autograd.grad(logp, z, grad[lo:hi])
+                (dzc,) = torch.autograd.grad(logp, z, grad[lo:hi])
             del z, logp
-        # the GEMMs autograd runs for mm(h, w.t()) (mm_mat1_backward / mm_mat2_backward): the same calls
-        dh = dz.mm(wp) if dz.is_cuda else dz[:, :vocab].mm(wc)
-        dw = dz.t().mm(hc)[:vocab]
+            if dz is None:
+                dz = dzc
+            else:
+                dz[lo:hi] = dzc
+            del dzc
+        # the GEMMs autograd runs for mm(h, w.t()) (mm_mat1_backward / mm_mat2_backward), on each part's rows
+        dw = wc.new_empty(wc.shape)
+        torch.mm(dz[:, :cut].t(), hc, out=dw[:cut])
+        if w.tail is not None:
+            dw[cut:] = dz[:, cut:].t().mm(hc)[:vocab - cut]
+        dh = _hidden_grad(dz, w, wc, padded=dz.is_cuda)
         need_h, need_w = ctx.needs_input_grad[:2]
         return (dh.to(h2d.dtype) if need_h else None, dw.to(weight.dtype) if need_w else None,
                 None, None, None, None)

@@ -129,7 +129,7 @@ from typing import Any
 
 from io_engine import durable
 from lohan.config import PRESETS, ModelConfig, parse_bytes
-from lohan.plan import formats, pools
+from lohan.plan import formats, pools, vocab
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 
 __all__ = [
@@ -1121,24 +1121,19 @@ def gpu_need(cfg: ModelConfig, batch: int, seq: int, hw: Hardware, compute_dtype
         "last block kept": record,
         # and the records of the block before, brought back ahead of its backward
         "next block's records": record,
-        "logits": _logits_bytes(cfg.vocab_size, mb * seq, s),
+        "logits": _logits_bytes(cfg, mb * seq, s),
         "cuBLAS workspace": CUBLAS_STREAMS * CUBLAS_WORKSPACE_BYTES,
     })
     need["fragmentation"] = int(FRAGMENTATION * sum(need.values()))
     return need
 
 
-def _logits_bytes(vocab: int, tokens: int, s: int) -> int:
-    """The head's loss at its peak, one micro-batch of ``tokens`` (``models.gpt.lm_loss``).
-
-    The peak is log_softmax's backward: the logits (itemsize ``s``, held by the caller), log_softmax's fp32
-    output (saved for backward), its gradient (nll_loss's backward writes a dense fp32 one) and the fp32
-    gradient it makes: ``s + 12`` bytes per logit. The fp32 upcast lives only in forward, whose peak
-    (logits, upcast, output: ``s + 8``) is lower; the logits' own gradient in ``s`` is made after the
-    output and its gradient are freed (in fp32 the upcast is the logits and the gradient made is theirs).
-    Traced on the CPU with a dispatch mode (tests/test_gpu_memory_plan.py): 14 bytes per logit in bf16, 16 in fp32.
-    """
-    return tokens * vocab * (s + 12)
+def _logits_bytes(cfg: ModelConfig, tokens: int, s: int) -> int:
+    """The head's loss at its peak, one micro-batch of ``tokens`` (``models.lm_head.head_loss``:
+    ``vocab.head_loss_bytes``). It never holds the micro-batch's fp32 logits: the gradient of the padded logits
+    in the compute dtype (``s`` bytes per logit) and one chunk's fp32 temporaries, where the unchunked
+    ``lm_loss`` held ``s + 12`` bytes per logit of every token."""
+    return vocab.head_loss_bytes(cfg.vocab_size, tokens, s, cfg.d_model)
 
 
 _gpu_need = gpu_need

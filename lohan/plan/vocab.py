@@ -22,6 +22,9 @@ LOSS_CHUNK_BYTES = 256 * 2**20
 """fp32 bytes of one chunk's logits in the head's loss. Several fp32 tensors of this size live at once in a
 chunk's backward; at GPT-2's vocabulary it is 1280 tokens, enough rows to keep a GPU's GEMM efficient."""
 
+_SCALARS = 256
+"""Bytes of the loss's scalars (the loss, nll_loss's total weight, the empty-window selection), rounded up."""
+
 _CHUNK_ALIGN = 64
 """A chunk's tokens are a multiple of this (row offsets stay aligned; the GEMMs see round sizes)."""
 
@@ -40,19 +43,22 @@ def loss_chunk_tokens(vocab: int, chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
     return max(_CHUNK_ALIGN, chunk_bytes // per_token // _CHUNK_ALIGN * _CHUNK_ALIGN)
 
 
-def head_loss_bytes(vocab: int, tokens: int, s: int) -> int:
+def head_loss_bytes(vocab: int, tokens: int, s: int, d_model: int = 0, chunk_tokens: int | None = None) -> int:
     """Device bytes the head's loss holds at its peak for one micro-batch of ``tokens`` in compute itemsize
     ``s`` (``lohan.models.lm_head.head_loss``), beyond its inputs and the gradients it returns.
 
-    Backward holds the gradient of the padded logits of every token in ``s`` (one GEMM each then makes the
-    hidden states' and the weight's gradient, so that they are the unchunked ones bit for bit), the weight's
-    padded gradient (counted with the padded weight by the caller: ``d_model`` is not known here), and one
-    chunk's temporaries: its padded logits recomputed (``s``), their upcast (fp32, or none in fp32), the
-    log-softmax (fp32), its incoming and outgoing fp32 gradients, and the gradient in ``s`` padded back:
-    ``3s + 12`` bytes per padded logit of the chunk (``2s + 12`` in fp32, where the upcast is the logits).
+    Backward holds one chunk's temporaries: its padded logits recomputed, their fp32 upcast and log-softmax,
+    the log-softmax's incoming and outgoing fp32 gradients and the gradient in ``s`` padded back, ``s + 12``
+    bytes per padded logit at their peak (the unchunked loss held this for every token). With more than one
+    chunk it also holds the gradient of every token's padded logits in ``s`` (one GEMM each then makes the
+    hidden states' and the weight's gradient, so that they are the unchunked ones bit for bit); with one, that
+    chunk's gradient is the buffer. With ``d_model``, a padded vocabulary adds the copy of the weight's last rows
+    padded to 64 (the rest is used in place). Per token: its fp32 log-probability and gradient, its target's index and
+    nll_loss's target (int64): 24 bytes; and a few scalars. ``chunk_tokens``: the loss's (default :func:`loss_chunk_tokens`).
     Traced on the CPU with a dispatch mode (tests/test_gpu_memory_plan.py).
     """
     vp = padded_vocab(vocab)
-    chunk = min(tokens, loss_chunk_tokens(vocab))
-    temporaries = (2 * s + 12 + (s if s < 4 else 0)) * vp
-    return tokens * vp * s + chunk * temporaries
+    chunk = chunk_tokens or loss_chunk_tokens(vocab)
+    whole = tokens * vp * s if tokens > chunk else 0
+    padding = VOCAB_MULTIPLE * d_model * s if vp != vocab else 0
+    return whole + min(tokens, chunk) * vp * (s + 12) + padding + 24 * tokens + _SCALARS
