@@ -16,7 +16,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lohan
 import lohan.models.lm_head as lm_head
-from lohan.models import hf
 from lohan.models.adapter import GPTBlocks
 from lohan.models.gpt import build_model, lm_loss
 from lohan.models.gpt_export import export_gpt2

@@ -3,11 +3,12 @@
 :func:`head_loss` equals ``lm_loss(F.linear(h, weight), targets)`` (``lohan.models.gpt.lm_loss``) and its
 gradients, bit for bit in fp32 on the CPU (tests/test_vocab_pad.py), while
 
-- the GEMMs run on the weight padded with zero rows to ``plan.vocab.padded_vocab`` (issue 38: GPT-2's 50257
-  rows made cuBLAS take ``align1`` kernels). The padding exists only inside this function: the stored weight,
-  its gradient (the padded rows' gradient is dropped here, it never reaches the optimizer), the loss and
-  every export keep the real vocabulary, and stores made before still open. The padded logit columns are
-  sliced off before the softmax, so they take no part in the loss.
+- the GEMMs run on the vocabulary padded to ``plan.vocab.padded_vocab`` (issue 38: GPT-2's 50257 rows made
+  cuBLAS take ``align1`` kernels): one GEMM on the weight's first rows, a multiple of 64 (a view), one on its
+  last rows padded with zero rows to 64 (a copy of under 64 rows, not of the weight). The padding exists only
+  inside this function: the stored weight, its gradient (exactly the real rows: no padded row's gradient
+  reaches the optimizer), the loss and every export keep the real vocabulary, and stores made before still
+  open. The padded logit columns are sliced off before the softmax, so they take no part in the loss.
 - the fp32 logits are never whole: forward takes ``log_softmax`` chunk by chunk (``plan.vocab.loss_chunk_tokens``
   tokens) and keeps one fp32 log-probability per token; backward recomputes each chunk's logits and writes
   their gradient, in the compute dtype, into one buffer of every token's padded logits.

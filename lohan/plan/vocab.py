@@ -5,9 +5,9 @@ Torch-free arithmetic shared by the head's loss (``lohan.models.lm_head``) and t
 
 - A vocabulary that is not a multiple of 8 (GPT-2's 50257) makes the logits' rows misaligned for the GPU's
   vectorized loads, and cuBLAS falls back to ``align1`` GEMM kernels for all three of the head's GEMMs (15 of
-  44 ms of a 125m step on an H100, issue 38). The head computes with the weight padded by zero rows to
-  :func:`padded_vocab` (a multiple of :data:`VOCAB_MULTIPLE`); the stored weight, its gradient, the loss and
-  every export keep the real vocabulary.
+  44 ms of a 125m step on an H100, issue 38). The head computes its logits over :func:`padded_vocab` columns (a multiple
+  of :data:`VOCAB_MULTIPLE`; the weight's last rows padded with zero rows); the stored weight, its gradient,
+  the loss and every export keep the real vocabulary.
 - The fp32 logits of a whole micro-batch (tokens x vocab x 4 bytes, and three more such tensors in the loss's
   backward) are never materialized: :func:`loss_chunk_tokens` tokens at a time.
 """
