@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE.parent))  # lohan, when run from anywhere
 
 STEP_PREFIX = "gpu_timeline_step_"
 COPY_DIRECTIONS = ("HtoD", "DtoH")  # host <-> device: what the overlap check is about
-LANES = ("compute", "param_wait", "ssd_read", "ssd_write", "checksum", "cpu_adam", "optimizer_tail")
+LANES = ("gpu", "param_wait", "ssd", "ssd_read", "ssd_write", "checksum", "cpu", "optimizer_tail")
 
 Interval = tuple[float, float]
 
