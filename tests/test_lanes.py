@@ -108,3 +108,15 @@ def test_the_dry_run_says_what_the_ssds_cost(tmp_path, capsys):
     assert main(_dry(tmp_path, "64", "1024", "rtx4090,12xP5510,256GB")) == 0  # GPU-bound: not a word of it
     assert "the SSDs bind" not in capsys.readouterr().out
     assert not (tmp_path / "nvme").exists()
+
+
+def test_the_first_measured_step_says_what_the_ssds_cost_where_they_bind(tmp_path, capsys):
+    """A run whose first step after the profiling one measures the SSD lane its slowest (here the directory is
+    paced to 50 MB/s) is told what a smaller state format would take, priced from that step's lanes."""
+    from tests.test_cli import args
+
+    assert main(args(tmp_path, "--steps", "2", "--compute-dtype", "fp32",
+                     "--set", "engine.emulate_ssd_gbps=0.05")) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "the SSDs bind" in x)
+    assert "measured by step 2" in line and "--state-format" in line and "tokens per step" in line

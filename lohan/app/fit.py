@@ -325,6 +325,18 @@ class FitReport:
     gradients: `pools.may_defer_unclipped`): the plan says what that costs."""
     ssd: SsdCost | None = None
     """Where the SSD lane binds: what a smaller state format, or more tokens per step, would do (`planner.ssd_cost`)."""
+    model: ModelConfig | None = None
+    batch: int = 0
+    seq: int = 0
+    plan_args: dict = dataclasses.field(default_factory=dict)
+    """What `fit_report` planned with (`planner.capacity`'s keywords), for `measured_ssd` to price the same run."""
+
+    def measured_ssd(self, lanes: dict[str, float], step_s: float, mode: str = "optimized") -> SsdCost | None:
+        """`planner.ssd_cost` from a step's measured lanes (the first step's): None unless its ssd lane binds."""
+        if self.model is None:
+            return None
+        return ssd_cost(self.model, self.machine.hardware, self.batch, self.seq, mode, (lanes, step_s),
+                        **self.plan_args)
 
     @property
     def fits(self) -> bool:
@@ -398,12 +410,13 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     step_s = est.t_deferred if waits and est.t_deferred else est.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
-    ssd = ssd_cost(mcfg, machine.hardware, batch, seq, compute_dtype=compute_dtype, micro_batches=micro_batches,
-                   prefetch_depth=prefetch_depth, slots=slots, keep_grads=keep_grads, resident_mem=resident_mem,
-                   cpu_mem=cpu_mem, readahead_mem=readahead_mem, clip_mode=clip_mode, state_format=state_format,
-                   act_compress=act_compress, host_device=machine.device_is_host)
+    plan_args = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
+                     slots=slots, keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem,
+                     readahead_mem=readahead_mem, clip_mode=clip_mode, state_format=state_format,
+                     act_compress=act_compress, host_device=machine.device_is_host)
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
-                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers, ssd)
+                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers,
+                     ssd_cost(mcfg, machine.hardware, batch, seq, **plan_args), mcfg, batch, seq, plan_args)
 
 
 def _with_device_in_ram(cap: Capacity, hw: Hardware, heap_reuse: bool = True) -> Capacity:
