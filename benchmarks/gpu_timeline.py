@@ -368,7 +368,9 @@ def write_report(report: dict[str, Any], out: Path) -> None:
               "What the engine's host side waited on (its lanes, seconds per step, the profiled steps):", "",
               "| step | " + " | ".join(LANES) + " |", "|---" * (len(LANES) + 1) + "|"]
     for rec in report["engine_steps"][-s["steps"]:]:
-        lanes = rec.get("lanes") or {}
+        from lohan.plan.planner import upgrade_lanes  # a report made before the lanes were the cost model's
+
+        lanes = upgrade_lanes(rec.get("lanes") or {})
         lines.append(f"| {rec['step']} | " + " | ".join(f"{lanes.get(k, 0.0):.3f}" for k in LANES) + " |")
     lines += ["", "| copy | count | MB | ms |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['count']} | {c['bytes'] / 1e6:.1f} | {c['us'] * ms:.2f} |"
