@@ -36,8 +36,8 @@ round), because the disk is noisy; every opening of the engine runs `--warmup-st
 buffer pools are allocated and touched over its first two steps, and its first step defers: no previous
 coefficient) and then `--steps` measured ones. Every opening uses the same ``cpu_mem`` (`--cpu-mem`, the
 engine's default 8 GiB). Per case and mode the report gives the median step time, tokens/s, the median seconds
-of each lane of `engine.last_stats.lanes` (compute, ssd_read, ssd_write, cpu_adam, param_wait,
-optimizer_tail), SSD GB/s, the engine's ``overlap_efficiency = max(compute, ssd_read, ssd_write, cpu_adam) /
+of each lane of `engine.last_stats.lanes` (gpu, ssd, ssd_read, ssd_write, cpu, param_wait,
+optimizer_tail), SSD GB/s, the engine's ``overlap_efficiency = max(gpu, m2g, g2m, ssd, cpu) /
 T_iter``, the peak RSS, the shares of clipped, deferred, redone and next-forward-overlapped steps, and the
 engine's planned pools (`engine.memory_plan`, `engine.host_memory`).
 
@@ -99,8 +99,8 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout, without instal
 
 GiB = 1 << 30
 STORE_NAME = "agobench"  # slab files: <nvme dir>/agobench.slab (+ .volume.json, .store.json, .commit.json)
-LANES = ("compute", "ssd_read", "ssd_write", "cpu_adam", "param_wait", "optimizer_tail")
-BOTTLENECK_LANES = ("compute", "ssd_read", "ssd_write", "cpu_adam")  # the engine's overlap_efficiency
+LANES = ("gpu", "ssd", "ssd_read", "ssd_write", "cpu", "param_wait", "optimizer_tail")
+BOTTLENECK_LANES = ("gpu", "ssd", "cpu")  # the engine's overlap_efficiency (m2g, g2m: a timed simulated device's)
 ALL_MODES = ("serial", "naive", "optimized")
 ALL_CASES = ("noclip", "clipped", "unclipped", "noclip-backward")
 DEFAULT_CASES = ALL_CASES[:3]
@@ -390,7 +390,7 @@ def _metrics_record(engine: Any, m: Any, where: dict[str, Any], counters: tuple[
     d = {k: (None if c0[k] is None or c1[k] is None else c1[k] - c0[k]) for k in c0}
     proc = d["proc_user"] + d["proc_sys"]
     waited = {k: waits[1][k] - waits[0][k] for k in waits[0]}
-    accounted = lanes["compute"] + lanes["param_wait"] + lanes["optimizer_tail"] + sum(waited.values())
+    accounted = lanes["gpu"] + lanes["param_wait"] + lanes["optimizer_tail"] + sum(waited.values())
     return {
         **where, "step": m.step, "loss": m.loss,
         # what clipping did (StepStats): the case is verified from these
@@ -434,8 +434,8 @@ def _step_line(rec: dict) -> str:
     other_io = None if rec["other_disk_bytes"] is None else rec["other_disk_bytes"] / 1e9
     return (f"  round {rec['round']} {rec['case']:9s} {rec['mode']:9s} {'warm-up' if rec['warmup'] else 'step   '}"
             f" {rec['step']:3d}: {rec['step_s']:6.2f} s  loss {rec['loss']:6.3f} norm {_fmt(rec['grad_norm'], '.3f')}"
-            f" coef {_fmt(rec['clip_coef'], '.3f')} {flags} | compute {ln['compute']:5.2f} read {ln['ssd_read']:5.2f}"
-            f" write {ln['ssd_write']:5.2f} adam {ln['cpu_adam']:5.2f} p-wait {ln['param_wait']:5.2f}"
+            f" coef {_fmt(rec['clip_coef'], '.3f')} {flags} | gpu {ln['gpu']:5.2f} read {ln['ssd_read']:5.2f}"
+            f" write {ln['ssd_write']:5.2f} cpu {ln['cpu']:5.2f} p-wait {ln['param_wait']:5.2f}"
             f" tail {ln['optimizer_tail']:5.2f} | gbuf {ct['grad_buffer_wait_s']:5.2f}"
             f" commit {ct['commit_s']:5.2f} rest {ct['unaccounted_s']:5.2f} | disk {_fmt(rec['disk_busy_s'])}"
             f" cpu {rec['cpu']['proc_busy']:.2f}/{rec['cpu']['other_busy']:.2f}/{rec['cpu']['idle']:.2f}"
@@ -667,7 +667,7 @@ def headline_keys(cases: dict[str, dict], peak_rss: int, limit: int) -> dict[str
     # compute lane measured *alone* (serial mode: nothing else runs during its backward) and the disk
     # time of the optimized step. overlap_efficiency uses the optimized step's own compute lane, which
     # is inflated by sharing the cores with CPU Adam and the I/O threads, so it flatters the overlap.
-    ideal = (max(serial["lanes"]["compute"], opt["disk_busy_s"] or 0.0, opt["lanes"]["cpu_adam"])
+    ideal = (max(serial["lanes"]["gpu"], opt["disk_busy_s"] or 0.0, opt["lanes"]["cpu"])
              if opt and serial else None)
     out = {
         "speedup_vs_serial": _dig(cases, hc, "speedups", "optimized_vs_serial", "ratio_of_medians"),
@@ -832,7 +832,7 @@ def markdown(report: dict) -> str:
         "redid a speculated update, and ran the next step's forward beside the optimizer pass.", "",
         case_table(cases), "",
         "Per case, seconds per step, medians over the measured steps. Lanes are `engine.last_stats.lanes`; "
-        "`overlap_eff` = max(compute, ssd_read, ssd_write, cpu_adam) / step (median of the per-step values). "
+        "`overlap_eff` = max(gpu, ssd, cpu) / step (median of the per-step values). "
         "Second table: `disk_busy` = seconds the disk had any I/O in flight (/proc/diskstats), `disk GB/s` = "
         "(read + written bytes) / disk_busy; compute-thread time outside the lanes (blocked acquiring a "
         "gradient buffer, commit = fsync + commit record, unaccounted rest); the optimizer thread idle "

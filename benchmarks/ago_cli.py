@@ -65,7 +65,7 @@ CASES: dict[str, list[str]] = {
 BOOL_FIELDS = {"redone": "redone", "deferred": "deferred", "next_forward_overlapped": "next_forward_overlapped",
                "skipped": "skipped"}
 """Report name -> boolean field of a metrics record whose share of the measured steps is reported."""
-MAIN_LANES = ("compute", "ssd_read", "ssd_write", "cpu_adam", "param_wait", "optimizer_tail")
+MAIN_LANES = ("gpu", "ssd", "ssd_read", "ssd_write", "cpu", "param_wait", "optimizer_tail")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

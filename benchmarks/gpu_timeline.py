@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE.parent))  # lohan, when run from anywhere
 
 STEP_PREFIX = "gpu_timeline_step_"
 COPY_DIRECTIONS = ("HtoD", "DtoH")  # host <-> device: what the overlap check is about
-LANES = ("compute", "param_wait", "ssd_read", "ssd_write", "checksum", "cpu_adam", "optimizer_tail")
+LANES = ("gpu", "param_wait", "ssd", "ssd_read", "ssd_write", "checksum", "cpu", "optimizer_tail")
 
 Interval = tuple[float, float]
 
@@ -368,7 +368,9 @@ def write_report(report: dict[str, Any], out: Path) -> None:
               "What the engine's host side waited on (its lanes, seconds per step, the profiled steps):", "",
               "| step | " + " | ".join(LANES) + " |", "|---" * (len(LANES) + 1) + "|"]
     for rec in report["engine_steps"][-s["steps"]:]:
-        lanes = rec.get("lanes") or {}
+        from lohan.plan.planner import upgrade_lanes  # a report made before the lanes were the cost model's
+
+        lanes = upgrade_lanes(rec.get("lanes") or {})
         lines.append(f"| {rec['step']} | " + " | ".join(f"{lanes.get(k, 0.0):.3f}" for k in LANES) + " |")
     lines += ["", "| copy | count | MB | ms |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['count']} | {c['bytes'] / 1e6:.1f} | {c['us'] * ms:.2f} |"

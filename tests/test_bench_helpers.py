@@ -106,7 +106,7 @@ def test_vs_deepspeed_keys_for_the_defaults_and_for_the_lean_setting():
 
 def _ago_record(case, mode, rnd, step_s, warmup=False, coef=None, deferred=False, redone=False, overlapped=False):
     """A step record as ago_bench.timed_step writes it, with made-up figures."""
-    lanes = dict.fromkeys(ago_bench.LANES, 0.1) | {"compute": step_s / 2}
+    lanes = dict.fromkeys(ago_bench.LANES, 0.1) | {"gpu": step_s / 2}
     return {"case": case, "mode": mode, "round": rnd, "index": 0, "warmup": warmup, "step": 1, "loss": 10.0,
             "grad_norm": 2.0, "clip_coef": coef, "deferred": deferred, "redone": redone,
             "next_forward_overlapped": overlapped, "skipped": False, "step_s": step_s, "wall_s": step_s,
@@ -224,7 +224,7 @@ import ago_cli  # noqa: E402
 def _ago_cli_run(rnd, case, mode, times, rc=0):
     recs = [{"step": k + 1, "step_s": t, "tokens_per_s": 512 / t, "grad_norm": 3.0,
              "clip_coef": (0.25 if case == "clipped" else None), "redone": k == 3, "skipped": False,
-             "lanes": {"compute": t / 2, "optimizer_tail": t / 10}} for k, t in enumerate(times)]
+             "lanes": {"gpu": t / 2, "optimizer_tail": t / 10}} for k, t in enumerate(times)]
     if mode == "optimized" and case == "clipped":
         for r in recs:
             r["deferred"] = True
@@ -242,7 +242,7 @@ def test_ago_cli_summary_leaves_warmup_out_and_keys_judge_the_ordering():
     assert opt["step_s_all"] == [2.0, 2.0, 2.1, 2.2] and opt["median_s_per_step"] == pytest.approx(2.05)
     assert opt["step_s_by_round"] == {"0": [2.0, 2.0], "1": [2.1, 2.2]}
     assert opt["warmup_step_s"] == [[9.0, 8.0], [9.0, 8.0]] and opt["runs"] == 2
-    assert opt["optimizer_tail_s"] == pytest.approx(0.205) and opt["lanes"]["compute"] == pytest.approx(1.025)
+    assert opt["optimizer_tail_s"] == pytest.approx(0.205) and opt["lanes"]["gpu"] == pytest.approx(1.025)
     assert opt["frac_clipped"] == 1.0 and opt["frac_redone"] == 0.5 and opt["frac_deferred"] == 1.0
     assert opt["frac_next_forward_overlapped"] is None and "next_forward_overlapped" in opt["fields_missing"]
     assert summary["clipped"]["serial"]["frac_deferred"] is None

@@ -142,7 +142,7 @@ def test_report_is_written_as_json_and_markdown(tmp_path):
               "settings": {"batch": 8, "seq": 1024, "dtype": "bf16", "act_policy": "plan", "cpu_mem": "16GiB",
                            "warmup": 3, "steps": 2, "min_overlap": 0.5},
               "activations": {"policy": "plan", "swap": [], "tiers": {"keep": 12, "cpu": 0, "ssd": 0}},
-              "engine_steps": [{"step": k, "lanes": {"compute": 0.1, "param_wait": 0.25}} for k in (1, 2, 3)],
+              "engine_steps": [{"step": k, "lanes": {"gpu": 0.1, "param_wait": 0.25}} for k in (1, 2, 3)],
               "unprofiled_step_s_median": 0.5, "profiled_step_s": [0.6, 0.61], "per_step": steps, "total": total,
               "top_kernels": gt.top_kernels(tr, windows), "copy_kinds": gt.copy_kinds(tr, windows),
               "passed": passed, "verdict": why}

@@ -55,7 +55,7 @@ def test_tensorboard_event_files_hold_every_step(tracked_run):
     assert [e.step for e in acc.Scalars("eval/loss")] == [2, 4]
     tags = set(acc.Tags()["scalars"])
     assert {"train/learning_rate", "train/grad_norm", "train/clip_coef", "perf/tokens_per_s", "perf/tflops",
-            "perf/ssd_read_gbps", "lanes/compute_s", "mem/rss_gib"} <= tags
+            "perf/ssd_read_gbps", "lanes/gpu_s", "mem/rss_gib"} <= tags
     (text,) = acc.Tensors("config/text_summary")  # the run's settings, as a table
     assert b"| engine.lr |" in text.tensor_proto.string_val[0]
 
@@ -126,7 +126,7 @@ def test_report_to_names_are_checked():
 
 def test_step_scalars_carry_the_jsonl_fields():
     m = StepMetrics.from_counters(step=3, loss=2.5, lr=1e-3, tokens=64, step_s=0.5, flops=1e12,
-                                  ssd_read_bytes=10**9, lanes={"compute": 0.2, "ssd_read": 0.3}, grad_norm=1.5,
+                                  ssd_read_bytes=10**9, lanes={"gpu": 0.2, "ssd_read": 0.3}, grad_norm=1.5,
                                   clip_coef=0.5, eval_loss=2.0, eval_s=0.1)
     s = tracking.step_scalars(m)
     assert s["train/loss"] == 2.5 and s["train/clip_coef"] == 0.5 and s["eval/loss"] == 2.0

@@ -23,7 +23,7 @@ from lohan.app.metrics import StepMetrics
 def records(steps: int) -> list[StepMetrics]:
     """Step records of a run: an evaluation every 2 steps (so the steps' scalars differ), loss going down."""
     return [StepMetrics.from_counters(step=s, loss=3.0 - 0.1 * s, lr=1e-3, tokens=256, step_s=0.5, flops=1e12,
-                                      ssd_read_bytes=10**8, lanes={"compute": 0.2, "ssd_read": 0.1},
+                                      ssd_read_bytes=10**8, lanes={"gpu": 0.2, "ssd_read": 0.1},
                                       grad_norm=1.0 + s, clip_coef=1.0,
                                       eval_loss=2.5 - 0.1 * s if s % 2 == 0 else None,
                                       eval_s=0.05 if s % 2 == 0 else None)

@@ -33,8 +33,10 @@ from lohan.plan.planner import (
     CpuSpec,
     Hardware,
     Profile,
+    SsdCost,
     capacity,
     parse_hardware,
+    ssd_cost,
 )
 from lohan.plan.pools import ram_budget
 from lohan.runtime.device import Device, resolve_device
@@ -321,6 +323,20 @@ class FitReport:
     defers: bool = False
     """Clipping off, an update may still run after backward beside the next forward (the plan kept room for the
     gradients: `pools.may_defer_unclipped`): the plan says what that costs."""
+    ssd: SsdCost | None = None
+    """Where the SSD lane binds: what a smaller state format, or more tokens per step, would do (`planner.ssd_cost`)."""
+    model: ModelConfig | None = None
+    batch: int = 0
+    seq: int = 0
+    plan_args: dict = dataclasses.field(default_factory=dict)
+    """What `fit_report` planned with (`planner.capacity`'s keywords), for `measured_ssd` to price the same run."""
+
+    def measured_ssd(self, lanes: dict[str, float], step_s: float, mode: str = "optimized") -> SsdCost | None:
+        """`planner.ssd_cost` from a step's measured lanes (the first step's): None unless its ssd lane binds."""
+        if self.model is None:
+            return None
+        return ssd_cost(self.model, self.machine.hardware, self.batch, self.seq, mode, (lanes, step_s),
+                        **self.plan_args)
 
     @property
     def fits(self) -> bool:
@@ -335,6 +351,8 @@ class FitReport:
                     if self.waits else "")
                  + f" | {self.tokens_per_s:,.3g} tokens/s | {self.tflops:.3g} TFLOPS (model FLOPs)"
                  + (f" | epoch {_duration(self.epoch_s)}" if self.epoch_s else "")]
+        if self.ssd is not None:
+            lines.append(self.ssd.format())
         lines += [f"  note: {n}" for n in self.machine.notes]
         return "\n".join(lines)
 
@@ -392,8 +410,13 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     step_s = est.t_deferred if waits and est.t_deferred else est.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
+    plan_args = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
+                     slots=slots, keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem,
+                     readahead_mem=readahead_mem, clip_mode=clip_mode, state_format=state_format,
+                     act_compress=act_compress, host_device=machine.device_is_host)
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
-                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers)
+                     steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers,
+                     ssd_cost(mcfg, machine.hardware, batch, seq, **plan_args), mcfg, batch, seq, plan_args)
 
 
 def _with_device_in_ram(cap: Capacity, hw: Hardware, heap_reuse: bool = True) -> Capacity:

@@ -45,6 +45,7 @@ from io_engine.base import fsync_dir
 from lohan.app.layout import PLOT_RUN_KEY, PLOT_TAG
 from lohan.app.ownership import FILE_KEY, RUN_ID_KEY, ForeignFileError, metrics_owner
 from lohan.crashpoints import crashpoint
+from lohan.plan.planner import LANES_B, WAIT_LANES, upgrade_lanes
 
 if TYPE_CHECKING:
     from lohan.runtime.step import StepStats
@@ -68,10 +69,11 @@ GB = 10**9
 GIB = 2**30
 """Bytes in a gibibyte (memory: GiB)."""
 
-IDLE_LANES = ("param_wait", "gather", "reduce_wait")
-"""Lane names that record waiting, not work; :func:`overlap_percent` leaves them out. They are the engine's
-(``Engine.last_metrics["lanes"]``): waits for streamed parameters, and with data parallelism for the other
-ranks' parameter all-gathers and gradient sums."""
+IDLE_LANES = WAIT_LANES
+"""Lane names that record waiting, not work (``planner.WAIT_LANES``), as the engine records them
+(``Engine.last_stats.lanes``): waits for streamed parameters, for the optimizer pass after backward, and with data
+parallelism for the other ranks' parameter all-gathers and gradient sums. :func:`overlap_percent` counts only the
+cost model's lanes (``planner.LANES_B``), so neither these nor the parts of a lane (``ssd_read``, ``adam``, ...)."""
 
 
 def _json_float(x: float) -> float | str:
@@ -105,7 +107,7 @@ def overlap_percent(
 ) -> float:
     """How much of the step's work ran concurrently, from per-lane busy times.
 
-    With busy times ``t_i`` of the lanes (compute, SSD read, SSD write, CPU Adam, ...), a serial step
+    With busy times ``t_i`` of the lanes (the cost model's: ``gpu``, ``m2g``, ``g2m``, ``ssd``, ``cpu``), a serial step
     takes ``sum(t)`` and a perfectly overlapped one ``max(t)``. The overlap is where the wall time falls
     between the two: ``100 * (sum(t) - step_s) / (sum(t) - max(t))``, clamped to ``[0, 100]``. 100 % means
     the step took as long as its longest lane (everything else hidden behind it); 0 % means the lanes ran
@@ -113,14 +115,14 @@ def overlap_percent(
     optimizer and GPU compute), not a number from the paper.
 
     Args:
-        lanes_s: Busy seconds per lane for the step.
+        lanes_s: Busy seconds per lane for the step (an older lohan's names are read as `upgrade_lanes` says).
         step_s: Wall-clock seconds of the step.
-        idle_lanes: Lanes that record waiting rather than work (excluded).
+        idle_lanes: Lanes that record waiting rather than work (excluded, as is every name not in ``LANES_B``).
 
     Returns:
         The overlap in percent; 0.0 when fewer than two lanes did work (nothing to overlap).
     """
-    busy = [t for name, t in lanes_s.items() if name not in idle_lanes and t > 0]
+    busy = [t for name, t in upgrade_lanes(lanes_s).items() if name in LANES_B and name not in idle_lanes and t > 0]
     if len(busy) < 2:
         return 0.0
     total, longest = sum(busy), max(busy)
@@ -159,7 +161,8 @@ class StepMetrics:
     gpu_mem_gib: float | None = None
     """Peak GPU memory allocated, GiB; None when running on the CPU."""
     lanes: dict[str, float] = field(default_factory=dict)
-    """Busy seconds per lane (``compute``, ``ssd_read``, ``ssd_write``, ``cpu_adam``, ``param_wait``, ...)."""
+    """Seconds per lane: the cost model's (``gpu``, ``m2g``, ``g2m``, ``ssd``, ``cpu``: `runtime.step.measure`), their
+    parts (``ssd_read``, ``ssd_write``, ``adam``, ``checksum``) and the waits (``param_wait``, ``optimizer_tail``)."""
     grad_norm: float | None = None
     """Global L2 norm of the step's gradients (before clipping)."""
     clip_coef: float | None = None
@@ -285,7 +288,8 @@ class StepMetrics:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> StepMetrics:
         """A record of the metrics file back as a `StepMetrics` (what the trackers are given again after a resume):
-        the names of NaN and the infinities read back as floats, other keys (``run_id``) left out."""
+        the names of NaN and the infinities read back as floats, other keys (``run_id``) left out, the lanes of an
+        older lohan's record under their names now (`planner.upgrade_lanes`)."""
         names = {f.name for f in dataclasses.fields(cls)}
 
         def back(value: Any) -> Any:
@@ -293,7 +297,10 @@ class StepMetrics:
                 return float(value)
             return {k: back(v) for k, v in value.items()} if isinstance(value, Mapping) else value
 
-        return cls(**{k: back(v) for k, v in record.items() if k in names})
+        fields = {k: back(v) for k, v in record.items() if k in names}
+        if isinstance(fields.get("lanes"), Mapping):
+            fields["lanes"] = upgrade_lanes(fields["lanes"])
+        return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe record: floats rounded to 6 significant digits, NaN/inf as ``"NaN"``/``"Infinity"``.

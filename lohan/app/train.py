@@ -450,6 +450,7 @@ class _Run:
     dp: DataParallel | None
     console: Console
     checkpoints: Checkpoints | None = None
+    fit: Any = None  # the plan's FitReport (`_plan`): the first step's measured lanes are priced with it
 
     @property
     def world(self) -> int:
@@ -469,7 +470,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     console = Console(soft_wrap=True, quiet=bool(dp and not dp.is_main))
     try:
         ctx = _preflight(run, dry_run, export, export_dtype, config, console, dp)
-        report = _plan(ctx, hardware, dry_run)
+        report = ctx.fit = _plan(ctx, hardware, dry_run)
         if dry_run:
             console.print(report.format())
             if ctx.dataset is not None and ctx.dataset.description:
@@ -806,6 +807,8 @@ def _steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict
         # the steps before it are durable now (write-behind: this step made its predecessor's commit durable);
         # out before this step's evaluation and checkpoint, which make this one durable too
         out.emit(engine.committed_step)
+        if s == min(start + 1, steps - 1):  # the process's first step profiles: its second measures the lanes
+            _ssd_note(ctx, engine)
         sm, saved = _after_step(ctx, engine, engine.last_stats)
         out.add(sm)
         out.emit(engine.committed_step)
@@ -814,6 +817,15 @@ def _steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict
                                                           sm.eval_loss is not None or bool(saved)))
         if saved:
             ctx.console.print(saved)
+
+
+def _ssd_note(ctx: _Run, engine: Engine) -> None:
+    """Where the step just run (a process's first after the one that profiles) found the SSD lane its slowest,
+    what a smaller state format or more tokens per step would do (`FitReport.measured_ssd`); nothing otherwise."""
+    stats = engine.last_stats
+    cost = ctx.fit.measured_ssd(stats.lanes, stats.step_s, engine.cfg.mode) if ctx.fit is not None else None
+    if cost is not None:
+        ctx.console.print(f"note: {escape(cost.format(f'measured by step {stats.step}'))}")
 
 
 def _after_step(ctx: _Run, engine: Engine, stats: Any, catching_up: bool = False) -> tuple[StepMetrics, str]:

@@ -135,7 +135,7 @@ from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
     "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE", "QUANT_TRAFFIC",
-    "estimate",
+    "estimate", "WAIT_LANES", "LEGACY_LANES", "upgrade_lanes", "predict_lanes", "SsdCost", "ssd_cost",
     "walk_order", "walk", "algorithm1",
     "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools", "resident_records",
     "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
@@ -157,6 +157,23 @@ LANE_DOC = {
     "fill": "pipeline head and tail: one block's worth of every lane but the slowest",
 }
 """One line per term of the cost model, printed under the plan (see the module docstring)."""
+WAIT_LANES = ("param_wait", "optimizer_tail", "gather", "reduce_wait")
+"""What a step's measured lanes (`runtime.step.StepStats.lanes`) record beside :data:`LANES_B`: time the compute
+thread waited (for streamed P16, for the optimizer pass after backward, for the other ranks), not work."""
+LEGACY_LANES = {"compute": "gpu", "cpu_adam": "cpu"}
+"""Measured lane names of lohan before the engine reported the cost model's: ``compute`` is ``gpu``, ``cpu_adam``
+(AdamW alone) ``cpu``; they had no ``ssd`` (:func:`upgrade_lanes`)."""
+
+
+def upgrade_lanes(lanes: Mapping[str, float]) -> dict[str, float]:
+    """A step's measured lanes in the cost model's vocabulary: an older metrics record or commit note names them
+    as :data:`LEGACY_LANES` says, and has no ``ssd``, which is then its reads' and writes' busy time added (the
+    SSDs are simplex). Lanes already in the vocabulary are kept as they are."""
+    out = {LEGACY_LANES.get(k, k): v for k, v in lanes.items() if not (k in LEGACY_LANES and
+                                                                        LEGACY_LANES[k] in lanes)}
+    if "ssd" not in out and ("ssd_read" in out or "ssd_write" in out):
+        out["ssd"] = out.get("ssd_read", 0.0) + out.get("ssd_write", 0.0)
+    return out
 
 _ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 GiB = 2**30
@@ -404,6 +421,9 @@ class Estimate:
     """GPU seconds the forward ``gpu`` lane spends quantizing int8 records."""
     dequant_s: float = 0.0
     """GPU seconds the backward ``gpu`` lane spends dequantizing them."""
+    lanes_serial: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds each lane is busy in a whole step of the serial schedule (``t_serial``): forward, backward and the
+    update after it. Empty: not priced (an old estimate)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -411,6 +431,15 @@ class Estimate:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Estimate:
         return Estimate(**{**d, "swap": tuple(d["swap"])})
+
+    def step_lanes(self, mode: str = "optimized") -> dict[str, float]:
+        """Seconds each lane (:data:`LANES_B`) is busy in a whole step of the engine's ``mode``: forward and
+        backward added, as the engine measures them (`runtime.step.StepStats.lanes`). ``naive`` and ``optimized``
+        do the same work in another order; ``serial`` reads every P16 from the SSDs in forward (nothing is handed
+        over) and runs the update after backward."""
+        if mode == "serial" and self.lanes_serial:
+            return dict(self.lanes_serial)
+        return {k: self.lanes_f.get(k, 0.0) + self.lanes_b.get(k, 0.0) for k in LANES_B}
 
     def format_lanes(self, clip: bool = True, defer: bool = False) -> str:
         """Seconds each lane is busy per step, forward and backward, one line per term, and the bottleneck; then
@@ -513,6 +542,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     serial_b = {**lanes_b, "cpu": 0.0, "ssd": (p16_read + alpha) / hw.bw_s2m}
     serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
     t_serial = sum(_pipeline(serial_f, n)) + _phase(serial_b, n) + _phase(serial_opt, n)
+    lanes_serial = {k: serial_f.get(k, 0.0) + serial_b.get(k, 0.0) + serial_opt.get(k, 0.0) for k in LANES_B}
     t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_f + t_b)
     traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + p16),
                "ssd_read": float(2 * p16_read + opt_read + alpha), "ssd_write": float(states + alpha),
@@ -520,7 +550,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
                     fill_f, fill_b, t_serial, traffic, t_deferred, t_redo,
-                    int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant)
+                    int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant, lanes_serial)
 
 
 def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
@@ -1303,3 +1333,91 @@ def max_model(hw: Hardware, seq: int, batch: int = 1, presets: Mapping[str, Mapp
             return cfg.name
     return None
 
+
+
+# ------------------------------------------------------------------------------ lanes of a run
+
+def predict_lanes(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
+                  **capacity_args: Any) -> dict[str, float]:
+    """Seconds each lane (:data:`LANES_B`) is busy in one step of a run, as the cost model predicts them: the
+    plan :func:`capacity` makes for (``cfg``, ``hw``, ``batch``, ``seq`` and ``capacity_args``: compute dtype,
+    state format, resident records, ...), its forward and backward added (`Estimate.step_lanes`), in the
+    vocabulary the engine measures (`runtime.step.StepStats.lanes`). ``hw.cpu_adam_params_per_s`` is the rate of
+    the optimizer's CPU work as it runs: with checksums on, the records' hashing included (`fit.measure_cpu_adam`)."""
+    return capacity(cfg, hw, batch, seq, **capacity_args).plan.estimate.step_lanes(mode)
+
+
+@dataclass(frozen=True)
+class SsdCost:
+    """What the SSDs cost a run whose ``ssd`` lane is its slowest (:func:`ssd_cost`)."""
+
+    lanes: dict[str, float]
+    """The run's lanes per step (seconds): predicted, or measured by its first step."""
+    step_s: float
+    """The run's step (seconds): predicted, or measured."""
+    state_format: str
+    """The run's state format."""
+    suggested: str
+    """Of the state formats with fewer SSD bytes per step, the one whose step the cost model prices shortest."""
+    priced: dict[str, tuple[float, str]]
+    """Each of those formats' (step seconds, binding lane), predicted (scaled from a measured step by the cost
+    model's ratio); the binding lane is ``cpu`` where an update's decoding outweighs the bytes it saves."""
+    eval_loss_gap: float | None
+    """``suggested``'s measured quality cost (`formats.EVAL_LOSS_GAP`); None: not measured."""
+    tokens: int
+    """Tokens per step of the run."""
+    hide_tokens: int
+    """Tokens per step (a larger batch at this sequence length) at which the ``gpu`` lane is as long as the
+    ``ssd`` lane: compute would hide the SSDs on this box."""
+
+    def format(self, source: str = "predicted") -> str:
+        """One line: the lanes, the suggested format's step and quality cost, the others', and the tokens."""
+        step, binds = self.priced[self.suggested]
+        gap = (f"measured quality cost: eval loss +{self.eval_loss_gap:.4f} against exact "
+               "(benchmarks/results/compressed_states.md)" if self.eval_loss_gap is not None else
+               "quality cost not measured")
+        def quality(f: str) -> str:
+            return f", eval loss +{formats.EVAL_LOSS_GAP[f]:.4f}" if f in formats.EVAL_LOSS_GAP else ""
+        others = "; ".join(f"{f} {t:.3g} s ({b} binds{quality(f)})" for f, (t, b) in self.priced.items()
+                           if f != self.suggested)
+        return (f"the SSDs bind ({source}: ssd {self.lanes['ssd']:.3g} s of a {self.step_s:.3g} s step, gpu "
+                f"{self.lanes.get('gpu', 0.0):.3g} s, cpu {self.lanes.get('cpu', 0.0):.3g} s): "
+                f"--state-format {self.suggested} would take {step:.3g} s per step (predicted, {binds} binds; {gap})"
+                + (f"; {others}" if others else "")
+                + f"; at {self.hide_tokens:,} tokens per step (now {self.tokens:,}) compute would hide the SSDs on "
+                "this box")
+
+
+def ssd_cost(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
+             measured: tuple[Mapping[str, float], float] | None = None, **capacity_args: Any) -> SsdCost | None:
+    """What the SSDs cost the run, where its ``ssd`` lane is the slowest of :data:`LANES_B` (else None): the
+    cost model's lanes (`predict_lanes`), or ``measured`` (a step's lanes and seconds) where a step ran. The
+    formats with fewer SSD bytes per step (`formats.StateFormat.per_step`) are priced by the same model, and a
+    measured step scaled by the model's ratio; the fastest is suggested. Where the compute
+    dtype is not bf16, ``bf16-master`` (bf16 weights only) is not offered."""
+    dtype = capacity_args.get("compute_dtype", "bf16")
+    current = capacity_args.get("state_format", "exact")
+    est = capacity(cfg, hw, batch, seq, **capacity_args).plan.estimate
+    lanes, step_s = est.step_lanes(mode), (est.t_serial if mode == "serial" else est.t_iter)
+    if measured is not None:
+        lanes, step_s = upgrade_lanes(measured[0]), measured[1]
+    work = {k: lanes.get(k, 0.0) for k in LANES_B}
+    if max(work, key=work.__getitem__) != "ssd" or work["ssd"] <= 0:
+        return None
+    s = _itemsize(dtype)
+    smaller = sorted((f for f in formats.FORMATS if (f != "bf16-master" or dtype == "bf16")
+                      and formats.state_format(f).per_step(s) < formats.state_format(current).per_step(s)),
+                     key=lambda f: -formats.state_format(f).per_step(s))
+    if not smaller:
+        return None
+    scale = step_s / (est.t_serial if mode == "serial" else est.t_iter)
+    priced = {}
+    for name in smaller:
+        other = capacity(cfg, hw, batch, seq, **{**capacity_args, "state_format": name}).plan.estimate
+        ol = other.step_lanes(mode)
+        priced[name] = ((other.t_serial if mode == "serial" else other.t_iter) * scale, max(ol, key=ol.__getitem__))
+    best = min(priced, key=lambda f: priced[f][0])
+    gpu = work["gpu"]
+    tokens = batch * seq
+    hide = math.ceil(tokens * work["ssd"] / gpu / seq) * seq if gpu > 0 else 0
+    return SsdCost(work, step_s, current, best, priced, formats.EVAL_LOSS_GAP.get(best), tokens, hide)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lohan.config import EngineConfig
+from lohan.plan.planner import LANES_B, upgrade_lanes
 from lohan.runtime.device import Device, Timer
 from lohan.runtime.offload import ClipGate
 from lohan.runtime.optim import AdamWHyper, lr_at
@@ -260,12 +261,21 @@ class Counters:
     gather_s: float
     reduced_bytes: int
     gathered_bytes: int
+    device_busy: dict[str, float] | None = None  # a timed simulated device's busy seconds (`device_lanes`)
 
     @staticmethod
     def read(engine: Engine) -> Counters:
         s, dp = engine.streamer, engine.dp
         return Counters(engine.store.volume.stats(), s.wait_s, s.hash_s, s.gather_s,
-                        dp.reduced_bytes if dp else 0, dp.gathered_bytes if dp else 0)
+                        dp.reduced_bytes if dp else 0, dp.gathered_bytes if dp else 0, device_lanes(engine.device))
+
+
+def device_lanes(device: Device) -> dict[str, float] | None:
+    """Cumulative busy seconds of the device's modeled lanes (``gpu``: the compute stream, ``m2g`` and ``g2m``: the
+    upload and download copy engines), where the device models them (the simulated device with a timing model,
+    `Device.lane_busy`); None where it does not (the CPU, CUDA): there the compute timers give ``gpu``."""
+    busy = getattr(device, "lane_busy", None)
+    return busy() if callable(busy) else None
 
 
 @dataclass
@@ -308,7 +318,7 @@ class StepStats:
     flops: float | None            # model FLOPs (forward + backward = 3x forward; recomputation not counted)
     ssd_read_bytes: int
     ssd_write_bytes: int
-    lanes: dict[str, float]        # busy seconds: compute, ssd_read, ssd_write, cpu_adam, param_wait, ...
+    lanes: dict[str, float]        # seconds: the cost model's lanes and the waits (`measure`)
     cpu_mem_bytes: int             # RSS at the step's end
     gpu_mem_bytes: int | None      # peak device memory allocated (CUDA only)
     max_resident_blocks: int
@@ -343,8 +353,9 @@ class StepStats:
 
     @property
     def overlap_efficiency(self) -> float:
-        """The busiest of the four main lanes over the step's time (1: the step takes no longer than it)."""
-        return max(self.lanes[k] for k in ("compute", "ssd_read", "ssd_write", "cpu_adam")) / self.step_s
+        """The busiest of the cost model's lanes over the step's time (1: the step takes no longer than it)."""
+        lanes = upgrade_lanes(self.lanes)
+        return max(lanes.get(k, 0.0) for k in LANES_B) / self.step_s
 
     @property
     def cpu_mem_gib(self) -> float:
@@ -371,7 +382,18 @@ def stats_from_note(note: dict[str, Any] | None) -> StepStats | None:
     if not note:
         return None
     fields = {f.name for f in dataclasses.fields(StepStats)}
-    return StepStats(**{k: v for k, v in note.items() if k in fields}, activations={})
+    kept = {k: v for k, v in note.items() if k in fields}
+    kept["lanes"] = upgrade_lanes(kept.get("lanes") or {})  # a note of an older lohan names them otherwise
+    return StepStats(**kept, activations={})
+
+
+def _device_lanes(engine: Engine, run: StepRun) -> dict[str, float]:
+    """The step's ``gpu`` lane, and ``m2g``, ``g2m`` where the device models its copy engines: its modeled busy
+    seconds (`device_lanes`), else the compute timers (forward, backward, the next forward beside the pass)."""
+    b0, b1 = run.counters.device_busy, device_lanes(engine.device)
+    if b0 is None or b1 is None:
+        return {"gpu": run.compute_s()}
+    return {k: b1[k] - b0.get(k, 0.0) for k in ("gpu", "m2g", "g2m") if k in b1}
 
 
 def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> StepStats:
@@ -385,7 +407,14 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
         return busy, io1[f"{direction}_bytes"] - io0[f"{direction}_bytes"]
 
     (read_s, read_b), (write_s, write_b) = lane("read"), lane("write")
-    lanes = {"compute": run.compute_s(), "ssd_read": read_s, "ssd_write": write_s, "cpu_adam": ago.adam_s,
+    # the SSDs are simplex: a device's reads and writes add; the busiest device sets the lane
+    ssd_s = max(sum(d1[k]["busy_s"] - d0[k]["busy_s"] for k in ("read", "write"))
+                for d0, d1 in zip(io0["devices"], io1["devices"]))
+    lanes = {**_device_lanes(engine, run), "ssd": ssd_s,
+             # the optimizer's CPU work, as the cost model's cpu lane prices it: AdamW and its records' hashing
+             "cpu": ago.adam_s + ago.hash_s,
+             # the parts and the waits
+             "ssd_read": read_s, "ssd_write": write_s, "adam": ago.adam_s,
              "param_wait": streamer.wait_s - c0.param_wait_s, "optimizer_tail": run.tail_s,
              # checksums: hashing on the optimizer thread (reads and writes) and of streamed P16
              "checksum": ago.hash_s + streamer.hash_s - c0.param_hash_s}

@@ -1,0 +1,333 @@
+"""A GPU box's lanes on a CPU box (issue 38): serial and optimized active gradient offloading in four regimes, each
+lane measured by the engine and predicted by the cost model, in one vocabulary (gpu, m2g, g2m, ssd, cpu).
+
+The box is emulated: the simulated device (``device: sim``) with a timing model (``sim_gpu``: its compute stream
+stays busy for the modeled time of its FLOPs, sleeping, and copies take their modeled PCIe time on separate
+upload and download engines), the NVMe directory paced to a modeled SSD (``emulate_ssd_gbps``, reads and writes
+sharing it), and a model whose real CPU compute is small (short sequences, fp32), so that compute no longer takes
+the cores AdamW, hashing and the I/O need. The CPU AdamW rate is measured on this box first
+(`fit.measure_cpu_adam`, with the records' hashing when checksums are on), then each regime's modeled GPU and
+SSD are chosen from the cost model (`planner.predict_lanes`) so that its lanes stand as the regime says:
+
+- ``disk``: records streamed from one paced directory, the ssd lane 3x the others;
+- ``optimizer``: every record resident in main memory, a fast modeled GPU and SSD: the cpu lane binds;
+- ``gpu``: a slow modeled GPU, its lane 3x the others;
+- ``balanced``: the gpu, cpu and ssd lanes equal (as on the paper's box at 13B).
+
+Per regime a store is made once; then rounds, each opening a fresh engine per mode (serial, optimized, in an
+order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured steps. Medians per mode.
+
+JSON keys: ``step_over_slowest_lane_{disk,optimizer,gpu}`` (optimized step / its slowest measured lane; target
+<= 1.10), ``optimized_vs_serial_balanced`` (>= 1.3), ``optimized_vs_serial_disk`` (>= 1.0),
+``gpu_idle_fraction_gpu_bound`` (1 - gpu lane / step, optimized; <= 0.10), ``p16_wait_fraction`` (max over
+regimes of the optimized step's waits for P16, forward and backward, over the step; <= 0.05),
+``max_lane_prediction_error`` (max over regimes, modes and the lanes that are >= 10% of the step, of
+|measured - predicted| / measured; <= 0.15); and every regime's raw figures under ``regimes``.
+
+Without the timing model (a lohan whose EngineConfig has no ``sim_gpu``) the device's compute is the CPU's own
+and the report says so (``timed_device: false``): its numbers are then not a GPU box's.
+
+    python benchmarks/lane_bench.py --quick --nvme /mnt/scratch/lanes   # results/lane_bench_quick.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
+
+from ago_bench import make_batches, round_order  # noqa: E402  (a sibling: the same data stream and rotation)
+
+GiB = 1 << 30
+STORE_NAME = "lanebench"
+MODES = ("serial", "optimized")
+MAIN_LANES = ("gpu", "m2g", "g2m", "ssd", "cpu")  # planner.LANES_B
+REGIMES = ("disk", "optimizer", "gpu", "balanced")
+PCIE = 25e9  # modeled PCIe per direction (B/s): the copies are not what these regimes study
+MATTERS = 0.10  # a lane counts in the prediction error from this share of the step
+TARGETS = {"step_over_slowest_lane_disk": ("<=", 1.10), "step_over_slowest_lane_optimizer": ("<=", 1.10),
+           "step_over_slowest_lane_gpu": ("<=", 1.10), "optimized_vs_serial_balanced": (">=", 1.3),
+           "optimized_vs_serial_disk": (">=", 1.0), "gpu_idle_fraction_gpu_bound": ("<=", 0.10),
+           "p16_wait_fraction": ("<=", 0.05), "max_lane_prediction_error": ("<=", 0.15)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """One regime's emulated box: the modeled GPU (FLOP/s), the paced SSD (GB/s per directory), resident records."""
+
+    name: str
+    tflops: float
+    ssd_gbps: float
+    resident_mem: int | str
+
+    @property
+    def sim_gpu(self) -> str:
+        return f"tflops={self.tflops:.6g},h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 rounds x (1 warm-up + 2 steps) per mode and regime")
+    p.add_argument("--nvme", nargs="+", default=[str(REPO / "benchmarks" / "scratch" / "lanes")])
+    p.add_argument("--model", default="125m")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cpu-mem", default="2GiB")
+    p.add_argument("--out", default=None, help="JSON path (default results/lane_bench[_quick].json)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.rounds, a.warmup_steps, a.steps = 2, 1, 2
+    return a
+
+
+# ------------------------------------------------------------------------------------------- the box
+def timed_device() -> bool:
+    """Whether this lohan's simulated device has a timing model (`EngineConfig.sim_gpu`)."""
+    from lohan.config import EngineConfig
+
+    return "sim_gpu" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def hardware(regime: Regime, cpu_rate: float, n_dirs: int) -> Any:
+    """The cost model's description of a regime's emulated box."""
+    from lohan.plan.planner import Hardware
+
+    ssd = regime.ssd_gbps * 1e9 * n_dirs
+    return Hardware(f"lane_bench-{regime.name}", thp_g=regime.tflops * 1e12, bw_g=PCIE, bw_s2m=ssd, bw_m2s=ssd,
+                    mem_avail=64 * GiB, cpu_adam_params_per_s=cpu_rate)
+
+
+def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rate: float, mode: str) -> dict[str, float]:
+    from lohan.config import parse_bytes
+    from lohan.plan.planner import predict_lanes
+
+    return predict_lanes(mcfg, hardware(regime, cpu_rate, len(args.nvme)), args.batch_size, args.seq_len, mode,
+                         compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
+                         readahead_mem="auto" if mode == "optimized" else 0)
+
+
+def choose_regimes(args: argparse.Namespace, mcfg: Any, cpu_rate: float) -> list[Regime]:
+    """Each regime's modeled GPU and SSD from the cost model: the gpu lane scales as 1 / FLOP/s and the ssd lane
+    as 1 / GB/s, so one prediction at unit rates gives the rates that put the lanes where the regime wants them."""
+    unit = {name: predicted(args, mcfg, Regime(name, 1.0, 1.0, res), cpu_rate, "optimized")
+            for name, res in (("streamed", 0), ("resident", "all"))}
+    cpu = unit["streamed"]["cpu"]
+
+    def rates(lanes: dict[str, float], gpu_s: float, ssd_s: float) -> tuple[float, float]:
+        return lanes["gpu"] / gpu_s, lanes["ssd"] / ssd_s  # (TFLOPS, GB/s) giving those seconds
+
+    s, r = unit["streamed"], unit["resident"]
+    table = {"disk": (s, 0, 0.3 * 3 * cpu, 3 * cpu), "optimizer": (r, "all", 0.3 * cpu, 0.3 * cpu),
+             "gpu": (s, 0, 3 * cpu, cpu), "balanced": (s, 0, cpu, cpu)}
+    out = []
+    for name in args.regimes:
+        lanes, resident, gpu_s, ssd_s = table[name]
+        regime = Regime(name, *rates(lanes, gpu_s, ssd_s), resident)
+        for _ in range(3):  # the plan (what is swapped, recomputed) moves with the rates: settle it
+            got = predicted(args, mcfg, regime, cpu_rate, "optimized")
+            regime = dataclasses.replace(regime, tflops=regime.tflops * got["gpu"] / gpu_s,
+                                         ssd_gbps=regime.ssd_gbps * got["ssd"] / ssd_s)
+        out.append(regime)
+    return out
+
+
+def command(argv: list[str]) -> str:
+    """The command line as run, the paths of this machine (``--nvme``, ``--out``) written as placeholders."""
+    words, hide = ["python", "benchmarks/lane_bench.py"], False
+    for w in argv:
+        if w.startswith("--"):
+            hide = w in ("--nvme", "--out")
+            words.append(w)
+        else:
+            words.append("<path>" if hide else w)
+    return " ".join(words)
+
+
+# ------------------------------------------------------------------------------------------- running
+def engine_config(args: argparse.Namespace, regime: Regime, mode: str) -> Any:
+    from lohan.config import EngineConfig
+
+    sim = {"sim_gpu": regime.sim_gpu} if timed_device() else {}
+    return EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
+                        device="sim", mode=mode, resident_mem=regime.resident_mem, name=STORE_NAME,
+                        emulate_ssd_gbps=regime.ssd_gbps, max_grad_norm=0.0, **sim)
+
+
+def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, rnd: int,
+                data: list[tuple[Any, Any]], cursor: int) -> list[dict]:
+    """A fresh engine on the regime's store in `mode`: warm-up, then measured steps; one record per step."""
+    import lohan
+    from lohan.runtime.heap import release_free_memory
+
+    records = []
+    with lohan.init(mcfg, engine_config(args, regime, mode), resume=True) as engine:
+        for k in range(args.warmup_steps + args.steps):
+            batch, nxt = data[(cursor + k) % len(data)], data[(cursor + k + 1) % len(data)]
+            engine.step(batch, next_batch=nxt)
+            s = engine.last_stats
+            records.append({"regime": regime.name, "mode": mode, "round": rnd, "warmup": k < args.warmup_steps,
+                            "step_s": s.step_s, "lanes": dict(s.lanes)})
+    release_free_memory()  # the engine's freed pools would stay in the heap for the next opening
+    return records
+
+
+def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) -> list[dict]:
+    """Make the regime's store once, then interleave the modes in rounds."""
+    import lohan
+
+    lohan.init(mcfg, engine_config(args, regime, MODES[-1]), overwrite=True).close()
+    n = args.rounds * len(MODES) * (args.warmup_steps + args.steps) + 1
+    data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, n, seed=0)
+    records, cursor = [], 0
+    for rnd in range(args.rounds):
+        for _, mode in round_order([(regime.name, m) for m in MODES], rnd, args.rounds):
+            recs = run_opening(args, mcfg, regime, mode, rnd, data, cursor)
+            cursor += len(recs)
+            records += recs
+            med = statistics.median(r["step_s"] for r in recs if not r["warmup"])
+            log(f"  {regime.name:9s} round {rnd} {mode:9s} step {med:.3f} s")
+    return records
+
+
+# ------------------------------------------------------------------------------------------- summary
+def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rate: float, records: list[dict]) -> dict:
+    """Per mode: the median step, the median of each measured lane, the cost model's lanes, their errors."""
+    out: dict[str, Any] = {"regime": dataclasses.asdict(regime), "sim_gpu": regime.sim_gpu, "modes": {}}
+    for mode in MODES:
+        rs = [r for r in records if r["mode"] == mode and not r["warmup"]]
+        step = statistics.median(r["step_s"] for r in rs)
+        names = sorted({k for r in rs for k in r["lanes"]})
+        lanes = {k: statistics.median(r["lanes"].get(k, 0.0) for r in rs) for k in names}
+        pred = predicted(args, mcfg, regime, cpu_rate, mode)
+        main = {k: lanes[k] for k in MAIN_LANES if k in lanes}
+        slowest = max(main, key=main.__getitem__)
+        errors = {k: abs(main[k] - pred[k]) / main[k] for k in main if main[k] >= MATTERS * step and main[k] > 0}
+        out["modes"][mode] = {
+            "steps": len(rs), "step_s": step, "step_s_all": [r["step_s"] for r in rs], "lanes": lanes,
+            "predicted_lanes": pred, "predicted_slowest": max(pred, key=pred.__getitem__),
+            "slowest_lane": slowest, "step_over_slowest_lane": step / main[slowest],
+            "gpu_idle_fraction": 1 - main.get("gpu", 0.0) / step,
+            "p16_wait_fraction": lanes.get("param_wait", 0.0) / step,
+            "lane_prediction_error": errors}
+    m = out["modes"]
+    out["optimized_vs_serial"] = m["serial"]["step_s"] / m["optimized"]["step_s"]
+    return out
+
+
+def headline(regimes: dict[str, dict]) -> dict[str, float | None]:
+    """The issue's keys (module docstring); None for a key whose regime did not run."""
+    def opt(name: str, key: str) -> float | None:
+        return regimes[name]["modes"]["optimized"][key] if name in regimes else None
+
+    errors = [e for r in regimes.values() for m in r["modes"].values() for e in m["lane_prediction_error"].values()]
+    return {
+        "step_over_slowest_lane_disk": opt("disk", "step_over_slowest_lane"),
+        "step_over_slowest_lane_optimizer": opt("optimizer", "step_over_slowest_lane"),
+        "step_over_slowest_lane_gpu": opt("gpu", "step_over_slowest_lane"),
+        "optimized_vs_serial_balanced": regimes["balanced"]["optimized_vs_serial"] if "balanced" in regimes else None,
+        "optimized_vs_serial_disk": regimes["disk"]["optimized_vs_serial"] if "disk" in regimes else None,
+        "gpu_idle_fraction_gpu_bound": opt("gpu", "gpu_idle_fraction"),
+        "p16_wait_fraction": max((r["modes"]["optimized"]["p16_wait_fraction"] for r in regimes.values()),
+                                 default=None),
+        "max_lane_prediction_error": max(errors, default=None),
+    }
+
+
+def targets_met(keys: dict[str, float | None]) -> dict[str, bool | None]:
+    return {k: None if keys[k] is None else (keys[k] <= t if op == "<=" else keys[k] >= t)
+            for k, (op, t) in TARGETS.items()}
+
+
+def markdown(report: dict) -> str:
+    def f(x: Any, spec: str = ".3f") -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [f"# lane_bench — {report['timestamp']}", "", f"`{report['command']}`", "",
+             f"Emulated GPU box on {report['environment']['cpu_model']} ({report['environment']['cpu_count']} cores): "
+             f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
+             f"directory; model {report['model']}; CPU AdamW measured {report['cpu_adam_params_per_s'] / 1e6:.1f} M "
+             "params/s (with hashing where checksums are on).", "", "| key | value | target | met |", "|---|---|---|---|"]
+    for k, (op, t) in TARGETS.items():
+        lines.append(f"| {k} | {f(report[k])} | {op} {t} | {report['targets_met'][k]} |")
+    lines += ["", "| regime | mode | step s | slowest | step/slowest | " + " | ".join(
+        f"{k} meas/pred" for k in MAIN_LANES) + " | P16 wait | max err |", "|---" * (7 + len(MAIN_LANES)) + "|"]
+    for name, r in report["regimes"].items():
+        for mode, m in r["modes"].items():
+            cells = [f"{f(m['lanes'].get(k), '.3f')}/{f(m['predicted_lanes'].get(k), '.3f')}" for k in MAIN_LANES]
+            lines.append(f"| {name} | {mode} | {m['step_s']:.3f} | {m['slowest_lane']} | "
+                         f"{m['step_over_slowest_lane']:.2f} | " + " | ".join(cells) +
+                         f" | {m['p16_wait_fraction']:.3f} | {f(max(m['lane_prediction_error'].values(), default=None), '.2f')} |")
+    lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records): " + "; ".join(
+        f"{n}: {r['sim_gpu']}, {r['regime']['ssd_gbps']:.3g} GB/s, resident {r['regime']['resident_mem']}"
+        for n, r in report["regimes"].items()), "",
+        "Lanes are `engine.last_stats.lanes` (medians of the measured steps) and `planner.predict_lanes` for the "
+        "same run; the error counts lanes >= 10% of the step. Not modeled: kernel efficiency, the caching allocator, "
+        "the real GPU's launch overheads; the CPU's compute of the model still runs (short sequences keep it small)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+    from lohan.app.fit import measure_cpu_adam
+    from lohan.config import get_model_config
+
+    mcfg = get_model_config(args.model, n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64),
+                            vocab_size=args.vocab, seq_len=max(args.seq_len, 64))  # heads 64 wide, as GPT-2's
+    for d in args.nvme:
+        os.makedirs(d, exist_ok=True)
+    cpu_rate = measure_cpu_adam(compute_dtype="fp32", checksums=True)
+    regimes = choose_regimes(args, mcfg, cpu_rate)
+    log(f"{mcfg.name}: {mcfg.param_count() / 1e6:.1f}M params, batch {args.batch_size} x {args.seq_len}; CPU AdamW "
+        f"{cpu_rate / 1e6:.1f} M params/s; timed device: {timed_device()}")
+    results = {}
+    for regime in regimes:
+        log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}")
+        records = run_regime(args, mcfg, regime, log)
+        results[regime.name] = summarize(args, mcfg, regime, cpu_rate, records)
+        results[regime.name]["records"] = records
+    keys = headline(results)
+    report = {**keys, "targets_met": targets_met(keys), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": command(argv if argv is not None else sys.argv[1:]),
+              "emulated": True, "timed_device": timed_device(), "cpu_adam_params_per_s": cpu_rate,
+              "model": {"name": mcfg.name, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
+                        "vocab_size": mcfg.vocab_size, "params": mcfg.param_count(), "batch": args.batch_size,
+                        "seq": args.seq_len},
+              "environment": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+                              "torch": package_version("torch")},
+              "wall_s": time.perf_counter() - t0, "regimes": results}
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / (
+        "lane_bench_quick.json" if args.quick else "lane_bench.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = portable(report)  # no path of this machine in a committed report
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    log(f"wrote {out} and {out.with_suffix('.md').name}: " + ", ".join(
+        f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in keys.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""benchmarks/lane_bench.py's machinery on a micro configuration (its targets live in the benchmark, not here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import lane_bench  # noqa: E402
+
+from lohan.config import get_model_config  # noqa: E402
+from lohan.plan.planner import LANES_B  # noqa: E402
+
+MICRO = ["--rounds", "1", "--warmup-steps", "0", "--steps", "1", "--layers", "2", "--d-model", "64",
+         "--vocab", "256", "--seq-len", "16"]
+
+
+def test_regimes_are_chosen_from_the_cost_model():
+    """Each regime's modeled GPU and SSD put the predicted lanes where the regime says (module docstring)."""
+    args = lane_bench.parse_args(["--nvme", "unused", "--d-model", "128", "--layers", "2", "--vocab", "512"])
+    mcfg = get_model_config("125m", n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64)
+    rate = 1e8
+    pred = {r.name: lane_bench.predicted(args, mcfg, r, rate, "optimized")
+            for r in lane_bench.choose_regimes(args, mcfg, rate)}
+    cpu = pred["disk"]["cpu"]
+    assert pred["balanced"]["gpu"] == pytest.approx(cpu, rel=0.02) and pred["balanced"]["ssd"] == pytest.approx(cpu, rel=0.02)
+    assert pred["disk"]["ssd"] == pytest.approx(3 * cpu, rel=0.02) and max(pred["disk"], key=pred["disk"].get) == "ssd"
+    assert max(pred["gpu"], key=pred["gpu"].get) == "gpu" and pred["gpu"]["gpu"] == pytest.approx(3 * cpu, rel=0.02)
+    assert max(pred["optimizer"], key=pred["optimizer"].get) == "cpu"
+
+
+def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
+    out = tmp_path / "res" / "lanes.json"
+    assert lane_bench.main(["--nvme", str(tmp_path / "nvme"), "--regimes", "disk", "balanced", "--out", str(out),
+                            *MICRO]) == 0
+    report = json.loads(out.read_text())
+    assert set(lane_bench.TARGETS) <= set(report) and set(report["targets_met"]) == set(lane_bench.TARGETS)
+    assert report["step_over_slowest_lane_gpu"] is None and report["optimized_vs_serial_disk"] > 0
+    assert report["emulated"] is True and report["environment"]["cpu_model"] is not None
+    for name in ("disk", "balanced"):
+        for mode in lane_bench.MODES:
+            m = report["regimes"][name]["modes"][mode]
+            assert set(m["predicted_lanes"]) == set(LANES_B) and m["steps"] == 1
+            assert {"gpu", "ssd", "cpu", "param_wait"} <= set(m["lanes"]) and m["step_over_slowest_lane"] >= 1.0
+    md = out.with_suffix(".md").read_text()
+    assert "step_over_slowest_lane_disk" in md and "| balanced | optimized |" in md
+    assert str(tmp_path) not in out.read_text()  # no path of this machine in a committed report
+
+
+def test_the_command_names_no_path_of_this_machine():
+    assert lane_bench.command(["--quick", "--nvme", "/a", "/b", "--out", "/c.json", "--rounds", "2"]) == (
+        "python benchmarks/lane_bench.py --quick --nvme <path> <path> --out <path> --rounds 2")
