@@ -166,6 +166,27 @@ def test_a_download_starts_after_the_modeled_compute_that_produced_it(dev):
     assert time.perf_counter() - t0 >= 0.16 + 0.0016
 
 
+def test_the_host_runs_ahead_of_the_modeled_compute_so_an_upload_runs_beside_it(dev):
+    """As on a GPU, the host queues compute and goes on: the next block's upload, issued right after this block's
+    compute, runs beside it (0.4 s of compute and a 0.3 s upload take ~0.4 s, not 0.7), and the compute timer
+    reads the modeled stream's clock, not the host's."""
+    a = dev.put(torch.randn(200, 5000))
+    b = dev.put(torch.randn(5000, 200))
+    host = torch.zeros(7_500_000)  # 30 MB: 0.3 s at 100 MB/s
+    dev.fetch((a[:2, :2] @ b[:2, :2]).sum())  # warm up the op's first dispatch
+    timer = dev.timer()
+    t0 = time.perf_counter()
+    with timer:
+        c = a @ b  # 400 MFLOP: 0.4 s at 1 GFLOP/s
+    nxt = dev.to_device(host)
+    dev.wait(nxt.event)
+    dev.fetch(c.sum() + nxt.tensor[0])
+    wall = time.perf_counter() - t0
+    assert 0.4 <= wall < 0.6, wall
+    assert 0.4 <= timer.seconds() < 0.5
+    nxt.event.synchronize()  # the host saw the copy complete: `host` may be freed
+
+
 def test_the_engines_order_is_checked_both_ways():
     """An upload of a host buffer a download still writes must wait for the download's event, and a download
     into a host buffer an upload still reads must wait for the upload's (the two engines run side by side)."""

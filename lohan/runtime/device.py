@@ -276,7 +276,8 @@ def _timing(kind: str, sim_gpu: str | SimGpu | None) -> SimGpu | None:
 
 class Timer:
     """Device seconds spent in `with timer:` spans. On CUDA each span is a pair of timing events on the compute
-    stream, read at `seconds()` (one synchronization, at the end of a step); elsewhere the host's clock."""
+    stream, read at `seconds()` (one synchronization, at the end of a step); on the simulated device its modeled
+    compute stream's clock (`SimDevice.stream_time`); on the CPU the host's clock."""
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -290,7 +291,7 @@ class Timer:
             start.record()
             self._events.append((start, None))
         else:
-            self._t0 = time.perf_counter()
+            self._t0 = self._now()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -299,7 +300,11 @@ class Timer:
             end.record()
             self._events[-1] = (self._events[-1][0], end)
         else:
-            self._host += time.perf_counter() - self._t0
+            self._host += self._now() - self._t0
+
+    def _now(self) -> float:
+        # the simulated device's modeled compute stream may be ahead of the host, as a GPU's is
+        return self.device.sim.stream_time() if self.device.sim is not None else time.perf_counter()
 
     def seconds(self) -> float:
         total = self._host

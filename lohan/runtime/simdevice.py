@@ -33,13 +33,17 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
   through `SimDevice.dispatch`) takes ``max(FLOPs / flops, bytes moved / mem_bw)``, its FLOPs from torch's
   ``flop_counter`` registry (matmuls, convolutions, attention; other ops are priced by their bytes), its bytes its
   inputs' and outputs'. The op still runs for real (results are bit-identical) and its real time counts toward
-  the modeled one; the rest is a debt the compute thread pays with `time.sleep` (the GIL released, no core held)
-  once it exceeds `DEBT_SLICE` and before every cross-stream interaction (a download, a host sync, `synchronize`).
-  The compute lane thus takes max(real, modeled) wall time while AdamW, hashing and I/O threads get the cores.
-  A copy takes ``bytes / h2d`` or ``bytes / d2h`` on its engine. `SimDevice.busy` sums each lane's busy seconds
-  under the cost model's lane names (gpu, m2g, g2m). Not modeled: kernel efficiency and launch overhead (every op
-  at the peak rate; fp32 ops at the bf16 peak), the caching allocator, and the host running ahead of the GPU
-  (here the host issues compute synchronously and blocks while the modeled GPU is busy, beyond `DEBT_SLICE`).
+  the modeled one. The modeled compute stream keeps its own clock (when it will have finished what was issued):
+  the host runs ahead of it, as a GPU's host does, by up to `RUN_AHEAD` seconds, then sleeps (the GIL released,
+  no core held) until it is back within that; a host sync (a value read back, `synchronize`) sleeps until the
+  stream is done. A download starts no earlier than the modeled end of the compute it was ordered after; the
+  compute stream's use of an upload starts once the upload is done. The compute lane thus takes max(real,
+  modeled) time while AdamW, hashing and I/O threads get the cores, and `Device.timer` spans read the modeled
+  stream's clock (as CUDA events do). A copy takes ``bytes / h2d`` or ``bytes / d2h`` on its engine.
+  `SimDevice.busy` sums each lane's busy seconds under the cost model's lane names (gpu, m2g, g2m). Not modeled:
+  kernel efficiency and launch overhead (every op at the peak rate; fp32 ops at the bf16 peak), the caching
+  allocator, and the host's own issue order beyond that: the compute's real part runs when the host issues it,
+  and a wait for an upload (`Device.wait`) blocks the host until the upload is done (on a GPU only the stream).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from lohan.runtime.simgpu import SimGpu
 SIM_DEVICE = torch.device("cpu", 1)  # what a SimTensor reports: `x.device` differs from the host's `cpu`
 POISON_BYTE = 0xFF  # NaN in fp32, bf16 and fp16; -1 in integer types (an invalid token id)
 LATENCY_ENV = "LOHAN_SIM_LATENCY"  # seconds a copy waits on the worker before it runs (default 2 ms)
-DEBT_SLICE = 1e-3  # modeled compute seconds the host may run ahead of before it sleeps them off
+RUN_AHEAD = 0.5  # modeled compute seconds the host may have queued before it sleeps (CUDA's launch queue)
 
 aten = torch.ops.aten
 # copies are the one kind of op that may take a host tensor and a device tensor together
@@ -245,12 +249,13 @@ class _CopyEngine:
         self.device, self.rate = device, rate
         self.stream = SimStream(device, name)
         self.busy = 0.0  # seconds a copy was running (the latency before it started is not counted)
+        self.not_before = 0.0  # the modeled end of the compute this engine's stream last waited for
         self._jobs: queue.Queue[tuple[Callable[[], None], SimEvent, float, int] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"lohan-sim{name}", daemon=True)
         self._worker.start()
 
     def submit(self, job: Callable[[], None], ev: SimEvent, nbytes: int = 0) -> None:
-        self._jobs.put((job, ev, time.monotonic() + self.device.latency, nbytes))
+        self._jobs.put((job, ev, max(time.monotonic() + self.device.latency, self.not_before), nbytes))
 
     def _work(self) -> None:
         while True:
@@ -316,9 +321,14 @@ class SimDevice:
             self._free_at = end
 
     def _pay(self, slack: float = 0.0) -> None:
-        """Sleep (no core held) until the modeled compute stream is done, when it is more than `slack` ahead."""
+        """Sleep (no core held) until the modeled compute stream is at most `slack` seconds from done."""
         if self._free_at - time.monotonic() > slack:
-            _sleep_until(self._free_at)
+            _sleep_until(self._free_at - slack)
+
+    def stream_time(self) -> float:
+        """Where the modeled compute stream is: when work issued now would start (`time.monotonic` seconds)."""
+        with self._clock:
+            return max(time.monotonic(), self._free_at)
 
     def _op_seconds(self, func: Any, args: tuple, kwargs: dict, out: Any) -> float:
         """The modeled time of an aten op on plain tensors: max(FLOPs / flops, bytes / mem_bw)."""
@@ -367,7 +377,7 @@ class SimDevice:
             t0 = time.monotonic()
             out = self._copy_op(func, args, kwargs)
             self._charge(t0, time.monotonic(), self._copy_seconds(func, args, kwargs))
-            self._pay(0.0 if not isinstance(out, SimTensor) else DEBT_SLICE)  # to the host: a sync
+            self._pay(0.0 if not isinstance(out, SimTensor) else RUN_AHEAD)  # to the host: a sync
             return out
         self._check_compute_op(func, args, kwargs, leaves)
         if func in _SYNCS:
@@ -376,7 +386,7 @@ class SimDevice:
         t0 = time.monotonic()
         out = func(*inner_args, **inner_kwargs)
         self._charge(t0, time.monotonic(), self._op_seconds(func, inner_args, inner_kwargs, out))
-        self._pay(0.0 if func in _SYNCS else DEBT_SLICE)
+        self._pay(0.0 if func in _SYNCS else RUN_AHEAD)
         if func in _SYNCS or not isinstance(out, Tensor | tuple | list):
             return out
         if _is_view(func):
@@ -520,7 +530,8 @@ class SimDevice:
     def copy_after_compute(self) -> None:
         """The download engine waits for everything issued on the compute stream so far (an event recorded there
         now: the producing compute), not for the uploads queued on the other engine."""
-        self._pay()  # the modeled compute stream finishes what the download reads before it starts
+        with self._clock:  # the download starts once the modeled compute stream has produced what it reads
+            self._download.not_before = max(self._download.not_before, self._free_at)
         self.download_stream.wait_event(self.compute_stream.record())
 
     def close(self) -> None:
@@ -528,7 +539,7 @@ class SimDevice:
         if self._upload._worker.is_alive() or self._download._worker.is_alive():
             self._upload.close()
             self._download.close()
-            _HOST.uninstall()
+            _HOST.uninstall(self)
 
     def synchronize(self) -> None:
         """Wait for the compute and every copy issued so far."""
@@ -573,11 +584,14 @@ class _HostRanges:
                 add_release_hook(self.on_release)
                 self._installed = True
 
-    def uninstall(self) -> None:
-        """A simulated device closed: once none is open, releases are plain again (later code in the same
-        process, a CPU test, must not find its released buffers poisoned)."""
+    def uninstall(self, device: SimDevice) -> None:
+        """A simulated device closed, its copies all done: its ranges go (a later device's buffers may reuse that
+        memory), and once none is open, releases are plain again (later code in the same process, a CPU test,
+        must not find its released buffers poisoned)."""
         with self._lock:
             self._open = max(0, self._open - 1)
+            for key in [k for k, r in self._ranges.items() if r[2].stream.device is device]:
+                del self._ranges[key]
 
     def track(self, t: Tensor, ev: SimEvent, how: str) -> None:
         start = t.data_ptr()
