@@ -254,8 +254,10 @@ class _CopyEngine:
         self._worker = threading.Thread(target=self._work, name=f"lohan-sim{name}", daemon=True)
         self._worker.start()
 
-    def submit(self, job: Callable[[], None], ev: SimEvent, nbytes: int = 0) -> None:
-        self._jobs.put((job, ev, max(time.monotonic() + self.device.latency, self.not_before), nbytes))
+    def submit(self, job: Callable[[], None], ev: SimEvent, nbytes: int = 0, late: bool = True) -> None:
+        """Queue a copy (`late`: run no sooner than the device's latency after now, as copies do here)."""
+        due = time.monotonic() + (self.device.latency if late else 0.0)
+        self._jobs.put((job, ev, max(due, self.not_before), nbytes))
 
     def _work(self) -> None:
         while True:
@@ -547,7 +549,7 @@ class SimDevice:
         events = []
         for engine in (self._upload, self._download):
             ev = engine.stream.record()
-            engine.submit(lambda: None, ev)
+            engine.submit(lambda: None, ev, late=False)  # a marker, not a copy: no latency of its own
             events.append(ev)
         for ev in events:
             ev.synchronize()
