@@ -127,9 +127,26 @@ def test_compute_takes_its_modeled_time_asleep_not_spinning(dev):
     before = dev.lane_busy()["gpu"]
     wall, cpu, beside = counted(lambda: dev.fetch((a @ b).sum()))
     assert wall >= modeled and cpu < modeled / 2, (wall, cpu)
-    assert modeled <= dev.lane_busy()["gpu"] - before < modeled + 0.1
+    assert 0.999 * modeled <= dev.lane_busy()["gpu"] - before < modeled + 0.1
     _, _, idle = counted(lambda: time.sleep(wall))
     assert beside > idle / 3, (beside, idle)  # a spinning compute thread would take the GIL from the counter
+
+
+def test_attention_on_the_cpu_kernel_is_priced_by_its_flops():
+    """torch's FLOP table has only the GPU attention kernels: the CPU's (which the simulated device runs) is priced
+    as lohan's profiler counts attention, forward Q·K^T and P·V, backward twice that."""
+    d = Device("sim", sim_gpu=SimGpu("slow", flops=1e8, h2d=1e9, d2h=1e9, mem_bw=1e15))
+    try:
+        q = d.put(torch.randn(2, 4, 128, 32)).requires_grad_()
+        fwd = 4 * 2 * 4 * 128 * 128 * 32 / 1e8  # 0.084 s
+        with d.autocast(None):
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            busy = d.lane_busy()["gpu"]
+            assert 0.999 * fwd <= busy < fwd + 0.05, busy
+            out.sum().backward()
+        assert 0.999 * 3 * fwd <= d.lane_busy()["gpu"] < 3 * fwd + 0.1
+    finally:
+        d.close()
 
 
 def test_a_copy_takes_its_bytes_over_the_link_and_busy_adds_up(dev):

@@ -31,7 +31,8 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
 - **Time (opt-in: a `SimGpu`, ``--sim-gpu rtx4090``, ``LOHAN_SIM_GPU``).** Without one the device checks order, not
   time. With one it runs at a modeled GPU's pace: each compute op (forward and autograd backward alike, all come
   through `SimDevice.dispatch`) takes ``max(FLOPs / flops, bytes moved / mem_bw)``, its FLOPs from torch's
-  ``flop_counter`` registry (matmuls, convolutions, attention; other ops are priced by their bytes), its bytes its
+  ``flop_counter`` registry (matmuls, convolutions; the CPU's fused attention from `_EXTRA_FLOPS`; other ops
+  are priced by their bytes), its bytes its
   inputs' and outputs'. The op still runs for real (results are bit-identical) and its real time counts toward
   the modeled one. The modeled compute stream keeps its own clock (when it will have finished what was issued):
   the host runs ahead of it, as a GPU's host does, by up to `RUN_AHEAD` seconds, then sleeps (the GIL released,
@@ -288,6 +289,22 @@ def _sleep_until(when: float) -> None:
         time.sleep(delay)
 
 
+def _sdpa_cpu_flops(q: Tensor, k: Tensor, v: Tensor, *_: Any, **__: Any) -> float:
+    """Attention's Q·K^T and P·V (2 FLOPs a multiply-add; no causal discount), as lohan's profiler counts them:
+    torch's FLOP table has the GPU kernels only, and the simulated device runs the CPU's."""
+    b, h, t, d = q.shape
+    return 2.0 * b * h * t * k.shape[-2] * (d + v.shape[-1])
+
+
+# the CPU's fused attention, which torch's flop_registry lacks: forward, and backward at twice its FLOPs (the
+# gradients of Q, K, V and the recomputed scores, as torch counts the GPU kernels' backward)
+_EXTRA_FLOPS: dict[Any, Callable[..., float]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *_, **__: 2 * _sdpa_cpu_flops(q, k, v),
+}
+
+
 def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
 
@@ -337,8 +354,12 @@ class SimDevice:
         timing = self.timing
         if timing is None or _is_view(func):
             return 0.0
-        count = flop_registry.get(func._overloadpacket)
-        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+        packet = func._overloadpacket
+        if packet in _EXTRA_FLOPS:
+            flops = _EXTRA_FLOPS[packet](*args, **kwargs)
+        else:
+            count = flop_registry.get(packet)
+            flops = count(*args, **kwargs, out_val=out) if count is not None else 0
         nbytes = _nbytes((args, kwargs)) + _nbytes(out)
         return max(flops / timing.flops, nbytes / timing.mem_bw if timing.mem_bw else 0.0)
 
