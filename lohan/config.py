@@ -538,6 +538,12 @@ class EngineConfig:
     """``auto`` (CUDA when available), ``cpu``, ``cuda``, or ``sim``: the CPU simulating a separate device, whose
     tensors do not mix with host buffers and whose copies complete late (lohan/runtime/simdevice.py; for tests)."""
 
+    sim_gpu: str | None = None
+    """A GPU the simulated device models the timing of; only with device ``sim`` (README "The simulated device"):
+    a name of the planner's GPU presets (``rtx4090``, ``h100``, ...) and/or ``key=value`` rates over it
+    (``tflops=150,h2d=25GB/s,d2h=25GB/s,hbm=1000GB/s``; lohan/runtime/simgpu.py). None: ``LOHAN_SIM_GPU`` when
+    set, else the simulated device checks order only, not time."""
+
     name: str = "lohan"
     """Store name: file stem of the slab files and records in the NVMe directories (``<nvme>/<name>.slab``, ...).
     A file name, not a path: letters, digits, ``_`` and ``-`` (`store_name_problem`)."""
@@ -654,6 +660,14 @@ class EngineConfig:
             problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
+        # the spec's names and rates are read against the planner's GPU presets, a layer above this one:
+        # `lohan.runtime.simgpu.parse_sim_gpu` checks them when the device is made (and the CLI before the run)
+        if self.sim_gpu is not None and not (isinstance(self.sim_gpu, str) and self.sim_gpu.strip()):
+            problems.append(f"sim_gpu={self.sim_gpu!r}: name a GPU (e.g. rtx4090) or give rates "
+                            "(e.g. tflops=150,h2d=25GB/s), or leave it unset")
+        elif self.sim_gpu is not None and self.device in ("cpu", "cuda"):
+            problems.append(f"sim_gpu={self.sim_gpu!r} models a GPU's timing on the simulated device: it needs "
+                            f"device sim, not {self.device} (--device sim)")
         return problems
 
     def _optimizer_problems(self) -> list[str]:

@@ -21,7 +21,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behav
 
 def test_cpu_device_is_a_zero_copy_twin():
     dev = Device("cpu")
-    assert not dev.is_cuda and dev.type == "cpu" and dev.copy_stream is None
+    assert not dev.is_cuda and dev.type == "cpu" and dev.upload_stream is None and dev.download_stream is None
     host = torch.randn(3, 5)
     transfer = dev.to_device(host)
     assert transfer.tensor is host and transfer.event.query()  # the "device copy" of a host buffer is the buffer

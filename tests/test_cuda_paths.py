@@ -118,7 +118,7 @@ def test_device_to_ssd_and_back_through_pinned_buffers(make_dirs, backend):
 # ------------------------------------------------------------------------------------------- streams
 def test_device_copy_equals_a_synchronous_copy():
     dev = Device("cuda")
-    assert dev.is_cuda and dev.copy_stream is not None
+    assert dev.is_cuda and dev.upload_stream is not None and dev.download_stream is not None
     host = aligned_empty(12 * MiB, pin=True).view(torch.float32)
     host.copy_(torch.randn(host.numel()))
     for src in (host, host.view(1024, -1).t(), host[5:]):  # contiguous, transposed, offset views
@@ -137,7 +137,7 @@ def test_compute_waits_for_the_side_stream_copy():
     host.copy_(_random_bytes(64 * MiB, 7))
     ref = host.to("cuda")  # synchronous
     torch.cuda.synchronize()
-    with torch.cuda.stream(dev.copy_stream):
+    with torch.cuda.stream(dev.upload_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
     t = dev.to_device(host)
     assert not t.event.query()  # the copy waits behind the sleep: the host did not wait for it

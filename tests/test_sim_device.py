@@ -110,7 +110,7 @@ def test_a_host_that_reads_a_download_before_its_event_reads_nan(dev):
 def test_a_download_must_follow_the_compute_that_wrote_it(dev):
     x = dev.put(torch.arange(6.0)) * 2
     with pytest.raises(StreamOrderError, match="compute stream wrote"):
-        dev.sim.d2h(x, torch.empty(6))  # without the copy stream waiting for the compute stream
+        dev.sim.d2h(x, torch.empty(6))  # without the download stream waiting for the compute stream
     ev = dev.to_host(x, out := torch.empty(6))
     with pytest.raises(StreamOrderError, match="still reads"):
         x.add_(1)  # overwriting what the copy still reads
@@ -190,8 +190,8 @@ def sim(monkeypatch):
     built = []
     real = lohan.runtime.engine.Device
 
-    def device(kind: str = "auto") -> Device:
-        d = real(kind)
+    def device(kind: str = "auto", **kw) -> Device:
+        d = real(kind, **kw)
         built.append(d)
         return d
 

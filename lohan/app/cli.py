@@ -46,7 +46,7 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "nvme": ("engine", "nvme"), "cpu_mem": ("engine", "cpu_mem"), "mode": ("engine", "mode"),
     "compute_dtype": ("engine", "compute_dtype"), "micro_batches": ("engine", "micro_batches"),
     "lr": ("engine", "lr"), "warmup_steps": ("engine", "warmup_steps"), "seed": ("engine", "seed"),
-    "backend": ("engine", "backend"), "device": ("engine", "device"),
+    "backend": ("engine", "backend"), "device": ("engine", "device"), "sim_gpu": ("engine", "sim_gpu"),
     "prefetch_depth": ("engine", "prefetch_depth"), "gpu_mem": ("engine", "gpu_mem"),
     "weight_decay": ("engine", "weight_decay"), "total_steps": ("engine", "total_steps"),
     "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
@@ -112,6 +112,9 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
                    help="device compute precision (fp16 uses dynamic loss scaling)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda", "sim"],
                    help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
+    g.add_argument("--sim-gpu", metavar="SPEC",
+                   help="with --device sim: run at a modeled GPU's pace, e.g. rtx4090, h100 or "
+                        "tflops=150,h2d=25GB/s,d2h=25GB/s,hbm=1000GB/s (default: LOHAN_SIM_GPU, else order only)")
 
 
 def _data_flags(g: argparse._ArgumentGroup) -> None:
@@ -455,7 +458,14 @@ def _main(args: argparse.Namespace) -> int:
             resolve_device,  # imports torch: last, once everything else is known to be valid
         )
 
-        resolve_device(run.engine.device)
+        device = resolve_device(run.engine.device)
+        if run.engine.sim_gpu is not None:
+            from lohan.runtime.simgpu import parse_sim_gpu
+
+            if device != "sim":
+                raise ValueError(f"--sim-gpu {run.engine.sim_gpu} models a GPU's timing on the simulated device, "
+                                 f"but the device is {device}: add --device sim")
+            parse_sim_gpu(run.engine.sim_gpu)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

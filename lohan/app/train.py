@@ -375,7 +375,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"({state_format(layout.state_format).at_rest(engine.store.p16_dtype.itemsize):.2f} B/param)")
     console.print(
         f"  main memory: {plan.total / 2**30:.2f} of {plan.budget / 2**30:.2f} GiB budgeted ({plan.describe()}) | "
-        f"device {engine.device.type}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}"
+        f"device {engine.device.describe()}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}"
         + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none" else ""))
     console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
     if engine.cfg.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size

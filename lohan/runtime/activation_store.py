@@ -310,7 +310,7 @@ class ActivationStore:
                 self._count_cpu(entry.buf.tensor.numel())
             else:
                 entry.buf = self._staging(entry.nbytes)
-            # on the copy stream, in order: the last copy's event completes them all
+            # on the download stream, in order: the last copy's event completes them all
             for view, t in zip(_views(entry.buf.tensor, entry.slots), tensors):
                 entry.event = self.device.to_host(t, view)
             if tier == "ssd":
@@ -420,7 +420,8 @@ class ActivationStore:
                 if e.buf is None:
                     self.prefetch([key])
                 e.handle.wait()
-            e.transfer = self.device.to_device(e.buf.tensor[:e.nbytes])
+            # a `cpu` record's copy from the device may still be writing the buffer, on the other copy engine
+            e.transfer = self.device.to_device(e.buf.tensor[:e.nbytes], after=e.event)
 
     def take(self, key: tuple[int, int]) -> tuple[Tensor, list[OpRecord]]:
         """The block input (on the device) and the records to replay; call `release(key)` after backward."""

@@ -2,15 +2,20 @@
 
 Three kinds, one set of code paths:
 
-- ``cuda``: host->device and device->host copies run on a side stream (`copy_stream`) from page-locked
-  buffers; each returns an event. The compute stream waits for a copy's event before it uses the copy
-  (`wait`), and the host keeps the host buffer until the event completes (`Event.query` / `synchronize`).
+- ``cuda``: host->device copies run on one side stream (`upload_stream`), device->host copies on another
+  (`download_stream`), from page-locked buffers, so that a GPU's two copy engines carry both directions at
+  once: the next block's parameters are not queued behind this block's activations or gradients. Each copy
+  returns an event. The compute stream waits for an upload's event before it uses the copy (`wait`); a download
+  waits for an event recorded on the compute stream when it is issued (the compute that produced what it
+  reads), not for the uploads; the host keeps the host buffer until the event completes (`Event.query` /
+  `synchronize`).
 - ``cpu``: the CPU is the device. Host buffers are used in place (no copy), every event is already
   complete, and nothing is pinned (pin_memory() raises without CUDA).
 - ``sim`` (``LOHAN_DEVICE=sim``, for tests): the CPU behaving as a separate device would. Device tensors
-  and host buffers are told apart, copies complete later on a worker thread, and missing waits raise
-  (lohan/runtime/simdevice.py). The engine's equivalence tests run in this mode, so the CPU suite fails on the
-  device bugs a plain CPU run cannot show.
+  and host buffers are told apart, copies complete later on an upload and a download worker thread, and
+  missing waits raise (lohan/runtime/simdevice.py). The engine's equivalence tests run in this mode, so the CPU
+  suite fails on the device bugs a plain CPU run cannot show. With a timing model (``sim_gpu``,
+  ``--sim-gpu rtx4090``, ``LOHAN_SIM_GPU``; lohan/runtime/simgpu.py) it also runs at a modeled GPU's pace.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 from torch import Tensor
 
 from lohan.runtime.simdevice import SIM_DEVICE, SimDevice
+from lohan.runtime.simgpu import ENV as SIM_GPU_ENV
+from lohan.runtime.simgpu import SimGpu, parse_sim_gpu
 
 KINDS = ("cpu", "cuda", "sim")
 
@@ -78,7 +85,9 @@ class Transfer:
 class Device:
     """The compute device plus the copy machinery the engine needs."""
 
-    def __init__(self, kind: str = "auto") -> None:
+    def __init__(self, kind: str = "auto", sim_gpu: str | SimGpu | None = None) -> None:
+        """`sim_gpu`: the GPU whose timing the simulated device models (a `SimGpu` or a spec for
+        `parse_sim_gpu`; None: ``LOHAN_SIM_GPU`` when set, else none). Only with the simulated device."""
         # "cuda:N": one GPU of several (a data-parallel rank's, parallel.py); it becomes the current device,
         # so the streams, the caching allocator and the copies all use it
         kind, _, index = kind.partition(":")
@@ -86,14 +95,17 @@ class Device:
         self.type = kind
         self.is_cuda = kind == "cuda"
         self.is_host = kind == "cpu"  # device memory is main memory: copies are the tensors themselves
-        self.sim = SimDevice() if kind == "sim" else None
+        self.timing = _timing(kind, sim_gpu)
+        self.sim = SimDevice(timing=self.timing) if kind == "sim" else None
         if self.is_cuda:
             if index:
                 torch.cuda.set_device(int(index))
             self.torch = torch.device("cuda", torch.cuda.current_device())
         else:
             self.torch = SIM_DEVICE if self.sim is not None else torch.device("cpu")
-        self.copy_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
+        # one stream per copy direction (a GPU has an engine for each): uploads never queue behind downloads
+        self.upload_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
+        self.download_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
 
     def bind_thread(self) -> None:
         """Make this device the current one of the calling thread (a worker thread starts on GPU 0, and anything
@@ -132,20 +144,24 @@ class Device:
         return t.is_cuda if self.is_cuda else t.device.type == "cpu"
 
     # ------------------------------------------------------------------ asynchronous copies
-    def to_device(self, host: Tensor) -> Transfer:
-        """Start copying a host tensor to the device on the copy stream (on the CPU: the tensor itself).
+    def to_device(self, host: Tensor, after: Any = None) -> Transfer:
+        """Start copying a host tensor to the device on the upload stream (on the CPU: the tensor itself), after
+        `after` when given: the event of a download (`to_host`) that writes the host memory it reads, which
+        the upload stream would not otherwise wait for.
 
         The compute stream may use `Transfer.tensor` after `wait(transfer.event)`; the host buffer must not
         be reused before the event completes."""
         if self.sim is not None:
-            return Transfer(*self.sim.h2d(host))
+            return Transfer(*self.sim.h2d(host, after))
         if not self.is_cuda:
             return Transfer(host, DONE)
-        with torch.cuda.stream(self.copy_stream):
+        if after is not None:
+            self.upload_stream.wait_event(after)
+        with torch.cuda.stream(self.upload_stream):
             out = host.to(self.torch, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        # `out` was allocated on the copy stream, and the caching allocator would hand its block to the next
+            event.record(self.upload_stream)
+        # `out` was allocated on the upload stream, and the caching allocator would hand its block to the next
         # copy as soon as it is freed, while kernels queued on the compute stream may still read it (the host
         # runs ahead of the GPU): the next block's parameters would overwrite these under the kernels' feet.
         out.record_stream(torch.cuda.current_stream(self.torch))
@@ -160,8 +176,8 @@ class Device:
             torch.cuda.current_stream(self.torch).wait_event(event)
 
     def to_host(self, dev: Tensor, out: Tensor) -> Any:
-        """Copy device tensor `dev` into host tensor `out` on the copy stream, after everything queued on the
-        compute stream so far; returns the copy's event, which the host waits for before it reads `out`.
+        """Copy device tensor `dev` into host tensor `out` on the download stream, after everything queued on the
+        compute stream so far (an event recorded there now), not after the uploads; returns the copy's event, which the host waits for before it reads `out`.
         `dev` is not freed for reuse before the copy has read it. On the CPU, `out` is written now (nothing
         when `dev` is `out`)."""
         if self.sim is not None:
@@ -171,12 +187,14 @@ class Device:
             if dev.data_ptr() != out.data_ptr():
                 out.copy_(dev)
             return DONE
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.torch))
-        with torch.cuda.stream(self.copy_stream):
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.torch))
+        self.download_stream.wait_event(produced)
+        with torch.cuda.stream(self.download_stream):
             out.copy_(dev, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        dev.record_stream(self.copy_stream)
+            event.record(self.download_stream)
+        dev.record_stream(self.download_stream)  # the allocator keeps `dev` until the download has read it
         return event
 
     # ------------------------------------------------------------------ compute
@@ -207,6 +225,15 @@ class Device:
         if self.sim is not None:
             self.sim.close()
 
+    def lane_busy(self) -> dict[str, float] | None:
+        """Seconds the compute stream (``gpu``), the upload (``m2g``) and the download engine (``g2m``) were busy so
+        far, on the simulated device (`SimDevice.busy`); None elsewhere."""
+        return self.sim.busy() if self.sim is not None else None
+
+    def describe(self) -> str:
+        """The device for the run header: ``sim (modeling rtx4090: 165 TFLOPS, PCIe 25/25 GB/s, HBM 1008 GB/s)``."""
+        return f"{self.type} (modeling {self.timing.describe()})" if self.timing is not None else self.type
+
     @property
     def syncs(self) -> int:
         """Values read back to the host so far (counted on the simulated device only)."""
@@ -227,9 +254,30 @@ class Device:
         return f"Device({self.type})"
 
 
+def _timing(kind: str, sim_gpu: str | SimGpu | None) -> SimGpu | None:
+    """The simulated device's timing model: `sim_gpu`, else ``LOHAN_SIM_GPU`` (which other devices ignore, so that
+    a suite run with it set keeps its CPU runs plain)."""
+    if sim_gpu is not None and kind != "sim":
+        raise ValueError(f"sim_gpu={sim_gpu if isinstance(sim_gpu, str) else sim_gpu.name!r} models a GPU's timing "
+                         f"on the simulated device, but the device is {kind}: use --device sim (LOHAN_DEVICE=sim) "
+                         "or drop --sim-gpu")
+    if kind != "sim":
+        return None
+    if sim_gpu is None:
+        sim_gpu = os.environ.get(SIM_GPU_ENV) or None
+        if sim_gpu is None:
+            return None
+        try:
+            return parse_sim_gpu(sim_gpu)
+        except ValueError as e:
+            raise ValueError(f"{SIM_GPU_ENV}: {e}") from None
+    return parse_sim_gpu(sim_gpu) if isinstance(sim_gpu, str) else sim_gpu
+
+
 class Timer:
     """Device seconds spent in `with timer:` spans. On CUDA each span is a pair of timing events on the compute
-    stream, read at `seconds()` (one synchronization, at the end of a step); elsewhere the host's clock."""
+    stream, read at `seconds()` (one synchronization, at the end of a step); on the simulated device its modeled
+    compute stream's clock (`SimDevice.stream_time`); on the CPU the host's clock."""
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -243,7 +291,7 @@ class Timer:
             start.record()
             self._events.append((start, None))
         else:
-            self._t0 = time.perf_counter()
+            self._t0 = self._now()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -252,7 +300,11 @@ class Timer:
             end.record()
             self._events[-1] = (self._events[-1][0], end)
         else:
-            self._host += time.perf_counter() - self._t0
+            self._host += self._now() - self._t0
+
+    def _now(self) -> float:
+        # the simulated device's modeled compute stream may be ahead of the host, as a GPU's is
+        return self.device.sim.stream_time() if self.device.sim is not None else time.perf_counter()
 
     def seconds(self) -> float:
         total = self._host

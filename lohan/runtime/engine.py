@@ -125,7 +125,7 @@ class Engine:
         self.program, self.flops_per_token = program, flops_per_token
         if cfg.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
             reuse_heap()
-        self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device)
+        self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device, sim_gpu=cfg.sim_gpu)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
         self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots,  # whole blocks
                                   cfg.state_format)

@@ -57,12 +57,10 @@ def _timed(fn: Callable[[], object], device: Device, repeats: int, warmup: int =
         fn()
     best = float("inf")
     for _ in range(repeats):
-        if device.is_cuda:
-            torch.cuda.synchronize()
+        device.synchronize()  # a GPU's (or the simulated device's modeled) stream runs behind the host
         t0 = time.perf_counter()
         fn()
-        if device.is_cuda:
-            torch.cuda.synchronize()
+        device.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -119,6 +117,8 @@ def measure_quant_rate(device: Device, dtype: torch.dtype, numel: int = 1 << 22)
 
 def measure_copy_bandwidth(device: Device, nbytes: int = 64 << 20) -> float:
     """Bytes/s of moving activations between device and main memory (the slower direction)."""
+    if device.timing is not None:  # the simulated device's modeled link (its copy engines run at these rates)
+        return min(device.timing.h2d, device.timing.d2h)
     host = torch.empty(nbytes, dtype=torch.uint8)
     host.fill_(1)
     if not device.is_cuda:

@@ -12,12 +12,14 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
   ``device=x.device`` creates a SimTensor, as model code's ``torch.arange(..., device=x.device)`` does on a
   GPU, and ``.cpu()`` / ``.to("cpu")`` copy to the host. 0-dim host tensors mix freely, as CPU scalars do
   with CUDA tensors.
-- **Streams and events.** The compute stream runs its ops at once, on the calling thread; the copy stream runs
-  its copies later, in order, on a worker thread. Each stream keeps a vector clock of the events it waited
+- **Streams and events.** The compute stream runs its ops at once, on the calling thread; two copy engines, an
+  upload (host to device) and a download (device to host) stream, each run their copies later, in order, on a
+  worker thread of their own, as a GPU's two copy engines do: a download does not wait for the uploads queued
+  before it, nor an upload for the downloads. Each stream keeps a vector clock of the events it waited
   for; every SimTensor remembers which stream last wrote it and when. An op that reads it on another stream
   that has not waited for an event recorded after that write raises `StreamOrderError` (the check
   ``TORCH_CUDA_SANITIZER`` makes on a GPU, made deterministic here); so does an op that overwrites a tensor
-  a pending copy still reads.
+  a pending copy still reads, and a download of a tensor whose producing compute it was not ordered after.
 - **Host buffers.** Until the host has seen an asynchronous copy's event complete (`query`, `synchronize`; a
   compute stream's wait is not enough), giving back the pool buffer that it reads or writes raises
   `StreamOrderError`; every released pool buffer is then filled with 0xFF bytes (NaN in
@@ -26,6 +28,23 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
   the copy's event reads NaNs.
 - **Host syncs.** Every value read back to the host (``float()``, ``.item()``, ``bool()``, `SimDevice.fetch`)
   is counted in `SimDevice.syncs`, so a test can bound the syncs of a step.
+- **Time (opt-in: a `SimGpu`, ``--sim-gpu rtx4090``, ``LOHAN_SIM_GPU``).** Without one the device checks order, not
+  time. With one it runs at a modeled GPU's pace: each compute op (forward and autograd backward alike, all come
+  through `SimDevice.dispatch`) takes ``max(FLOPs / flops, bytes moved / mem_bw)``, its FLOPs from torch's
+  ``flop_counter`` registry (matmuls, convolutions; the CPU's fused attention from `_EXTRA_FLOPS`; other ops
+  are priced by their bytes), its bytes its
+  inputs' and outputs'. The op still runs for real (results are bit-identical) and its real time counts toward
+  the modeled one. The modeled compute stream keeps its own clock (when it will have finished what was issued):
+  the host runs ahead of it, as a GPU's host does, by up to `RUN_AHEAD` seconds, then sleeps (the GIL released,
+  no core held) until it is back within that; a host sync (a value read back, `synchronize`) sleeps until the
+  stream is done. A download starts no earlier than the modeled end of the compute it was ordered after; the
+  compute stream's use of an upload starts once the upload is done. The compute lane thus takes max(real,
+  modeled) time while AdamW, hashing and I/O threads get the cores, and `Device.timer` spans read the modeled
+  stream's clock (as CUDA events do). A copy takes ``bytes / h2d`` or ``bytes / d2h`` on its engine.
+  `SimDevice.busy` sums each lane's busy seconds under the cost model's lane names (gpu, m2g, g2m). Not modeled:
+  kernel efficiency and launch overhead (every op at the peak rate; fp32 ops at the bf16 peak), the caching
+  allocator, and the host's own issue order beyond that: the compute's real part runs when the host issues it,
+  and a wait for an upload (`Device.wait`) blocks the host until the upload is done (on a GPU only the stream).
 """
 
 from __future__ import annotations
@@ -43,10 +62,14 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import flop_registry
+
+from lohan.runtime.simgpu import SimGpu
 
 SIM_DEVICE = torch.device("cpu", 1)  # what a SimTensor reports: `x.device` differs from the host's `cpu`
 POISON_BYTE = 0xFF  # NaN in fp32, bf16 and fp16; -1 in integer types (an invalid token id)
 LATENCY_ENV = "LOHAN_SIM_LATENCY"  # seconds a copy waits on the worker before it runs (default 2 ms)
+RUN_AHEAD = 0.5  # modeled compute seconds the host may have queued before it sleeps (CUDA's launch queue)
 
 aten = torch.ops.aten
 # copies are the one kind of op that may take a host tensor and a device tensor together
@@ -219,21 +242,146 @@ class _FactoryMode(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------------------ the device
-class SimDevice:
-    """Streams, a copy worker and the checks of the simulated device; `lohan.runtime.device.Device` drives it."""
+class _CopyEngine:
+    """One copy engine: a stream and the worker thread that runs its copies in order, each after the device's
+    latency (from its issue) and, with a timing model, for ``bytes / rate`` seconds (its real time counting)."""
 
-    def __init__(self, latency: float | None = None) -> None:
+    def __init__(self, device: SimDevice, name: str, rate: float | None) -> None:
+        self.device, self.rate = device, rate
+        self.stream = SimStream(device, name)
+        self.busy = 0.0  # seconds a copy was running (the latency before it started is not counted)
+        self.not_before = 0.0  # the modeled end of the compute this engine's stream last waited for
+        self._jobs: queue.Queue[tuple[Callable[[], None], SimEvent, float, int] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"lohan-sim{name}", daemon=True)
+        self._worker.start()
+
+    def submit(self, job: Callable[[], None], ev: SimEvent, nbytes: int = 0, late: bool = True) -> None:
+        """Queue a copy (`late`: run no sooner than the device's latency after now, as copies do here)."""
+        due = time.monotonic() + (self.device.latency if late else 0.0)
+        self._jobs.put((job, ev, max(due, self.not_before), nbytes))
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, ev, due, nbytes = item
+            _sleep_until(due)
+            start = time.monotonic()
+            try:
+                job()
+            except BaseException as e:  # the waiter raises it
+                ev.error = e
+            if self.rate:
+                _sleep_until(start + nbytes / self.rate)
+            self.busy += time.monotonic() - start
+            ev._finish()
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join()
+
+
+def _sleep_until(when: float) -> None:
+    delay = when - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _sdpa_cpu_flops(q: Tensor, k: Tensor, v: Tensor, *_: Any, **__: Any) -> float:
+    """Attention's Q·K^T and P·V (2 FLOPs a multiply-add; no causal discount), as lohan's profiler counts them:
+    torch's FLOP table has the GPU kernels only, and the simulated device runs the CPU's."""
+    b, h, t, d = q.shape
+    return 2.0 * b * h * t * k.shape[-2] * (d + v.shape[-1])
+
+
+# the CPU's fused attention, which torch's flop_registry lacks: forward, and backward at twice its FLOPs (the
+# gradients of Q, K, V and the recomputed scores, as torch counts the GPU kernels' backward)
+_EXTRA_FLOPS: dict[Any, Callable[..., float]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *_, **__: 2 * _sdpa_cpu_flops(q, k, v),
+}
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+
+
+class SimDevice:
+    """Streams, two copy engines, the checks and (with `timing`) the pace of the simulated device;
+    `lohan.runtime.device.Device` drives it."""
+
+    def __init__(self, latency: float | None = None, timing: SimGpu | None = None) -> None:
         self.latency = float(os.environ.get(LATENCY_ENV, "0.002")) if latency is None else latency
+        self.timing = timing
         self.compute_stream = SimStream(self, "compute")
-        self.copy_stream = SimStream(self, "copy")
         self.syncs = 0
         self.copies = {"h2d": 0, "d2h": 0}
         self.host_seen: dict[SimStream, int] = {}  # the host's clock: events it saw complete
         self._host_lock = threading.Lock()
-        self._jobs: queue.Queue[tuple[Callable[[], None], SimEvent, float] | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="lohan-simcopy", daemon=True)
-        self._worker.start()
+        self._upload = _CopyEngine(self, "upload", timing.h2d if timing else None)
+        self._download = _CopyEngine(self, "download", timing.d2h if timing else None)
+        self.upload_stream, self.download_stream = self._upload.stream, self._download.stream
+        self._clock = threading.Lock()
+        self._free_at = 0.0  # when the modeled compute stream has finished what was issued on it
+        self._gpu_busy = 0.0
         _HOST.install()
+
+    # -- time
+    def _charge(self, t0: float, t1: float, modeled: float) -> None:
+        """An op ran on the host from `t0` to `t1`; on the modeled GPU it starts once the ops before it are done
+        (or at `t0`) and takes `modeled` seconds, never less than its real time."""
+        with self._clock:
+            start = max(self._free_at, t0)
+            end = max(t1, start + modeled)
+            self._gpu_busy += end - start
+            self._free_at = end
+
+    def _pay(self, slack: float = 0.0) -> None:
+        """Sleep (no core held) until the modeled compute stream is at most `slack` seconds from done."""
+        if self._free_at - time.monotonic() > slack:
+            _sleep_until(self._free_at - slack)
+
+    def stream_time(self) -> float:
+        """Where the modeled compute stream is: when work issued now would start (`time.monotonic` seconds)."""
+        with self._clock:
+            return max(time.monotonic(), self._free_at)
+
+    def _op_seconds(self, func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+        """The modeled time of an aten op on plain tensors: max(FLOPs / flops, bytes / mem_bw)."""
+        timing = self.timing
+        if timing is None or _is_view(func):
+            return 0.0
+        packet = func._overloadpacket
+        if packet in _EXTRA_FLOPS:
+            flops = _EXTRA_FLOPS[packet](*args, **kwargs)
+        else:
+            count = flop_registry.get(packet)
+            flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+        nbytes = _nbytes((args, kwargs)) + _nbytes(out)
+        return max(flops / timing.flops, nbytes / timing.mem_bw if timing.mem_bw else 0.0)
+
+    def _copy_seconds(self, func: Any, args: tuple, kwargs: dict) -> float:
+        """A synchronous copy's modeled time: its bytes over the device memory, or over the link when it crosses."""
+        timing = self.timing
+        if timing is None:
+            return 0.0
+        src = args[1] if func is aten.copy_.default else args[0]
+        nbytes = _nbytes(src)
+        to_host = func is aten.copy_.default and not isinstance(args[0], SimTensor) or (
+            kwargs.get("device") not in (None, SIM_DEVICE))
+        rate = timing.d2h if to_host else timing.h2d if not isinstance(src, SimTensor) else timing.mem_bw
+        return nbytes / rate if rate else 0.0
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each lane was busy so far, under the cost model's lane names (lohan.plan.planner.LANES): the
+        compute stream ``gpu`` (modeled, or real where that was longer), the upload engine ``m2g`` and the
+        download engine ``g2m`` (their copies' running time)."""
+        with self._clock:
+            gpu = self._gpu_busy
+        return {"gpu": gpu, "m2g": self._upload.busy, "g2m": self._download.busy}
 
     # -- tensors
     def wrap(self, inner: Tensor, writer: tuple[SimStream, int] | None = None) -> SimTensor:
@@ -248,9 +396,33 @@ class SimDevice:
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         leaves = tree_flatten((args, kwargs))[0]
-        stream = self.compute_stream
         if func in _COPIES:
-            return self._copy_op(func, args, kwargs)
+            t0 = time.monotonic()
+            out = self._copy_op(func, args, kwargs)
+            self._charge(t0, time.monotonic(), self._copy_seconds(func, args, kwargs))
+            self._pay(0.0 if not isinstance(out, SimTensor) else RUN_AHEAD)  # to the host: a sync
+            return out
+        self._check_compute_op(func, args, kwargs, leaves)
+        if func in _SYNCS:
+            self.syncs += 1
+        inner_args, inner_kwargs = tree_map_only(SimTensor, lambda t: t._inner, (args, _to_host_kwargs(kwargs)))
+        t0 = time.monotonic()
+        out = func(*inner_args, **inner_kwargs)
+        self._charge(t0, time.monotonic(), self._op_seconds(func, inner_args, inner_kwargs, out))
+        self._pay(0.0 if func in _SYNCS else RUN_AHEAD)
+        if func in _SYNCS or not isinstance(out, Tensor | tuple | list):
+            return out
+        if _is_view(func):
+            mem = next(t._mem for t in leaves if isinstance(t, SimTensor))
+            wrapped = tree_map_only(Tensor, lambda t: SimTensor(t, self, mem), out)
+        else:
+            wrapped = tree_map_only(Tensor, lambda t: self.wrap(t), out)
+        return return_and_correct_aliasing(func, args, kwargs, wrapped)
+
+    def _check_compute_op(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> None:
+        """An op on the compute stream: no host tensor mixed in, every device input ordered before it, and what it
+        overwrites read by no pending copy; then it is the last writer of what it writes."""
+        stream = self.compute_stream
         host = [t for t in leaves if isinstance(t, Tensor) and not isinstance(t, SimTensor) and t.dim() > 0]
         if host:
             raise DeviceMixError(
@@ -266,18 +438,6 @@ class SimDevice:
             if isinstance(t, SimTensor):
                 self._check_readers(t, f"{func} overwrites")
                 t._mem.writer = (stream, stream.count)
-        if func in _SYNCS:
-            self.syncs += 1
-        inner_args, inner_kwargs = tree_map_only(SimTensor, lambda t: t._inner, (args, _to_host_kwargs(kwargs)))
-        out = func(*inner_args, **inner_kwargs)
-        if func in _SYNCS or not isinstance(out, Tensor | tuple | list):
-            return out
-        if _is_view(func):
-            mem = next(t._mem for t in leaves if isinstance(t, SimTensor))
-            wrapped = tree_map_only(Tensor, lambda t: SimTensor(t, self, mem), out)
-        else:
-            wrapped = tree_map_only(Tensor, lambda t: self.wrap(t), out)
-        return return_and_correct_aliasing(func, args, kwargs, wrapped)
 
     def _check_readers(self, t: SimTensor, what: str) -> None:
         pending = [ev for ev in t._mem.readers if not ev.query()]
@@ -326,8 +486,8 @@ class SimDevice:
             for stream, seq in ev.clock.items():
                 if self.host_seen.get(stream, 0) < seq:
                     self.host_seen[stream] = seq
-        self.compute_stream.wait_event(ev)
-        self.copy_stream.wait_event(ev)
+        for stream in (self.compute_stream, self.upload_stream, self.download_stream):
+            stream.wait_event(ev)
 
     def fetch(self, t: Tensor) -> Tensor:
         """A device tensor's value on the host (a synchronization)."""
@@ -336,80 +496,84 @@ class SimDevice:
         self.syncs += 1
         if not self.compute_stream.sees(t._mem.writer):
             raise StreamOrderError("a device tensor was read to the host before the copy that writes it completed")
+        self._pay()
         return t._inner.clone()
 
     def put(self, host: Tensor) -> SimTensor:
         """A synchronous host-to-device copy (small tensors: token ids, targets)."""
         return self.wrap(host.detach().clone())
 
-    # -- asynchronous copies on the copy stream
-    def h2d(self, host: Tensor) -> tuple[SimTensor, SimEvent]:
-        """Copy `host` to a new device tensor on the copy stream; returns it and the copy's event. The host
-        memory must stay untouched until the event completes."""
+    # -- asynchronous copies on the copy engines
+    def h2d(self, host: Tensor, after: SimEvent | None = None) -> tuple[SimTensor, SimEvent]:
+        """Copy `host` to a new device tensor on the upload engine, after `after` (a download's event: the
+        upload stream waits for it); returns the tensor and the copy's event. The host memory must stay
+        untouched until the event completes; the compute stream reads the tensor after it waited for the event
+        (`Device.wait`)."""
         if isinstance(host, SimTensor):
             raise DeviceMixError("h2d of a tensor that is already on the device")
         inner = torch.empty(host.shape, dtype=host.dtype)
         _poison(inner)
-        stream = self.copy_stream
+        stream = self.upload_stream
+        if after is not None:
+            stream.wait_event(after)
+        src = host.detach()
+        _HOST.check_order(src, stream, "read")
         out = self.wrap(inner, writer=(stream, stream.count))
         ev = stream.record()
-        src = host.detach()
         _HOST.track(src, ev, "read")
         self.copies["h2d"] += 1
-        self._submit(lambda: inner.copy_(src), ev)
+
+        def job() -> None:
+            if after is not None:  # the engine stalls until the other engine's copy is done, as a GPU's would
+                after._done.wait()
+            inner.copy_(src)
+
+        self._upload.submit(job, ev, _nbytes(src))
         return out, ev
 
     def d2h(self, dev: Tensor, out: Tensor) -> SimEvent:
-        """Copy device tensor `dev` into host tensor `out` on the copy stream, which must have waited for the
+        """Copy device tensor `dev` into host tensor `out` on the download engine, which must have waited for the
         compute stream's write of `dev` (`SimDevice.copy_after_compute`)."""
         if not isinstance(dev, SimTensor) or isinstance(out, SimTensor):
             raise DeviceMixError("d2h copies a device tensor into a host tensor")
-        if not self.copy_stream.sees(dev._mem.writer):
-            raise StreamOrderError("the copy stream reads a device tensor the compute stream wrote, without waiting "
-                                   "for an event recorded after that write (a missing wait for the compute stream)")
+        if not self.download_stream.sees(dev._mem.writer):
+            raise StreamOrderError(f"the download stream reads a device tensor the {dev._mem.writer[0].name} stream "
+                                   "wrote, without waiting for an event recorded after that write (a missing wait "
+                                   "for the producing stream: Device.to_host orders it after the compute)")
+        _HOST.check_order(out, self.download_stream, "write")
         _poison(out)  # what the host finds there before the copy has run
-        ev = self.copy_stream.record()
+        ev = self.download_stream.record()
         src = dev._inner
         dev._mem.readers.append(ev)
         _HOST.track(out, ev, "write")
         self.copies["d2h"] += 1
-        self._submit(lambda: out.copy_(src), ev)
+        self._download.submit(lambda: out.copy_(src), ev, _nbytes(src))
         return ev
 
     def copy_after_compute(self) -> None:
-        """The copy stream waits for everything issued on the compute stream so far."""
-        self.copy_stream.wait_event(self.compute_stream.record())
-
-    def _submit(self, job: Callable[[], None], ev: SimEvent) -> None:
-        self._jobs.put((job, ev, time.monotonic() + self.latency))
-
-    def _work(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, ev, due = item
-            delay = due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            try:
-                job()
-            except BaseException as e:  # the waiter raises it
-                ev.error = e
-            ev._finish()
+        """The download engine waits for everything issued on the compute stream so far (an event recorded there
+        now: the producing compute), not for the uploads queued on the other engine."""
+        with self._clock:  # the download starts once the modeled compute stream has produced what it reads
+            self._download.not_before = max(self._download.not_before, self._free_at)
+        self.download_stream.wait_event(self.compute_stream.record())
 
     def close(self) -> None:
-        """Finish the copies issued so far and stop the worker."""
-        if self._worker.is_alive():
-            self._jobs.put(None)
-            self._worker.join()
-            _HOST.uninstall()
+        """Finish the copies issued so far and stop the copy engines."""
+        if self._upload._worker.is_alive() or self._download._worker.is_alive():
+            self._upload.close()
+            self._download.close()
+            _HOST.uninstall(self)
 
     def synchronize(self) -> None:
-        """Wait for every copy issued so far."""
-        ev = self.copy_stream.record()
-        self._submit(lambda: None, ev)
-        ev.synchronize()
+        """Wait for the compute and every copy issued so far."""
+        self._pay()
+        events = []
+        for engine in (self._upload, self._download):
+            ev = engine.stream.record()
+            engine.submit(lambda: None, ev, late=False)  # a marker, not a copy: no latency of its own
+            events.append(ev)
+        for ev in events:
+            ev.synchronize()
 
 
 def _poison(t: Tensor) -> None:
@@ -443,11 +607,14 @@ class _HostRanges:
                 add_release_hook(self.on_release)
                 self._installed = True
 
-    def uninstall(self) -> None:
-        """A simulated device closed: once none is open, releases are plain again (later code in the same
-        process, a CPU test, must not find its released buffers poisoned)."""
+    def uninstall(self, device: SimDevice) -> None:
+        """A simulated device closed, its copies all done: its ranges go (a later device's buffers may reuse that
+        memory), and once none is open, releases are plain again (later code in the same process, a CPU test,
+        must not find its released buffers poisoned)."""
         with self._lock:
             self._open = max(0, self._open - 1)
+            for key in [k for k, r in self._ranges.items() if r[2].stream.device is device]:
+                del self._ranges[key]
 
     def track(self, t: Tensor, ev: SimEvent, how: str) -> None:
         start = t.data_ptr()
@@ -456,6 +623,21 @@ class _HostRanges:
             for key in [k for k, r in self._ranges.items() if r[2].observed]:
                 del self._ranges[key]
             self._ranges[next(self._ids)] = (start, end, ev, how)
+
+    def check_order(self, t: Tensor, stream: SimStream, how: str) -> None:
+        """A copy on `stream` that `how`s host tensor `t` ("read" or "write") must be ordered after the pending
+        copies of the other engine that write it (or, for a write, read it): the two engines run side by side."""
+        start = t.data_ptr()
+        end = start + _span_bytes(t)
+        clash = "write" if how == "read" else "read"
+        with self._lock:
+            busy = [ev for s, e, ev, h in self._ranges.values()
+                    if s < end and start < e and h == clash and not ev.observed and not stream.sees((ev.stream, ev.seq))]
+        if busy:
+            raise StreamOrderError(f"the {stream.name} stream {how}s a host buffer that a copy on the {busy[0].stream.name} "
+                                   f"stream still {clash}s, without waiting for that copy's event (the two copy "
+                                   "engines run side by side: pass the event as Device.to_device(..., after=event), or "
+                                   "synchronize it first)")
 
     def on_release(self, t: Tensor, poison: bool) -> None:
         if not self._open:
