@@ -15,7 +15,9 @@ Modes:
 `GradOffloader` lives as long as the engine and owns one worker thread; each step's `begin_step` makes an
 `UpdatePass` (the step's hyper-parameters, slots, gate, gradients, checksums and buffers in flight) that the
 worker runs unit by unit as a READ step, an update step and an emit step. The fused AdamW kernel and the I/O
-release the GIL. Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and
+release the GIL. The worker's serial chain is AdamW alone: a READ's bytes are hashed on a verify thread as soon as
+it completes (the worker only compares the hash with the commit's before the update), and an updated record's
+on a sum thread while its WRITE is in flight (`hasher.py`); a buffer goes back only once its hash job is over. Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and
 read-ahead rooms of `lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds
 the writes in flight. In optimized mode the READs run ahead of the gradients while the pool has room; a deferred
 pass (its update waits for the global norm) so reads during backward as many records as the read-ahead room
@@ -53,6 +55,7 @@ and its update decodes, runs AdamW and encodes `pools.FORMAT_ELEMS` elements at 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -62,7 +65,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from io_engine import AlignedBuffer, BudgetExceededError, BufferPool
+from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
@@ -74,6 +77,7 @@ from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool size
     record_pool_bytes,
 )
 from lohan.runtime.format_adamw import adamw_unit_
+from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
 from lohan.runtime.record_buffers import (
     BufState,
@@ -158,7 +162,8 @@ class UpdatePass:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (block, gradient) from the compute thread
         self.backward_done = threading.Event()
         self.arrived: dict[int, AlignedBuffer | StashedGrad] = {}  # gradients that came before their turn
-        self.sums: dict[int, list[list[int]]] = {}  # per block, per unit: [state, p16] checksums written
+        # per block, per unit's first element: the WRITE and the hash of its [state, p16] checksums (`_issue_write`)
+        self.sums: dict[int, dict[int, Hashed]] = {}
         self.reads: dict[Unit, RecordBuffer] = {}
         self.in_hand: RecordBuffer | None = None
         self.writes: deque[RecordBuffer] = deque()
@@ -222,14 +227,11 @@ class UpdatePass:
         rb = self.in_hand = self.reads.pop(unit)
         if rb.state is BufState.READING:  # (not a resident record whose bytes never left memory)
             t0 = time.perf_counter()
-            rb.wait()
+            handle = rb.handle
+            rb.wait()  # the READ, and its hash (`_reading`) unless that was done while the unit before updated
             ago.read_wait_s += time.perf_counter() - t0
-            if ago.store.checksums:
-                t0 = time.perf_counter()
-                i, lo, hi = unit
-                views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
-                ago.store.check_unit(i, lo, "state", tensor_hash(*views.state), slot=self.read_slot)
-                ago.hash_s += time.perf_counter() - t0
+            if isinstance(handle, Hashed):  # checked here, before the update uses the bytes
+                ago.store.check_unit(unit[0], unit[1], "state", handle.value(), slot=self.read_slot)
             rb.to(BufState.READY)
         if prefetch and k + 1 < len(self.units) and self.units[k + 1] not in self.reads:
             self._issue_read(self.units[k + 1], wait=False)  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
@@ -274,17 +276,13 @@ class UpdatePass:
                 or any(rb.state is BufState.READING for rb in self.reads.values()))
 
     def _emit(self, rb: RecordBuffer, reads_pending: bool = True) -> None:
-        """The emit step: the new P16 to `provide`, the checksums of what will reach the SSDs, then the WRITE
-        (with write-behind, held back while READs are still to come: they have the SSDs first)."""
+        """The emit step: the new P16 to `provide`, then the WRITE (with write-behind, held back while READs are
+        still to come: they have the SSDs first), whose bytes are hashed while it is in flight."""
         ago = self.ago
         i, lo, hi = rb.unit
         views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
         if self.provide is not None:
             self.provide(i, lo, hi, views.p16)
-        if ago.store.checksums:  # hashed before the write goes out: the bytes that reach the SSD
-            t0 = time.perf_counter()
-            self.sums.setdefault(i, []).append(unit_sums(views))
-            ago.hash_s += time.perf_counter() - t0
         self.in_hand = None
         if self.lazy and reads_pending:
             ago.behind.hold(rb)
@@ -373,8 +371,8 @@ class UpdatePass:
                 return
             ago.resident_records.forget(i)
             self.reads[unit] = res.to(BufState.READING)
-            res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
-                                       layout.record_offset(i, self.read_slot))
+            self._reading(res, vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
+                                             layout.record_offset(i, self.read_slot)))
             return
         # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
         # is full, retire the oldest write instead of blocking on buffers only this thread releases.
@@ -390,11 +388,21 @@ class UpdatePass:
                 self._retire_oldest_write()
         rb = self.reads[unit] = RecordBuffer(unit, buf, ago.buffers).to(BufState.READING)
         if (lo, hi) == (0, layout.blocks[i].numel):
-            rb.handle = vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
-                                      layout.record_offset(i, self.read_slot))
+            self._reading(rb, vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
+                                            layout.record_offset(i, self.read_slot)))
         else:
-            rb.handle = Handles([vol.read_into(buf.tensor[a:a + n], off)
-                                 for a, off, n in unit_sections(layout, unit, self.read_slot, with_p16=False)])
+            self._reading(rb, Handles([vol.read_into(buf.tensor[a:a + n], off)
+                                       for a, off, n in unit_sections(layout, unit, self.read_slot, with_p16=False)]))
+
+    def _reading(self, rb: RecordBuffer, handle: Handle | Handles) -> None:
+        """The READ `handle` in flight into `rb`; with checksums, its bytes are hashed on the verify thread as
+        soon as it completes (`_read` compares the hash with the commit's before the update uses them)."""
+        ago = self.ago
+        if ago.store.checksums:
+            i, lo, hi = rb.unit
+            views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
+            handle = ago.verify_hasher.after_read(handle, functools.partial(tensor_hash, *views.state))
+        rb.handle = handle
 
     def _read_ahead(self, k: int) -> None:
         """Issue the READs of units[k], units[k+1], ... not yet issued while the record pool has a buffer
@@ -441,6 +449,10 @@ class UpdatePass:
         else:
             rb.handle = Handles([vol.write(rb.buf.tensor[a:a + n], off)
                                  for a, off, n in unit_sections(layout, rb.unit, self.write_slot, with_p16=True)])
+        if ago.store.checksums:  # hashed while the WRITE is in flight: the buffer cannot change until it retires,
+            views = unit_views(rb.buf.tensor, layout.blocks[i], lo, hi, ago.store.p16_dtype)  # so these are the
+            rb.handle = ago.sum_hasher.beside_write(rb.handle, functools.partial(unit_sums, views))  # SSD's bytes
+            self.sums.setdefault(i, {})[lo] = rb.handle  # (write-behind may send a block's units out of order)
         if rb.resident:  # its bytes are the ones of the slot written, once that step is committed
             ago.resident_records.written(i, self.write_slot, self.update)
         crashpoint("offload.write_issued")
@@ -505,13 +517,23 @@ class GradOffloader:
         self.read_wait_s = 0.0  # waiting for READs
         self.grad_wait_s = 0.0  # waiting for gradients
         self.busy_s = 0.0  # from a pass's start to its end
-        self.hash_s = 0.0  # checksumming what was read and what will be written
+        # Checksums off the worker's serial path (hasher.py): READs are hashed as they complete, and records
+        # while their WRITE is in flight, each on a thread of its own for the engine's life (as the worker's)
+        self.verify_hasher = Hasher("lohan-ago-verify")
+        self.sum_hasher = Hasher("lohan-ago-sum")
         self.blocks_written = 0
         self.resident_hits = 0  # READs a resident record made unnecessary
 
     def reset_stats(self) -> None:
-        self.adam_s = self.read_wait_s = self.grad_wait_s = self.busy_s = self.hash_s = 0.0
+        self.adam_s = self.read_wait_s = self.grad_wait_s = self.busy_s = 0.0
         self.blocks_written = self.resident_hits = 0
+        self.verify_hasher.reset()
+        self.sum_hasher.reset()
+
+    @property
+    def hash_s(self) -> float:
+        """Seconds spent checksumming what was read and what is written (on the hash threads, not the worker)."""
+        return self.verify_hasher.hash_s + self.sum_hasher.hash_s
 
     @property
     def resident(self) -> list[int]:
@@ -587,7 +609,8 @@ class GradOffloader:
         missing = [i for i in range(len(self.store.layout.blocks)) if i not in sums]
         if missing:
             raise RuntimeError(f"the optimizer step wrote no checksums for blocks {missing}")
-        return [sums[i] for i in range(len(self.store.layout.blocks))]
+        # (each hash job is over by now, or soon: it waits for no WRITE, only for the jobs before it)
+        return [[sums[i][lo].value() for lo in sorted(sums[i])] for i in range(len(self.store.layout.blocks))]
 
     def begin_redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
                    coef: torch.Tensor, provide: Provide | None = None) -> None:
@@ -638,6 +661,8 @@ class GradOffloader:
         except BaseException:  # the engine decided about this tail (flushed or discarded) before closing
             pass
         self.resident_records.close()
+        self.verify_hasher.close()
+        self.sum_hasher.close()
 
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.

@@ -45,6 +45,7 @@ from torch import nn
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError
 from lohan.runtime.device import Device, Transfer
+from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.parallel import DataParallel
 from lohan.store.integrity import tensor_hash, unit_bounds
 from lohan.store.states import StateStore, StoreLayout
@@ -72,7 +73,7 @@ class ParamStreamer:
                 module = block.get_submodule(owner) if owner else block
                 entries.append((module, leaf, module._parameters[leaf]))  # the meta placeholder
             self._slots.append(entries)
-        self._inflight: dict[int, tuple[AlignedBuffer, Handle]] = {}
+        self._inflight: dict[int, tuple[AlignedBuffer, Handle | Hashed]] = {}
         # a separate device: blocks whose copy to the device has started (stage), and host buffers that copies
         # still read, given back once their event completes
         self._staged: dict[int, tuple[AlignedBuffer, Transfer, int]] = {}
@@ -86,7 +87,7 @@ class ParamStreamer:
         self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter], int]] = {}
         self.max_resident = 0
         self.wait_s = 0.0
-        self.hash_s = 0.0
+        self.hasher = Hasher("lohan-p16-verify")  # P16 checksums, off the compute thread (`hash_s`)
         self.bytes_read = 0
         self.kept_hits = 0
         self.late_copies = 0  # blocks whose copy to a separate device started only when they were needed
@@ -212,6 +213,8 @@ class ParamStreamer:
         buf = self._room(self.buffer_bytes(i))
         at = self._own(i)[0] * own.p16_itemsize
         handle = self.store.volume.read_into(buf.tensor[at:at + own.p16_bytes], self.store.layout.p16_offset(i, slot))
+        if self.store.checksums:  # hashed on the hash thread as soon as it is read, not before its upload
+            handle = self.hasher.after_read(handle, functools.partial(self._unit_hashes, buf, i))
         self._inflight[i] = (buf, handle)
         self.bytes_read += own.p16_bytes
 
@@ -327,6 +330,7 @@ class ParamStreamer:
         checksums verified), or provided by the optimizer."""
         kept = None if i in self._provisions or i in self._inflight or not self.keeps else self.pool.take_kept((i, slot))
         from_ssd = i not in self._provisions and kept is None
+        handle = None
         if kept is not None:  # checked when it was read (or the optimizer's own bytes)
             buf = kept
             self.kept_hits += 1
@@ -334,22 +338,25 @@ class ParamStreamer:
             self.prefetch(i, slot)
             buf, handle = self._inflight.pop(i)
             t0 = time.perf_counter()
-            handle.wait()
+            handle.wait()  # the read, and its hash unless that was done before it was needed
             self.wait_s += time.perf_counter() - t0
         else:
             return self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
-        if self.store.checksums and from_ssd:
-            start, numel = self._own(i)
-            padded = self._padded(buf, i)
-            t0 = time.perf_counter()
+        if isinstance(handle, Hashed):  # compared here, before anything uses the bytes
             try:
-                for lo, hi in unit_bounds(numel, self.store.chunk_elems):
-                    self.store.check_unit(i, lo, "p16", tensor_hash(padded[start + lo:start + hi]), slot=slot)
+                for (lo, _), got in zip(unit_bounds(self._own(i)[1], self.store.chunk_elems), handle.value(),
+                                        strict=True):
+                    self.store.check_unit(i, lo, "p16", got, slot=slot)
             except BaseException:
                 buf.release()
                 raise
-            self.hash_s += time.perf_counter() - t0
         return buf
+
+    def _unit_hashes(self, buf: AlignedBuffer, i: int) -> list[int]:
+        """The checksums of this rank's part of block i's P16 in `buf`, unit by unit (on the hash thread)."""
+        start, numel = self._own(i)
+        padded = self._padded(buf, i)
+        return [tensor_hash(padded[start + lo:start + hi]) for lo, hi in unit_bounds(numel, self.store.chunk_elems)]
 
     def _take_provision(self, i: int) -> AlignedBuffer:
         """Wait for block i's offer to be complete and take its buffer."""
@@ -383,6 +390,18 @@ class ParamStreamer:
     @property
     def resident(self) -> list[int]:
         return sorted(self._resident)
+
+    @property
+    def hash_s(self) -> float:
+        """Seconds spent checksumming the P16 read (cumulative, on the hash thread)."""
+        return self.hasher.hash_s
+
+    def close(self) -> None:
+        """Give everything back (`release_all`) and stop the hash thread."""
+        try:
+            self.release_all()
+        finally:
+            self.hasher.close()
 
     def release_all(self) -> None:
         """Drop every resident block, wait for reads in flight, and cancel the provisions not yet taken (a
