@@ -17,8 +17,8 @@ Modes:
 worker runs unit by unit as a READ step, an update step and an emit step. The fused AdamW kernel and the I/O
 release the GIL. The worker's serial chain is AdamW alone: a READ's bytes are hashed on a verify thread as soon as
 it completes (the worker only compares the hash with the commit's before the update), and an updated record's
-on a sum thread while its WRITE is in flight (`hasher.py`); a buffer goes back only once its hash job is over. Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and
-read-ahead rooms of `lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds
+on a sum thread while its WRITE is in flight (`hasher.py`); a buffer goes back only once its hash job is over.
+Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and read-ahead rooms of `lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds
 the writes in flight. In optimized mode the READs run ahead of the gradients while the pool has room; a deferred
 pass (its update waits for the global norm) so reads during backward as many records as the read-ahead room
 (`readahead_mem`) holds, and only the rest after it. Each buffer's life (READING, READY,
@@ -514,7 +514,7 @@ class GradOffloader:
         self._thread: Future | None = None  # the running step's pass on the worker
         # per-step accounting (`reset_stats`)
         self.adam_s = 0.0  # in the AdamW kernel
-        self.read_wait_s = 0.0  # waiting for READs
+        self.read_wait_s = 0.0  # waiting for READs (and for their hash, when it is not done by then)
         self.grad_wait_s = 0.0  # waiting for gradients
         self.busy_s = 0.0  # from a pass's start to its end
         # Checksums off the worker's serial path (hasher.py): READs are hashed as they complete, and records
