@@ -32,8 +32,9 @@ def spy(monkeypatch, module, name: str, seen: list[str], delay: float = 0.0) -> 
     monkeypatch.setattr(module, name, wrapped)
 
 
-@pytest.mark.parametrize("mode", ["optimized", "serial"])
-def test_the_optimizer_worker_and_the_compute_thread_hash_nothing(make_dirs, monkeypatch, mode):
+@pytest.mark.parametrize(("mode", "device"), [("optimized", "cpu"), ("serial", "cpu"), ("optimized", "sim")])
+def test_the_optimizer_worker_and_the_compute_thread_hash_nothing(make_dirs, monkeypatch, mode, device):
+    monkeypatch.setenv("LOHAN_DEVICE", device)
     dirs = make_dirs(1)
     trained_store(dirs, steps=1, mode=mode)
     record_hashes, record_sums, p16_hashes = [], [], []
@@ -81,10 +82,13 @@ def test_a_slow_hash_runs_beside_adamw_not_in_series(make_dirs, monkeypatch):
     assert last - first < 0.04 * (n + (n - 1) / 2), (last - first, n)
 
 
+@pytest.mark.parametrize("device", ["cpu", "sim"])
 @pytest.mark.parametrize("section", ["p32", "p16"])
-def test_damaged_bytes_still_stop_the_step_before_the_update(make_dirs, section):
+def test_damaged_bytes_still_stop_the_step_before_the_update(make_dirs, monkeypatch, section, device):
     """As test_integrity's check, in serial mode (its READs are issued ahead, so their hashes run before the
-    worker asks for them): the mismatch raises the same error and nothing is committed."""
+    worker asks for them) and on a separate device (P16 staged for its copy): the mismatch raises the same error
+    and nothing is committed."""
+    monkeypatch.setenv("LOHAN_DEVICE", device)
     dirs = make_dirs(1)
     trained_store(dirs, mode="serial")
     p32, p16 = store_offsets(dirs, 1)
