@@ -18,9 +18,10 @@ worker runs unit by unit as a READ step, an update step and an emit step. The fu
 release the GIL. The worker's serial chain is AdamW alone: a READ's bytes are hashed on a verify thread as soon as
 it completes (the worker only compares the hash with the commit's before the update), and an updated record's
 on a sum thread while its WRITE is in flight (`hasher.py`); a buffer goes back only once its hash job is over.
-Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and read-ahead rooms of `lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds
-the writes in flight. In optimized mode the READs run ahead of the gradients while the pool has room; a deferred
-pass (its update waits for the global norm) so reads during backward as many records as the read-ahead room
+Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and read-ahead rooms of
+`lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds the writes in flight.
+In optimized mode the READs run ahead of the gradients while the pool has room; a deferred pass (its update
+waits for the global norm) so reads during backward as many records as the read-ahead room
 (`readahead_mem`) holds, and only the rest after it. Each buffer's life (READING, READY,
 UPDATING, HELD, WRITING, back to FREE or RESIDENT) is a checked state machine, `record_buffers.py`; the optimizer gets
 flat P32, m, v, P16 views cut from a buffer and never sees the record format.
@@ -65,7 +66,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
+from io_engine import AlignedBuffer, BudgetExceededError, BufferPool
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
@@ -228,7 +229,7 @@ class UpdatePass:
         if rb.state is BufState.READING:  # (not a resident record whose bytes never left memory)
             t0 = time.perf_counter()
             handle = rb.handle
-            rb.wait()  # the READ, and its hash (`_reading`) unless that was done while the unit before updated
+            rb.wait()  # the READ, and its hash (`_issue_read`) unless done while the unit before updated
             ago.read_wait_s += time.perf_counter() - t0
             if isinstance(handle, Hashed):  # checked here, before the update uses the bytes
                 ago.store.check_unit(unit[0], unit[1], "state", handle.value(), slot=self.read_slot)
@@ -358,6 +359,18 @@ class UpdatePass:
         return self.ago.store.layout.blocks[i].unit(lo, hi).total
 
     def _issue_read(self, unit: Unit, wait: bool = True) -> None:
+        """`_send_read`; with checksums, the READ's bytes are then hashed on the verify thread as soon as it
+        completes (`_read` compares the hash with the commit's before the update uses them)."""
+        ago = self.ago
+        self._send_read(unit, wait)
+        rb = self.reads.get(unit)
+        if (ago.store.checksums and rb is not None and rb.state is BufState.READING
+                and not isinstance(rb.handle, Hashed)):
+            i, lo, hi = unit
+            views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
+            rb.handle = ago.verify_hasher.after_read(rb.handle, functools.partial(tensor_hash, *views.state))
+
+    def _send_read(self, unit: Unit, wait: bool = True) -> None:
         """READ: P32, m, v of a block (or chunk) into a record buffer. Without `wait` it is skipped when no
         write of this thread would free the room (the only other buffer is the one this thread updates)."""
         ago, behind = self.ago, self.ago.behind
@@ -371,8 +384,8 @@ class UpdatePass:
                 return
             ago.resident_records.forget(i)
             self.reads[unit] = res.to(BufState.READING)
-            self._reading(res, vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
-                                             layout.record_offset(i, self.read_slot)))
+            res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
+                                       layout.record_offset(i, self.read_slot))
             return
         # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
         # is full, retire the oldest write instead of blocking on buffers only this thread releases.
@@ -388,21 +401,11 @@ class UpdatePass:
                 self._retire_oldest_write()
         rb = self.reads[unit] = RecordBuffer(unit, buf, ago.buffers).to(BufState.READING)
         if (lo, hi) == (0, layout.blocks[i].numel):
-            self._reading(rb, vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
-                                            layout.record_offset(i, self.read_slot)))
+            rb.handle = vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
+                                      layout.record_offset(i, self.read_slot))
         else:
-            self._reading(rb, Handles([vol.read_into(buf.tensor[a:a + n], off)
-                                       for a, off, n in unit_sections(layout, unit, self.read_slot, with_p16=False)]))
-
-    def _reading(self, rb: RecordBuffer, handle: Handle | Handles) -> None:
-        """The READ `handle` in flight into `rb`; with checksums, its bytes are hashed on the verify thread as
-        soon as it completes (`_read` compares the hash with the commit's before the update uses them)."""
-        ago = self.ago
-        if ago.store.checksums:
-            i, lo, hi = rb.unit
-            views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
-            handle = ago.verify_hasher.after_read(handle, functools.partial(tensor_hash, *views.state))
-        rb.handle = handle
+            rb.handle = Handles([vol.read_into(buf.tensor[a:a + n], off)
+                                 for a, off, n in unit_sections(layout, unit, self.read_slot, with_p16=False)])
 
     def _read_ahead(self, k: int) -> None:
         """Issue the READs of units[k], units[k+1], ... not yet issued while the record pool has a buffer
@@ -449,12 +452,12 @@ class UpdatePass:
         else:
             rb.handle = Handles([vol.write(rb.buf.tensor[a:a + n], off)
                                  for a, off, n in unit_sections(layout, rb.unit, self.write_slot, with_p16=True)])
+        if rb.resident:  # its bytes are the ones of the slot written, once that step is committed
+            ago.resident_records.written(i, self.write_slot, self.update)
         if ago.store.checksums:  # hashed while the WRITE is in flight: the buffer cannot change until it retires,
             views = unit_views(rb.buf.tensor, layout.blocks[i], lo, hi, ago.store.p16_dtype)  # so these are the
             rb.handle = ago.sum_hasher.beside_write(rb.handle, functools.partial(unit_sums, views))  # SSD's bytes
             self.sums.setdefault(i, {})[lo] = rb.handle  # (write-behind may send a block's units out of order)
-        if rb.resident:  # its bytes are the ones of the slot written, once that step is committed
-            ago.resident_records.written(i, self.write_slot, self.update)
         crashpoint("offload.write_issued")
 
     def _retire_oldest_write(self) -> None:
