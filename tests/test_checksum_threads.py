@@ -106,11 +106,12 @@ def test_damaged_bytes_still_stop_the_step_before_the_update(make_dirs, monkeypa
         store.close()
 
 
-def test_chunked_records_written_out_of_order_keep_their_sums_in_order(make_dirs):
-    """Write-behind sends the smallest held unit first, so a block's chunks may go out out of order: the sums
-    committed are still per unit, in element order (a clean verify of what reached the SSDs)."""
+def test_the_sums_committed_are_those_of_the_bytes_written_chunk_by_chunk(make_dirs):
+    """Records in chunks, deferred passes with write-behind: each chunk's sums, hashed beside its WRITE, are
+    committed in element order (write-behind could send a block's chunks out of order) and match what reached
+    the SSDs (a clean verify)."""
     dirs = make_dirs(1)
-    trained_store(dirs, steps=3, opt_chunk_bytes=4096 * 16)
+    trained_store(dirs, steps=3, opt_chunk_bytes=4096 * 16, clip_mode="defer")
     store = StateStore.open(dirs, backend="threads")
     try:
         assert store.step == 3 and store.verify() == []
