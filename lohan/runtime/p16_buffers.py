@@ -1,11 +1,13 @@
 """P16 host buffers in parameter streaming (`params.py`): a block's buffer's life as named, checked states, as
 `record_buffers.py` keeps the optimizer's records.
 
-    NEW -> READING -> (GATHERING) -> STAGED -> IN_USE -> KEPT or FREE          the CPU device
-                                          \\-> IN_USE (the block's device copy)
-                                          \\-> DRAINING -> KEPT or FREE      a separate device: the host buffer
-    NEW -> FILLING -> STAGED ...          a provision: the optimizer fills it (`offer`)
-    NEW -> HANDING_OVER -> KEPT           an in-backward pass fills it for the next forward (`handover`)
+    NEW -> READING -> GATHERING -> STAGED      taken for the block, read from the SSDs (or kept: no READING),
+    NEW -> FILLING ----------------> STAGED      gathered (data parallel only); or filled by the optimizer
+    STAGED -> IN_USE -> KEPT or FREE             the CPU device: the parameters are views of the host buffer
+    STAGED -> split: IN_USE + DRAINING           a separate device: the block in use by its device copy, and
+                        DRAINING -> KEPT or FREE     its host buffer, back once the copy has completed
+    STAGED -> DRAINING                           staged from another slot, or `release_all`
+    NEW -> HANDING_OVER -> KEPT                  an in-backward pass fills it for the next forward (`handover`)
 
 NEW is a buffer just taken for a block (from the pool, or a kept one taken back); KEPT and FREE are the pool's
 (kept under (block, slot), or free): the object ends there. A failure or a `release_all` sends any state but
@@ -43,19 +45,19 @@ class P16State(enum.Enum):
     FREE = "free"  # back in the pool
 
 
-S = P16State
+_S = P16State
 _AFTER: dict[P16State, frozenset[P16State]] = {  # the legal predecessors of each state
-    S.READING: frozenset({S.NEW}),
-    S.GATHERING: frozenset({S.NEW, S.READING}),
-    S.FILLING: frozenset({S.NEW}),
-    S.HANDING_OVER: frozenset({S.NEW}),
-    S.STAGED: frozenset({S.NEW, S.READING, S.GATHERING, S.FILLING}),
-    S.IN_USE: frozenset({S.STAGED}),
-    S.DRAINING: frozenset({S.STAGED}),
-    S.KEPT: frozenset({S.IN_USE, S.DRAINING, S.HANDING_OVER}),
-    S.FREE: frozenset(set(P16State) - {S.KEPT, S.FREE}),
+    _S.READING: frozenset({_S.NEW}),
+    _S.GATHERING: frozenset({_S.NEW, _S.READING}),
+    _S.FILLING: frozenset({_S.NEW}),
+    _S.HANDING_OVER: frozenset({_S.NEW}),
+    _S.STAGED: frozenset({_S.NEW, _S.READING, _S.GATHERING, _S.FILLING}),
+    _S.IN_USE: frozenset({_S.STAGED}),
+    _S.DRAINING: frozenset({_S.STAGED}),
+    _S.KEPT: frozenset({_S.IN_USE, _S.DRAINING, _S.HANDING_OVER}),
+    _S.FREE: frozenset(set(P16State) - {_S.KEPT, _S.FREE}),
 }
-ENDS = frozenset({S.KEPT, S.FREE})
+ENDS = frozenset({_S.KEPT, _S.FREE})
 
 
 class P16Buffer:
@@ -69,7 +71,7 @@ class P16Buffer:
         self.block = block
         self.slot = slot  # the slot its bytes are (or will be) the P16 of
         self.buf = buf
-        self.state = S.NEW
+        self.state = _S.NEW
         self.handle: Any = None  # READING: the read (and its hash)
         self.work: Any = None  # GATHERING: the all-gather
         self.transfer: Any = None  # STAGED, IN_USE, DRAINING: the copy to the device
@@ -89,7 +91,7 @@ class P16Buffer:
         self.state = new
         if new in ENDS and self.buf is not None:
             buf, self.buf = self.buf, None
-            if new is S.KEPT:
+            if new is _S.KEPT:
                 buf.keep((self.block, self.slot))
             else:
                 buf.release()
@@ -100,7 +102,7 @@ class P16Buffer:
         the copy completes, and this entry goes IN_USE with the device copy only."""
         twin = P16Buffer(self.block, self.slot, self.buf)
         twin.state, twin.transfer = self.state, self.transfer
-        twin.to(S.DRAINING, "acquire")
+        twin.to(_S.DRAINING, "acquire")
         self.buf = None
-        self.to(S.IN_USE, "acquire")
+        self.to(_S.IN_USE, "acquire")
         return twin
