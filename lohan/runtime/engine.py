@@ -540,7 +540,7 @@ class Engine:
         self._closed = True
         self._next.forget()
         self.offloader.close()  # its worker thread lives as long as the engine
-        self.streamer.release_all()
+        self.streamer.close()  # (and its hash thread)
         self.activations.close()
         if self.stash is not None:
             self.stash.close()

@@ -15,10 +15,13 @@ Modes:
 `GradOffloader` lives as long as the engine and owns one worker thread; each step's `begin_step` makes an
 `UpdatePass` (the step's hyper-parameters, slots, gate, gradients, checksums and buffers in flight) that the
 worker runs unit by unit as a READ step, an update step and an emit step. The fused AdamW kernel and the I/O
-release the GIL. Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and
-read-ahead rooms of `lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds
-the writes in flight. In optimized mode the READs run ahead of the gradients while the pool has room; a deferred
-pass (its update waits for the global norm) so reads during backward as many records as the read-ahead room
+release the GIL. The worker's serial chain is AdamW alone: a READ's bytes are hashed on a verify thread as soon as
+it completes (the worker only compares the hash with the commit's before the update), and an updated record's
+on a sum thread while its WRITE is in flight (`hasher.py`); a buffer goes back only once its hash job is over.
+Memory is bounded by the record pool (`max_inflight_blocks` records, plus the resident and read-ahead rooms of
+`lohan.plan.pools`): a READ waits for a buffer when the pipeline is full, which also bounds the writes in flight.
+In optimized mode the READs run ahead of the gradients while the pool has room; a deferred pass (its update
+waits for the global norm) so reads during backward as many records as the read-ahead room
 (`readahead_mem`) holds, and only the rest after it. Each buffer's life (READING, READY,
 UPDATING, HELD, WRITING, back to FREE or RESIDENT) is a checked state machine, `record_buffers.py`; the optimizer gets
 flat P32, m, v, P16 views cut from a buffer and never sees the record format.
@@ -53,6 +56,7 @@ and its update decodes, runs AdamW and encodes `pools.FORMAT_ELEMS` elements at 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -74,6 +78,7 @@ from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool size
     record_pool_bytes,
 )
 from lohan.runtime.format_adamw import adamw_unit_
+from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
 from lohan.runtime.record_buffers import (
     BufState,
@@ -158,7 +163,8 @@ class UpdatePass:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (block, gradient) from the compute thread
         self.backward_done = threading.Event()
         self.arrived: dict[int, AlignedBuffer | StashedGrad] = {}  # gradients that came before their turn
-        self.sums: dict[int, list[list[int]]] = {}  # per block, per unit: [state, p16] checksums written
+        # per block, per unit's first element: the WRITE and the hash of its [state, p16] checksums (`_issue_write`)
+        self.sums: dict[int, dict[int, Hashed]] = {}
         self.reads: dict[Unit, RecordBuffer] = {}
         self.in_hand: RecordBuffer | None = None
         self.writes: deque[RecordBuffer] = deque()
@@ -222,14 +228,11 @@ class UpdatePass:
         rb = self.in_hand = self.reads.pop(unit)
         if rb.state is BufState.READING:  # (not a resident record whose bytes never left memory)
             t0 = time.perf_counter()
-            rb.wait()
+            handle = rb.handle
+            rb.wait()  # the READ, and its hash (`_issue_read`) unless done while the unit before updated
             ago.read_wait_s += time.perf_counter() - t0
-            if ago.store.checksums:
-                t0 = time.perf_counter()
-                i, lo, hi = unit
-                views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
-                ago.store.check_unit(i, lo, "state", tensor_hash(*views.state), slot=self.read_slot)
-                ago.hash_s += time.perf_counter() - t0
+            if isinstance(handle, Hashed):  # checked here, before the update uses the bytes
+                ago.store.check_unit(unit[0], unit[1], "state", handle.value(), slot=self.read_slot)
             rb.to(BufState.READY)
         if prefetch and k + 1 < len(self.units) and self.units[k + 1] not in self.reads:
             self._issue_read(self.units[k + 1], wait=False)  # READ(i-1) goes out before WRITE(i) (Fig. 3b)
@@ -274,17 +277,13 @@ class UpdatePass:
                 or any(rb.state is BufState.READING for rb in self.reads.values()))
 
     def _emit(self, rb: RecordBuffer, reads_pending: bool = True) -> None:
-        """The emit step: the new P16 to `provide`, the checksums of what will reach the SSDs, then the WRITE
-        (with write-behind, held back while READs are still to come: they have the SSDs first)."""
+        """The emit step: the new P16 to `provide`, then the WRITE (with write-behind, held back while READs are
+        still to come: they have the SSDs first), whose bytes are hashed while it is in flight."""
         ago = self.ago
         i, lo, hi = rb.unit
         views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
         if self.provide is not None:
             self.provide(i, lo, hi, views.p16)
-        if ago.store.checksums:  # hashed before the write goes out: the bytes that reach the SSD
-            t0 = time.perf_counter()
-            self.sums.setdefault(i, []).append(unit_sums(views))
-            ago.hash_s += time.perf_counter() - t0
         self.in_hand = None
         if self.lazy and reads_pending:
             ago.behind.hold(rb)
@@ -360,6 +359,18 @@ class UpdatePass:
         return self.ago.store.layout.blocks[i].unit(lo, hi).total
 
     def _issue_read(self, unit: Unit, wait: bool = True) -> None:
+        """`_send_read`; with checksums, the READ's bytes are then hashed on the verify thread as soon as it
+        completes (`_read` compares the hash with the commit's before the update uses them)."""
+        ago = self.ago
+        self._send_read(unit, wait)
+        rb = self.reads.get(unit)
+        if (ago.store.checksums and rb is not None and rb.state is BufState.READING
+                and not isinstance(rb.handle, Hashed)):
+            i, lo, hi = unit
+            views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
+            rb.handle = ago.verify_hasher.after_read(rb.handle, functools.partial(tensor_hash, *views.state))
+
+    def _send_read(self, unit: Unit, wait: bool = True) -> None:
         """READ: P32, m, v of a block (or chunk) into a record buffer. Without `wait` it is skipped when no
         write of this thread would free the room (the only other buffer is the one this thread updates)."""
         ago, behind = self.ago, self.ago.behind
@@ -443,6 +454,10 @@ class UpdatePass:
                                  for a, off, n in unit_sections(layout, rb.unit, self.write_slot, with_p16=True)])
         if rb.resident:  # its bytes are the ones of the slot written, once that step is committed
             ago.resident_records.written(i, self.write_slot, self.update)
+        if ago.store.checksums:  # hashed while the WRITE is in flight: the buffer cannot change until it retires,
+            views = unit_views(rb.buf.tensor, layout.blocks[i], lo, hi, ago.store.p16_dtype)  # so these are the
+            rb.handle = ago.sum_hasher.beside_write(rb.handle, functools.partial(unit_sums, views))  # SSD's bytes
+            self.sums.setdefault(i, {})[lo] = rb.handle  # (write-behind may send a block's units out of order)
         crashpoint("offload.write_issued")
 
     def _retire_oldest_write(self) -> None:
@@ -502,16 +517,26 @@ class GradOffloader:
         self._thread: Future | None = None  # the running step's pass on the worker
         # per-step accounting (`reset_stats`)
         self.adam_s = 0.0  # in the AdamW kernel
-        self.read_wait_s = 0.0  # waiting for READs
+        self.read_wait_s = 0.0  # waiting for READs (and for their hash, when it is not done by then)
         self.grad_wait_s = 0.0  # waiting for gradients
         self.busy_s = 0.0  # from a pass's start to its end
-        self.hash_s = 0.0  # checksumming what was read and what will be written
+        # Checksums off the worker's serial path (hasher.py): READs are hashed as they complete, and records
+        # while their WRITE is in flight, each on a thread of its own for the engine's life (as the worker's)
+        self.verify_hasher = Hasher("lohan-ago-verify")
+        self.sum_hasher = Hasher("lohan-ago-sum")
         self.blocks_written = 0
         self.resident_hits = 0  # READs a resident record made unnecessary
 
     def reset_stats(self) -> None:
-        self.adam_s = self.read_wait_s = self.grad_wait_s = self.busy_s = self.hash_s = 0.0
+        self.adam_s = self.read_wait_s = self.grad_wait_s = self.busy_s = 0.0
         self.blocks_written = self.resident_hits = 0
+        self.verify_hasher.reset()
+        self.sum_hasher.reset()
+
+    @property
+    def hash_s(self) -> float:
+        """Seconds spent checksumming what was read and what is written (on the hash threads, not the worker)."""
+        return self.verify_hasher.hash_s + self.sum_hasher.hash_s
 
     @property
     def resident(self) -> list[int]:
@@ -587,7 +612,8 @@ class GradOffloader:
         missing = [i for i in range(len(self.store.layout.blocks)) if i not in sums]
         if missing:
             raise RuntimeError(f"the optimizer step wrote no checksums for blocks {missing}")
-        return [sums[i] for i in range(len(self.store.layout.blocks))]
+        # (each hash job is over by now, or soon: it waits for no WRITE, only for the jobs before it)
+        return [[sums[i][lo].value() for lo in sorted(sums[i])] for i in range(len(self.store.layout.blocks))]
 
     def begin_redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
                    coef: torch.Tensor, provide: Provide | None = None) -> None:
@@ -638,6 +664,8 @@ class GradOffloader:
         except BaseException:  # the engine decided about this tail (flushed or discarded) before closing
             pass
         self.resident_records.close()
+        self.verify_hasher.close()
+        self.sum_hasher.close()
 
     def abort(self) -> None:
         """Stop the step's pipeline after a failure on the compute side; no commit follows.

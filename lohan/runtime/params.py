@@ -7,7 +7,10 @@ one copy to the device on the copy stream, started by `stage` once the block bef
 so that it runs beside that block's compute; `acquire` makes the compute stream wait for the copy's event,
 and the host buffer goes back to the pool once the copy completed. The module's parameters become views
 of the flat device copy, and `release` puts the meta placeholders back. The number of resident blocks is tracked and
-reported: it is bounded by the prefetch depth plus the blocks the engine keeps on purpose.
+reported: it is bounded by the prefetch depth plus the blocks the engine keeps on purpose. Each block's host
+buffer goes through named, checked states (READING, GATHERING, FILLING, STAGED, IN_USE, DRAINING, back to the
+pool KEPT or FREE; `p16_buffers.py`), one entry per block in flight or in use. A read P16 is hashed on a thread of
+its own as soon as it completes, and compared with the commit's checksums when the block is taken for its copy.
 
 Kept blocks: a released block's host buffer stays in the pool under (block, slot) while the pool has room
 (`AlignedBuffer.keep`), so backward finds the blocks forward used without reading them again (for a model
@@ -37,14 +40,15 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-from io_engine import AlignedBuffer, BufferPool, Handle
+from io_engine import AlignedBuffer, BufferPool
 from io_engine.base import BudgetExceededError
-from lohan.runtime.device import Device, Transfer
+from lohan.runtime.device import Device
+from lohan.runtime.hasher import Hashed, Hasher
+from lohan.runtime.p16_buffers import P16Buffer, P16State
 from lohan.runtime.parallel import DataParallel
 from lohan.store.integrity import tensor_hash, unit_bounds
 from lohan.store.states import StateStore, StoreLayout
@@ -72,29 +76,33 @@ class ParamStreamer:
                 module = block.get_submodule(owner) if owner else block
                 entries.append((module, leaf, module._parameters[leaf]))  # the meta placeholder
             self._slots.append(entries)
-        self._inflight: dict[int, tuple[AlignedBuffer, Handle]] = {}
-        # a separate device: blocks whose copy to the device has started (stage), and host buffers that copies
-        # still read, given back once their event completes
-        self._staged: dict[int, tuple[AlignedBuffer, Transfer, int]] = {}
-        self._draining: list[tuple[AlignedBuffer, Any, int, int]] = []
+        # Each block's P16 host buffer in flight or in use is one object in named, checked states
+        # (p16_buffers.py): READING, GATHERING, FILLING (a provision), STAGED or IN_USE. On a separate device the
+        # host buffers that copies still read are DRAINING, given back once their event completes.
+        self._blocks: dict[int, P16Buffer] = {}
+        self._draining: list[P16Buffer] = []
         self._lock = threading.Lock()  # provisions are filled on the optimizer's thread
-        self._provisions: dict[int, _Provision] = {}
         self._failure: Callable[[], BaseException | None] = lambda: None
         self._handover: _Handover | None = None  # the running in-backward pass's blocks being filled
         self.handed_over = 0  # blocks kept from an update for the next forward
-        # block -> (host buffer, or None once copied to a separate device; its parameters; the slot read)
-        self._resident: dict[int, tuple[AlignedBuffer | None, list[nn.Parameter], int]] = {}
         self.max_resident = 0
         self.wait_s = 0.0
-        self.hash_s = 0.0
+        self.hasher = Hasher("lohan-p16-verify")  # P16 checksums, off the compute thread (`hash_s`)
         self.bytes_read = 0
         self.kept_hits = 0
         self.late_copies = 0  # blocks whose copy to a separate device started only when they were needed
         self.gather_s = 0.0
-        self._gathering: dict[int, tuple[AlignedBuffer, object, int]] = {}  # block -> (buffer, gather work, slot)
         # called with the slot before any read from the SSDs: the engine waits there while the last step's
         # writes to that slot may still be in flight (write-behind)
         self.before_read: Callable[[int], None] | None = None
+
+    def _state(self, i: int) -> P16State | None:
+        """Block i's buffer's state (None: none in flight or in use)."""
+        entry = self._blocks.get(i)
+        return None if entry is None else entry.state
+
+    def _in(self, *states: P16State) -> list[P16Buffer]:
+        return [e for e in self._blocks.values() if e.state in states]
 
     def buffer_bytes(self, i: int) -> int:
         """Host bytes of block i's P16 buffer: the block, or (sharded) the ranks' equal shards end to end."""
@@ -128,19 +136,19 @@ class ParamStreamer:
         """Blocks whose new P16 the optimizer will `offer`: acquiring them waits for the offer (or raises
         once `failure()` reports the optimizer's error). Nothing of them may be resident or in flight."""
         with self._lock:
-            clash = [i for i in blocks
-                     if i in self._resident or i in self._inflight or i in self._provisions or i in self._staged]
+            clash = [i for i in blocks if i in self._blocks]
             if clash:
                 raise RuntimeError(f"blocks {clash} are resident or on their way; release them before expecting them")
-            self._provisions.update({i: _Provision() for i in blocks})
+            for i in blocks:
+                self._blocks[i] = P16Buffer(i, -1).to(P16State.FILLING, "expect")
             self._failure = failure
 
     def offer(self, i: int, lo: int, hi: int, p16: torch.Tensor) -> None:
         """Elements lo..hi of block i's new P16 (the optimizer's thread); dropped if i is not expected."""
         start, numel = self._own(i)  # lo..hi count in the rank's shard
         with self._lock:
-            prov = self._provisions.get(i)
-            if prov is None:
+            prov = self._blocks.get(i)
+            if prov is None or prov.state is not P16State.FILLING:
                 return
             prov.busy = True  # release_all leaves the buffer to this call from here on
         if prov.buf is None:  # waits while the pool is full: the forward releases the blocks it is done with
@@ -150,7 +158,7 @@ class ParamStreamer:
         with self._lock:
             prov.busy = False
             if prov.cancelled:
-                prov.buf.release()
+                prov.to(P16State.FREE, "offer (cancelled)")
                 return
             prov.filled += hi - lo
             if prov.filled == numel:
@@ -180,114 +188,122 @@ class ParamStreamer:
                         buf = self.pool.acquire(self.buffer_bytes(i), block=False, evict=False)
                     except BudgetExceededError:
                         buf = None
-                h.blocks[i] = [buf, 0]
+                h.blocks[i] = None if buf is None else P16Buffer(i, h.new_slot, buf).to(P16State.HANDING_OVER,
+                                                                                          "hand over")
             entry = h.blocks[i]
-            if entry[0] is None:
+            if entry is None or entry.state is not P16State.HANDING_OVER:  # no room, or kept already
                 return
-            entry[0].tensor.view(self.store.p16_dtype)[start + lo:start + hi].copy_(p16)
-            entry[1] += hi - lo
-            if entry[1] == numel:
-                entry[0].keep((i, h.new_slot))
-                entry[0] = None
+            entry.buf.tensor.view(self.store.p16_dtype)[start + lo:start + hi].copy_(p16)
+            entry.filled += hi - lo
+            if entry.filled == numel:
+                entry.to(P16State.KEPT, "hand over")
                 self.handed_over += 1
 
     def _drop_handover(self) -> None:
         """Give back the buffers of blocks an ended (or failed) pass left half filled (lock held)."""
         if self._handover is not None:
             for entry in self._handover.blocks.values():
-                if entry[0] is not None:
-                    entry[0].release()
+                if entry is not None and entry.state is P16State.HANDING_OVER:
+                    entry.to(P16State.FREE, "end hand-over")
             self._handover = None
 
     def prefetch(self, i: int, slot: int) -> None:
         """Start reading block i's P16 from `slot` unless it is already resident, on its way or expected."""
-        if (i in self._resident or i in self._inflight or i in self._provisions or i in self._gathering
-                or i in self._staged or not 0 <= i < len(self.blocks)):
+        if i in self._blocks or not 0 <= i < len(self.blocks):
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
         if self.before_read is not None:
             self.before_read(slot)
         own = self.store.layout.blocks[i]
-        buf = self._room(self.buffer_bytes(i))
+        entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
         at = self._own(i)[0] * own.p16_itemsize
-        handle = self.store.volume.read_into(buf.tensor[at:at + own.p16_bytes], self.store.layout.p16_offset(i, slot))
-        self._inflight[i] = (buf, handle)
+        handle = self.store.volume.read_into(entry.buf.tensor[at:at + own.p16_bytes],
+                                             self.store.layout.p16_offset(i, slot))
+        if self.store.checksums:  # hashed on the hash thread as soon as it is read, not before its upload
+            handle = self.hasher.after_read(handle, functools.partial(self._unit_hashes, entry.buf, i))
+        entry.handle = handle
+        self._blocks[i] = entry.to(P16State.READING, "prefetch")
         self.bytes_read += own.p16_bytes
 
     def stage(self, i: int, slot: int) -> None:
         """Start copying block i's P16 to the device now (waiting for its read if needed), so that the copy
         runs beside the compute queued before it; `acquire(i)` then only orders the compute stream after the
         copy. Nothing to do on the CPU device, or for a block resident, staged, or provided by the optimizer."""
-        if (self.device.is_host or i in self._resident or i in self._staged or i in self._provisions
+        if (self.device.is_host or self._state(i) in (P16State.IN_USE, P16State.STAGED, P16State.FILLING)
                 or not 0 <= i < len(self.blocks)):
             return
-        self._staged[i] = (*self._copy_in(i, slot), slot)
+        self._blocks[i] = self._copy_in(i, slot)
 
     def acquire(self, i: int, slot: int) -> list[nn.Parameter]:
         """Block i's parameters on the device (waits for its prefetch; reads now if none was issued). On a
         separate device the compute stream waits for the block's copy; the host buffer goes back to the pool
         once the copy has completed (`_reap`)."""
-        if i in self._resident:
-            return self._resident[i][1]
+        entry = self._blocks.get(i)
+        if entry is not None and entry.state is P16State.IN_USE:
+            return entry.params
         layout = self.layout.blocks[i]
-        staged = self._staged.pop(i, None)
-        if staged is not None and staged[2] != slot:  # staged from another slot: not these parameters
-            self._draining.append((staged[0], staged[1].event, i, staged[2]))
-            staged = None
+        staged = entry if entry is not None and entry.state is P16State.STAGED else None
+        if staged is not None:
+            del self._blocks[i]
+            if staged.slot != slot:  # staged from another slot: not these parameters
+                self._draining.append(staged.to(P16State.DRAINING, "acquire (another slot)"))
+                staged = None
         if staged is None and not self.device.is_host:
             self.late_copies += 1
-        buf, transfer = staged[:2] if staged is not None else self._copy_in(i, slot)
-        self.device.wait(transfer.event)
-        if not self.device.is_host:  # the device copy is independent of the host buffer once it completed
-            self._draining.append((buf, transfer.event, i, slot))
-            buf = None
+        entry = staged if staged is not None else self._copy_in(i, slot)
+        self.device.wait(entry.transfer.event)
+        if self.device.is_host:
+            entry.to(P16State.IN_USE, "acquire")
+        else:  # the device copy is independent of the host buffer once it completed
+            self._draining.append(entry.split())
         self._reap()
-        params = []
         for spec, (module, leaf, _) in zip(layout.params, self._slots[i]):
-            p = nn.Parameter(transfer.tensor[spec.offset:spec.offset + spec.numel].view(spec.shape))
+            p = nn.Parameter(entry.transfer.tensor[spec.offset:spec.offset + spec.numel].view(spec.shape))
             module._parameters[leaf] = p
-            params.append(p)
-        self._resident[i] = (buf, params, slot)
-        self.max_resident = max(self.max_resident, len(self._resident) + len(self._staged))
-        return params
+            entry.params.append(p)
+        self._blocks[i] = entry
+        self.max_resident = max(self.max_resident, len(self._in(P16State.IN_USE, P16State.STAGED)))
+        return entry.params
 
-    def _copy_in(self, i: int, slot: int) -> tuple[AlignedBuffer, Transfer]:
+    def _copy_in(self, i: int, slot: int) -> P16Buffer:
         """Block i's whole P16 in a host buffer (read, kept, provided; data parallel: gathered), and its copy
-        to the device started."""
+        to the device started (STAGED)."""
         layout = self.layout.blocks[i]
-        if i in self._gathering:  # data parallel: started by gather_ahead
-            buf, work, _ = self._gathering.pop(i)
+        if self._state(i) is P16State.GATHERING:  # data parallel: started by gather_ahead
+            entry = self._blocks.pop(i)
             t0 = time.perf_counter()
             try:
-                work.wait()
+                entry.work.wait()
             except BaseException:
-                buf.release()
+                entry.to(P16State.FREE, "gather")
                 raise
             self.gather_s += time.perf_counter() - t0
         else:
-            buf = self._host(i, slot)
+            entry = self._host(i, slot)
             bd = self.bounds[i]
             if bd is not None:  # the other ranks' shards (the same collectives on every rank, kept or not)
                 t0 = time.perf_counter()
                 try:
-                    self.dp.all_gather_(self._padded(buf, i), bd[1] - bd[0])
+                    self.dp.all_gather_(self._padded(entry.buf, i), bd[1] - bd[0])
                 except BaseException:
-                    buf.release()
+                    entry.to(P16State.FREE, "gather")
                     raise
                 self.gather_s += time.perf_counter() - t0
-        return buf, self.device.to_device(self._padded(buf, i)[:layout.numel])
+        entry.slot = slot
+        entry.transfer = self.device.to_device(self._padded(entry.buf, i)[:layout.numel])
+        return entry.to(P16State.STAGED, "copy to the device")
 
     def _reap(self, wait: bool = False) -> None:
         """Give back the host buffers whose device copies have completed (all of them, waiting, with `wait`)."""
         pending = []
-        for buf, event, i, slot in self._draining:
+        for entry in self._draining:
             if wait:
-                event.synchronize()
-            if wait or event.query():
-                self._give_back(buf, i, slot)
+                entry.transfer.event.synchronize()
+            if wait or entry.transfer.event.query():
+                self._give_back(entry, "reap")
             else:
-                pending.append((buf, event, i, slot))
+                pending.append(entry)
         self._draining = pending
 
     def _room(self, nbytes: int) -> AlignedBuffer:
@@ -307,53 +323,55 @@ class ParamStreamer:
         blocks, nor on reads' progress: the read of block i, prefetched a block earlier, is waited for).
         Blocks the optimizer provides are gathered when acquired (waiting for them here would hold up the
         block before)."""
-        if (self.dp is None or self.bounds[i] is None or i in self._resident or i in self._gathering
-                or i in self._provisions or i in self._staged or not 0 <= i < len(self.blocks)):
+        if (self.dp is None or self.bounds[i] is None or self._state(i) not in (None, P16State.READING)
+                or not 0 <= i < len(self.blocks)):
             return
-        buf = self._host(i, slot)
+        entry = self._host(i, slot)
         bd = self.bounds[i]
         try:
-            work = self.dp.all_gather_(self._padded(buf, i), bd[1] - bd[0], async_op=True)
+            entry.work = self.dp.all_gather_(self._padded(entry.buf, i), bd[1] - bd[0], async_op=True)
         except BaseException:
-            buf.release()
+            entry.to(P16State.FREE, "gather ahead")
             raise
-        self._gathering[i] = (buf, work, slot)
+        self._blocks[i] = entry.to(P16State.GATHERING, "gather ahead")
 
     def _padded(self, buf: AlignedBuffer, i: int) -> torch.Tensor:
         return buf.tensor[:self.buffer_bytes(i)].view(self.store.p16_dtype)
 
-    def _host(self, i: int, slot: int) -> AlignedBuffer:
-        """Block i's host buffer with this rank's part in place: kept from earlier, read from the SSDs (its
-        checksums verified), or provided by the optimizer."""
-        kept = None if i in self._provisions or i in self._inflight or not self.keeps else self.pool.take_kept((i, slot))
-        from_ssd = i not in self._provisions and kept is None
-        if kept is not None:  # checked when it was read (or the optimizer's own bytes)
-            buf = kept
-            self.kept_hits += 1
-        elif from_ssd:
-            self.prefetch(i, slot)
-            buf, handle = self._inflight.pop(i)
-            t0 = time.perf_counter()
-            handle.wait()
-            self.wait_s += time.perf_counter() - t0
-        else:
+    def _host(self, i: int, slot: int) -> P16Buffer:
+        """Block i's host buffer with this rank's part in place, taken out of `_blocks`: kept from earlier (NEW),
+        read from the SSDs (READING; its checksums verified), or provided by the optimizer (FILLING)."""
+        state = self._state(i)
+        if state is P16State.FILLING:
             return self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
-        if self.store.checksums and from_ssd:
-            start, numel = self._own(i)
-            padded = self._padded(buf, i)
-            t0 = time.perf_counter()
-            try:
-                for lo, hi in unit_bounds(numel, self.store.chunk_elems):
-                    self.store.check_unit(i, lo, "p16", tensor_hash(padded[start + lo:start + hi]), slot=slot)
-            except BaseException:
-                buf.release()
-                raise
-            self.hash_s += time.perf_counter() - t0
-        return buf
+        kept = None if state is P16State.READING or not self.keeps else self.pool.take_kept((i, slot))
+        if kept is not None:  # checked when it was read (or the optimizer's own bytes)
+            self.kept_hits += 1
+            return P16Buffer(i, slot, kept)
+        self.prefetch(i, slot)
+        entry = self._blocks.pop(i)
+        t0 = time.perf_counter()
+        try:
+            entry.handle.wait()  # the read, and its hash unless that was done before it was needed
+            self.wait_s += time.perf_counter() - t0
+            if isinstance(entry.handle, Hashed):  # compared here, before anything uses the bytes
+                for (lo, _), got in zip(unit_bounds(self._own(i)[1], self.store.chunk_elems), entry.handle.value(),
+                                        strict=True):
+                    self.store.check_unit(i, lo, "p16", got, slot=slot)
+        except Exception:  # (the wait is over: no read or hash is in flight on it any more; an interrupt may
+            entry.to(P16State.FREE, "verify")  # leave one, and then the buffer stays out of the pool)
+            raise
+        return entry
 
-    def _take_provision(self, i: int) -> AlignedBuffer:
+    def _unit_hashes(self, buf: AlignedBuffer, i: int) -> list[int]:
+        """The checksums of this rank's part of block i's P16 in `buf`, unit by unit (on the hash thread)."""
+        start, numel = self._own(i)
+        padded = self._padded(buf, i)
+        return [tensor_hash(padded[start + lo:start + hi]) for lo, hi in unit_bounds(numel, self.store.chunk_elems)]
+
+    def _take_provision(self, i: int) -> P16Buffer:
         """Wait for block i's offer to be complete and take its buffer."""
-        prov = self._provisions[i]
+        prov = self._blocks[i]
         t0 = time.perf_counter()
         self._reap(wait=True)  # the optimizer's offer may wait for the room these take
         while not prov.ready.wait(0.05):
@@ -362,71 +380,74 @@ class ParamStreamer:
                 raise RuntimeError(f"the optimizer failed before providing block {i}'s parameters") from err
         self.wait_s += time.perf_counter() - t0
         with self._lock:
-            del self._provisions[i]
-        return prov.buf
+            del self._blocks[i]
+        return prov
 
     def release(self, i: int) -> None:
         """Drop block i's device parameters (the module gets its meta placeholders back); its host bytes
         are kept while the pool has room."""
-        buf, _, slot = self._resident.pop(i)
+        entry = self._blocks.get(i)
+        if entry is None or entry.state is not P16State.IN_USE:
+            raise RuntimeError(f"block {i}'s parameters are released while "
+                               f"{'not streamed' if entry is None else entry.state.name}, not IN_USE")
+        del self._blocks[i]
         for module, leaf, placeholder in self._slots[i]:
             module._parameters[leaf] = placeholder
-        if buf is not None:
-            self._give_back(buf, i, slot)
+        self._give_back(entry, "release")  # (on a separate device, its host buffer went DRAINING at acquire)
 
-    def _give_back(self, buf: AlignedBuffer, i: int, slot: int) -> None:
-        if self.keeps:
-            buf.keep((i, slot))
-        else:
-            buf.release()
+    def _give_back(self, entry: P16Buffer, verb: str) -> None:
+        entry.to(P16State.KEPT if self.keeps else P16State.FREE, verb)
 
     @property
     def resident(self) -> list[int]:
-        return sorted(self._resident)
+        return sorted(e.block for e in self._in(P16State.IN_USE))
+
+    @property
+    def hash_s(self) -> float:
+        """Seconds spent checksumming the P16 read (cumulative, on the hash thread)."""
+        return self.hasher.hash_s
+
+    def close(self) -> None:
+        """Give everything back (`release_all`) and stop the hash thread."""
+        try:
+            self.release_all()
+        finally:
+            self.hasher.close()
 
     def release_all(self) -> None:
         """Drop every resident block, wait for reads in flight, and cancel the provisions not yet taken (a
         hand-over goes on: its pass may outlast backward)."""
         with self._lock:
-            provisions, self._provisions = self._provisions, {}
-            for prov in provisions.values():
+            for prov in self._in(P16State.FILLING):
+                del self._blocks[prov.block]
                 prov.cancelled = True
-                if prov.buf is not None and not prov.busy:  # a busy one is released by its offer
-                    prov.buf.release()
-        for i in list(self._resident):
-            self.release(i)
-        for i, (buf, transfer, slot) in list(self._staged.items()):
-            self._draining.append((buf, transfer.event, i, slot))
-        self._staged.clear()
+                if not prov.busy:  # a busy one is given back by its offer
+                    prov.to(P16State.FREE, "release all")
+        for entry in self._in(P16State.IN_USE):
+            self.release(entry.block)
+        for entry in self._in(P16State.STAGED):
+            del self._blocks[entry.block]
+            self._draining.append(entry.to(P16State.DRAINING, "release all"))
         self._reap(wait=True)
-        for buf, handle in list(self._inflight.values()):
-            handle.wait()
-            buf.release()
-        self._inflight.clear()
-        for buf, work, _ in list(self._gathering.values()):  # the collective still writes into the buffer
+        for entry in self._in(P16State.READING):
+            del self._blocks[entry.block]
             try:
-                work.wait()
+                entry.handle.wait()
             finally:
-                buf.release()
-        self._gathering.clear()
+                entry.to(P16State.FREE, "release all")
+        for entry in self._in(P16State.GATHERING):  # the collective still writes into the buffer
+            del self._blocks[entry.block]
+            try:
+                entry.work.wait()
+            finally:
+                entry.to(P16State.FREE, "release all")
 
 
 class _Handover:
-    """An in-backward pass's hand-over: block -> [its buffer while being filled (None: no room, or kept once
-    whole), elements filled]."""
+    """An in-backward pass's hand-over: block -> its buffer (HANDING_OVER while being filled, KEPT once whole;
+    None: no room)."""
 
     def __init__(self, old_slot: int, new_slot: int) -> None:
         self.old_slot = old_slot
         self.new_slot = new_slot
-        self.blocks: dict[int, list[Any]] = {}
-
-
-class _Provision:
-    """A block's P16 as the optimizer fills it in (`ParamStreamer.offer`)."""
-
-    def __init__(self) -> None:
-        self.buf: AlignedBuffer | None = None
-        self.filled = 0
-        self.busy = False  # an offer is filling it
-        self.cancelled = False
-        self.ready = threading.Event()
+        self.blocks: dict[int, P16Buffer | None] = {}
