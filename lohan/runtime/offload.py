@@ -423,6 +423,8 @@ class UpdatePass:
         for unit in self.units[k:]:
             if unit in self.reads:
                 continue
+            if self.ago.behind.tail and self.ago.behind.writing(unit[0]):
+                return  # (its READ waits for the tail's write: not here, where a gradient may be waiting)
             if unit[0] in self.ago.resident_records:
                 self._issue_read(unit)
                 continue

@@ -255,6 +255,10 @@ class WriteBehind:
         if self.tail:
             self.done.clear()
 
+    def writing(self, block: int) -> bool:
+        """Whether a tail write of `block` is still in flight (the worker's view; no waiting)."""
+        return any(rb.unit[0] == block and not rb.done() for rb in self.tail)
+
     def wait_block(self, block: int | None) -> None:
         """Wait until the tail's writes of `block` (of every block: None) are complete, from any thread (the
         buffers stay the worker's to retire). Raises a failed write's error."""
