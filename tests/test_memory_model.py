@@ -87,12 +87,13 @@ def test_the_plan_over_the_grid(dtype, tied, world):
         whole = [align_up(g * b.numel) for b in geom.layout.blocks]
         kept = sum(shards) if mode == "serial" else min(2 * max(shards), sum(shards))
         # optimized mode without a stash (which keeps every gradient itself): every block's gradient, as serial's,
-        # where the optional rooms' half of what cpu_mem leaves holds it; else what it lacks is said
+        # where what cpu_mem leaves after the other pools and rooms holds it; else what it lacks is said
         stashed = (clip > 0 or slots == 1) and mode != "serial"
         grow = 0
         if mode == "optimized" and not stashed:
             assert plan.grads_short in (0, sum(shards) - kept), case
             grow = 0 if plan.grads_short else sum(shards) - kept
+            assert not plan.grads_short or plan.total + plan.grads_short > CPU_MEM, case  # it did not fit
             kept += grow
         else:
             assert not plan.grads_short, case
@@ -118,18 +119,18 @@ def test_the_plan_over_the_grid(dtype, tied, world):
         elif mode == "serial":
             assert plan.stash_ram == sum(shards) and plan.grad_stash == 0, case
         # resident_mem: a size is capped at every record that can stay; auto takes half of what cpu_mem leaves
-        late = plan.grad_stash if unclipped else 0  # taken after the resident and read-ahead rooms
-        if resident == "auto":  # (from the half left once the grads pool took every gradient)
+        late = (plan.grad_stash if unclipped else 0) + grow  # taken after the resident and read-ahead rooms
+        if resident == "auto":
             assert plan.resident == min(plan.resident_all, (CPU_MEM - plan.total + late + plan.resident
-                                                            + plan.readahead + grow) // 2 - grow), case
+                                                            + plan.readahead) // 2), case
         else:
             assert plan.resident == min(resident, plan.resident_all), case
         # the read-ahead room (a step that may defer its update, optimized mode): what resident_mem auto leaves of
         # its half, never more than holding every record at once takes
         if reads_ahead(ecfg):
             every = readahead_every(geom.store, plan.chunk_elems, plan.records + plan.resident)
-            before = plan.total - late - plan.readahead - (plan.resident if resident == "auto" else 0) - grow
-            share = (CPU_MEM - before) // 2 - grow - (plan.resident if resident == "auto" else 0)
+            before = plan.total - late - plan.readahead - (plan.resident if resident == "auto" else 0)
+            share = (CPU_MEM - before) // 2 - (plan.resident if resident == "auto" else 0)
             assert plan.readahead_all == every and plan.readahead == min(every, share), case
         else:
             assert plan.readahead == plan.readahead_all == 0, case

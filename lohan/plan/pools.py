@@ -7,9 +7,9 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
   many kept over the forward/backward turn, plus the blocks a tied weight is borrowed from (kept all step);
   never more than every block at once (small models);
 - grads: the host gradient buffers (``grad_dtype``): one block filling while the one before is queued for the
-  optimizer (serial mode: every block's until backward ends; optimized mode: every block's too where the optional
-  rooms' half of what cpu_mem leaves holds them, so backward does not wait for an optimizer that fell behind,
-  else ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
+  optimizer (serial mode: every block's until backward ends; optimized mode: every block's too where what cpu_mem
+  leaves after the other pools holds them, so backward does not wait for an optimizer that fell behind, else
+  ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
   (``planner.gpu_need``'s "borrowed gradients"; a CPU device's: :func:`device_grad_bytes`);
 - optimizer: the record pool (``record_pool_bytes``: ``max_inflight_blocks`` records, or chunks, in flight, the
   records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into
@@ -433,12 +433,9 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         plan = _with_stash(plan, shards, kept, host_device)
     if free is not None and host_device:
         free = max(0, free - device_grad_bytes(geometry, cfg.micro_batches, g))
-    # half of what cpu_mem (and the machine) leave goes to the optional rooms: every block's gradient first (below),
-    # then records, resident ones first (auto), read-ahead room with the rest of that half (auto); the other half
-    # stays for swapped activations and the process
+    # half of what cpu_mem (and the machine) leave goes to records: resident ones first (auto), read-ahead room
+    # with the rest of that half (auto); the other half stays for swapped activations and the process
     share = max(0, (plan.budget if free is None else min(plan.budget, free)) - plan.total) // 2
-    if cfg.mode == "optimized" and not plan.has_stash:  # (a stash keeps every gradient, in RAM or spilled)
-        plan, kept, share = _every_gradient(plan, shards, kept, share)
     if cfg.resident_mem == "auto":
         plan = replace(plan, resident=resident_extra(local, cfg, chunk, records, room=share, align=a))
         share -= plan.resident
@@ -448,6 +445,8 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         every = readahead_every(local, chunk, records + plan.resident, a)
         want = share if cfg.readahead_mem == "auto" else int(cfg.readahead_mem)
         plan = replace(plan, readahead=min(want, every), readahead_all=every)
+    if cfg.mode == "optimized" and not plan.has_stash:  # (a stash keeps every gradient, in RAM or spilled)
+        plan, kept = _every_gradient(plan, shards, kept)
     if may_defer_unclipped(cfg, world) and cfg.clip_mode == "auto" and sum(shards) - kept <= plan.budget - plan.total:
         # clipping off, an update that may run after backward (auto): from what the pools leave, only where every
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
@@ -458,20 +457,21 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
     return plan
 
 
-def _every_gradient(plan: HostMemoryPlan, shards: list[int], kept: int, share: int) -> tuple[HostMemoryPlan, int, int]:
-    """`plan` with a grads pool of every block's gradient, as serial mode's, where `share` (the optional rooms' half
-    of what cpu_mem leaves) holds it; else as it was, with what it lacks in `grads_short`. Returns the plan, the
-    gradients the pool now keeps and what is left of `share`.
+def _every_gradient(plan: HostMemoryPlan, shards: list[int], kept: int) -> tuple[HostMemoryPlan, int]:
+    """`plan` with a grads pool of every block's gradient, as serial mode's, where what cpu_mem leaves after the
+    other pools (the resident and read-ahead rooms included, which stay as they were) holds it; else as it was, with
+    what it lacks in `grads_short`. Returns the plan and the gradients the pool now keeps (a stash that may follow
+    keeps those very buffers).
 
     Why: backward hands each block's gradient to the optimizer, and a buffer comes back only once that block is
     updated; a pool of two stalled backward whenever the optimizer (a slow disk, AdamW) fell behind (0.6-0.8 s of
     `grad_buffer_wait` a step at 350m on an H100 box, where serial's pool held them all)."""
     need = sum(shards) - kept
     if need <= 0:
-        return plan, kept, share
-    if need > share:
-        return replace(plan, grads_short=need), kept, share
-    return replace(plan, grads=plan.grads + need), sum(shards), share - need
+        return plan, kept
+    if need > plan.budget - plan.total:
+        return replace(plan, grads_short=need), kept
+    return replace(plan, grads=plan.grads + need), sum(shards)
 
 
 def _with_stash(plan: HostMemoryPlan, shards: list[int], kept: int, host_device: bool) -> HostMemoryPlan:
