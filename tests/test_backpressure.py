@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from test_clipping import batches, config, reference, same_weights, tiny_cfg
@@ -14,6 +16,7 @@ import lohan
 from io_engine.align import ALIGN, align_up
 from lohan.config import EngineConfig, get_model_config
 from lohan.plan.pools import model_geometry, plan_host_memory
+from lohan.runtime.record_buffers import BufState, Handles, Ledger, RecordBuffer, WriteBehind
 
 GiB = 1 << 30
 
@@ -133,3 +136,72 @@ def test_the_next_pass_reads_beside_the_tail_and_waits_per_block(make_dirs, monk
     assert writes[first_write:] and all(issued >= persisted[0] for _, issued, _ in writes[first_write:])  # then WRITEs
     assert losses == ref_losses
     same_weights(params, ref_params)
+
+
+class _Request:
+    """A volume request that completes when told (`finish`), or fails."""
+
+    def __init__(self) -> None:
+        self.event, self.error, self.reported = threading.Event(), None, False
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self) -> None:
+        self.event.wait()
+        if self.error is not None:
+            self.reported = True
+            raise self.error
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.event.set()
+
+
+def _tail(units, handles):
+    """A WriteBehind whose tail is one WRITING buffer per unit, with the given requests."""
+    ledger, released = Ledger(), []
+    behind = WriteBehind(SimpleNamespace(forget=lambda: released.append("forget")))
+    writes = deque()
+    for unit, handle in zip(units, handles):
+        rb = RecordBuffer(unit, SimpleNamespace(release=lambda u=unit: released.append(u), capacity=4096), ledger)
+        for state in (BufState.READING, BufState.READY, BufState.UPDATING, BufState.WRITING):
+            rb.to(state)
+        rb.handle = handle
+        writes.append(rb)
+    behind.adopt(writes)
+    return behind, released
+
+
+def test_the_tail_is_waited_for_and_retired_per_block():
+    a, b, c1, c2 = (_Request() for _ in range(4))
+    behind, released = _tail([(0, 0, 8), (1, 0, 8), (2, 0, 4)], [a, b, Handles([c1, c2])])  # block 2: a chunk's two
+    assert not behind.done.is_set() and behind.writing(2)
+    waiter = threading.Thread(target=behind.wait_block, args=(2,))  # another thread: waits, retires nothing
+    waiter.start()
+    c1.finish()
+    waiter.join(0.05)
+    assert waiter.is_alive()  # its second request is still in flight
+    c2.finish()
+    waiter.join(5)
+    assert not waiter.is_alive() and len(behind.tail) == 3 and not released
+    behind.reap()  # the complete ones go back, without waiting for the others
+    assert released == [(2, 0, 4)] and [rb.unit[0] for rb in behind.tail] == [0, 1]
+    b.finish()
+    behind.retire_block(1)
+    assert released[-1] == (1, 0, 8) and not behind.done.is_set()
+    a.finish()
+    behind.retire_oldest()
+    assert behind.done.is_set() and not behind.tail and behind.error is None
+    behind.wait_block(0)  # nothing in flight: returns at once
+
+
+def test_a_failed_tail_write_retires_the_whole_tail_and_is_kept():
+    a, b = _Request(), _Request()
+    behind, released = _tail([(0, 0, 8), (1, 0, 8)], [a, b])
+    a.finish(OSError("EIO"))
+    b.finish()
+    with pytest.raises(OSError, match="EIO"):
+        behind.retire_block(0)
+    assert behind.done.is_set() and not behind.tail and isinstance(behind.error, OSError)
+    assert sorted(u for u in released if u != "forget") == [(0, 0, 8), (1, 0, 8)] and "forget" in released

@@ -265,7 +265,14 @@ class WriteBehind:
         handles = self._handles  # (the worker replaces it, never changes it)
         if self.done.is_set():
             return
-        wait_all_handles(handles.get(block, []) if block is not None else [h for hs in handles.values() for h in hs])
+        first: BaseException | None = None
+        for h in handles.get(block, []) if block is not None else [h for hs in handles.values() for h in hs]:
+            try:  # (a chunk's `Handles` too: each request is waited for, even after one failed)
+                h.wait()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def retire_block(self, block: int) -> None:
         """Wait for the tail's writes of `block` and give their buffers back (the worker, before it READs the block
