@@ -86,6 +86,17 @@ def test_the_plan_over_the_grid(dtype, tied, world):
         shards = [align_up(g * b.numel) for b in geom.store.blocks]
         whole = [align_up(g * b.numel) for b in geom.layout.blocks]
         kept = sum(shards) if mode == "serial" else min(2 * max(shards), sum(shards))
+        # optimized mode without a stash (which keeps every gradient itself): every block's gradient, as serial's,
+        # where what cpu_mem leaves after the other pools and rooms holds it; else what it lacks is said
+        stashed = (clip > 0 or slots == 1) and mode != "serial"
+        grow = 0
+        if mode == "optimized" and not stashed:
+            assert plan.grads_short in (0, sum(shards) - kept), case
+            grow = 0 if plan.grads_short else sum(shards) - kept
+            assert not plan.grads_short or plan.total + plan.grads_short > CPU_MEM, case  # it did not fit
+            kept += grow
+        else:
+            assert not plan.grads_short, case
         # (the tied weights' borrowed gradients are autograd's, on the device: never in the grads pool)
         assert plan.grads == (kept if world == 1 else min(2 * max(whole), sum(whole)) + kept), case
         assert max(geom.p16) <= plan.params <= sum(geom.p16), case
@@ -108,7 +119,7 @@ def test_the_plan_over_the_grid(dtype, tied, world):
         elif mode == "serial":
             assert plan.stash_ram == sum(shards) and plan.grad_stash == 0, case
         # resident_mem: a size is capped at every record that can stay; auto takes half of what cpu_mem leaves
-        late = plan.grad_stash if unclipped else 0  # taken after the resident and read-ahead rooms
+        late = (plan.grad_stash if unclipped else 0) + grow  # taken after the resident and read-ahead rooms
         if resident == "auto":
             assert plan.resident == min(plan.resident_all, (CPU_MEM - plan.total + late + plan.resident
                                                             + plan.readahead) // 2), case
@@ -152,7 +163,11 @@ def _check_capacity_prices_the_same(mcfg, ecfg: EngineConfig, plan, case) -> Non
         {k: v for k, v in unpadded.items() if v or k != "resident"}, case
     if ecfg.max_grad_norm == 0 and ecfg.resident_mem == 0 and slots == 2:
         pools = engine_pools(mcfg, dtype, micro_batches=ecfg.micro_batches)
-        assert pools == {k: unpadded[k] for k in ("params", "grads", "optimizer")}, case
+        # the least pools (no cpu_mem to spare: two gradient buffers; the plan's grads pool may hold every one)
+        grads = [bare.grad_itemsize * b.numel for b in model_geometry(mcfg, dtype, slots).layout.blocks]
+        least = min(2 * max(grads), sum(grads))
+        assert pools == {"params": unpadded["params"], "grads": least, "optimizer": unpadded["optimizer"]}, case
+        assert unpadded["grads"] == (least if bare.grads_short else sum(grads)), case
 
 
 def test_a_plan_over_cpu_mem_is_refused_with_the_least_that_fits():

@@ -35,23 +35,23 @@ def test_write_behind_is_bit_exact_with_small_pools(make_dirs, monkeypatch, infl
     waited, forced = [], []
     real_await, real_release = Engine._await_tail, UpdatePass.release_held
 
-    def await_tail(self, slot):
+    def await_tail(self, slot, *block):
         waited.append(self.store.staged and slot == self.store.slot and not self.offloader.tail_done.is_set())
-        return real_await(self, slot)
+        return real_await(self, slot, *block)
 
     def release_held(self, *args, **kwargs):
         forced.append(self.gate.deferred is False)
         return real_release(self, *args, **kwargs)
 
-    def finish_tail(self):  # a slow disk: the next backward's reads come while the tail is in flight
-        if self.tail:
+    def retire(self, rbs):  # a slow disk: the next backward's reads come while the tail is in flight
+        if rbs:
             time.sleep(0.1)
-        return real_finish(self)
+        return real_retire(self, rbs)
 
-    real_finish = WriteBehind.finish_tail
+    real_retire = WriteBehind._retire
     monkeypatch.setattr(Engine, "_await_tail", await_tail)
     monkeypatch.setattr(UpdatePass, "release_held", release_held)
-    monkeypatch.setattr(WriteBehind, "finish_tail", finish_tail)
+    monkeypatch.setattr(WriteBehind, "_retire", retire)
     mcfg = tiny_cfg(n_layer=6)
     ecfg = config(make_dirs(2), clip_mode="defer", prefetch_depth=1, max_inflight_blocks=inflight,
                   write_behind=write_behind, resident_mem=0)  # small pools: READs wait for the room

@@ -7,8 +7,9 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
   many kept over the forward/backward turn, plus the blocks a tied weight is borrowed from (kept all step);
   never more than every block at once (small models);
 - grads: the host gradient buffers (``grad_dtype``): one block filling while the one before is queued for the
-  optimizer (serial mode: every block's until backward ends); data parallel: the whole block being reduced and
-  the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
+  optimizer (serial mode: every block's until backward ends; optimized mode: every block's too where what cpu_mem
+  leaves after the other pools holds them, so backward does not wait for an optimizer that fell behind, else
+  ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
   (``planner.gpu_need``'s "borrowed gradients"; a CPU device's: :func:`device_grad_bytes`);
 - optimizer: the record pool (``record_pool_bytes``: ``max_inflight_blocks`` records, or chunks, in flight, the
   records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into
@@ -336,6 +337,9 @@ class HostMemoryPlan:
     """Room in the record pool for READs issued during backward ahead of a deferred update (``readahead_mem``)."""
     readahead_all: int = 0
     """What reading every record ahead would take (:func:`readahead_every`), where a step may defer."""
+    grads_short: int = 0
+    """What the grads pool lacks to hold every block's gradient, as serial mode's does (optimized and naive modes,
+    where cpu_mem leaves too little: backward may then wait for the optimizer to give a buffer back)."""
 
     @property
     def total(self) -> int:
@@ -361,7 +365,11 @@ class HostMemoryPlan:
             rows.append(("gradient stash", self.grad_stash))
         if self.readahead:
             rows.append(("read-ahead records", self.readahead))
-        return ", ".join(f"{k} {size_text(v)}" for k, v in rows)
+        text = ", ".join(f"{k} {size_text(v)}" for k, v in rows)
+        if self.grads_short:
+            text += (f"; the grads pool is {size_text(self.grads_short)} short of every block's gradient (backward "
+                     "may wait for the optimizer; a larger cpu_mem gives it)")
+        return text
 
 
 def pool_config(compute_dtype: str = "bf16", micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3,
@@ -437,6 +445,8 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         every = readahead_every(local, chunk, records + plan.resident, a)
         want = share if cfg.readahead_mem == "auto" else int(cfg.readahead_mem)
         plan = replace(plan, readahead=min(want, every), readahead_all=every)
+    if cfg.mode == "optimized" and not plan.has_stash:  # (a stash keeps every gradient, in RAM or spilled)
+        plan, kept = _every_gradient(plan, shards, kept)
     if may_defer_unclipped(cfg, world) and cfg.clip_mode == "auto" and sum(shards) - kept <= plan.budget - plan.total:
         # clipping off, an update that may run after backward (auto): from what the pools leave, only where every
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
@@ -445,6 +455,23 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
     if check:
         _check(plan, cfg)
     return plan
+
+
+def _every_gradient(plan: HostMemoryPlan, shards: list[int], kept: int) -> tuple[HostMemoryPlan, int]:
+    """`plan` with a grads pool of every block's gradient, as serial mode's, where what cpu_mem leaves after the
+    other pools (the resident and read-ahead rooms included, which stay as they were) holds it; else as it was, with
+    what it lacks in `grads_short`. Returns the plan and the gradients the pool now keeps (a stash that may follow
+    keeps those very buffers).
+
+    Why: backward hands each block's gradient to the optimizer, and a buffer comes back only once that block is
+    updated; a pool of two stalled backward whenever the optimizer (a slow disk, AdamW) fell behind (0.6-0.8 s of
+    `grad_buffer_wait` a step at 350m on an H100 box, where serial's pool held them all)."""
+    need = sum(shards) - kept
+    if need <= 0:
+        return plan, kept
+    if need > plan.budget - plan.total:
+        return replace(plan, grads_short=need), kept
+    return replace(plan, grads=plan.grads + need), sum(shards)
 
 
 def _with_stash(plan: HostMemoryPlan, shards: list[int], kept: int, host_device: bool) -> HostMemoryPlan:

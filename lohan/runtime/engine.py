@@ -266,16 +266,18 @@ class Engine:
         self._next.drop()
         self._broken = f"step {self.store.step + 1}'s commit was taken back (drop_staged); resume the run"
 
-    def _await_tail(self, slot: int) -> None:
-        """Before the SSDs are read: a staged slot's last writes may still be in flight (write-behind)."""
+    def _await_tail(self, slot: int, block: int | None = None) -> None:
+        """Before the SSDs are read (`block`'s P16; None: any block): a staged slot's last writes may still be in
+        flight (write-behind)."""
         if not self.store.staged or slot != self.store.slot or self.offloader.tail_done.is_set():
             if self.offloader.tail_error is not None and self.store.staged and slot == self.store.slot:
                 raise RuntimeError("a write of the last step's optimizer pass failed") from self.offloader.tail_error
             return
-        if self.offloader.busy:  # the worker completes the tail before its pass
-            self.offloader.tail_done.wait()
-            if self.offloader.tail_error is not None:
-                raise RuntimeError("a write of the last step's optimizer pass failed") from self.offloader.tail_error
+        if self.offloader.busy:  # the worker retires the tail as its pass goes: wait for this block's writes only
+            try:
+                self.offloader.wait_tail(block)
+            except Exception as e:
+                raise RuntimeError("a write of the last step's optimizer pass failed") from e
         else:
             self.flush()
 

@@ -31,8 +31,11 @@ the gate is open, an updated record's WRITE is held back (HELD) until its buffer
 READs the next forward waits for have the SSDs first; once no READ is left to come (the read-ahead room held them
 all) the WRITEs go out at once, and the writes still in flight when the pass ends (or not yet reaped) form the
 *tail*: they complete while the next step's backward runs, their buffers stay WRITING until the next pass (or
-`drain_tail`) retires them, and the next pass starts only after them (its `before` hook then makes the step's
-staged commit durable). `tail_done` tells readers of that slot when its bytes are all written.
+`drain_tail`) retires them. The next pass starts at once and waits per buffer: a READ of a block the tail still
+writes waits for that block's writes, a buffer of the tail is reused once its write retired, and the pass's
+first WRITE waits for the whole tail, then the `before` hook makes the step's staged commit durable (the pass
+writes the slot the commit before it names). `wait_tail` lets readers of that slot (the P16 of a block) wait for
+their block's writes; `tail_done` is set once none is in flight.
 
 Resident records (`lohan.plan.pools.plan_resident`, `record_buffers.ResidentRecords`): the record buffers of some blocks stay in the
 pool from one step to the next. Each step still WRITEs them (the commit needs every record on the SSDs), but
@@ -169,6 +172,10 @@ class UpdatePass:
         self.in_hand: RecordBuffer | None = None
         self.writes: deque[RecordBuffer] = deque()
         self.error: BaseException | None = None  # the pass failed (surfaced by submit / finish)
+        # the last pass's staged commit made durable (`GradOffloader.begin_step`), once its tail is written and
+        # before this pass's first WRITE (`_settle_tail`)
+        self.before: Callable[[], None] | None = None
+        self.settled = False
 
     # ----------------------------------------------------------------- the pass
     def run(self) -> None:
@@ -376,6 +383,8 @@ class UpdatePass:
         ago, behind = self.ago, self.ago.behind
         i, lo, hi = unit
         layout, vol = ago.store.layout, ago.store.volume
+        if behind.tail:  # the last pass's tail may still write this block (to the slot read): only its writes
+            behind.retire_block(i)
         res = ago.resident_records.get(i)
         if res is not None:  # its own buffer: no room needed, and no READ when it holds the slot's bytes
             if ago.resident_records.holds(i, self.read_slot, self.update - 1):
@@ -387,13 +396,18 @@ class UpdatePass:
             res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
                                        layout.record_offset(i, self.read_slot))
             return
-        # The pool's buffers are held by this thread alone (reads pending, writes in flight), so when it
-        # is full, retire the oldest write instead of blocking on buffers only this thread releases.
+        # The pool's buffers are held by this thread alone (reads pending, writes in flight, the last pass's
+        # tail), so when it is full, retire the oldest write instead of blocking on buffers only this thread
+        # releases: the tail's first (issued before any of this pass's).
         while True:
             try:
-                buf = ago.pool.acquire(self._unit_bytes(unit), block=wait and not self.writes and not behind.held)
+                buf = ago.pool.acquire(self._unit_bytes(unit),
+                                       block=wait and not self.writes and not behind.held and not behind.tail)
                 break
             except BudgetExceededError:
+                if behind.tail:
+                    behind.retire_oldest()
+                    continue
                 if not self.writes and not behind.held:
                     return
                 if not self.writes:  # write-behind: the oldest held update goes out to make room
@@ -420,6 +434,8 @@ class UpdatePass:
         for unit in self.units[k:]:
             if unit in self.reads:
                 continue
+            if self.ago.behind.tail and self.ago.behind.writing(unit[0]):
+                return  # (its READ waits for the tail's write: not here, where a gradient may be waiting)
             if unit[0] in self.ago.resident_records:
                 self._issue_read(unit)
                 continue
@@ -443,6 +459,7 @@ class UpdatePass:
 
     def _issue_write(self, rb: RecordBuffer) -> None:
         """WRITE: the updated P32, m, v, P16 to the write slot (one request for a whole record)."""
+        self._settle_tail()
         ago = self.ago
         layout, vol = ago.store.layout, ago.store.volume
         i, lo, hi = rb.unit
@@ -460,11 +477,25 @@ class UpdatePass:
             self.sums.setdefault(i, {})[lo] = rb.handle  # (write-behind may send a block's units out of order)
         crashpoint("offload.write_issued")
 
+    def _settle_tail(self) -> None:
+        """Before this pass's first WRITE: the last pass's tail complete, then its staged commit durable (`before`).
+        This pass writes the slot the commit before that one names, so no WRITE may go out while a crash could
+        still find that older commit on disk; READs need only their own block's tail writes (`_issue_read`)."""
+        if self.settled:
+            return
+        self.ago.behind.finish_tail()
+        if self.before is not None:
+            self.before()
+        self.settled = True
+
     def _retire_oldest_write(self) -> None:
         self.writes.popleft().retire()
 
     def _reap(self, wait: bool) -> None:
-        """Give back the buffers of completed writes (all of them, waiting, when `wait`)."""
+        """Give back the buffers of completed writes (all of them, waiting, when `wait`), the last pass's tail's
+        among them (those complete, never waiting)."""
+        if self.ago.behind.tail:
+            self.ago.behind.reap()
         while self.writes and (wait or self.writes[0].done()):
             self._retire_oldest_write()
 
@@ -545,8 +576,14 @@ class GradOffloader:
 
     @property
     def tail_done(self) -> threading.Event:
-        """Set while no write-behind tail is in flight: readers of that slot wait for it."""
+        """Set while no write-behind tail is in flight (the worker retires it as its next pass goes, or
+        `drain_tail`): readers of that slot meanwhile wait for their block's writes (`wait_tail`)."""
         return self.behind.done
+
+    def wait_tail(self, block: int | None = None) -> None:
+        """Wait, from any thread, until the tail's writes of `block` (of every block: None) are complete; raises
+        a failed write's error. The worker's pass needs no help for that: it completes on its own."""
+        self.behind.wait_block(block)
 
     @property
     def tail_error(self) -> BaseException | None:
@@ -572,8 +609,10 @@ class GradOffloader:
         (`provide`). `gate` gives the gradient coefficient (default 1: no clipping); a deferred gate holds
         every update (READs still go out) until it opens. With `keep` the gradient buffers are kept after
         use, for `begin_redo`, until `release_kept`. `provide` receives each unit's new P16 after its update.
-        `lazy`: write-behind (module docstring); `finish` then returns with the tail in flight. The worker
-        first completes the previous pass's tail, then calls `before` (if any), then runs this pass.
+        `lazy`: write-behind (module docstring); `finish` then returns with the tail in flight. The pass starts
+        at once beside the previous pass's tail and waits for it per buffer (a READ of a block the tail writes,
+        a buffer it holds); before this pass's first WRITE the whole tail is complete and `before` (if any) is
+        called: the previous step's staged commit becomes durable there, never before its last writes.
         """
         if self._thread is not None:
             raise RuntimeError("begin_step called while the previous step is still running")
@@ -686,10 +725,11 @@ class GradOffloader:
     # ----------------------------------------------------------------- worker
     def _run_guarded(self, p: UpdatePass, before: Callable[[], None] | None) -> None:
         try:
-            self.behind.finish_tail()
-            if before is not None:
-                before()
+            # the pass starts at once, beside the last pass's tail: it waits per buffer (`_issue_read`), and for
+            # the whole tail and `before` at its first WRITE (`_settle_tail`), or here if it wrote nothing
+            p.before = before
             p.run()
+            p._settle_tail()
         except BaseException as e:  # surfaced to the compute thread by submit()/finish()
             p.error = e
             p.drain()  # the compute thread may keep handing buffers over until it sees the error

@@ -92,9 +92,9 @@ class ParamStreamer:
         self.kept_hits = 0
         self.late_copies = 0  # blocks whose copy to a separate device started only when they were needed
         self.gather_s = 0.0
-        # called with the slot before any read from the SSDs: the engine waits there while the last step's
-        # writes to that slot may still be in flight (write-behind)
-        self.before_read: Callable[[int], None] | None = None
+        # called with the slot and the block before any read from the SSDs: the engine waits there while the
+        # last step's writes of that block to that slot may still be in flight (write-behind)
+        self.before_read: Callable[[int, int], None] | None = None
 
     def _state(self, i: int) -> P16State | None:
         """Block i's buffer's state (None: none in flight or in use)."""
@@ -214,7 +214,7 @@ class ParamStreamer:
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
         if self.before_read is not None:
-            self.before_read(slot)
+            self.before_read(slot, i)
         own = self.store.layout.blocks[i]
         entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
         at = self._own(i)[0] * own.p16_itemsize

@@ -197,13 +197,20 @@ class ResidentRecords:
 
 class WriteBehind:
     """Write-behind (`offload.py`): the updates whose WRITE a lazy pass holds back, and its *tail*, the writes
-    still in flight when the pass ended, which complete beside the next step's backward."""
+    still in flight when the pass ended, which complete beside the next step's backward.
+
+    The next pass starts at once and waits for the tail per buffer, on its worker thread: before a READ of a block
+    the tail still writes (`retire_block`), for room in the pool (`retire_oldest`), and for all of it before its
+    own first WRITE (`finish_tail`: the staged commit is made durable then, and the new pass writes the slot that
+    commit replaces). Other threads wait for a block's tail writes without touching the buffers (`wait_block`)."""
 
     def __init__(self, resident: ResidentRecords) -> None:
         self.resident = resident
         self.held: deque[RecordBuffer] = deque()  # held back, oldest first; their WRITE gives room back
         self.held_res: list[RecordBuffer] = []  # resident ones: their WRITE frees no room, it waits for the end
-        self.tail: list[RecordBuffer] = []
+        self.tail: list[RecordBuffer] = []  # oldest first; only the worker retires them
+        # per block, the requests of its tail writes, fixed when adopted: what other threads may wait on
+        self._handles: dict[int, list[Handle | Handles]] = {}
         self.done = threading.Event()  # set while no tail is in flight
         self.done.set()
         self.error: BaseException | None = None  # a tail write failed: that slot is not what was staged
@@ -240,23 +247,73 @@ class WriteBehind:
             raise RuntimeError("a tail is adopted while the last one is still in flight")
         self.tail = list(writes)
         writes.clear()
+        handles: dict[int, list[Handle | Handles]] = {}
+        for rb in self.tail:
+            if rb.handle is not None:
+                handles.setdefault(rb.unit[0], []).append(rb.handle)
+        self._handles = handles
         if self.tail:
             self.done.clear()
+
+    def writing(self, block: int) -> bool:
+        """Whether a tail write of `block` is still in flight (the worker's view; no waiting)."""
+        return any(rb.unit[0] == block and not rb.done() for rb in self.tail)
+
+    def wait_block(self, block: int | None) -> None:
+        """Wait until the tail's writes of `block` (of every block: None) are complete, from any thread (the
+        buffers stay the worker's to retire). Raises a failed write's error."""
+        handles = self._handles  # (the worker replaces it, never changes it)
+        if self.done.is_set():
+            return
+        first: BaseException | None = None
+        for h in handles.get(block, []) if block is not None else [h for hs in handles.values() for h in hs]:
+            try:  # (a chunk's `Handles` too: each request is waited for, even after one failed)
+                h.wait()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def retire_block(self, block: int) -> None:
+        """Wait for the tail's writes of `block` and give their buffers back (the worker, before it READs the block
+        or updates its resident buffer)."""
+        self._retire([rb for rb in self.tail if rb.unit[0] == block])
+
+    def retire_oldest(self) -> None:
+        """Wait for the tail's oldest write and give its buffer back (the worker, for room in the pool)."""
+        self._retire(self.tail[:1])
+
+    def reap(self) -> None:
+        """Give back the buffers of the tail's writes already complete, without waiting."""
+        self._retire([rb for rb in self.tail if rb.done()])
 
     def finish_tail(self) -> None:
         """Wait for every write of the tail and give its buffers back (all of them, even when one failed; the
         first failure is kept in `error` and raised)."""
-        tail, self.tail = self.tail, []
+        self._retire(list(self.tail))
+
+    def _retire(self, rbs: list[RecordBuffer]) -> None:
+        """Retire `rbs` (of the tail); after a failure, the whole tail, then raise it."""
+        if not rbs:
+            return
         first: BaseException | None = None
-        try:
-            for rb in tail:
+        for rb in rbs:
+            self.tail.remove(rb)
+            try:
+                rb.retire()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            for rb in self.tail:
                 try:
                     rb.retire()
-                except BaseException as e:
-                    first = first or e
-            if first is not None:
-                self.error = first
-                self.resident.forget()  # their step is dropped: the tags no longer say so
-                raise first
-        finally:
+                except BaseException:  # (the first failure is the one raised)
+                    pass
+            self.tail = []
+            self.error = first
+            self.resident.forget()  # their step is dropped: the tags no longer say so
+        if not self.tail:
+            self._handles = {}
             self.done.set()
+        if first is not None:
+            raise first
