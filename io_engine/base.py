@@ -28,6 +28,7 @@ import torch
 # ALIGN, align_up, ...: torch-free (align.py, which the planning layer imports), re-exported here
 from .align import ALIGN, align_down, align_up, is_aligned, size_text  # noqa: F401
 from .durable import fsync_dir  # noqa: F401  (its home is durable.py; imported from here too)
+from .priority import Priority, default_priority
 
 if TYPE_CHECKING:
     from .faults import Fault
@@ -119,13 +120,19 @@ class DeviceOp:
     """One aligned transfer on one device: `length` bytes at `offset` of device `device`'s slab file.
 
     `buffers` are uint8 CPU tensors concatenated in order (an iovec); each one's address and
-    length is a multiple of ALIGN, and their lengths add up to `length`.
+    length is a multiple of ALIGN, and their lengths add up to `length`. `priority`: its class on the
+    device's queue (priority.py); None means the default of its direction.
     """
 
     device: int
     write: bool
     offset: int
     buffers: tuple[torch.Tensor, ...]
+    priority: Priority | None = None
+
+    def __post_init__(self) -> None:
+        cls = default_priority(self.write) if self.priority is None else Priority(self.priority)
+        object.__setattr__(self, "priority", cls)
 
     @property
     def length(self) -> int:
@@ -139,6 +146,8 @@ class Backend(Protocol):
 
     def submit(self, op: DeviceOp, fault: Fault | None = None) -> list[Future]:
         """Start `op`; the futures complete (or fail with IOEngineError) when its bytes are on disk/in memory.
+
+        Pieces of a more urgent `op.priority` start before queued pieces of less urgent classes (priority.py).
 
         `fault` (from faults.FaultyBackend only) makes this op fail or move short on purpose, at the point
         where a real failure would happen, so the backend's own error and retry paths handle it.
