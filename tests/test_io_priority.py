@@ -199,3 +199,37 @@ def test_closed_queue_drains_then_stops():
     assert q.get() == ("r", Priority.READ)
     q.done(Priority.READ)
     assert q.get() is None
+
+
+def test_the_engine_asks_for_urgent_parameter_reads_and_background_record_io(make_dirs, monkeypatch):
+    """A step with states streamed from the SSDs and activations spilled to them: the reads the compute waits
+    on (P16, activations) are URGENT, the optimizer's record READs (its read-ahead among them) are READ, and
+    every write is WRITE, so the forward's P16 never queues behind the optimizer's I/O."""
+    import sys
+
+    from test_clipping import batches, config, tiny_cfg
+
+    import lohan
+    from io_engine.volume import Volume
+
+    seen: dict[tuple[str, str], set] = {}
+    real = {"read": Volume.read_into, "write": Volume.write}
+
+    def recorder(kind):
+        def call(self, tensor, offset, priority=None):
+            caller = sys._getframe(1).f_globals["__name__"].rsplit(".", 1)[-1]
+            seen.setdefault((caller, kind), set()).add(priority)
+            return real[kind](self, tensor, offset) if priority is None else real[kind](self, tensor, offset, priority)
+        return call
+
+    monkeypatch.setattr(Volume, "read_into", recorder("read"))
+    monkeypatch.setattr(Volume, "write", recorder("write"))
+    ecfg = config(make_dirs(1), resident_mem=0, act_mem=0, total_steps=2)
+    with lohan.init(tiny_cfg(n_layer=3), ecfg) as engine:
+        for batch in batches(2):
+            engine.step(batch)
+    want = {("params", "read"): {Priority.URGENT}, ("offload", "read"): {Priority.READ},
+            ("offload", "write"): {Priority.WRITE}, ("activation_store", "read"): {Priority.URGENT},
+            ("activation_store", "write"): {Priority.WRITE}}
+    for key, classes in want.items():
+        assert seen.get(key) == classes, f"{key}: asked for {seen.get(key)}, want {classes} (all: {seen})"

@@ -44,6 +44,7 @@ from torch import nn
 
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError
+from io_engine.priority import Priority
 from lohan.runtime.device import Device, Transfer
 from lohan.runtime.parallel import DataParallel
 from lohan.store.integrity import tensor_hash, unit_bounds
@@ -211,7 +212,8 @@ class ParamStreamer:
         own = self.store.layout.blocks[i]
         buf = self._room(self.buffer_bytes(i))
         at = self._own(i)[0] * own.p16_itemsize
-        handle = self.store.volume.read_into(buf.tensor[at:at + own.p16_bytes], self.store.layout.p16_offset(i, slot))
+        handle = self.store.volume.read_into(buf.tensor[at:at + own.p16_bytes], self.store.layout.p16_offset(i, slot),
+                                             priority=Priority.URGENT)  # the compute waits on it
         self._inflight[i] = (buf, handle)
         self.bytes_read += own.p16_bytes
 
