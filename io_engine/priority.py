@@ -22,6 +22,7 @@ Within a class, pieces start in the order they were queued (the pieces of one re
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -178,7 +179,8 @@ class PriorityExecutor:
     """`workers` threads running submitted calls, most urgent class first (a ClassQueue's policy).
 
     The calls' exceptions go to their futures, as with concurrent.futures.ThreadPoolExecutor. Threads start
-    on the first submit and are daemons: `shutdown()` runs what is queued, then joins them.
+    on the first submit; `shutdown()` runs what is queued, then joins them. As with ThreadPoolExecutor, what
+    is queued when the interpreter exits still runs (a write handed over and never waited for is not lost).
     """
 
     def __init__(self, workers: int, name: str, write_cap: int = 1, age_limit: int = AGE_LIMIT) -> None:
@@ -187,6 +189,7 @@ class PriorityExecutor:
         self._name = name
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        _live.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: Priority = Priority.READ) -> Future:
         fut: Future = Future()
@@ -220,3 +223,16 @@ class PriorityExecutor:
             threads = list(self._threads)
         for t in threads:
             t.join()
+
+
+_live: weakref.WeakSet[PriorityExecutor] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    for executor in list(_live):
+        executor.shutdown()
+
+
+# Run before the interpreter joins its threads, as concurrent.futures does; the workers are daemons so that an
+# executor never shut down cannot keep a process alive, and this drains their queues first.
+threading._register_atexit(_drain_at_exit)
