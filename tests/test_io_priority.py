@@ -233,3 +233,26 @@ def test_the_engine_asks_for_urgent_parameter_reads_and_background_record_io(mak
             ("activation_store", "write"): {Priority.WRITE}}
     for key, classes in want.items():
         assert seen.get(key) == classes, f"{key}: asked for {seen.get(key)}, want {classes} (all: {seen})"
+
+
+def test_a_write_never_waited_for_is_on_disk_after_the_process_exits(make_dirs):
+    """The threads backend's workers are daemons; its queues are still drained at exit (ThreadPoolExecutor did)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d = make_dirs(1)[0]
+    script = (
+        "import torch\n"
+        "from io_engine import open_volume\n"
+        "from io_engine.buffers import aligned_empty\n"
+        f"vol = open_volume([{d!r}], 16 << 20, backend='threads', emulate_ssd_gbps=0.05)\n"
+        "buf = aligned_empty(8 << 20)\n"
+        "buf.fill_(7)\n"
+        "vol.write(buf, 0)  # and exit without waiting or closing\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    with open(os.path.join(d, "lohan.slab"), "rb") as f:
+        assert f.read(8 << 20).count(7) == 8 << 20
