@@ -44,7 +44,7 @@ import torch
 
 from .base import ALIGN, BudgetExceededError, DeviceOp, IOEngineError, LaneStats, check_op, device_error
 from .buffers import aligned_empty
-from .priority import ClassQueue
+from .priority import ClassQueue, Priority
 from .throttle import Throttle, for_directory
 
 if TYPE_CHECKING:
@@ -509,6 +509,13 @@ class AioBackend:
                 futures.append(fut)
                 offset += buf.numel()
         return futures
+
+    def promote(self, futures: list[Future], priority: Priority) -> None:
+        """The queued pieces of `futures` go up to class `priority` (someone waits on them now)."""
+        ids = {id(f) for f in futures}
+        for pair in self._queues:
+            for work in pair:
+                work.promote(lambda item: id(item[2]) in ids, priority)
 
     def sync(self, fault_for: Callable[[int], Fault | None] | None = None) -> None:
         first: IOEngineError | None = None

@@ -154,6 +154,10 @@ class Backend(Protocol):
         """
         ...
 
+    def promote(self, futures: list[Future], priority: Priority) -> None:
+        """Move the pieces of `futures` still queued up to class `priority` (a caller now waits on them)."""
+        ...
+
     def is_direct(self, buffer: torch.Tensor) -> bool:
         """Whether the backend can transfer into/out of `buffer` without a bounce copy."""
         ...
@@ -252,12 +256,15 @@ class Handle:
 
     Keeps the tensors of the request alive until completion, so a caller may drop its own
     references right after submitting. `devices` names where the request goes ("device 0 (/mnt/nvme0)"),
-    for the stall warnings of `wait()`.
+    for the stall warnings of `wait()`. `promote(futures, priority)` moves queued pieces up a class, for
+    `wait(expedite=...)`.
     """
 
     def __init__(self, futures: list[Future], keepalive: tuple = (), describe: str = "",
-                 devices: tuple[str, ...] = ()) -> None:
+                 devices: tuple[str, ...] = (),
+                 promote: Callable[[list[Future], Priority], None] | None = None) -> None:
         self._futures = futures
+        self._promote = promote
         self._keepalive = keepalive
         self._describe = describe
         self._devices = devices
@@ -268,12 +275,16 @@ class Handle:
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, expedite: Priority | None = None) -> None:
         """Block until the request is complete; raise IOEngineError if any piece failed.
 
         A request still pending after STALL_WARN_S seconds is logged as a WARNING (and again at doubling
-        intervals) while the wait goes on; only `timeout` ends the wait early (TimeoutError).
+        intervals) while the wait goes on; only `timeout` ends the wait early (TimeoutError). `expedite`: the
+        request's pieces still queued go up to this class first, for a waiter more urgent than the request
+        was (the compute blocked on a write-behind: otherwise it would wait behind background READs).
         """
+        if expedite is not None and self._promote is not None and not self._waited and not self.done():
+            self._promote(self._futures, expedite)
         if not self._waited:
             start = time.monotonic()
             deadline = None if timeout is None else start + timeout

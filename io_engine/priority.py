@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from enum import IntEnum
 from typing import Any
@@ -118,6 +118,27 @@ class ClassQueue:
             for f in self._followers:  # their WRITEs were capped for our URGENT work
                 f.wake()
 
+    def promote(self, match: Callable[[Any], bool], priority: Priority) -> int:
+        """Move the queued items that `match` picks from less urgent classes to the end of `priority`'s, in
+        their order (someone now waits on them: priority inheritance). Returns how many moved."""
+        moved = 0
+        with self._cond:
+            target = self._queues[priority]
+            for c in _CLASSES:
+                if c <= priority or not self._queues[c]:
+                    continue
+                keep = deque()
+                for item in self._queues[c]:
+                    if match(item):
+                        target.append(item)
+                        moved += 1
+                    else:
+                        keep.append(item)
+                self._queues[c] = keep
+            if moved:
+                self._cond.notify_all()
+        return moved
+
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
@@ -201,6 +222,11 @@ class PriorityExecutor:
                     t.start()
                     self._threads.append(t)
         return fut
+
+    def promote(self, futures: Iterable[Future], priority: Priority) -> int:
+        """Move the queued calls of `futures` up to class `priority` (ClassQueue.promote)."""
+        ids = {id(f) for f in futures}
+        return self.queue.promote(lambda item: id(item[0]) in ids, priority) if ids else 0
 
     def _run(self) -> None:
         while True:

@@ -19,7 +19,7 @@ import torch
 
 from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, device_error, memview
 from .buffers import aligned_empty
-from .priority import PriorityExecutor
+from .priority import Priority, PriorityExecutor
 from .throttle import Throttle, for_directory
 
 if TYPE_CHECKING:
@@ -95,6 +95,11 @@ class ThreadsBackend:
                                                          priority=op.priority))
             fault = None  # an injected fault hits the op's first piece only
         return futures
+
+    def promote(self, futures: list[Future], priority: Priority) -> None:
+        """The queued pieces of `futures` go up to class `priority` (someone waits on them now)."""
+        for pool in self._pools:
+            pool.promote(futures, priority)
 
     def _transfer(self, device: int, write: bool, offset: int, pieces: list[torch.Tensor],
                   fault: Fault | None = None) -> int:

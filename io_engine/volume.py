@@ -270,12 +270,18 @@ class Volume:
         else:
             futures = [self._stager.submit(self._staged, offset, buf, write, priority, priority=priority)]
         handle = Handle(futures, keepalive=(buf,), describe=f"{kind} of {n} bytes at {offset}",
-                        devices=self._where(offset, n))
+                        devices=self._where(offset, n), promote=self._promote)
         with self._pending_lock:
             if len(self._pending) > 4096:
                 self._pending = {h for h in self._pending if not h.done()}
             self._pending.add(handle)
         return handle
+
+    def _promote(self, futures: list[Future], priority: Priority) -> None:
+        # A staged request's future is the stager's: it moves up there (its device ops, once issued, keep
+        # the request's class).
+        self._stager.promote(futures, priority)
+        self.backend.promote(futures, priority)
 
     def _device_ops(self, offset: int, buf: torch.Tensor, write: bool,
                     priority: Priority | None = None) -> list[DeviceOp]:

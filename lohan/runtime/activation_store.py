@@ -374,7 +374,7 @@ class ActivationStore:
         keep = []
         for n, (buf, h) in enumerate(self._writes):
             if (wait and (not first_only or n == 0)) or h.done():
-                h.wait()
+                h.wait(expedite=Priority.URGENT)  # the compute waits on it: not behind background READs
                 buf.release()
             else:
                 keep.append((buf, h))
