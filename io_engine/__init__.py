@@ -8,6 +8,7 @@ device, directory, file, offset and errno; `faults.py` injects them on cue for t
     vol = open_volume(["/mnt/nvme0", "/mnt/nvme1"], capacity_bytes=64 << 30)
     h = vol.write(tensor, offset=0); h.wait()
     vol.read_into(out, offset=0).wait()
+    vol.read_into(out, offset=0, priority=Priority.URGENT).wait()  # served before queued READs, WRITEs
     vol.close()
 
 The names below are loaded on first use (PEP 562): `io_engine.align` (ALIGN, align_up) is torch-free, and the
@@ -25,12 +26,13 @@ if TYPE_CHECKING:
     from .base import BudgetExceededError, Handle, IOEngineError, VolumeConfigError
     from .buffers import AlignedBuffer, BufferPool, aligned_empty
     from .faults import FaultPlan, FaultyBackend, inject_faults
+    from .priority import Priority
     from .volume import Volume, open_volume
 
 _LAZY = {
     "BudgetExceededError": "base", "Handle": "base", "IOEngineError": "base", "VolumeConfigError": "base",
     "AlignedBuffer": "buffers", "BufferPool": "buffers", "aligned_empty": "buffers",
-    "FaultPlan": "faults", "FaultyBackend": "faults", "inject_faults": "faults",
+    "FaultPlan": "faults", "FaultyBackend": "faults", "inject_faults": "faults", "Priority": "priority",
     "Volume": "volume", "open_volume": "volume",
 }
 
@@ -43,6 +45,7 @@ __all__ = [
     "FaultyBackend",
     "Handle",
     "IOEngineError",
+    "Priority",
     "Volume",
     "VolumeConfigError",
     "aligned_empty",

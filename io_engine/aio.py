@@ -14,6 +14,10 @@ deepspeed/ops/csrc/aio):
 - Each handle's worker thread runs its ops one after the other, so one handle keeps at most
   `op_bytes / block_size` iocbs in flight.  -> every (device, direction) lane has several handles,
   each with its dispatcher, pulling from one shared queue, so several ops are in flight at once.
+- A handle's wait() waits for its whole batch, so an op queued behind a long batch waits for all of it.
+  -> each lane's queue is served by priority class (priority.py): URGENT reads before READ ones, one
+  handle per lane kept for URGENT work, batches and ops bounded to `_OP_BYTES`, and while URGENT reads
+  are pending on a device its write lane keeps one batch in flight (the disk is half-duplex).
 - Unpinned buffers go through a bounce buffer that the op allocates and mlocks per request,
   outside any budget, and an mlock failure trips another assert.  -> only buffers the op
   recognizes as page-locked are submitted; they come from `alloc()`, which checks
@@ -27,7 +31,6 @@ import fcntl
 import glob
 import logging
 import os
-import queue
 import resource
 import sys
 import threading
@@ -41,6 +44,7 @@ import torch
 
 from .base import ALIGN, BudgetExceededError, DeviceOp, IOEngineError, LaneStats, check_op, device_error
 from .buffers import aligned_empty
+from .priority import ClassQueue, Priority
 from .throttle import Throttle, for_directory
 
 if TYPE_CHECKING:
@@ -325,7 +329,7 @@ class _Lane(threading.Thread):
     """Owns one aio handle: takes queued ops, submits them as a batch, waits, completes futures."""
 
     def __init__(self, handle: object, device: int, path: str, write: bool, stats: LaneStats,
-                 throttle: Throttle | None, max_batch: int, work: queue.SimpleQueue) -> None:
+                 throttle: Throttle | None, max_batch: int, work: ClassQueue) -> None:
         super().__init__(name=f"io_engine-aio-{'w' if write else 'r'}-{os.path.basename(path)}", daemon=True)
         self.handle = handle
         self.device = device
@@ -339,20 +343,23 @@ class _Lane(threading.Thread):
     def run(self) -> None:
         submit = self.handle.async_pwrite if self.write else self.handle.async_pread
         while True:
-            item = self.queue.get()
-            if item is None:
+            picked = self.queue.get()
+            if picked is None:
                 return
-            batch = [item]
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self.queue.get_nowait()
-                except queue.Empty:
-                    break
+            item, priority = picked
+            # One class per batch, and bounded in bytes: wait() returns when the whole batch is done, and a
+            # batch holds its handle (and, under emulation, the device's clock) for that long.
+            batch, nbytes = [item], item[0].numel()
+            while len(batch) < self.max_batch and nbytes < _OP_BYTES:
+                nxt = self.queue.get_more(priority)
                 if nxt is None:
-                    self.queue.put(None)  # finish this batch, then stop
                     break
                 batch.append(nxt)
-            self._run_batch(submit, batch)
+                nbytes += nxt[0].numel()
+            try:
+                self._run_batch(submit, batch)
+            finally:
+                self.queue.done(priority)
 
     def _run_batch(self, submit, batch: list[tuple[torch.Tensor, int, Future, Fault | None]]) -> None:
         started: list[tuple[torch.Tensor, int, Future]] = []
@@ -439,7 +446,11 @@ class AioBackend:
             raise ValueError(f"handles_per_lane must be >= 1, got {handles_per_lane}")
         # _queues[device][write] feeds `handles_per_lane` dispatchers, each owning one
         # aio_handle(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism).
-        self._queues = [[queue.SimpleQueue(), queue.SimpleQueue()] for _ in paths]
+        # A device's write queue yields to the URGENT reads of its read queue.
+        self._queues = []
+        for _ in paths:
+            reads = ClassQueue(handles_per_lane)
+            self._queues.append([reads, ClassQueue(handles_per_lane, yield_to=reads)])
         self._lanes = [
             _Lane(op.aio_handle(block_bytes, queue_depth, False, True, 1), i, p, bool(write),
                   self.stats[i]["write" if write else "read"], self._throttles[i], 64, self._queues[i][write])
@@ -489,13 +500,22 @@ class AioBackend:
                                     path, op.offset, buf.numel())
         futures = []
         offset = op.offset
-        for buf in _coalesce(op.buffers):
-            fut: Future = Future()
-            work.put((buf, offset, fut, fault))
-            fault = None  # an injected fault hits the op's first piece only
-            futures.append(fut)
-            offset += buf.numel()
+        for run in _coalesce(op.buffers):
+            for at in range(0, run.numel(), _OP_BYTES):
+                buf = run[at:at + _OP_BYTES]
+                fut: Future = Future()
+                work.put((buf, offset, fut, fault), op.priority)
+                fault = None  # an injected fault hits the op's first piece only
+                futures.append(fut)
+                offset += buf.numel()
         return futures
+
+    def promote(self, futures: list[Future], priority: Priority) -> None:
+        """The queued pieces of `futures` go up to class `priority` (someone waits on them now)."""
+        ids = {id(f) for f in futures}
+        for pair in self._queues:
+            for work in pair:
+                work.promote(lambda item: id(item[2]) in ids, priority)
 
     def sync(self, fault_for: Callable[[int], Fault | None] | None = None) -> None:
         first: IOEngineError | None = None
@@ -518,11 +538,17 @@ class AioBackend:
             raise first
 
     def close(self) -> None:
-        for lane in self._lanes:
-            lane.queue.put(None)
+        for pair in self._queues:
+            for work in pair:
+                work.close()  # the lanes finish what is queued, then stop
         for lane in self._lanes:
             lane.join()
         self._lanes = []
+
+
+# Largest op, and largest batch, a lane submits at once: 8 iocbs of 1 MiB keep a handle busy, and an URGENT read
+# never waits behind more than one of them per busy handle.
+_OP_BYTES = 8 << 20
 
 
 def _coalesce(buffers: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 # ALIGN, align_up, ...: torch-free (align.py, which the planning layer imports), re-exported here
 from .align import ALIGN, align_down, align_up, is_aligned, size_text  # noqa: F401
 from .durable import fsync_dir  # noqa: F401  (its home is durable.py; imported from here too)
+from .priority import Priority, default_priority
 
 if TYPE_CHECKING:
     from .faults import Fault
@@ -119,13 +120,19 @@ class DeviceOp:
     """One aligned transfer on one device: `length` bytes at `offset` of device `device`'s slab file.
 
     `buffers` are uint8 CPU tensors concatenated in order (an iovec); each one's address and
-    length is a multiple of ALIGN, and their lengths add up to `length`.
+    length is a multiple of ALIGN, and their lengths add up to `length`. `priority`: its class on the
+    device's queue (priority.py); None means the default of its direction.
     """
 
     device: int
     write: bool
     offset: int
     buffers: tuple[torch.Tensor, ...]
+    priority: Priority | None = None
+
+    def __post_init__(self) -> None:
+        cls = default_priority(self.write) if self.priority is None else Priority(self.priority)
+        object.__setattr__(self, "priority", cls)
 
     @property
     def length(self) -> int:
@@ -140,9 +147,15 @@ class Backend(Protocol):
     def submit(self, op: DeviceOp, fault: Fault | None = None) -> list[Future]:
         """Start `op`; the futures complete (or fail with IOEngineError) when its bytes are on disk/in memory.
 
+        Pieces of a more urgent `op.priority` start before queued pieces of less urgent classes (priority.py).
+
         `fault` (from faults.FaultyBackend only) makes this op fail or move short on purpose, at the point
         where a real failure would happen, so the backend's own error and retry paths handle it.
         """
+        ...
+
+    def promote(self, futures: list[Future], priority: Priority) -> None:
+        """Move the pieces of `futures` still queued up to class `priority` (a caller now waits on them)."""
         ...
 
     def is_direct(self, buffer: torch.Tensor) -> bool:
@@ -243,12 +256,15 @@ class Handle:
 
     Keeps the tensors of the request alive until completion, so a caller may drop its own
     references right after submitting. `devices` names where the request goes ("device 0 (/mnt/nvme0)"),
-    for the stall warnings of `wait()`.
+    for the stall warnings of `wait()`. `promote(futures, priority)` moves queued pieces up a class, for
+    `wait(expedite=...)`.
     """
 
     def __init__(self, futures: list[Future], keepalive: tuple = (), describe: str = "",
-                 devices: tuple[str, ...] = ()) -> None:
+                 devices: tuple[str, ...] = (),
+                 promote: Callable[[list[Future], Priority], None] | None = None) -> None:
         self._futures = futures
+        self._promote = promote
         self._keepalive = keepalive
         self._describe = describe
         self._devices = devices
@@ -259,12 +275,16 @@ class Handle:
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, expedite: Priority | None = None) -> None:
         """Block until the request is complete; raise IOEngineError if any piece failed.
 
         A request still pending after STALL_WARN_S seconds is logged as a WARNING (and again at doubling
-        intervals) while the wait goes on; only `timeout` ends the wait early (TimeoutError).
+        intervals) while the wait goes on; only `timeout` ends the wait early (TimeoutError). `expedite`: the
+        request's pieces still queued go up to this class first, for a waiter more urgent than the request
+        was (the compute blocked on a write-behind: otherwise it would wait behind background READs).
         """
+        if expedite is not None and self._promote is not None and not self._waited and not self.done():
+            self._promote(self._futures, expedite)
         if not self._waited:
             start = time.monotonic()
             deadline = None if timeout is None else start + timeout

@@ -2,7 +2,8 @@
 
 The reference backend that `aio` is tested against. Python threads release the GIL in the
 syscalls, so a pool per device keeps `queue_depth` requests in flight on each SSD; on this kind
-of machine it matches libaio (DESIGN.md §4.1).
+of machine it matches libaio (DESIGN.md §4.1). Each device's pool serves its queue by priority class
+(priority.py), reads and writes together: the disk is one queue for both directions.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import errno
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
 from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, device_error, memview
 from .buffers import aligned_empty
+from .priority import Priority, PriorityExecutor
 from .throttle import Throttle, for_directory
 
 if TYPE_CHECKING:
@@ -44,7 +46,8 @@ def open_direct(path: str) -> tuple[int, bool]:
 
 class ThreadsBackend:
     """Thread pool per device; requests are cut into `block_bytes` pieces so one large request
-    keeps every worker of its device busy."""
+    keeps every worker of its device busy, and a more urgent request's pieces start before the
+    queued pieces of less urgent ones."""
 
     name = "threads"
     reports_transfer_bytes = True  # every syscall returns its byte count, so short transfers are seen
@@ -70,8 +73,7 @@ class ThreadsBackend:
             for fd in self._fds:
                 os.close(fd)
             raise
-        self._pools = [ThreadPoolExecutor(queue_depth, thread_name_prefix=f"io_engine-dev{i}")
-                       for i in range(len(paths))]
+        self._pools = [PriorityExecutor(queue_depth, f"io_engine-dev{i}") for i in range(len(paths))]
         self._throttles = [for_directory(p, throttle_gbps) if throttle_gbps else None for p in paths]
         self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
 
@@ -89,9 +91,15 @@ class ThreadsBackend:
         check_op(op, path, self.file_size)
         futures = []
         for offset, pieces in _split(op, self.block_bytes):
-            futures.append(self._pools[op.device].submit(self._transfer, op.device, op.write, offset, pieces, fault))
+            futures.append(self._pools[op.device].submit(self._transfer, op.device, op.write, offset, pieces, fault,
+                                                         priority=op.priority))
             fault = None  # an injected fault hits the op's first piece only
         return futures
+
+    def promote(self, futures: list[Future], priority: Priority) -> None:
+        """The queued pieces of `futures` go up to class `priority` (someone waits on them now)."""
+        for pool in self._pools:
+            pool.promote(futures, priority)
 
     def _transfer(self, device: int, write: bool, offset: int, pieces: list[torch.Tensor],
                   fault: Fault | None = None) -> int:
@@ -146,7 +154,7 @@ class ThreadsBackend:
 
     def close(self) -> None:
         for pool in self._pools:
-            pool.shutdown(wait=True)
+            pool.shutdown()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

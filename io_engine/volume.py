@@ -18,7 +18,7 @@ import os
 import shutil
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import ExitStack
 from typing import Literal
 
@@ -41,6 +41,7 @@ from .base import (
 )
 from .buffers import BufferPool, aligned_empty
 from .faults import FAULTS_ENV, FaultyBackend, plan_from_env
+from .priority import Priority, PriorityExecutor
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Volume:
 
         self._staging = BufferPool(staging_budget_bytes, self.backend.alloc, self.backend.free)
         self._window = max(ALIGN, align_down(min(8 << 20, staging_budget_bytes // stager_threads)))
-        self._stager = ThreadPoolExecutor(stager_threads, thread_name_prefix="io_engine-stage")
+        self._stager = PriorityExecutor(stager_threads, "io_engine-stage")
         self._edge_locks = [threading.Lock() for _ in range(64)]
         self._pending: set[Handle] = set()
         self._pending_lock = threading.Lock()
@@ -226,16 +227,21 @@ class Volume:
         return out
 
     # --------------------------------------------------------------- requests
-    def write(self, tensor: torch.Tensor, offset: int) -> Handle:
+    def write(self, tensor: torch.Tensor, offset: int, priority: Priority = Priority.WRITE) -> Handle:
         """Start writing `tensor`'s bytes at logical `offset`; returns a Handle to wait on.
 
-        The tensor must not be modified until the handle completes.
+        The tensor must not be modified until the handle completes. `priority`: the request's class on
+        each device's queue (priority.py); a write someone is blocked on may say URGENT.
         """
-        return self._request(tensor, offset, write=True)
+        return self._request(tensor, offset, write=True, priority=priority)
 
-    def read_into(self, tensor: torch.Tensor, offset: int) -> Handle:
-        """Start reading `tensor.nbytes` bytes at logical `offset` into `tensor` (contiguous, CPU)."""
-        return self._request(tensor, offset, write=False)
+    def read_into(self, tensor: torch.Tensor, offset: int, priority: Priority = Priority.READ) -> Handle:
+        """Start reading `tensor.nbytes` bytes at logical `offset` into `tensor` (contiguous, CPU).
+
+        `priority`: URGENT for a read the caller's critical path waits on (it starts before queued READ
+        and WRITE pieces), READ for background reads (prefetch, read-ahead).
+        """
+        return self._request(tensor, offset, write=False, priority=priority)
 
     def _where(self, offset: int, n: int) -> tuple[str, ...]:
         """The devices a request of n bytes at logical `offset` touches, named for messages."""
@@ -244,7 +250,7 @@ class Volume:
             sorted({c % self.n_devices for c in range(first, last + 1)})
         return tuple(f"device {d} ({self.dirs[d]})" for d in devs)
 
-    def _request(self, tensor: torch.Tensor, offset: int, write: bool) -> Handle:
+    def _request(self, tensor: torch.Tensor, offset: int, write: bool, priority: Priority) -> Handle:
         if self._closed:
             raise IOEngineError("volume is closed", self.dirs[0], offset)
         if tensor.device.type != "cpu":
@@ -260,18 +266,25 @@ class Volume:
         if n == 0:
             return Handle([], describe=f"{kind} of 0 bytes")
         if is_aligned(offset) and is_aligned(n) and self.backend.is_direct(buf):
-            futures = self._submit(offset, buf, write)
+            futures = self._submit(offset, buf, write, priority)
         else:
-            futures = [self._stager.submit(self._staged, offset, buf, write)]
+            futures = [self._stager.submit(self._staged, offset, buf, write, priority, priority=priority)]
         handle = Handle(futures, keepalive=(buf,), describe=f"{kind} of {n} bytes at {offset}",
-                        devices=self._where(offset, n))
+                        devices=self._where(offset, n), promote=self._promote)
         with self._pending_lock:
             if len(self._pending) > 4096:
                 self._pending = {h for h in self._pending if not h.done()}
             self._pending.add(handle)
         return handle
 
-    def _device_ops(self, offset: int, buf: torch.Tensor, write: bool) -> list[DeviceOp]:
+    def _promote(self, futures: list[Future], priority: Priority) -> None:
+        # A staged request's future is the stager's: it moves up there (its device ops, once issued, keep
+        # the request's class).
+        self._stager.promote(futures, priority)
+        self.backend.promote(futures, priority)
+
+    def _device_ops(self, offset: int, buf: torch.Tensor, write: bool,
+                    priority: Priority | None = None) -> list[DeviceOp]:
         """Split an aligned logical range into one contiguous iovec op per device."""
         chunk, n_dev = self.chunk_bytes, self.n_devices
         per_dev: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -288,19 +301,19 @@ class Volume:
             else:
                 per_dev[dev] = (local, [piece])
             pos += take
-        return [DeviceOp(dev, write, local, tuple(pieces)) for dev, (local, pieces) in sorted(per_dev.items())]
+        return [DeviceOp(dev, write, local, tuple(pieces), priority) for dev, (local, pieces) in sorted(per_dev.items())]
 
-    def _submit(self, offset: int, buf: torch.Tensor, write: bool) -> list[Future]:
+    def _submit(self, offset: int, buf: torch.Tensor, write: bool, priority: Priority) -> list[Future]:
         futures: list[Future] = []
-        for op in self._device_ops(offset, buf, write):
+        for op in self._device_ops(offset, buf, write, priority):
             futures.extend(self.backend.submit(op))
         return futures
 
-    def _sync_io(self, offset: int, buf: torch.Tensor, write: bool) -> None:
-        for f in self._submit(offset, buf, write):
+    def _sync_io(self, offset: int, buf: torch.Tensor, write: bool, priority: Priority) -> None:
+        for f in self._submit(offset, buf, write, priority):
             f.result()
 
-    def _staged(self, offset: int, user: torch.Tensor, write: bool) -> None:
+    def _staged(self, offset: int, user: torch.Tensor, write: bool, priority: Priority) -> None:
         """Move an unaligned or indirect request window by window through aligned staging buffers."""
         n = user.numel()
         lo, hi = align_down(offset), align_up(offset + n)
@@ -318,14 +331,15 @@ class Volume:
                     with ExitStack() as locks:
                         for i in sorted({(b // ALIGN) % len(self._edge_locks) for b in edges}):
                             locks.enter_context(self._edge_locks[i])
+                        # the edge reads hold up this write alone: they go in its class
                         if head:
-                            self._sync_io(pos, view[:ALIGN], write=False)
+                            self._sync_io(pos, view[:ALIGN], False, priority)
                         if tail and not (head and end - pos == ALIGN):
-                            self._sync_io(end - ALIGN, view[end - pos - ALIGN:], write=False)
+                            self._sync_io(end - ALIGN, view[end - pos - ALIGN:], False, priority)
                         view[seg_lo - pos:seg_hi - pos].copy_(user[seg_lo - offset:seg_hi - offset])
-                        self._sync_io(pos, view, write=True)
+                        self._sync_io(pos, view, True, priority)
                 else:
-                    self._sync_io(pos, view, write=False)
+                    self._sync_io(pos, view, False, priority)
                     user[seg_lo - offset:seg_hi - offset].copy_(view[seg_lo - pos:seg_hi - pos])
             pos = end
 
@@ -372,7 +386,7 @@ class Volume:
             self.wait_all()
         finally:
             self._closed = True
-            self._stager.shutdown(wait=True)
+            self._stager.shutdown()
             self.backend.close()
             self._staging.clear()
 

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from io_engine import AlignedBuffer, BufferPool, Handle
 from io_engine.base import BudgetExceededError, align_up
+from io_engine.priority import Priority
 from lohan.runtime import act_quant
 from lohan.runtime.device import Device, Transfer
 
@@ -348,7 +349,7 @@ class ActivationStore:
             entry = self._outgoing.pop(0)
             entry.event.synchronize()
             size = align_up(entry.nbytes)
-            self._writes.append((entry.buf, self.volume.write(entry.buf.tensor[:size], entry.offset)))
+            self._writes.append((entry.buf, self.volume.write(entry.buf.tensor[:size], entry.offset, priority=Priority.WRITE)))
             entry.buf, entry.event = None, None
 
     def _staging(self, nbytes: int) -> AlignedBuffer:
@@ -373,7 +374,7 @@ class ActivationStore:
         keep = []
         for n, (buf, h) in enumerate(self._writes):
             if (wait and (not first_only or n == 0)) or h.done():
-                h.wait()
+                h.wait(expedite=Priority.URGENT)  # the compute waits on it: not behind background READs
                 buf.release()
             else:
                 keep.append((buf, h))
@@ -407,7 +408,7 @@ class ActivationStore:
             size = align_up(e.nbytes)
             e.buf = self._staging(size)
             self._reap(wait=True)  # a read must not overtake the write of the same bytes
-            e.handle = self.volume.read_into(e.buf.tensor[:size], e.offset)
+            e.handle = self.volume.read_into(e.buf.tensor[:size], e.offset, priority=Priority.URGENT)  # backward waits
 
     def stage(self, keys: Iterable[tuple[int, int]]) -> None:
         """Start copying the packed records among `keys` back to the device (waiting for their SSD reads), so

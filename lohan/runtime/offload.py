@@ -71,6 +71,7 @@ import torch
 
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool
 from io_engine.base import align_up
+from io_engine.priority import Priority
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
 from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool sizes, defined in the planning layer)
@@ -394,7 +395,7 @@ class UpdatePass:
             ago.resident_records.forget(i)
             self.reads[unit] = res.to(BufState.READING)
             res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
-                                       layout.record_offset(i, self.read_slot))
+                                       layout.record_offset(i, self.read_slot), priority=Priority.READ)
             return
         # The pool's buffers are held by this thread alone (reads pending, writes in flight, the last pass's
         # tail), so when it is full, retire the oldest write instead of blocking on buffers only this thread
@@ -416,9 +417,9 @@ class UpdatePass:
         rb = self.reads[unit] = RecordBuffer(unit, buf, ago.buffers).to(BufState.READING)
         if (lo, hi) == (0, layout.blocks[i].numel):
             rb.handle = vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
-                                      layout.record_offset(i, self.read_slot))
+                                      layout.record_offset(i, self.read_slot), priority=Priority.READ)
         else:
-            rb.handle = Handles([vol.read_into(buf.tensor[a:a + n], off)
+            rb.handle = Handles([vol.read_into(buf.tensor[a:a + n], off, priority=Priority.READ)
                                  for a, off, n in unit_sections(layout, unit, self.read_slot, with_p16=False)])
 
     def _read_ahead(self, k: int) -> None:
@@ -465,9 +466,9 @@ class UpdatePass:
         i, lo, hi = rb.unit
         self.writes.append(rb.to(BufState.WRITING))
         if (lo, hi) == (0, layout.blocks[i].numel):
-            rb.handle = vol.write(rb.buf.tensor, layout.record_offset(i, self.write_slot))
+            rb.handle = vol.write(rb.buf.tensor, layout.record_offset(i, self.write_slot), priority=Priority.WRITE)
         else:
-            rb.handle = Handles([vol.write(rb.buf.tensor[a:a + n], off)
+            rb.handle = Handles([vol.write(rb.buf.tensor[a:a + n], off, priority=Priority.WRITE)
                                  for a, off, n in unit_sections(layout, rb.unit, self.write_slot, with_p16=True)])
         if rb.resident:  # its bytes are the ones of the slot written, once that step is committed
             ago.resident_records.written(i, self.write_slot, self.update)

@@ -46,6 +46,7 @@ from torch import nn
 
 from io_engine import AlignedBuffer, BufferPool
 from io_engine.base import BudgetExceededError
+from io_engine.priority import Priority
 from lohan.runtime.device import Device
 from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.p16_buffers import P16Buffer, P16State
@@ -219,7 +220,8 @@ class ParamStreamer:
         entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
         at = self._own(i)[0] * own.p16_itemsize
         handle = self.store.volume.read_into(entry.buf.tensor[at:at + own.p16_bytes],
-                                             self.store.layout.p16_offset(i, slot))
+                                             self.store.layout.p16_offset(i, slot),
+                                             priority=Priority.URGENT)  # the compute waits on it
         if self.store.checksums:  # hashed on the hash thread as soon as it is read, not before its upload
             handle = self.hasher.after_read(handle, functools.partial(self._unit_hashes, entry.buf, i))
         entry.handle = handle

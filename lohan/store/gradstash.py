@@ -23,6 +23,7 @@ import torch
 
 from io_engine import AlignedBuffer, BufferPool, Handle, Volume, open_volume
 from io_engine.base import align_up
+from io_engine.priority import Priority
 from lohan.store.files import remove_volume
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class GradStash:
                 self._ram[block] = buf
                 return StashedGrad(self, block, buf)
             volume = self._spill_volume()
-            self._writes[block] = (volume.write(buf.tensor[:nbytes], self.offsets[block]), buf)
+            self._writes[block] = (volume.write(buf.tensor[:nbytes], self.offsets[block], priority=Priority.WRITE), buf)
             self.spilled_bytes += nbytes
             self.spilled_total += nbytes
             # At most one spill write in flight besides this one: its buffer must go back to the pool, which
@@ -119,7 +120,7 @@ class GradStash:
         nbytes = self.block_bytes[block]
         buf = self.pool.acquire(nbytes)
         try:
-            self._spill_volume().read_into(buf.tensor[:nbytes], self.offsets[block]).wait()
+            self._spill_volume().read_into(buf.tensor[:nbytes], self.offsets[block], priority=Priority.READ).wait()
         except BaseException:
             buf.release()
             raise
