@@ -55,6 +55,7 @@ MODES = ("serial", "optimized")
 MAIN_LANES = ("gpu", "m2g", "g2m", "ssd", "cpu")  # planner.LANES_B
 REGIMES = ("disk", "optimizer", "gpu", "balanced")
 PCIE = 25e9  # modeled PCIe per direction (B/s): the copies are not what these regimes study
+CALIBRATION_STEPS = 4  # serial steps that measure the CPU lane's rate (the first one is not counted)
 MATTERS = 0.10  # a lane counts in the prediction error from this share of the step
 TARGETS = {"step_over_slowest_lane_disk": ("<=", 1.10), "step_over_slowest_lane_optimizer": ("<=", 1.10),
            "step_over_slowest_lane_gpu": ("<=", 1.10), "optimized_vs_serial_balanced": (">=", 1.3),
@@ -70,19 +71,33 @@ class Regime:
     tflops: float
     ssd_gbps: float
     resident_mem: int | str
+    state_format: str = "exact"
 
     @property
     def sim_gpu(self) -> str:
         return f"tflops={self.tflops:.6g},h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"
 
 
+def default_nvme() -> str:
+    """Where the emulated SSDs live by default: a tmpfs directory when the machine has one. The pacing of a
+    directory (`emulate_ssd_gbps`) is only as exact as the medium under it keeps up: this project's disk reads
+    ~1.3 GB/s and writes ~2.5 GB/s with a noisy spread (results/io_bench_quick.md), below what the balanced and
+    optimizer regimes ask, while main memory keeps up with any rate here. The price: buffered I/O copies through
+    the page cache on the CPU (O_DIRECT is refused there), a few tens of ms a step that the cores also spend."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return str(shm / "lohan_lane_bench")
+    return str(REPO / "benchmarks" / "scratch" / "lanes")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 rounds x (1 warm-up + 2 steps) per mode and regime")
-    p.add_argument("--nvme", nargs="+", default=[str(REPO / "benchmarks" / "scratch" / "lanes")])
+    p.add_argument("--nvme", nargs="+", default=[default_nvme()],
+                   help="the emulated SSDs' directories (default: a tmpfs one, see default_nvme)")
     p.add_argument("--model", default="125m")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32)
@@ -106,45 +121,77 @@ def timed_device() -> bool:
     return "sim_gpu" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def hardware(regime: Regime, cpu_rate: float, n_dirs: int) -> Any:
-    """The cost model's description of a regime's emulated box."""
+def hardware(regime: Regime, cpu_rates: dict[str, float], n_dirs: int) -> Any:
+    """The cost model's description of a regime's emulated box. The planner prices a format's update as
+    ``update_cost`` times exact's; the CPU lane's rate measured in the regime's own format is given back as the
+    exact rate it implies, so the lane is priced at what was measured."""
+    from lohan.plan.formats import state_format
     from lohan.plan.planner import Hardware
 
     ssd = regime.ssd_gbps * 1e9 * n_dirs
+    rate = cpu_rates[regime.state_format] * state_format(regime.state_format).update_cost
     return Hardware(f"lane_bench-{regime.name}", thp_g=regime.tflops * 1e12, bw_g=PCIE, bw_s2m=ssd, bw_m2s=ssd,
-                    mem_avail=64 * GiB, cpu_adam_params_per_s=cpu_rate)
+                    mem_avail=64 * GiB, cpu_adam_params_per_s=rate)
 
 
-def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rate: float, mode: str) -> dict[str, float]:
+def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, float],
+              mode: str) -> dict[str, float]:
     from lohan.config import parse_bytes
     from lohan.plan.planner import predict_lanes
 
-    return predict_lanes(mcfg, hardware(regime, cpu_rate, len(args.nvme)), args.batch_size, args.seq_len, mode,
+    return predict_lanes(mcfg, hardware(regime, cpu_rates, len(args.nvme)), args.batch_size, args.seq_len, mode,
                          compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
-                         readahead_mem="auto" if mode == "optimized" else 0)
+                         readahead_mem="auto" if mode == "optimized" else 0, state_format=regime.state_format)
 
 
-def choose_regimes(args: argparse.Namespace, mcfg: Any, cpu_rate: float) -> list[Regime]:
-    """Each regime's modeled GPU and SSD from the cost model: the gpu lane scales as 1 / FLOP/s and the ssd lane
-    as 1 / GB/s, so one prediction at unit rates gives the rates that put the lanes where the regime wants them."""
-    unit = {name: predicted(args, mcfg, Regime(name, 1.0, 1.0, res), cpu_rate, "optimized")
-            for name, res in (("streamed", 0), ("resident", "all"))}
-    cpu = unit["streamed"]["cpu"]
+def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact") -> float:
+    """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
+    median of serial steps on an unpaced store with every record resident. `measure_cpu_adam` times the kernel
+    alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
+    device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
+    alone would put every regime's GPU and SSD where the lanes are not."""
+    import lohan
+    from lohan.config import EngineConfig
 
-    def rates(lanes: dict[str, float], gpu_s: float, ssd_s: float) -> tuple[float, float]:
-        return lanes["gpu"] / gpu_s, lanes["ssd"] / ssd_s  # (TFLOPS, GB/s) giving those seconds
+    cfg = EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
+                       device="sim", mode="serial", resident_mem="all", name=STORE_NAME, max_grad_norm=0.0,
+                       state_format=state_format, **({"sim_gpu": f"tflops=1000,h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"}
+                          if timed_device() else {}))
+    data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, CALIBRATION_STEPS + 1, seed=1)
+    with lohan.init(mcfg, cfg, overwrite=True) as engine:
+        cpu = []
+        for k in range(CALIBRATION_STEPS):
+            engine.step(data[k], next_batch=data[k + 1])
+            cpu.append(engine.last_stats.lanes["cpu"])
+        params = engine.store.layout.param_count  # (the blocks the optimizer updates)
+    return params / statistics.median(cpu[1:])  # the first step also profiles
 
-    s, r = unit["streamed"], unit["resident"]
-    table = {"disk": (s, 0, 0.3 * 3 * cpu, 3 * cpu), "optimizer": (r, "all", 0.3 * cpu, 0.3 * cpu),
-             "gpu": (s, 0, 3 * cpu, cpu), "balanced": (s, 0, cpu, cpu)}
+
+SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd lane / cpu lane), the lanes predicted
+    "disk": ("exact", 0, 0.9, 3.0),
+    "optimizer": ("8bit-moments", "all", 0.3, 0.3),
+    "gpu": ("exact", 0, 6.0, 3.0),
+    "balanced": ("8bit-moments", 0, 1.0, 1.0),
+}
+"""Why 8bit-moments where the cpu lane must meet or beat the ssd lane: exact's CPU update here runs ~180 M
+params/s in a step, so an SSD lane as short as it needs ~5 GB/s of paced I/O, which two cores cannot copy
+through tmpfs while they also run AdamW (the memcpy costs about what the update does). 8bit-moments' update
+costs ~13x more CPU per parameter for half the bytes, so those lanes meet at ~1 GB/s. The disk- and GPU-bound
+regimes ask the SSD for ~1.7 GB/s in exact (3x the cpu lane), which it keeps."""
+
+
+def choose_regimes(args: argparse.Namespace, mcfg: Any, cpu_rates: dict[str, float]) -> list[Regime]:
+    """Each regime's modeled GPU and SSD from the cost model (`SHAPES`): the gpu lane scales as 1 / FLOP/s and the
+    ssd lane as 1 / GB/s, so a prediction at unit rates gives the rates that put the lanes where the regime wants
+    them; the plan (what is swapped, recomputed) moves with the rates, so it is settled in three more rounds."""
     out = []
     for name in args.regimes:
-        lanes, resident, gpu_s, ssd_s = table[name]
-        regime = Regime(name, *rates(lanes, gpu_s, ssd_s), resident)
-        for _ in range(3):  # the plan (what is swapped, recomputed) moves with the rates: settle it
-            got = predicted(args, mcfg, regime, cpu_rate, "optimized")
-            regime = dataclasses.replace(regime, tflops=regime.tflops * got["gpu"] / gpu_s,
-                                         ssd_gbps=regime.ssd_gbps * got["ssd"] / ssd_s)
+        fmt, resident, gpu_x, ssd_x = SHAPES[name]
+        regime = Regime(name, 1.0, 1.0, resident, fmt)
+        for _ in range(4):
+            got = predicted(args, mcfg, regime, cpu_rates, "optimized")
+            regime = dataclasses.replace(regime, tflops=regime.tflops * got["gpu"] / (gpu_x * got["cpu"]),
+                                         ssd_gbps=regime.ssd_gbps * got["ssd"] / (ssd_x * got["cpu"]))
         out.append(regime)
     return out
 
@@ -168,7 +215,7 @@ def engine_config(args: argparse.Namespace, regime: Regime, mode: str) -> Any:
     sim = {"sim_gpu": regime.sim_gpu} if timed_device() else {}
     return EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
                         device="sim", mode=mode, resident_mem=regime.resident_mem, name=STORE_NAME,
-                        emulate_ssd_gbps=regime.ssd_gbps, max_grad_norm=0.0, **sim)
+                        emulate_ssd_gbps=regime.ssd_gbps, max_grad_norm=0.0, state_format=regime.state_format, **sim)
 
 
 def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, rnd: int,
@@ -208,7 +255,8 @@ def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) ->
 
 
 # ------------------------------------------------------------------------------------------- summary
-def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rate: float, records: list[dict]) -> dict:
+def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, float],
+              records: list[dict]) -> dict:
     """Per mode: the median step, the median of each measured lane, the cost model's lanes, their errors."""
     out: dict[str, Any] = {"regime": dataclasses.asdict(regime), "sim_gpu": regime.sim_gpu, "modes": {}}
     for mode in MODES:
@@ -216,7 +264,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rate: flo
         step = statistics.median(r["step_s"] for r in rs)
         names = sorted({k for r in rs for k in r["lanes"]})
         lanes = {k: statistics.median(r["lanes"].get(k, 0.0) for r in rs) for k in names}
-        pred = predicted(args, mcfg, regime, cpu_rate, mode)
+        pred = predicted(args, mcfg, regime, cpu_rates, mode)
         main = {k: lanes[k] for k in MAIN_LANES if k in lanes}
         slowest = max(main, key=main.__getitem__)
         errors = {k: abs(main[k] - pred[k]) / main[k] for k in main if main[k] >= MATTERS * step and main[k] > 0}
@@ -263,8 +311,10 @@ def markdown(report: dict) -> str:
     lines = [f"# lane_bench — {report['timestamp']}", "", f"`{report['command']}`", "",
              f"Emulated GPU box on {report['environment']['cpu_model']} ({report['environment']['cpu_count']} cores): "
              f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
-             f"directory; model {report['model']}; CPU AdamW measured {report['cpu_adam_params_per_s'] / 1e6:.1f} M "
-             "params/s (with hashing where checksums are on).", "", "| key | value | target | met |", "|---|---|---|---|"]
+             f"directory (tmpfs by default); model {report['model']}; the CPU lane's rate (the update and the records' "
+             "hashing) measured in serial steps per state format, M params/s: " + ", ".join(
+                 f"{k} {v / 1e6:.1f}" for k, v in report["cpu_update_params_per_s"].items())
+             + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
         lines.append(f"| {k} | {f(report[k])} | {op} {t} | {report['targets_met'][k]} |")
     lines += ["", "| regime | mode | step s | slowest | step/slowest | " + " | ".join(
@@ -275,8 +325,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {mode} | {m['step_s']:.3f} | {m['slowest_lane']} | "
                          f"{m['step_over_slowest_lane']:.2f} | " + " | ".join(cells) +
                          f" | {m['p16_wait_fraction']:.3f} | {f(max(m['lane_prediction_error'].values(), default=None), '.2f')} |")
-    lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records): " + "; ".join(
-        f"{n}: {r['sim_gpu']}, {r['regime']['ssd_gbps']:.3g} GB/s, resident {r['regime']['resident_mem']}"
+    lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records, state format): " + "; ".join(
+        f"{n}: {r['sim_gpu']}, {r['regime']['ssd_gbps']:.3g} GB/s, resident {r['regime']['resident_mem']}, {r['regime']['state_format']}"
         for n, r in report["regimes"].items()), "",
         "Lanes are `engine.last_stats.lanes` (medians of the measured steps) and `planner.predict_lanes` for the "
         "same run; the error counts lanes >= 10% of the step. Not modeled: kernel efficiency, the caching allocator, "
@@ -298,20 +348,24 @@ def main(argv: list[str] | None = None) -> int:
                             vocab_size=args.vocab, seq_len=max(args.seq_len, 64))  # heads 64 wide, as GPT-2's
     for d in args.nvme:
         os.makedirs(d, exist_ok=True)
-    cpu_rate = measure_cpu_adam(compute_dtype="fp32", checksums=True)
-    regimes = choose_regimes(args, mcfg, cpu_rate)
-    log(f"{mcfg.name}: {mcfg.param_count() / 1e6:.1f}M params, batch {args.batch_size} x {args.seq_len}; CPU AdamW "
-        f"{cpu_rate / 1e6:.1f} M params/s; timed device: {timed_device()}")
+    alone = measure_cpu_adam(compute_dtype="fp32", checksums=True)
+    cpu_rates = {fmt: calibrate_cpu(args, mcfg, fmt) for fmt in sorted({SHAPES[r][0] for r in args.regimes})}
+    regimes = choose_regimes(args, mcfg, cpu_rates)
+    rates = ", ".join(f"{fmt} {r / 1e6:.1f}" for fmt, r in cpu_rates.items())
+    log(f"{mcfg.name}: {mcfg.param_count() / 1e6:.1f}M params, batch {args.batch_size} x {args.seq_len}; CPU update "
+        f"in a serial step (M params/s): {rates} (exact alone {alone / 1e6:.1f}); timed device: {timed_device()}")
     results = {}
     for regime in regimes:
-        log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}")
+        log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}, "
+            f"{regime.state_format}")
         records = run_regime(args, mcfg, regime, log)
-        results[regime.name] = summarize(args, mcfg, regime, cpu_rate, records)
+        results[regime.name] = summarize(args, mcfg, regime, cpu_rates, records)
         results[regime.name]["records"] = records
     keys = headline(results)
     report = {**keys, "targets_met": targets_met(keys), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": command(argv if argv is not None else sys.argv[1:]),
-              "emulated": True, "timed_device": timed_device(), "cpu_adam_params_per_s": cpu_rate,
+              "emulated": True, "timed_device": timed_device(), "cpu_update_params_per_s": cpu_rates,
+              "cpu_adam_params_per_s_alone": alone,
               "model": {"name": mcfg.name, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
                         "vocab_size": mcfg.vocab_size, "params": mcfg.param_count(), "batch": args.batch_size,
                         "seq": args.seq_len},

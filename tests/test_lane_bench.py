@@ -20,17 +20,23 @@ MICRO = ["--rounds", "1", "--warmup-steps", "0", "--steps", "1", "--layers", "2"
 
 
 def test_regimes_are_chosen_from_the_cost_model():
-    """Each regime's modeled GPU and SSD put the predicted lanes where the regime says (module docstring)."""
+    """Each regime's modeled GPU and SSD put the predicted lanes where the regime says (`lane_bench.SHAPES`)."""
     args = lane_bench.parse_args(["--nvme", "unused", "--d-model", "128", "--layers", "2", "--vocab", "512"])
     mcfg = get_model_config("125m", n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64)
-    rate = 1e8
-    pred = {r.name: lane_bench.predicted(args, mcfg, r, rate, "optimized")
-            for r in lane_bench.choose_regimes(args, mcfg, rate)}
-    cpu = pred["disk"]["cpu"]
-    assert pred["balanced"]["gpu"] == pytest.approx(cpu, rel=0.02) and pred["balanced"]["ssd"] == pytest.approx(cpu, rel=0.02)
-    assert pred["disk"]["ssd"] == pytest.approx(3 * cpu, rel=0.02) and max(pred["disk"], key=pred["disk"].get) == "ssd"
-    assert max(pred["gpu"], key=pred["gpu"].get) == "gpu" and pred["gpu"]["gpu"] == pytest.approx(3 * cpu, rel=0.02)
+    rates = {"exact": 1e8, "8bit-moments": 2e7}
+    regimes = lane_bench.choose_regimes(args, mcfg, rates)
+    assert [r.name for r in regimes] == list(lane_bench.REGIMES)
+    for r in regimes:
+        fmt, resident, gpu_x, ssd_x = lane_bench.SHAPES[r.name]
+        assert (r.state_format, r.resident_mem) == (fmt, resident)
+        pred = lane_bench.predicted(args, mcfg, r, rates, "optimized")
+        assert pred["gpu"] == pytest.approx(gpu_x * pred["cpu"], rel=0.02)
+        assert pred["ssd"] == pytest.approx(ssd_x * pred["cpu"], rel=0.02)
+    pred = {r.name: lane_bench.predicted(args, mcfg, r, rates, "optimized") for r in regimes}
+    assert max(pred["disk"], key=pred["disk"].get) == "ssd" and max(pred["gpu"], key=pred["gpu"].get) == "gpu"
     assert max(pred["optimizer"], key=pred["optimizer"].get) == "cpu"
+    # the cpu lane is priced at the rate measured in the regime's own format
+    assert pred["balanced"]["cpu"] == pytest.approx(mcfg.param_count() / rates["8bit-moments"], rel=0.1)
 
 
 def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
