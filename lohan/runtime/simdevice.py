@@ -332,12 +332,15 @@ class SimDevice:
     # -- time
     def _charge(self, t0: float, t1: float, modeled: float) -> None:
         """An op ran on the host from `t0` to `t1`; on the modeled GPU it starts once the ops before it are done
-        (or at `t0`) and takes `modeled` seconds, never less than its real time."""
+        (or at `t0`) and takes `modeled` seconds. Its result exists only once the host has computed it, so the
+        stream is not done before `t1`; but the lane counts only the modeled seconds as busy: where the CPU's
+        real run of an op outlasts its modeled time (small ops, Python dispatch, cores taken by the optimizer),
+        the modeled GPU would have finished and waits for the emulator, which a GPU box would not do: that
+        time shows as idle, not as GPU work the cost model would then seem to underprice."""
         with self._clock:
             start = max(self._free_at, t0)
-            end = max(t1, start + modeled)
-            self._gpu_busy += end - start
-            self._free_at = end
+            self._gpu_busy += modeled
+            self._free_at = max(t1, start + modeled)
 
     def _pay(self, slack: float = 0.0) -> None:
         """Sleep (no core held) until the modeled compute stream is at most `slack` seconds from done."""
@@ -377,7 +380,7 @@ class SimDevice:
 
     def busy(self) -> dict[str, float]:
         """Seconds each lane was busy so far, under the cost model's lane names (lohan.plan.planner.LANES): the
-        compute stream ``gpu`` (modeled, or real where that was longer), the upload engine ``m2g`` and the
+        compute stream ``gpu`` (its ops' modeled seconds, `_charge`), the upload engine ``m2g`` and the
         download engine ``g2m`` (their copies' running time)."""
         with self._clock:
             gpu = self._gpu_busy
