@@ -96,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme", nargs="+", default=[default_nvme()],
                    help="the emulated SSDs' directories (default: a tmpfs one, see default_nvme)")
     p.add_argument("--model", default="125m")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32)
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--cpu-mem", default="2GiB")
+    p.add_argument("--cpu-mem", default="4GiB")
     p.add_argument("--out", default=None, help="JSON path (default results/lane_bench[_quick].json)")
     a = p.parse_args(argv)
     if a.quick:
@@ -169,7 +169,7 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
 
 SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd lane / cpu lane), the lanes predicted
     "disk": ("exact", 0, 0.9, 3.0),
-    "optimizer": ("8bit-moments", "all", 0.3, 0.3),
+    "optimizer": ("8bit-moments", "all", 0.3, 0.6),
     "gpu": ("exact", 0, 6.0, 3.0),
     "balanced": ("8bit-moments", 0, 1.0, 1.0),
 }
