@@ -49,7 +49,8 @@ def signalled(tmp_path: Path, at: list[tuple[str, signal.Signals]]) -> tuple[int
     script.write_text(SLOW)
     p = subprocess.Popen([sys.executable, str(script), *args(tmp_path)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "LOHAN_DATA_CACHE": str(tmp_path / "cache")})
+                         env={**os.environ, "LOHAN_DATA_CACHE": str(tmp_path / "cache")},
+                         preexec_fn=_interactive_sigint)
     seen = []
     try:
         for line, sig in at:
@@ -61,6 +62,12 @@ def signalled(tmp_path: Path, at: list[tuple[str, signal.Signals]]) -> tuple[int
     finally:
         p.kill()
     return p.returncode, "".join(seen) + out + err
+
+
+def _interactive_sigint() -> None:
+    """In the child before it runs: Ctrl-C's default action, as a terminal's process gets it (a background job of a
+    shell, `pytest &`, starts with SIGINT ignored, and its children inherit that: the signal would never arrive)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _signal_self(sig: signal.Signals, real):
@@ -79,10 +86,15 @@ def test_a_signal_while_the_token_cache_is_built_stops_the_run_quietly(tmp_path,
 
     monkeypatch.setenv("LOHAN_DATA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tc, "_build", _signal_self(sig, tc._build))
+    # Ctrl-C as an interactive Python gets it: a shell starts a background job (`pytest &`) with SIGINT ignored,
+    # and Python then installs no handler of its own, so the signal would never reach the run
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         got = main(args(tmp_path))
     except KeyboardInterrupt as e:  # (SIGTERM's is one too) what finetune.py turned into a traceback
         pytest.fail(f"{type(e).__name__} escaped main(): a traceback and exit code 1 / -2")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert got == code  # finetune.py exits with it
     out = capsys.readouterr()
     assert f"{said} before the store was opened: nothing of the run was written" in out.out, out
