@@ -146,3 +146,17 @@ def test_clipping_off_obeys_a_fixed_clip_mode(mode, expected):
     s = ClipSchedule(cfg(max_grad_norm=0.0, clip_mode=mode), defer_unclipped=True)
     s.observe(unclipped(2.0))
     assert s.speculate(estimate()) is expected
+
+
+def test_a_re_priced_model_moves_the_choice_the_measured_kind_keeps_its_scale():
+    """The engine re-prices its estimate once its steps have measured the optimizer's CPU rate
+    (`Engine._refine_cpu_rate`): the kinds not measured yet take the new proportions. Priced without the CPU lane,
+    deferring looked 0.5 s cheaper; priced with it, updating during backward is."""
+    s = ClipSchedule(cfg(max_grad_norm=0.0), defer_unclipped=True)
+    s.observe(unclipped(2.0, deferred=True))
+    assert s.speculate(estimate(t_iter=2.0, t_deferred=1.5, t_redo=3.0)) is False
+    for _ in range(2):
+        s.observe(unclipped(2.0, step_s=3.0, deferred=True))  # measured: 2x the model's t_deferred
+    assert s.speculate(estimate(t_iter=2.0, t_deferred=2.5, t_redo=3.5)) is True
+    defer, _ = s.costs(estimate(t_iter=2.0, t_deferred=2.5, t_redo=3.5))
+    assert defer == pytest.approx(3.0 - 2.0 * 3.0 / 2.5)

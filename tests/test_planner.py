@@ -36,6 +36,7 @@ from lohan.plan.planner import (
     max_model,
     parse_hardware,
     place_tiers,
+    reprice,
     reserve_engine_pools,
     resident_records,
     walk,
@@ -108,6 +109,21 @@ def test_cpu_lane_can_bind_backward_and_unknown_rate_is_not_priced() -> None:
     unknown = estimate(make_profile([("x", 1.0, 1)], **kw), [])
     assert unknown.lanes_b["cpu"] == 0.0 and unknown.bottleneck_b == "gpu"
     assert "bottleneck (b)" in slow.format_lanes() and "CPU AdamW" in slow.format_lanes()
+
+
+def test_reprice_keeps_the_plan_and_prices_it_on_the_refined_profile() -> None:
+    """`reprice`: the chosen point (swap set, tiers) priced again: the same estimate on the same profile; with the
+    CPU rate a run measured, the CPU lane the plan's hardware could not price."""
+    profile = analytic_profile(get_model_config("125m"), 4, 256, parse_hardware("rtx4090,1xP5510,64GB"))
+    profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, cpu_adam_params_per_s=0.0))
+    plan = algorithm1(profile)
+    assert reprice(plan.estimate, profile) == plan.estimate
+    rate = profile.param_count / 2.0  # the update takes 2 s
+    refined = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, cpu_adam_params_per_s=rate))
+    est = reprice(plan.estimate, refined)
+    assert est.swap == plan.estimate.swap and est.a_g2m == plan.estimate.a_g2m
+    assert plan.estimate.lanes_b["cpu"] == 0 and est.lanes_b["cpu"] == pytest.approx(2.0 * profile.update_cost)
+    assert est.t_iter >= plan.estimate.t_iter
 
 
 def clip_profile(follow: bool = True) -> Profile:

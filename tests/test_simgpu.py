@@ -257,3 +257,35 @@ def test_the_header_names_the_modeled_gpu(tmp_path, capsys):
                  "--set", "model_overrides.n_layer=1", "--batch-size", "2", "--seq-len", "32", "--backend", "threads",
                  "--device", "sim", "--sim-gpu", "rtx4090"]) == 0
     assert "device sim (modeling rtx4090: 165 TFLOPS, PCIe 25/25 GB/s, HBM 1008 GB/s)" in capsys.readouterr().out
+
+
+def test_the_engine_prices_the_optimizer_at_the_rate_its_steps_measure(make_dirs):
+    """The hardware measured at the plan has no CPU rate; priced at nothing, the update hid under any lane and the
+    schedule (clipping off, a next batch known) deferred every update beside the next forward, even where updating
+    during backward (active gradient offloading) was the faster way. On a modeled GPU the engine prices the CPU
+    lane at the rate its own steps measure, and the step's estimate carries it."""
+    mcfg = eq.tiny_cfg()
+    ecfg = eq.engine_config(make_dirs(1), mode="optimized", device="sim", sim_gpu="tflops=1,h2d=25,d2h=25",
+                            max_grad_norm=0.0)
+    data = list(eq.batches(4, 4, 32, 256))
+    with lohan.init(mcfg, ecfg) as engine:
+        for k in range(3):
+            engine.step(data[k], next_batch=data[k + 1])
+        lane = engine.last_stats.lanes["cpu"]
+        hw = engine.activations.profile.hardware
+        est = engine.activations.plan.estimate
+    assert hw.cpu_adam_params_per_s > 0
+    # priced at the median of the measured steps after the first: within a factor of this step's own lane
+    assert 0.3 * lane < est.lanes_b["cpu"] < 3 * lane, (est.lanes_b["cpu"], lane)
+
+
+def test_on_a_cpu_device_the_optimizer_stays_unpriced(make_dirs):
+    """On the CPU the compute and the update share the cores: the model's lanes are not independent there, and
+    the measured step times decide the schedule (`ClipSchedule`), so the CPU rate is not refined."""
+    mcfg = eq.tiny_cfg()
+    ecfg = eq.engine_config(make_dirs(1), mode="optimized", max_grad_norm=0.0)
+    data = list(eq.batches(3, 4, 32, 256))
+    with lohan.init(mcfg, ecfg) as engine:
+        for k in range(2):
+            engine.step(data[k], next_batch=data[k + 1])
+        assert engine.activations.profile.hardware.cpu_adam_params_per_s == 0

@@ -100,6 +100,12 @@ class ClipCosts:
         """The cost model's prior: ``t_iter``, ``t_deferred``, ``t_redo`` of a ``planner.Estimate``."""
         return ClipCosts({"speculated": est.t_iter, "deferred": est.t_deferred, "redone": est.t_redo}, weight)
 
+    def reprice(self, est: _Times) -> None:
+        """Take a re-priced estimate (a profile refined by the run's measurements): new proportions for the kinds
+        not measured yet; the measured ones keep their averages."""
+        if est.t_iter > 0 and est.t_deferred > 0 and est.t_redo > 0:
+            self.estimate = {"speculated": est.t_iter, "deferred": est.t_deferred, "redone": est.t_redo}
+
     def observe(self, kind: str, step_s: float) -> None:
         """Take a measured step time of ``kind`` (one of :data:`STEP_KINDS`); non-finite or negative times are
         ignored (an interrupted step)."""

@@ -553,6 +553,12 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
                     int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant, lanes_serial)
 
 
+def reprice(est: Estimate, profile: Profile) -> Estimate:
+    """`est`'s point (its swap set, its bytes on each tier) priced again on `profile`: what a profile refined by
+    the run's own measurements (the optimizer's CPU rate in its steps) says of the same plan."""
+    return _evaluate(profile, est.swap, est.a_g2m, est.flop_r, est.a_g2m_raw)
+
+
 def estimate(profile: Profile, swap: Sequence[str]) -> Estimate:
     """Cost of swapping the block inputs plus the ops named in ``swap`` in every block."""
     by_name = {op.name: op for op in profile.ops}

@@ -36,7 +36,7 @@ from io_engine.base import align_up
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format
-from lohan.plan.planner import POLICIES, Hardware, OpProfile, Plan, Profile, ProfileError, make_plan
+from lohan.plan.planner import POLICIES, Hardware, OpProfile, Plan, Profile, ProfileError, make_plan, reprice
 from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
 from lohan.runtime.device import Device
 from lohan.runtime.profiler import measure_hardware, measure_quant_rate, profile_block
@@ -169,6 +169,18 @@ class ActivationManager:
         log.info("activation plan (%s): swap %s; %s", plan.policy, ", ".join(plan.swap) or "block inputs only",
                  " ".join(f"{t}={plan.block_tiers.count(t)}" for t in ("keep", "cpu", "ssd")))
         return plan
+
+    def refine_cpu(self, params_per_s: float) -> None:
+        """Price the optimizer's CPU lane at the rate the run's steps measured (exact's update rate: the lane over
+        the format's `update_cost`). The hardware measured at the plan has no CPU rate (timing the kernel alone
+        would take a second and, on a box whose cores the I/O and hashing also need, ran 2.5x faster than in a
+        step), so its estimate priced the update at nothing; the schedule's choice of updating during backward
+        or beside the next forward (`clip_schedule`) reads this estimate. The swap set stays as planned."""
+        if self.plan is None or self.profile is None or not params_per_s > 0:
+            return
+        hw = dataclasses.replace(self.profile.hardware, cpu_adam_params_per_s=params_per_s)
+        self.profile = dataclasses.replace(self.profile, hardware=hw)
+        self.plan = dataclasses.replace(self.plan, estimate=reprice(self.plan.estimate, self.profile))
 
     def _quant_rate(self, hw: Hardware, x: Tensor) -> Hardware:
         """`hw` with the device's int8 quantization rate (measured once, in the activations' dtype) when records are

@@ -117,6 +117,8 @@ class ClipSchedule:
             for kind, step_s in self._early:
                 self._costs.observe(kind, step_s)
             self._early.clear()
+        elif self._costs is not None and estimate is not None:  # the engine re-prices it (`refine_cpu`)
+            self._costs.reprice(estimate)
         return self._costs.costs() if self._costs is not None else None
 
     def observe(self, stats: StepStats) -> None:

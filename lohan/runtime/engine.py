@@ -27,7 +27,9 @@ import contextlib
 import copy
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -163,6 +165,8 @@ class Engine:
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
         self._trimmed = False  # memory.release_free_memory after the first step
+        self._cpu_lanes: deque[float] = deque(maxlen=5)  # the optimizer's CPU lane in recent steps (`_refine_cpu_rate`)
+        self._cpu_steps = 0
 
     def _build(self, layout: StoreLayout, label: str) -> None:
         """The components, on the store just opened: the host pools (at the memory plan's figures), the parameter
@@ -309,6 +313,7 @@ class Engine:
             self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
             self.last_stats = measure(self, run, loss, overlapped=self._next.held)
             self.clip_schedule.observe(self.last_stats)
+            self._refine_cpu_rate(self.last_stats)
         except BaseException:
             self._abort(run)
             raise
@@ -420,6 +425,24 @@ class Engine:
             self._commit(plan.step + 1, plan.write_slot, sums=self.offloader.sums_written(), updates=plan.update,
                          durable=not plan.lazy, note=note, **scaler)
         run.phase = Phase.COMMITTED
+
+    def _refine_cpu_rate(self, stats: StepStats) -> None:
+        """Price the cost model's CPU lane at the rate this run's steps measure (`ActivationManager.refine_cpu`):
+        the median of the last few steps, the first one left out once others exist (it also profiles and faults
+        the pools in). Only where the device computes apart from the host's cores (CUDA, or the simulated device
+        with a timing model): on a CPU device the compute and the update share the cores, so the lanes the model
+        overlaps are not independent, and the measured step times of each schedule (`ClipSchedule`) decide."""
+        lane = stats.lanes.get("cpu", 0.0)
+        if not (self.device.is_cuda or self.device.timing is not None) or lane <= 0 or stats.skipped:
+            return
+        self._cpu_steps += 1
+        if self._cpu_steps == 2:  # the first step profiled and faulted its pools in: only a prior until now
+            self._cpu_lanes.clear()
+        self._cpu_lanes.append(lane)
+        profile = self.activations.profile
+        if profile is not None:
+            cost = state_format(self.cfg.state_format).update_cost
+            self.activations.refine_cpu(cost * profile.param_count / statistics.median(self._cpu_lanes))
 
     def _abort(self, run: StepRun) -> None:
         """The one failure path of a step, by how far it got: before its commit, the pipeline stops and the last
