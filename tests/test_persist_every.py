@@ -112,8 +112,10 @@ def test_a_failed_update_between_durable_steps_goes_back_to_the_last_durable_one
 def test_streamed_records_keep_the_interval_at_one(make_dirs):
     """Records streamed from the SSDs are written every step: an explicit interval is lowered to 1 (said why), and
     auto is 1."""
+    dirs = make_dirs(1)
     for every in (4, "auto"):
-        with lohan.init(tiny_cfg(), config(make_dirs(1), persist_every=every, resident_records=False, resident_mem=0)) as engine:
+        ecfg = config(dirs, persist_every=every, resident_records=False, resident_mem=0)
+        with lohan.init(tiny_cfg(), ecfg, overwrite=True) as engine:
             assert engine.persist_every == 1
             assert "stream" in engine.persist_refusal
             engine.step(next(batches(1)))
@@ -123,7 +125,8 @@ def test_streamed_records_keep_the_interval_at_one(make_dirs):
 def test_auto_prices_the_interval_from_the_writes():
     # 1.75 GB of records at 2 GB/s against a 2.74 s step: 0.875 s / (0.1 * 2.74 s) -> 4 steps
     assert persist_interval(1_750_000_000, 2e9, 2.74) == 4
-    assert persist_interval(6_000_000, 2e9, 0.05) == 1  # writes far under 10% of a step: every step
+    assert persist_interval(6_000_000, 2e9, 0.05) == 1  # 3 ms of writes: every step
+    assert persist_interval(200_000_000, 2e9, 2.0) == 1  # writes under 10% of a step: every step
     assert persist_interval(14_000_000_000, 2.4e9, 0.5) == 100  # capped (MAX_AUTO)
     assert persist_interval(0, 2e9, 1.0) == 1
     assert eligible(False, 2, True, True).startswith("records stream")

@@ -20,14 +20,21 @@ WRITE_SHARE = 0.1
 MAX_AUTO = 100
 """`auto` never goes beyond this many steps between durable commits (what a kill may replay)."""
 
+MIN_WRITE_S = 0.05
+"""`auto` keeps every step durable while a persist's writes take less than this: a small model's records cost next
+to nothing to write, and a kill should then lose nothing."""
+
 
 def persist_interval(record_bytes: int, write_bps: float, step_s: float, share: float = WRITE_SHARE,
                      cap: int = MAX_AUTO) -> int:
     """The least N >= 1 for which writing `record_bytes` at `write_bps` once every N steps of `step_s` seconds
-    takes at most `share` of the time: ``write_s / (N * step_s) <= share``; at most `cap`."""
+    takes at most `share` of the time: ``write_s / (N * step_s) <= share``; at most `cap`, and 1 while the writes
+    take under `MIN_WRITE_S`."""
     if record_bytes <= 0 or write_bps <= 0 or step_s <= 0:
         return 1
     write_s = record_bytes / write_bps
+    if write_s < MIN_WRITE_S:
+        return 1
     return max(1, min(cap, math.ceil(write_s / (share * step_s) - 1e-9)))
 
 

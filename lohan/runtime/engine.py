@@ -245,9 +245,12 @@ class Engine:
         write_s = stats.lanes.get("ssd_write", 0.0)
         if write_s <= 0:
             return
-        slot_bytes = self.store.layout.slot_bytes
-        self._auto_persist = durability.persist_interval(slot_bytes, stats.ssd_write_bytes / write_s,
-                                                         max(stats.step_s - write_s, write_s / 10))
+        slot_bytes, step_s = self.store.layout.slot_bytes, max(stats.step_s - write_s, write_s / 10)
+        n = durability.persist_interval(slot_bytes, stats.ssd_write_bytes / write_s, step_s)
+        if n != self._auto_persist:
+            log.info("persist_every auto: %d (the records' writes took %.2f s of a %.2f s step); %s", n, write_s,
+                     stats.step_s, durability.loss_text(n, step_s))
+        self._auto_persist = n
 
     def persist(self) -> None:
         """Make the current state durable: the staged commit (write-behind, `flush`), or the steps held in RAM
