@@ -483,6 +483,18 @@ class EngineConfig:
     durable once the next step's backward has begun, or at `flush()` / `close()`; a crash in between
     resumes from the step before. False: every step is committed before `step` returns."""
 
+    persist_every: int | str = "auto"
+    """The durability interval: every this many steps the optimizer records are written to the SSDs and committed;
+    the steps between commit nothing there and keep their states in RAM. Only where every record stays resident
+    (``resident_records``, enough memory), two slots and one process: records streamed from the SSDs are written
+    every step anyway (a slot must hold one step's records, all of them). A kill resumes from the last durable step
+    and replays the steps after it (bit-identical); Ctrl-C, SIGTERM, ``close``, evaluations, exports and
+    checkpoints persist first. A step that is not durable defers its update until the gradient norm is known (its
+    states have no copy on the SSDs to redo or skip from). ``auto``: 1 while any record streams; with every record
+    resident, the least interval that keeps the persist writes under ~10% of the run's time
+    (`lohan.plan.planner.persist_interval`, from the first step's profile). An integer N > 1 where records stream
+    is lowered to 1 (said in the header: the same config runs on machines with less memory)."""
+
     resident_records: bool = True
     """Keep the optimizer records (P32, m, v, P16) of some blocks in the record pool from one step to the next,
     so that only the others are read from the SSDs each step (every record is still written: the commit
@@ -658,6 +670,9 @@ class EngineConfig:
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if self.resident_mem not in (0, "auto") and not self.resident_records:
             problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
+        if not (self.persist_every == "auto" or (_is_int(self.persist_every) and self.persist_every >= 1)):
+            problems.append(f"persist_every={self.persist_every!r} must be an integer >= 1 (steps between durable "
+                            "commits) or 'auto'")
         if self.slots not in (1, 2):
             problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
         # the spec's names and rates are read against the planner's GPU presets, a layer above this one:

@@ -52,6 +52,8 @@ POINTS: list[tuple[str, str]] = [
     ("backward", "engine.backward:{k:32}"),
     ("optimizer write", "offload.write_issued:{k:32}"),
     ("commit fsync", "store.commit.synced:{k:5}"),
+    # (reached only with a durability interval: --set engine.persist_every=4, records resident)
+    ("persist", "offload.persisted:{k:3}"),
     ("commit rename", "json.rename:lohan.commit.json:{k:5}"),
     ("run-state write", "json.rename:lohan.run.json:{k:4}"),
     ("evaluation", "eval.batch:{k:14}"),

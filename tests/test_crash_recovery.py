@@ -66,6 +66,18 @@ def test_a_killed_run_in_a_compressed_state_format_resumes_bit_identically(tmp_p
     assert trial.identical, trial.problems
 
 
+def test_kills_between_durable_steps_resume_bit_identically(tmp_path, reference, monkeypatch):
+    """A durability interval (records held in RAM between durable steps, `engine.persist_every`): killed in the
+    backward of step 6 (step 5 held in RAM, lost, replayed from step 4), then right after the records of a persist
+    were written and before their commit; the run ends as the uninterrupted one (every step durable) does."""
+    monkeypatch.setattr(kh, "SETS", ["engine.persist_every=4", "engine.resident_mem=all"])
+    kills = [("backward", "engine.backward:44"), ("persist", "offload.persisted:1")]
+    ref, secs = reference
+    trial = kh.run_trial(0, tmp_path / "run", kills, ref, secs, random.Random(0))
+    assert trial.kills == len(kills), trial.attempts
+    assert trial.identical, trial.problems
+
+
 def test_sigterm_stops_like_ctrl_c_and_resumes(tmp_path, reference):
     ref, _ = reference
     work = tmp_path / "run"

@@ -141,7 +141,7 @@ def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_re
 def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs):
     """The pool holds the model, so every record is resident: when the tail of a step fails and the step is
     dropped, and when a later step fails in its backward, what follows reads the committed slot's bytes."""
-    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), clip_mode="defer", max_inflight_blocks=8)
+    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), clip_mode="defer", max_inflight_blocks=8, persist_every=1)
     data = list(batches(STEPS))
     ref_losses, _, ref_params = reference(mcfg, ecfg, data[:1] + data[2:])  # batch 1 never trained on
     with lohan.init(mcfg, ecfg) as engine:

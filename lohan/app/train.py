@@ -61,6 +61,7 @@ from lohan.data import (
     eval_batches,
     synthetic_batches,
 )
+from lohan.plan.durability import loss_text
 from lohan.plan.formats import state_format
 from lohan.plan.pools import MemoryPlanError
 from lohan.runtime.engine import Engine, init
@@ -213,7 +214,8 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
     position (`iterator`: the batch iterator's state just after the committed step's batch; None for a
     stream that is positioned by the step count) and the RNG states. `prev`, the state this call returned
     for the step before, is kept beside it: with write-behind the store's durable commit can trail the
-    step count by one (`Engine.committed_step`), and a resume then takes that one."""
+    step count by one (`Engine.committed_step`), and with a durability interval (`engine.persist_every`) by up to
+    the interval: `prev` is then the state of that durable step, which a resume takes."""
     buf = io.BytesIO()
     torch.save(torch.get_rng_state(), buf)
     step = engine.step_count
@@ -222,9 +224,17 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
-    keep = {k: v for k, v in prev.items() if k != "prev"} if prev is not None and prev["step"] == step - 1 else None
+    keep = _durable_state(prev, engine.committed_step) if engine.committed_step < step else None
     write_json_atomic(run_state_path(run), {**state, "prev": keep})
     return state
+
+
+def _durable_state(prev: dict | None, durable: int) -> dict | None:
+    """The run state of step `durable` (the last durable one) among `prev` and the state kept beside it."""
+    for state in (prev, (prev or {}).get("prev")):
+        if state is not None and state["step"] == durable:
+            return {k: v for k, v in state.items() if k != "prev"}
+    return None
 
 
 LR_WARN = 0.1  # an AdamW peak lr above this is a typo, not a choice (the header says so)
@@ -307,8 +317,8 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
     if state["run"] != _fingerprint(run, seq_len):
         diff = {k: (state["run"].get(k), v) for k, v in _fingerprint(run, seq_len).items() if state["run"].get(k) != v}
         raise ValueError(f"--resume with other settings than the run being resumed: {diff} (saved, now)")
-    if state["step"] == store_step + 1 and state.get("prev"):  # the last step was not durable yet
-        state = state["prev"]
+    if state["step"] > store_step and (state.get("prev") or {}).get("step") == store_step:
+        state = state["prev"]  # the steps after the durable one were not (write-behind, the durability interval)
     if not 0 <= store_step - state["step"] <= 1:
         return None  # a state from another point in time: position from the step count instead
     torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(state["torch_rng"]))))
@@ -358,6 +368,21 @@ def _resident_line(engine: Engine) -> str:
     return line
 
 
+def _persist_line(engine: Engine) -> str:
+    """The durability interval in force (engine.persist_every) and what a kill can lose."""
+    asked, n = engine.cfg.persist_every, engine.persist_every
+    if engine.persist_refusal is not None:
+        why = f" ({engine.persist_refusal})" if asked != 1 else ""
+        return f"records written and committed every step{why}; {loss_text(1, None)}"
+    if asked == "auto":
+        return ("persist_every auto: every step until the first step's writes are measured, then the least interval "
+                "that keeps them under 10% of the run's time (every record is in RAM; a kill replays the steps after "
+                "the last durable one)")
+    est = engine.activations.plan.estimate if engine.activations.plan is not None else None
+    return (f"records written and committed every {n} step(s), held in RAM between; "
+            f"{loss_text(n, est.t_iter if est is not None else None)}")
+
+
 def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str) -> None:
     e = run.engine
     layout = engine.store.layout
@@ -383,6 +408,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
                       "(1e-5 to 1e-3): each step moves every weight by up to lr, so training will not converge; "
                       "check --lr")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
+    console.print(f"  durability: {_persist_line(engine)}")
     # The RSS bound (lohan/plan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
     # the overhead is this process as measured now, before the first step, plus what no budget covers.
     import psutil
@@ -730,8 +756,8 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
             else:
                 _gather_whole(engine)
     except KeyboardInterrupt as err:
-        with contextlib.suppress(Exception):  # the last step's commit, if still staged (write-behind)
-            engine.flush()
+        with contextlib.suppress(Exception):  # the last step's staged commit, the steps held in RAM: durable
+            engine.persist()
         ctx.console.print(f"\n{_interrupt_name(err)}; the state committed at step {engine.committed_step} is on NVMe "
                           "with its data position (continue with --resume)")
         code = _interrupt_code(err)
@@ -780,9 +806,11 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
         try:
             _catch_up(ctx, engine, out)
             _steps(ctx, engine, batches, data_state, out, bar, every)
-            engine.flush()  # the last step's commit, staged with write-behind, then its record
-        except BaseException:  # what is durable goes out, whatever stopped the loop; the rest is run again by a resume
-            with contextlib.suppress(Exception):  # (the error that stopped it is the one to report)
+            engine.persist()  # the last step's commit (staged with write-behind, or in RAM), then its record
+        except BaseException as err:  # what is durable goes out, whatever stopped the loop; the rest is run again
+            with contextlib.suppress(Exception):  # by a resume (the error that stopped it is the one to report)
+                if isinstance(err, KeyboardInterrupt):  # a clean stop loses nothing: the steps held in RAM too
+                    engine.persist()
                 out.emit(engine.committed_step)
             raise
         out.emit(engine.committed_step)

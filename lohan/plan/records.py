@@ -192,6 +192,8 @@ class StoreLayout:
         return self.blocks[0].fmt if self.blocks else "exact"
 
     def record_offset(self, block: int, slot: int) -> int:
+        if not 0 <= slot < self.slots:  # (a RAM slot's states are nowhere on the volume: store.states.RAM_SLOTS)
+            raise ValueError(f"slot {slot} of block {block} is not on the SSDs (the store has {self.slots})")
         return slot * self.slot_bytes + self.blocks[block].offset
 
     def p16_offset(self, block: int, slot: int) -> int:

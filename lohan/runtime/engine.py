@@ -42,7 +42,7 @@ from lohan.config import EngineConfig, ModelConfig, get_model_config
 from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram, GPTBlocks
 from lohan.models.gpt import GPT, block_generator, build_model, init_block_
-from lohan.plan import pools
+from lohan.plan import durability, pools
 from lohan.plan.formats import state_format
 from lohan.plan.pools import (
     PoolGeometry,
@@ -86,7 +86,7 @@ from lohan.runtime.step import (
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
 from lohan.store.opening import check_request, open_or_create
-from lohan.store.states import DTYPES, StateStore, StoreLayout, plan_layout
+from lohan.store.states import DTYPES, StateStore, StoreLayout, plan_layout, unit_views
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,64 @@ class Engine:
                                                                 and self.store.p16_dtype == self.grad_dtype))
         # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
         self._next = NextForward(self.device, self.streamer, self.activations)
+        # the durability interval (engine.persist_every, lohan.plan.durability): why it cannot exceed 1 here
+        self.persist_refusal = durability.eligible(
+            len(resident) == len(layout.blocks), cfg.slots, self.dp is None, self.stash is not None)
+        if self.persist_refusal is not None and cfg.persist_every not in ("auto", 1):
+            log.warning("persist_every=%s lowered to 1: %s", cfg.persist_every, self.persist_refusal)
+        self._auto_persist = 1  # auto: decided from the writes of a durable step (`_observe_persist`)
+        self.streamer.ram_p16 = self._ram_p16
+
+    # ------------------------------------------------------------ durability
+    @property
+    def persist_every(self) -> int:
+        """The durability interval in force (`engine.persist_every`): 1 where records stream (or it cannot apply,
+        `persist_refusal`); `auto`: what the last durable step's writes priced (1 before one was measured)."""
+        if self.persist_refusal is not None:
+            return 1
+        return self._auto_persist if self.cfg.persist_every == "auto" else int(self.cfg.persist_every)
+
+    def _ram_p16(self, block: int, slot: int) -> Tensor:
+        """Block `block`'s P16 of RAM slot `slot` (a step between durable commits): its resident record's."""
+        res = self.offloader.resident_records
+        rb = res.get(block)
+        if rb is None or not self.store.in_ram(slot) or res.tags[block] != (slot, self.store.commit_state.applied):
+            raise RuntimeError(f"block {block}'s parameters of RAM slot {slot} are not in memory (a discarded update "
+                               "lost them); resume from the last durable step")
+        b = self.store.layout.blocks[block]
+        return unit_views(rb.buf.tensor, b, 0, b.numel, self.store.p16_dtype).p16
+
+    def _observe_persist(self, stats: StepStats) -> None:
+        """auto: the least interval that keeps the persist writes under ~10% of the run's time, from a durable
+        step's measured writes (bytes over the busiest device's write seconds) and the step's time without them."""
+        if self.cfg.persist_every != "auto" or self.persist_refusal is not None or not stats.ssd_write_bytes:
+            return
+        write_s = stats.lanes.get("ssd_write", 0.0)
+        if write_s <= 0:
+            return
+        slot_bytes, step_s = self.store.layout.slot_bytes, max(stats.step_s - write_s, write_s / 10)
+        n = durability.persist_interval(slot_bytes, stats.ssd_write_bytes / write_s, step_s)
+        if n != self._auto_persist:
+            log.info("persist_every auto: %d (the records' writes took %.2f s of a %.2f s step); %s", n, write_s,
+                     stats.step_s, durability.loss_text(n, step_s))
+        self._auto_persist = n
+
+    def persist(self) -> None:
+        """Make the current state durable: the staged commit (write-behind, `flush`), or the steps held in RAM
+        since the last durable commit (the durability interval): every resident record is written to the real
+        slot the durable commit does not name, then committed. Evaluations, exports, checkpoints, Ctrl-C and
+        `close` call it."""
+        self.flush()
+        store = self.store
+        if not store.volatile:
+            return
+        c = store.commit_state
+        slot = store.next_slot()
+        self.streamer.invalidate(slot)  # its kept blocks are of an older step
+        sums = self.offloader.persist_resident(slot, c.applied)
+        store.commit(c.step, slot, sums=sums, updates=c.applied, bad_streak=c.bad_streak, loss_scale=c.loss_scale,
+                     growth_tracker=c.growth_tracker, note=c.note)
+        log.info("step %d persisted (its states were held in RAM)", c.step)
 
     # ------------------------------------------------------------------ step
     @property
@@ -314,6 +372,8 @@ class Engine:
             self.last_stats = measure(self, run, loss, overlapped=self._next.held)
             self.clip_schedule.observe(self.last_stats)
             self._refine_cpu_rate(self.last_stats)
+            if run.plan.durable:
+                self._observe_persist(self.last_stats)
         except BaseException:
             self._abort(run)
             raise
@@ -339,15 +399,18 @@ class Engine:
             scaler = LossScale(self.cfg, commit, self.device.put if self.dp is None else (lambda t: t))
         estimate = self.activations.plan.estimate if self.activations.plan is not None else None
         speculate = self.clip_schedule.speculate(estimate)
-        plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(), n, speculate,
-                             self._overlappable(idx, next_batch), one_process=self.dp is None)
+        # the durability interval: a step is durable every persist_every steps after the last durable one
+        durable = store.step + 1 - (store.durable_step if store.volatile else store.step) >= self.persist_every
+        plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(durable), n, speculate,
+                             self._overlappable(idx, next_batch), one_process=self.dp is None,
+                             durable=durable, ram_read=store.in_ram(store.slot))
         run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
         store.begin_step()
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
         # the last step's staged commit is made durable on the worker, after its writes and before this pass's
         self.offloader.begin_step(plan.update, plan.hyper, list(plan.order), plan.read_slot, plan.write_slot,
                                   gate=plan.gate, keep=plan.speculated, provide=self._provide(plan), lazy=plan.lazy,
-                                  before=store.persist if store.staged else None)
+                                  before=store.persist if store.staged else None, persist=plan.durable)
         return run
 
     def _provide(self, plan: StepPlan) -> Provide | None:
@@ -421,6 +484,8 @@ class Engine:
         scaler = run.scaler.update(self.device) if run.scaler else {}
         if run.settlement.skipped:
             self._skip(run, loss, {**scaler, "note": note})
+        elif not plan.durable:  # its states stay in RAM (the durability interval): nothing on the SSDs changes
+            self.store.commit_volatile(plan.step + 1, plan.write_slot, updates=plan.update, note=note, **scaler)
         else:
             self._commit(plan.step + 1, plan.write_slot, sums=self.offloader.sums_written(), updates=plan.update,
                          durable=not plan.lazy, note=note, **scaler)
@@ -461,7 +526,12 @@ class Engine:
         return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
 
     def _commit(self, step: int, slot: int, **kw: Any) -> None:
-        """Commit `step` (data parallel: locally, keeping the previous commit, then the group decides)."""
+        """Commit `step` (data parallel: locally, keeping the previous commit, then the group decides); a RAM
+        slot's (a skipped step between durable commits) in this process only."""
+        if self.store.in_ram(slot):
+            kw.pop("sums", None)
+            self.store.commit_volatile(step, slot, **kw)
+            return
         self.store.commit(step, slot, keep_prev=self.dp is not None, **kw)
         if self.dp:
             crashpoint("engine.dp_local_commit")
@@ -499,6 +569,9 @@ class Engine:
             self.flush()
         except BaseException as e:
             log.warning("the step before the failed one was dropped too: %s", e)
+        if self.store.volatile:  # the steps since the last durable commit are in RAM only
+            self._rollback_volatile()
+            return
         if self.store.layout.slots == 1 and self.offloader.blocks_written:
             self._broken = (f"step {step + 1} failed after rewriting {self.offloader.blocks_written} block(s) "
                             "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
@@ -508,6 +581,20 @@ class Engine:
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
                         "points at it", self.store.step, e)
+
+    def _rollback_volatile(self) -> None:
+        """After a failed step while the current state is in RAM only: it stands if the failed step updated none of
+        its records (its update waits for the gradient norm); otherwise those steps are lost, and the last durable
+        commit is current again (a resume replays the steps after it)."""
+        c, res = self.store.commit_state, self.offloader.resident_records
+        if res.all_hold(c.slot, c.applied):
+            return
+        lost = c.step
+        self.store.drop_volatile()
+        res.forget()
+        self.streamer.drop_kept()
+        log.warning("steps %d..%d were held in RAM and a failed update overwrote them; the state committed at step "
+                    "%d stands", self.store.step + 1, lost, self.store.step)
 
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` = (token ids, targets) under the committed weights, forward only.
@@ -521,7 +608,7 @@ class Engine:
         """
         if self._broken:
             raise RuntimeError(self._broken)
-        self.flush()  # it reads the committed slot, whose last writes may still be in flight
+        self.persist()  # it reads the committed slot: durable first (its last writes, the steps held in RAM)
         idx, targets = self._check_batch(batch)
         loss = self.passes.evaluate(self.store.slot, self.device.put(idx), self.device.put(targets))
         return self.dp.sum(loss) if self.dp else loss
@@ -530,7 +617,7 @@ class Engine:
     def state_dict_fp32(self) -> dict[str, Tensor]:
         """The current fp32 master weights as `{block_name.param_name: tensor}` (reads every block; data
         parallel: every rank calls it, and gets the whole model from the ranks' shards)."""
-        self.flush()
+        self.persist()
         out = {}
         for b in self.layout.blocks:
             for spec, t in zip(b.params, self.read_params(b.index)):
@@ -540,7 +627,7 @@ class Engine:
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
         """Block `block`'s fp32 master weights of the committed slot, whole (data parallel: gathered from
         the ranks' shards; every rank calls it for the same blocks in the same order)."""
-        self.flush()
+        self.persist()
         own = self.store.read_params(block)
         if self.bounds[block] is not None:
             own = self.dp.gather_block(own, self.bounds[block], self.layout.blocks[block])
@@ -550,14 +637,17 @@ class Engine:
     def whole(self) -> Any:
         """What the exporters read (`.store.layout`, `.store.read_params(i)`, `.step_count`): the store
         itself in one process, the whole model gathered from the ranks' shards under data parallelism."""
-        self.flush()
+        self.persist()
         return self if self.dp is None else _Whole(self)
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            self.flush()
+            if self._broken is None:
+                self.persist()
+            else:
+                self.flush()
         finally:
             self._close()
 

@@ -38,8 +38,10 @@ writes the slot the commit before it names). `wait_tail` lets readers of that sl
 their block's writes; `tail_done` is set once none is in flight.
 
 Resident records (`lohan.plan.pools.plan_resident`, `record_buffers.ResidentRecords`): the record buffers of some blocks stay in the
-pool from one step to the next. Each step still WRITEs them (the commit needs every record on the SSDs), but
-the next step finds their bytes in memory and skips their READ. The pool (`pools.record_pool_bytes`) is the least
+pool from one step to the next. Each durable step still WRITEs them (the commit needs every record on the SSDs),
+but the next step finds their bytes in memory and skips their READ; with every record resident, the steps between
+durable ones (`engine.persist_every`, `begin_step(persist=False)`) write nothing: each updated buffer holds the
+state of a RAM slot (`store.states.RAM_SLOTS`), and `persist_resident` writes them all out between steps. The pool (`pools.record_pool_bytes`) is the least
 that streams the other records through `max_inflight_blocks` buffers while the records bigger than those stay
 (a tied embedding's, 3.5x a layer's: one buffer for it instead of `max_inflight_blocks`), never more than
 `max_inflight_blocks` of the largest; `resident_mem` gives it more, and the room beyond the streaming buffers
@@ -154,7 +156,8 @@ class UpdatePass:
     """
 
     def __init__(self, owner: GradOffloader, update: int, hyper: AdamWHyper, order: list[int], read_slot: int,
-                 write_slot: int, gate: ClipGate, keep: bool, provide: Provide | None, lazy: bool) -> None:
+                 write_slot: int, gate: ClipGate, keep: bool, provide: Provide | None, lazy: bool,
+                 persist: bool = True) -> None:
         self.ago = owner
         self.update = update  # the optimizer update this pass makes (1-based): the bias correction's step
         self.hyper = hyper
@@ -163,6 +166,9 @@ class UpdatePass:
         self.keep = keep  # gradients go to the stash after use, for `begin_redo`
         self.provide = provide
         self.lazy = lazy  # write-behind
+        # False: a step between durable commits (`engine.persist_every`): every record is resident, is updated
+        # in its buffer and written nowhere; `write_slot` is a RAM slot (store.states.RAM_SLOTS)
+        self.persist = persist
         self.units = [u for i in order for u in owner.units(i)]
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (block, gradient) from the compute thread
         self.backward_done = threading.Event()
@@ -293,13 +299,15 @@ class UpdatePass:
         if self.provide is not None:
             self.provide(i, lo, hi, views.p16)
         self.in_hand = None
-        if self.lazy and reads_pending:
+        if not self.persist:  # the update stays in its resident buffer, the state of RAM slot `write_slot`
+            ago.resident_records.keep(rb, self.write_slot, self.update)
+        elif self.lazy and reads_pending:
             ago.behind.hold(rb)
         else:
             # (once every READ is done, the SSDs have nothing better to do: a write held now would only
             # lengthen the tail the next step's backward waits on before its own reads)
             self._issue_write(rb)
-        if lo == 0:
+        if lo == 0 and self.persist:
             ago.blocks_written += 1
         if not self.lazy or reads_pending:  # (a lazy pass's last writes are its tail: reaped, and any failure
             self._reap(wait=ago.mode == "naive")  # met, in the next step, as when they were held to the end)
@@ -392,6 +400,9 @@ class UpdatePass:
                 self.reads[unit] = res.to(BufState.READY)
                 ago.resident_hits += 1
                 return
+            if ago.store.in_ram(self.read_slot):  # nowhere else: a failed or discarded update lost it
+                raise RuntimeError(f"block {i}'s states of the steps since the last durable commit were held in RAM "
+                                   "only and are lost (an update was discarded); resume from the last durable step")
             ago.resident_records.forget(i)
             self.reads[unit] = res.to(BufState.READING)
             res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
@@ -601,7 +612,7 @@ class GradOffloader:
 
     def begin_step(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
                    gate: ClipGate | None = None, keep: bool = False, provide: Provide | None = None,
-                   lazy: bool = False, before: Callable[[], None] | None = None) -> None:
+                   lazy: bool = False, before: Callable[[], None] | None = None, persist: bool = True) -> None:
         """Start the pipeline for optimizer step `step` (1-based); blocks are updated in `order`.
 
         Gradients may be submitted in any order: a block's update waits for its own. The backward order
@@ -614,11 +625,15 @@ class GradOffloader:
         at once beside the previous pass's tail and waits for it per buffer (a READ of a block the tail writes,
         a buffer it holds); before this pass's first WRITE the whole tail is complete and `before` (if any) is
         called: the previous step's staged commit becomes durable there, never before its last writes.
+        `persist` False: nothing is written (every record must be resident): the updated records stay in their
+        buffers as the states of RAM slot `write_slot` (the durability interval, `engine.persist_every`).
         """
         if self._thread is not None:
             raise RuntimeError("begin_step called while the previous step is still running")
+        if not persist and len(self.resident_records.bufs) != len(self.store.layout.blocks):
+            raise RuntimeError("a step that writes nothing needs every record resident")
         self._pass = UpdatePass(self, step, hyper, list(order), read_slot, write_slot, gate or ClipGate(), keep,
-                                provide, lazy)
+                                provide, lazy, persist)
         self._thread = self._executor.submit(self._run_guarded, self._pass, before)
 
     def submit(self, block: int, grad: AlignedBuffer | StashedGrad) -> None:
@@ -683,6 +698,32 @@ class GradOffloader:
         """Give back the gradients kept for a redo (after the step is committed or discarded)."""
         if self.stash is not None:
             self.stash.clear()
+
+    def persist_resident(self, slot: int, update: int) -> Sums | None:
+        """Write every resident record to `slot` on the SSDs, between steps, and wait for the writes; their buffers
+        then hold update `update` of that slot. Returns the checksums of every block (None: the store keeps none):
+        with every record resident, the whole slot (the commit that follows names it)."""
+        if self._thread is not None:
+            raise RuntimeError("persist_resident() while a step's pipeline is running")
+        layout, vol = self.store.layout, self.store.volume
+        res = self.resident_records
+        writes = [vol.write(res.bufs[i].buf.tensor, layout.record_offset(i, slot), priority=Priority.WRITE)
+                  for i in sorted(res.bufs)]
+        sums = ([[unit_sums(unit_views(res.bufs[i].buf.tensor, layout.blocks[i], 0, layout.blocks[i].numel,
+                                        self.store.p16_dtype))] for i in sorted(res.bufs)]
+                if self.store.checksums else None)  # (hashed while the writes are in flight)
+        first: BaseException | None = None
+        for h in writes:
+            try:
+                h.wait()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+        for i in res.bufs:
+            res.written(i, slot, update)
+        crashpoint("offload.persisted")
+        return sums
 
     def drain_tail(self) -> None:
         """Wait for the last lazy pass's tail (between steps, on the caller's thread); raises if one of its

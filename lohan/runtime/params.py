@@ -96,6 +96,9 @@ class ParamStreamer:
         # called with the slot and the block before any read from the SSDs: the engine waits there while the
         # last step's writes of that block to that slot may still be in flight (write-behind)
         self.before_read: Callable[[int, int], None] | None = None
+        # (block, RAM slot) -> that block's P16, held in RAM only (a step between durable commits,
+        # engine.persist_every): copied from there, never read from the SSDs, whose slots hold an older step
+        self.ram_p16: Callable[[int, int], torch.Tensor] | None = None
 
     def _state(self, i: int) -> P16State | None:
         """Block i's buffer's state (None: none in flight or in use)."""
@@ -214,9 +217,12 @@ class ParamStreamer:
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
             return
+        own = self.store.layout.blocks[i]
+        if self.store.in_ram(slot):
+            self._from_ram(i, slot)
+            return
         if self.before_read is not None:
             self.before_read(slot, i)
-        own = self.store.layout.blocks[i]
         entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
         at = self._own(i)[0] * own.p16_itemsize
         handle = self.store.volume.read_into(entry.buf.tensor[at:at + own.p16_bytes],
@@ -227,6 +233,23 @@ class ParamStreamer:
         entry.handle = handle
         self._blocks[i] = entry.to(P16State.READING, "prefetch")
         self.bytes_read += own.p16_bytes
+
+    def _from_ram(self, i: int, slot: int) -> None:
+        """`prefetch` of a RAM slot: block i's P16 copied from its resident record (the optimizer's own bytes, which
+        no update changes while a step reads them: such a step's update waits for the gradient norm)."""
+        if self.ram_p16 is None:
+            raise RuntimeError(f"block {i}'s parameters of RAM slot {slot} have no source in memory")
+        own = self.store.layout.blocks[i]
+        entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
+        try:
+            at = self._own(i)[0] * own.p16_itemsize
+            entry.buf.tensor[at:at + own.numel * own.p16_itemsize].view(self.store.p16_dtype).copy_(
+                self.ram_p16(i, slot))
+        except BaseException:
+            entry.buf.release()
+            raise
+        entry.handle = _Done()
+        self._blocks[i] = entry.to(P16State.READING, "copy from RAM")
 
     def stage(self, i: int, slot: int) -> None:
         """Start copying block i's P16 to the device now (waiting for its read if needed), so that the copy
@@ -453,3 +476,13 @@ class _Handover:
         self.old_slot = old_slot
         self.new_slot = new_slot
         self.blocks: dict[int, P16Buffer | None] = {}
+
+
+class _Done:
+    """The handle of a P16 copied from RAM (`_from_ram`): complete from the start."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True

@@ -5,6 +5,7 @@ A pool buffer is taken for one unit (a block's record, or a chunk of it) and goe
 
     FREE -> READING -> READY -> UPDATING -> WRITING -> FREE
                                     \\-> HELD --/            write-behind: the WRITE waits for the room
+                                    \\-> RESIDENT          a step between durable commits: not written
 
 A resident record's buffer (`plan_resident`) is taken from the pool for the offloader's life and rests in
 RESIDENT instead of FREE; a READ its bytes make unnecessary takes it straight to READY. A pass that fails or is
@@ -71,7 +72,8 @@ _AFTER: dict[BufState, frozenset[BufState]] = {  # the legal predecessors of eac
     BufState.HELD: frozenset({BufState.UPDATING}),
     BufState.WRITING: frozenset({BufState.UPDATING, BufState.HELD}),
     BufState.FREE: frozenset({BufState.WRITING, BufState.RESIDENT}),  # from RESIDENT: the offloader closes
-    BufState.RESIDENT: frozenset({BufState.FREE, BufState.WRITING}),  # from FREE: taken from the pool for good
+    # from FREE: taken from the pool for good; from UPDATING: a step that writes nothing (engine.persist_every)
+    BufState.RESIDENT: frozenset({BufState.FREE, BufState.WRITING, BufState.UPDATING}),
 }
 
 
@@ -181,6 +183,16 @@ class ResidentRecords:
 
     def written(self, block: int, slot: int, update: int) -> None:
         self.tags[block] = (slot, update)
+
+    def keep(self, rb: RecordBuffer, slot: int, update: int) -> None:
+        """An updated resident buffer kept unwritten (UPDATING -> RESIDENT): it holds update `update` of RAM slot
+        `slot`, and no copy of it is on the SSDs until it is persisted."""
+        rb.to(BufState.RESIDENT)
+        self.tags[rb.unit[0]] = (slot, update)
+
+    def all_hold(self, slot: int, update: int) -> bool:
+        """Whether every resident buffer holds update `update` of `slot` (none was updated since, or lost)."""
+        return all(t == (slot, update) for t in self.tags.values())
 
     def forget(self, block: int | None = None) -> None:
         """The buffer of `block` (of every block: None) no longer holds any slot's bytes."""

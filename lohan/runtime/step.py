@@ -68,13 +68,18 @@ class StepPlan:
     follow: bool          # the deferred pass runs in forward order and the next forward beside it
     lazy: bool            # write-behind: the pass's last writes and the commit complete in the next step
     order: tuple[int, ...]
+    durable: bool         # written and committed to the SSDs; else its states stay in RAM (engine.persist_every)
     next_idx: Tensor | None  # the next batch's ids on the device, when its forward may run beside this step's
     #                          optimizer pass (a deferred one, or a redone one)
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
-             speculate: bool, next_idx: Tensor | None, one_process: bool) -> StepPlan:
-        gate = clip_gate(cfg, speculate, next_idx is not None)
+             speculate: bool, next_idx: Tensor | None, one_process: bool, durable: bool = True,
+             ram_read: bool = False) -> StepPlan:
+        # a step whose read states are in RAM only, or whose states will be, updates them in place with no copy
+        # on the SSDs to redo or skip from: its update waits for the gradient norm (deferred)
+        hold = not durable or ram_read
+        gate = clip_gate(cfg, speculate and not hold, next_idx is not None, hold=hold)
         deferred = gate.deferred
         follow = deferred and next_idx is not None
         return StepPlan(
@@ -83,18 +88,18 @@ class StepPlan:
             speculated=not deferred and cfg.max_grad_norm > 0, follow=follow,
             # (write-behind stages a commit whose last writes are still in flight: with two slots the previous
             # commit stands meanwhile; in place there is none)
-            lazy=follow and cfg.write_behind and one_process and cfg.slots == 2,
+            lazy=follow and cfg.write_behind and one_process and cfg.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
-            next_idx=next_idx)
+            durable=durable, next_idx=next_idx)
 
 
-def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False) -> ClipGate:
+def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bool = False) -> ClipGate:
     """The step's coefficient gate: open at 1 (no clipping, or a speculated update), or deferred until the norm
     is known. In place (slots=1) nothing may be written before the step is known good. `speculate` is the
     schedule's choice (`clip_schedule.ClipSchedule`: `clip_mode`, and for `auto` the running norm and what each
     way costs); clipping off, not speculating means updating after backward beside the next forward, so only
     where one `follow`s."""
-    if cfg.slots == 1:
+    if cfg.slots == 1 or hold:  # (`hold`: states in RAM only, see StepPlan.make)
         return ClipGate(None)
     if speculate or (cfg.max_grad_norm <= 0 and not follow):
         return ClipGate(1.0)
@@ -327,6 +332,7 @@ class StepStats:
     activations: dict[str, Any]    # the activation plan and its tier counters
     next_forward_overlapped: bool  # the next step's forward ran beside this step's optimizer pass
     deferred: bool                 # the update waited for the global norm (clipping: defer, or in place)
+    durable: bool = True           # written and committed to the SSDs (else held in RAM: engine.persist_every)
     grad_norm: float | None = None
     clip_coef: float | None = None
     redone: bool = False
@@ -430,7 +436,7 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
         gpu_mem_bytes=engine.device.max_memory_allocated() if engine.device.is_cuda else None,
         max_resident_blocks=streamer.max_resident, resident_records=len(ago.resident),
         resident_record_hits=ago.resident_hits, activations=run.activations,
-        next_forward_overlapped=overlapped, deferred=run.plan.deferred,
+        next_forward_overlapped=overlapped, deferred=run.plan.deferred, durable=run.plan.durable,
         grad_norm=settled.grad_norm, clip_coef=settled.clip_coef, redone=settled.redone, skipped=settled.skipped,
         overflow=settled.overflow, loss_scale=settled.loss_scale,
         network_bytes=dp.network_bytes(dp.reduced_bytes - c0.reduced_bytes, dp.gathered_bytes - c0.gathered_bytes)

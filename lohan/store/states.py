@@ -58,6 +58,9 @@ from lohan.store.integrity import (
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
+RAM_SLOTS = (2, 3)
+"""Slot numbers of states held only in RAM (the resident records of steps between durable commits,
+`StateStore.commit_volatile`); the SSDs hold slots 0 and 1. Nothing reads or writes them on the volume."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -277,6 +280,7 @@ class StateStore:
         self.init_path = os.path.join(meta_dir, f"{name}.init.json")
         self.commit_state = commit
         self._staged: Commit | None = None  # the durable commit while a newer one is staged
+        self._volatile_base: Commit | None = None  # the durable commit while newer ones are in RAM only
         self.p16_dtype = DTYPES[layout.p16_dtype]
         self.chunk_elems = chunk_elems
         self.checksums = checksums
@@ -479,8 +483,46 @@ class StateStore:
         """Checksums of the current slot (None: the store keeps none)."""
         return self.commit_state.sums
 
-    def next_slot(self) -> int:
-        return (self.slot + 1) % self.layout.slots
+    def next_slot(self, durable: bool = True) -> int:
+        """The slot a step writes: the real slot the durable commit does not name (`durable`), or the RAM slot
+        the current commit does not name (a step that writes nothing to the SSDs, `commit_volatile`)."""
+        if not durable:
+            return RAM_SLOTS[1] if self.slot == RAM_SLOTS[0] else RAM_SLOTS[0]
+        base = self._volatile_base or self.commit_state
+        return (base.slot + 1) % self.layout.slots
+
+    @staticmethod
+    def in_ram(slot: int) -> bool:
+        """Whether `slot` names states held only in RAM (the resident records), none on the SSDs."""
+        return slot in RAM_SLOTS
+
+    @property
+    def volatile(self) -> bool:
+        """The current commit is in RAM only (`commit_volatile`): the record on disk names an earlier step."""
+        return self._volatile_base is not None
+
+    def commit_volatile(self, step: int, slot: int, updates: int | None = None, bad_streak: int = 0,
+                        loss_scale: float | None = None, growth_tracker: int = 0, note: dict | None = None) -> None:
+        """Make RAM slot `slot` current at `step` in this process only: nothing is written (the durability
+        interval, `engine.persist_every`). The commit record on disk keeps naming the last durable step, which a
+        kill resumes from; `commit` of a real slot (a durable step, or persisting) ends the volatile stretch."""
+        if not self.in_ram(slot):
+            raise ValueError(f"commit_volatile of step {step} to slot {slot}, which is on the SSDs; use commit")
+        if self._staged is not None:
+            raise RuntimeError(f"commit_volatile of step {step} while the commit of step {self.commit_state.step} "
+                               "is staged: persist it first")
+        if self._volatile_base is None:
+            self._volatile_base = self.commit_state
+        base = self._volatile_base
+        # the sums stay the durable slot's: nothing reads a RAM slot from the SSDs
+        self.commit_state = Commit(step, slot, dirty=False, time=time.time(), sums=base.sums,
+                                   updates=None if updates == step else updates, bad_streak=bad_streak,
+                                   loss_scale=loss_scale, growth_tracker=growth_tracker, note=note)
+
+    def drop_volatile(self) -> None:
+        """Forget the steps since the last durable commit (their states in RAM are lost): it is current again."""
+        if self._volatile_base is not None:
+            self.commit_state, self._volatile_base = self._volatile_base, None
 
     def begin_step(self) -> None:
         """In-place stores mark the commit dirty before the first write of a step."""
@@ -491,7 +533,7 @@ class StateStore:
     def recommit(self, keep_prev: bool = False) -> None:
         """Write the current commit again, as it is (after a failed step: the commit record, which a step in place
         marked dirty, names the last good state once more). fp16's loss scale and tracker stay as committed."""
-        c = self.commit_state
+        c = self.commit_state if self._volatile_base is None else self._volatile_base
         self.commit(c.step, c.slot, sums=c.sums, updates=c.applied, bad_streak=c.bad_streak,
                     loss_scale=c.loss_scale, growth_tracker=c.growth_tracker, keep_prev=keep_prev, note=c.note)
 
@@ -512,10 +554,16 @@ class StateStore:
         if self._staged is not None:
             raise RuntimeError(f"commit of step {step} while the commit of step {self.commit_state.step} is "
                                "staged: persist or discard it first")
+        if self.in_ram(slot):
+            raise ValueError(f"commit of step {step} to RAM slot {slot}: use commit_volatile")
+        if self._volatile_base is not None and not durable:
+            raise RuntimeError(f"commit of step {step} staged while steps since {self._volatile_base.step} are in "
+                               "RAM only: a commit after them must be durable")
         if durable:
             self.volume.sync()
             crashpoint("store.commit.synced")
-        old = self.commit_state
+        old = self.commit_state if self._volatile_base is None else self._volatile_base
+        self._volatile_base = None
         prev = None
         if keep_prev:
             prev = {**asdict(old), "prev": None} if old.step < step else old.prev
@@ -535,6 +583,8 @@ class StateStore:
     @property
     def durable_step(self) -> int:
         """The step the commit record on disk names (a staged commit's step once it is persisted)."""
+        if self._volatile_base is not None:
+            return self._volatile_base.step
         return self._staged.step if self._staged is not None else self.step
 
     def persist(self) -> None:

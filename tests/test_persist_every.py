@@ -1,0 +1,148 @@
+"""The durability interval (`engine.persist_every`): with every record resident, the steps between durable ones
+write and commit nothing to the SSDs, read their states (the P16 included) from RAM, and train the same bits as
+plain PyTorch; every N-th step, `close`, evaluations and exports persist; a failure or a kill goes back to the last
+durable step. Where records stream, the interval is 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
+from test_clipping import config as _config
+
+import lohan
+from lohan.plan.durability import eligible, loss_text, persist_interval
+
+
+def config(dirs, **kw):
+    return _config(dirs, **{"resident_mem": "all", **kw})
+
+
+def _commit(dirs) -> dict:
+    return json.loads(open(f"{dirs[0]}/lohan.commit.json").read())
+
+
+@pytest.mark.parametrize("clip", [1.5, 0.0])
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_an_interval_trains_the_same_bits_as_pytorch(make_dirs, clip, lookahead):
+    metrics = check(tiny_cfg(), config(make_dirs(1), persist_every=3, max_grad_norm=clip), lookahead=lookahead)
+    assert [m["durable"] for m in metrics] == [(s + 1) % 3 == 0 for s in range(STEPS)]
+    assert all(m["deferred"] for m in metrics if not m["durable"])  # (nothing on the SSDs to redo from)
+
+
+def test_steps_between_durable_ones_write_nothing(make_dirs):
+    dirs = make_dirs(1)
+    data = list(batches(STEPS))
+    with lohan.init(tiny_cfg(), config(dirs, persist_every=4, write_behind=False)) as engine:
+        assert engine.persist_every == 4 and engine.persist_refusal is None
+        slot_bytes = engine.store.layout.slot_bytes
+        for step, batch in enumerate(data[:6]):
+            engine.step(batch)
+            stats = engine.last_stats
+            if (step + 1) % 4:
+                assert stats.ssd_write_bytes == 0 and not stats.durable, step
+                assert engine.committed_step == 4 * ((step + 1) // 4)  # the last durable step, on disk too
+                assert _commit(dirs)["step"] == engine.committed_step
+            else:
+                assert stats.ssd_write_bytes >= slot_bytes and stats.durable
+                assert engine.committed_step == step + 1 == _commit(dirs)["step"]
+            if step % 4 >= 2:  # a step after one held in RAM: every record and P16 from RAM
+                assert stats.ssd_read_bytes == 0, step
+        assert engine.step_count == 6 and engine.committed_step == 4
+    # close persisted step 6
+    assert _commit(dirs)["step"] == 6
+
+
+def test_close_eval_and_reads_persist_first_and_resume_is_exact(make_dirs):
+    """`close`, `evaluate` and `state_dict_fp32` persist the steps held in RAM; a reopened store resumes from there
+    bit-identically."""
+    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), persist_every=5)
+    data = list(batches(STEPS))
+    _, _, ref_params = reference(mcfg, ecfg, data)
+    with lohan.init(mcfg, ecfg) as engine:
+        engine.step(data[0])
+        engine.step(data[1])
+        assert engine.committed_step == 0
+        engine.evaluate(data[2])
+        assert engine.committed_step == 2 == _commit(ecfg.nvme)["step"]
+        engine.step(data[2])
+        assert engine.committed_step == 2
+    assert _commit(ecfg.nvme)["step"] == 3
+    with lohan.init(mcfg, ecfg, resume=True) as engine:
+        assert engine.step_count == 3
+        for batch in data[3:]:
+            engine.step(batch)
+        params = engine.state_dict_fp32()
+        assert engine.committed_step == STEPS
+    same_weights(params, ref_params)
+
+
+def test_a_failed_update_between_durable_steps_goes_back_to_the_last_durable_one(make_dirs):
+    """An update that fails halfway overwrote states that were only in RAM: the last durable commit is current
+    again (what a resume would find), and the engine runs on from it, the same bits as a run that did so."""
+    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), persist_every=3, write_behind=False)
+    data = list(batches(STEPS))
+    with lohan.init(mcfg, ecfg) as engine:
+        for batch in data[:4]:
+            engine.step(batch)
+        assert (engine.step_count, engine.committed_step) == (4, 3)
+        real, calls = engine.offloader._pass.__class__._update, []
+
+        def failing(self, rb, grad):
+            calls.append(rb.unit)
+            if len(calls) == 2:
+                raise OSError("injected")
+            return real(self, rb, grad)
+        engine.offloader._pass.__class__._update = failing
+        try:
+            with pytest.raises(RuntimeError):
+                engine.step(data[4])
+        finally:
+            engine.offloader._pass.__class__._update = real
+        assert (engine.step_count, engine.committed_step) == (3, 3)
+        for batch in data[3:]:
+            engine.step(batch)
+        params = engine.state_dict_fp32()
+    _, _, ref_params = reference(mcfg, ecfg, data)
+    same_weights(params, ref_params)
+
+
+def test_streamed_records_keep_the_interval_at_one(make_dirs):
+    """Records streamed from the SSDs are written every step: an explicit interval is lowered to 1 (said why), and
+    auto is 1."""
+    dirs = make_dirs(1)
+    for every in (4, "auto"):
+        ecfg = config(dirs, persist_every=every, resident_records=False, resident_mem=0)
+        with lohan.init(tiny_cfg(), ecfg, overwrite=True) as engine:
+            assert engine.persist_every == 1
+            assert "stream" in engine.persist_refusal
+            engine.step(next(batches(1)))
+            assert engine.last_stats.durable and engine.committed_step == 1
+
+
+def test_auto_prices_the_interval_from_the_writes():
+    # 1.75 GB of records at 2 GB/s against a 2.74 s step: 0.875 s / (0.1 * 2.74 s) -> 4 steps
+    assert persist_interval(1_750_000_000, 2e9, 2.74) == 4
+    assert persist_interval(6_000_000, 2e9, 0.05) == 1  # 3 ms of writes: every step
+    assert persist_interval(200_000_000, 2e9, 2.0) == 1  # writes under 10% of a step: every step
+    assert persist_interval(14_000_000_000, 2.4e9, 0.5) == 100  # capped (MAX_AUTO)
+    assert persist_interval(0, 2e9, 1.0) == 1
+    assert eligible(False, 2, True, True).startswith("records stream")
+    assert eligible(True, 1, True, True).startswith("slots=1")
+    assert eligible(True, 2, True, True) is None
+    assert loss_text(4, 30.0) == "a kill loses at most 4 steps, about 2.0 minutes"
+
+
+def test_auto_with_every_record_resident_follows_the_measured_writes(make_dirs, monkeypatch):
+    import lohan.runtime.engine as eng
+    monkeypatch.setattr(eng.durability, "persist_interval", lambda *a, **k: 3)
+    with lohan.init(tiny_cfg(), config(make_dirs(1), persist_every="auto")) as engine:
+        assert engine.persist_every == 1  # nothing measured yet: the first step is durable
+        data = list(batches(4))
+        engine.step(data[0])
+        assert engine.persist_every == 3
+        engine.step(data[1])
+        assert not engine.last_stats.durable
+        torch.manual_seed(0)
