@@ -1,67 +1,68 @@
-"""lohan against DeepSpeed ZeRO-Infinity, ZeRO-Offload and plain PyTorch on the same model, data and settings.
+"""lohan against DeepSpeed ZeRO-Offload, ZeRO-Infinity and plain PyTorch on the same model, data and settings.
 
-    .venv/bin/python benchmarks/vs_deepspeed.py --quick           # 110M Llama, 2 warm-up + 4 timed steps per system
-    .venv/bin/python benchmarks/vs_deepspeed.py                   # 110M and 350M, 3 warm-up + 10 timed steps
-    .venv/bin/python benchmarks/vs_deepspeed.py --quick --tune    # first tune each peer on a small grid of its knobs
-    .venv/bin/python benchmarks/vs_deepspeed.py --systems lohan,zero-infinity --models 110m
+    .venv/bin/python benchmarks/vs_deepspeed.py --quick     # every system runs: seq 256, 1 + 2 steps, one round (~5 min)
+    .venv/bin/python benchmarks/vs_deepspeed.py             # the measurement: seq 512, steps 3-9, 3 rounds, fp32 + auto
+    .venv/bin/python benchmarks/vs_deepspeed.py --dtypes fp32 --rounds 5 --systems lohan,torch
+    .venv/bin/python benchmarks/vs_deepspeed.py --tune      # first tune each peer on a small grid of its knobs
 
 What one measurement is. Each system runs in a child process of its own (`--child SYSTEM`): it builds the
 model from a local Hugging Face directory (random weights, `scripts/make_tiny_hf.py --size 110m|350m`, made in
 `benchmarks/scratch/vs_deepspeed/` on first use), then trains on the same random token batches (a fixed seed;
-batch k is the same tensor on every side) for `--warmup` discarded and `--steps` timed steps. Everywhere: bf16
-compute with fp32 master weights and fp32 Adam states (`--dtype fp32`: everything fp32; the default `auto`
-takes fp32 where bf16 matmuls are over 4x slower than fp32: on CPUs without AVX-512 torch's bf16 fallback
-kernel makes every system's step ~50x longer and the comparison meaningless), AdamW lr 1e-4, betas (0.9,
-0.999), eps 1e-8, weight decay 0.01 on matrices and embeddings and none on norm weights (lohan's and the HF
-Trainer's groups), global gradient clipping at 1.0, constant learning rate, the mean cross entropy over all
-targets, torch threads = cores. The clock of a step covers the whole step (forward, backward, clipping,
-optimizer, every SSD transfer it waits for); the median of the timed steps is reported.
+batch k is the same tensor on every side) for `--warmup` discarded and `--steps` timed steps (full: 2 + 7, so
+steps 3-9 are timed, batch 1 x 512). The systems and dtypes run interleaved in `--rounds` rounds (`schedule`:
+every pair once a round, each round rotated), and a system's s/step is the median of its timed steps over all
+rounds. Every compute dtype of `--dtypes` (default `fp32,auto`) is measured on every system: `fp32` is
+everything fp32; `bf16` is bf16 compute with fp32 master weights and fp32 Adam states; `auto` is bf16 on CUDA
+and on CPUs with native bf16 (the `avx512_bf16` or `amx_bf16` flag of /proc/cpuinfo), fp32 elsewhere, where
+torch's bf16 matmuls have no fast kernel and every system's step is ~10x its fp32 one. lohan gets the resolved
+dtype as its `compute_dtype` explicitly. Everywhere: AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay
+0.01 on matrices and embeddings and none on norm weights (lohan's and the HF Trainer's groups), global gradient
+clipping at 1.0, constant learning rate, the mean cross entropy over all targets, torch threads = cores. The
+clock of a step covers the whole step (forward, backward, clipping, optimizer, every SSD transfer it waits for).
 
-- ``lohan``: `lohan.runtime.hf_engine.init_from_hf` with `finetune.py`'s defaults (`EngineConfig()`: the activation
-  planner, optimized offloading, 8 GiB `cpu_mem`, aio backend when built), states on `--scratch`. Not tuned.
-  The defaults keep as many optimizer records in RAM from step to step as half of what `cpu_mem` leaves
-  allows (`resident_mem: auto`; all of them for these models), still writing them to the SSD every step.
-- ``lohan-lean``: the same with `resident_mem: 0`: only the record pool, lohan's leanest setting (its
-  memory against ZeRO-Infinity's leanest). Its keys are reported beside the defaults' with a `_lean`
-  suffix (information, not the targets).
+- ``lohan``: `lohan.runtime.hf_engine.init_from_hf` with `finetune.py`'s defaults (`EngineConfig()` but for the
+  compute dtype), states on `--scratch`. Not tuned.
+- ``lohan-lean`` (on request, `--systems`): the same with `resident_mem: 0`, only the record pool, lohan's
+  leanest setting; its keys get a `_lean` suffix (information, not the targets).
+- ``zero-offload``: ZeRO-2 with `offload_optimizer` on the CPU (fp32 master and Adam states in RAM),
+  DeepSpeedCPUAdam.
 - ``zero-infinity``: ZeRO-3 with `offload_param` and `offload_optimizer` on NVMe (libaio), the model built
-  partitioned under `zero.Init` and its weights loaded parameter by parameter under `GatheredParameters`
-  (what `from_pretrained` does with transformers' `HfDeepSpeedConfig`, which needs accelerate),
-  DeepSpeedCPUAdam (AdamW mode).
-- ``zero-offload``: ZeRO-2 with `offload_optimizer` on the CPU (fp32 master and Adam states in RAM).
-- ``torch``: the whole model in RAM; `bf16-master` (bf16 model for compute, fp32 master copy, fused AdamW on
-  the fp32 master, clip_grad_norm_ on fp32 gradients) or `autocast` (fp32 model under CPU bf16 autocast).
-  Skipped when its estimated footprint does not fit the free memory.
+  by transformers' `from_pretrained` under an `HfDeepSpeedConfig` (needs accelerate, in the dev extra):
+  partitioned under `zero.Init`, each parameter loaded gathered; DeepSpeedCPUAdam (AdamW mode).
+- ``torch``: the whole model in RAM; in bf16 `bf16-master` (bf16 model for compute, fp32 master copy, fused
+  AdamW on the fp32 master, clip_grad_norm_ on fp32 gradients) or `autocast` (fp32 model under CPU bf16
+  autocast); in fp32 a plain fp32 loop. Skipped when its estimated footprint does not fit the free memory.
 
 DeepSpeed on a machine without a GPU: `DS_ACCELERATOR=cpu`, one process, gloo on 127.0.0.1 (MASTER_ADDR,
 MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK set by the parent, no launcher); it JIT-builds its cpu_adam and
 shm_comm ops on first use (~1.5 min each on 2 cores, cached under `TORCH_EXTENSIONS_DIR`, default
 `<venv>/torch_extensions` like io_engine's aio op). What makes ZeRO-Infinity run here: `stage3_max_reuse_distance:
 0` (else "Not enough buffers 0 for swapping"), parameter swap buffers of at least the largest parameter's
-(the embedding's) element count, `pin_memory: false`.
+(the embedding's) element count, `pin_memory: false`. A system that fails is reported with the line that says
+why (its exception), and the others are measured.
 
 Measured per system: s/step (median), tokens/s, peak RSS (the child's VmHWM, reset when the steps start, so
-model loading and store creation are not counted; the whole-life VmHWM and an outside psutil sample every 0.1 s
-are kept too), disk bytes read and written per step (the child's /proc/self/io read_bytes/write_bytes around
-each timed step: what reached the block layer, O_DIRECT included), the losses (equal weights and data: the
-first step's loss matches across systems), and where the time goes (forward / backward / optimizer for the
-DeepSpeed and torch loops, the engine's lanes for lohan), and the CPU the process used per step (user +
-system seconds of all its threads, getrusage) and the share of the machine's cores that is: on a box whose
-cores also do the model's compute, the work beside it (optimizer, checksums, I/O in the kernel) and the
-cores left idle show there.
+model loading and store creation are not counted; the highest round's; the whole-life VmHWM and an outside
+psutil sample every 0.1 s are kept too), disk bytes read and written per step (the child's /proc/self/io
+read_bytes/write_bytes around each timed step: what reached the block layer, O_DIRECT included; writes as the
+mean over the timed steps, so a run that writes its states every N steps is priced per step), the losses (equal
+weights and data: the first step's loss matches across systems), where the time goes (forward / backward /
+optimizer for the DeepSpeed and torch loops, the engine's lanes for lohan), and the CPU the process used per step
+(user + system seconds of all its threads, getrusage) and the share of the machine's cores that is.
 
-Tuning (`--tune`): for each peer, coordinate descent over `TUNE_GRID` (declared below): start from the
-settings in `SETTINGS`, try each other value of one knob at a time with short runs (1 warm-up + 2 timed
-steps), keep it when its median step is over 3 % faster (one short trial is noisy), go on to the next
-knob. Every trial (settings, s/step, peak RSS) and the chosen settings go into the report; the measurement
-then uses the chosen settings. Without `--tune`, `SETTINGS` holds the winners of the last tuning on the
-development machine (2 cores, one disk).
+Tuning (`--tune`): for each peer and dtype, coordinate descent over `TUNE_GRID` (declared below): start from
+the settings in `SETTINGS`, try each other value of one knob at a time with short runs (1 warm-up + 2 timed
+steps), keep it when its median step is over 3 % faster (one short trial is noisy), go on to the next knob.
+Every trial and the chosen settings go into the report; the measurement then uses the chosen settings.
+Without `--tune`, `SETTINGS` holds the winners of an earlier tuning on the development machine.
 
-Keys (computed on the first model, 110m): `speedup_vs_zero_infinity` = s/step of ZeRO-Infinity / lohan's
-(target >= 2.0), `speed_vs_torch` = s/step of torch / lohan's (>= 0.8), `rss_ratio_vs_zero_infinity` = peak
-RSS of lohan / ZeRO-Infinity's (<= 0.75). Reports: `benchmarks/results/vs_deepspeed[_quick][_fp32][_peers_heap_reuse]
-.{json,md,png}`. lohan keeps freed memory in glibc's heap by default (`engine.heap_reuse`); `--peers-heap-reuse`
-gives the peers the same malloc setting through the environment, which makes them ~15-20% faster here.
+Keys (issue 39; lohan at its defaults, first model, per dtype under `keys_by_dtype`, at the top level for the
+machine's auto dtype): `speed_vs_torch` = s/step of torch / lohan's (target >= 0.95),
+`speedup_vs_zero_offload` = ZeRO-Offload's / lohan's (>= 1.2), `speedup_vs_zero_infinity` (reported),
+`rss_ratio_vs_torch` = peak RSS of lohan / torch's (<= 1.15), `disk_write_gb_per_step` (lohan's, 1e9 bytes;
+reported). Reports: `benchmarks/results/vs_deepspeed[_quick][_<dtype>][_peers_heap_reuse].{json,md,png}` (a
+dtype suffix when one dtype ran). lohan keeps freed memory in glibc's heap by default (`engine.heap_reuse`);
+`--peers-heap-reuse` gives the peers the same malloc setting through the environment.
 """
 
 from __future__ import annotations
@@ -90,15 +91,21 @@ REPO = Path(__file__).resolve().parent.parent
 GiB, MiB = 1 << 30, 1 << 20
 
 SYSTEMS = ("lohan", "lohan-lean", "zero-infinity", "zero-offload", "torch")
+DEFAULT_SYSTEMS = ("lohan", "torch", "zero-offload", "zero-infinity")  # lohan-lean on request (--systems)
 LOHANS = ("lohan", "lohan-lean")  # lohan-lean: no optimizer records kept in RAM beyond the pool (resident_mem: 0)
 MODELS = ("110m", "350m")  # scripts/make_tiny_hf.py --size
+DTYPES = ("auto", "bf16", "fp32")  # auto: bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere (resolve_dtype)
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
-QUICK = {"models": ["110m"], "warmup": 2, "steps": 4}
-FULL = {"models": ["110m", "350m"], "warmup": 3, "steps": 10}
+# full: steps 3-9 timed (issue 39's measurement); quick: every system runs, in minutes, not a measurement
+QUICK = {"models": ["110m"], "warmup": 1, "steps": 2, "seq": 256, "rounds": 1}
+FULL = {"models": ["110m"], "warmup": 2, "steps": 7, "seq": 512, "rounds": 3}
 TUNE_STEPS = {"warmup": 1, "steps": 2}
 TUNE_MARGIN = 0.03  # a knob's new value is kept only when its trial is this much faster than the best so far
-TARGETS = {"speedup_vs_zero_infinity": (">=", 2.0), "speed_vs_torch": (">=", 0.8),
-           "rss_ratio_vs_zero_infinity": ("<=", 0.75)}
+# The report's keys (issue 39, item 4), on lohan at its defaults; None: reported without a target
+TARGETS: dict[str, tuple[str, float] | None] = {
+    "speed_vs_torch": (">=", 0.95), "speedup_vs_zero_offload": (">=", 1.2), "speedup_vs_zero_infinity": None,
+    "rss_ratio_vs_torch": ("<=", 1.15), "disk_write_gb_per_step": None}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs whose bf16 matmuls are fast
 
 # Settings of each system (what `--tune` starts from and, without it, what is measured). The DeepSpeed
 # ones are the winners of `--tune` for the 110m model on the development VM (results/vs_deepspeed.md,
@@ -332,34 +339,25 @@ def build_deepspeed(system: str, model_dir: Path, work: Path, s: dict[str, Any],
     cfg = ds_config(system, s, nvme, batch, largest, dtype)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    hf_ds = None
     if cfg["zero_optimization"]["stage"] == 3:
-        # What from_pretrained does under transformers' HfDeepSpeedConfig (which needs accelerate, not installed
-        # here): build the model partitioned under zero.Init (parameters go to the NVMe swap files as they are
-        # made) with RoPE's arange left alone, then load each parameter gathered (DeepSpeed's documented way).
-        # zero.Init replaces torch.Tensor.__new__ while it is open; torch._dynamo, first imported by
-        # transformers' masking utilities when the model class loads, refuses to import under that
-        # ("Signature mismatch ... tensor_pynew"): import both before
+        # transformers' own ZeRO-3 build (what the HF Trainer does): while an HfDeepSpeedConfig (from accelerate) is
+        # alive, from_pretrained builds the model partitioned under zero.Init (parameters go to the NVMe swap files
+        # as they are made, no random init) and loads each parameter gathered. transformers 5.x's plain
+        # from_config under a bare zero.Init fails in its weight init (IndexError on the embedding's padding row,
+        # a partitioned empty tensor). torch._dynamo, first imported by transformers' masking utilities when the
+        # model class loads, refuses to import under zero.Init, which replaces torch.Tensor.__new__ while it is
+        # open ("Signature mismatch ... tensor_pynew"): import both before
         import torch._dynamo  # noqa: F401
         import transformers.masking_utils  # noqa: F401
-        from safetensors import safe_open
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        from transformers.integrations import HfDeepSpeedConfig
 
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_cfg)]  # loads the model's module now
-        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch_dtype)
-        files = sorted(model_dir.glob("*.safetensors"))
-        handles = [safe_open(f, "pt") for f in files]
-        where = {k: h for h in handles for k in h.keys()}
-        for name, param in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
-                param.copy_(where[name].get_tensor(name))
-        del handles, where
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        hf_ds = HfDeepSpeedConfig(cfg)  # kept referenced until the engine is built (transformers holds a weakref)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.train()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_decay_groups(list(model.named_parameters())),
                                            config=cfg)
+    del hf_ds
 
     def step(idx: Any, targets: Any, nxt: Any = None) -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
@@ -492,7 +490,7 @@ def _remove_shm_buffers(port: int) -> None:
 
 
 def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any], a: argparse.Namespace,
-              warmup: int, steps: int, log: Any) -> dict[str, Any]:
+              dtype: str, warmup: int, steps: int, log: Any) -> dict[str, Any]:
     """One system in a child process, sampled from outside; returns the child's result plus the samples."""
     import psutil
 
@@ -510,7 +508,7 @@ def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", system, "--model-dir", str(model_dir),
            "--work", str(work), "--settings", json.dumps(settings), "--result", str(result_path),
            "--batch", str(a.batch), "--seq", str(a.seq), "--warmup", str(warmup), "--steps", str(steps),
-           "--seed", str(a.seed), "--threads", str(a.threads), "--dtype", a.dtype]
+           "--seed", str(a.seed), "--threads", str(a.threads), "--dtype", dtype]
     log_path = work / "child.log"
     t0 = time.monotonic()
     samples: list[tuple[float, int]] = []
@@ -534,7 +532,7 @@ def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any]
     text = log_path.read_text(errors="replace")
     if rc != 0 or not result_path.exists():
         return {"system": system, "settings": settings, "failed": True, "returncode": rc, "wall_s": wall,
-                "log_tail": text[-3000:]}
+                "reason": f"exit {rc}: {failure_line(text)}", "log_tail": text[-3000:]}
     res = json.loads(result_path.read_text())
     res.update(returncode=rc, wall_s=wall, failed=False)
     in_steps = [r for t, r in samples if res["t_steps_start"] <= t <= res["t_steps_end"]]
@@ -545,21 +543,49 @@ def run_child(system: str, model_dir: Path, work: Path, settings: dict[str, Any]
     return summarize(res, a)
 
 
-def bf16_matmul_probe(threads: int) -> dict[str, float]:
-    """Seconds of one [512, 2048] @ [2048, 768] matmul (both row-major, as a Linear's input gradient) in fp32 and
-    bf16: on CPUs without AVX-512 torch's bf16 fallback is an order of magnitude slower than fp32."""
-    import torch
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (the first `flags` line of /proc/cpuinfo); empty where it cannot be read."""
+    try:
+        with open(path) as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
 
-    torch.set_num_threads(threads)
-    out = {}
-    for name, dtype in (("fp32_s", torch.float32), ("bf16_s", torch.bfloat16)):
-        x, w = torch.randn(512, 2048, dtype=dtype), torch.randn(2048, 768, dtype=dtype)
-        x @ w
-        t0 = time.perf_counter()
-        x @ w
-        out[name] = time.perf_counter() - t0
-    out["slowdown_vs_fp32"] = out["bf16_s"] / out["fp32_s"]
+
+def resolve_dtype(name: str, flags: set[str], cuda: bool) -> tuple[str, str]:
+    """(`bf16` or `fp32`, why) for `--dtypes` entry `name`. `auto` is bf16 on CUDA and on CPUs with native bf16
+    (avx512_bf16, AMX), fp32 elsewhere: there torch's bf16 matmuls have no fast kernel and every system's
+    bf16 step is ~10x its fp32 one (issue 39), which would compare nothing but that kernel."""
+    if name != "auto":
+        return name, "given"
+    if cuda:
+        return "bf16", "auto: CUDA"
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if native:
+        return "bf16", f"auto: the CPU has native bf16 ({', '.join(native)})"
+    return "fp32", f"auto: the CPU has no native bf16 (none of {', '.join(NATIVE_BF16_FLAGS)})"
+
+
+def schedule(systems: list[str], dtypes: list[str], rounds: int) -> list[tuple[int, str, str]]:
+    """(round, dtype, system) in the order they run: every pair once per round; each round starts one system
+    later and takes the dtypes in the other order, so no system always runs first (a cold page cache, a
+    quiet disk) or always after the same neighbour, and a drift of the machine over the run falls on all."""
+    out = []
+    for r in range(rounds):
+        k = r % len(systems)
+        order = systems[k:] + systems[:k]
+        for dtype in (dtypes if r % 2 == 0 else dtypes[::-1]):
+            out += [(r, dtype, system) for system in order]
     return out
+
+
+def failure_line(log_text: str) -> str:
+    """The line that says why a child failed: the last exception line of its log (a traceback's last line), else
+    its last line."""
+    lines = [ln.removeprefix("[rank0]: ").strip() for ln in log_text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception", "Interrupt"))]
+    return (errors or lines or ["(no output)"])[-1][:500]
 
 
 def _has_cuda() -> bool:
@@ -584,12 +610,18 @@ def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         vals = [r[key] for r in timed if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
+    def mean_of(key: str) -> float | None:
+        vals = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
     res.update(
         s_per_step=med, tokens_per_s=tokens / med, step_s_all=[r["step_s"] for r in timed],
         peak_rss_bytes=res["peak_rss_steps_bytes"] or res["sampled_peak_rss_steps_bytes"],
         peak_rss_whole_life_bytes=max(res["peak_rss_before_steps_bytes"], res["peak_rss_steps_bytes"] or 0,
                                       res["sampled_peak_rss_bytes"] or 0),
         disk_read_bytes_per_step=med_of("disk_read_bytes"), disk_write_bytes_per_step=med_of("disk_write_bytes"),
+        # the mean, not the median: a run that writes its states every N steps writes nothing on most steps
+        disk_write_bytes_per_step_mean=mean_of("disk_write_bytes"),
         losses=[r["loss"] for r in res["records"]],
         cpu_s_per_step=med_of("cpu_s"), cpu_user_s_per_step=med_of("cpu_user_s"),
         cpu_sys_s_per_step=med_of("cpu_sys_s"), cpu_busy=med_of("cpu_busy"),
@@ -602,16 +634,17 @@ def summarize(res: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def tune(system: str, model_dir: Path, scratch: Path, a: argparse.Namespace, log: Any) -> dict[str, Any]:
+def tune(system: str, model_dir: Path, scratch: Path, a: argparse.Namespace, dtype: str,
+         log: Any) -> dict[str, Any]:
     """Coordinate descent over TUNE_GRID[system] from SETTINGS[system], short runs; every trial is kept."""
-    best = settings_for(system, a.dtype)
+    best = settings_for(system, dtype)
     trials: list[dict[str, Any]] = []
     cache: dict[str, dict[str, Any]] = {}
 
     def trial(s: dict[str, Any]) -> float:
         key = json.dumps(s, sort_keys=True)
         if key not in cache:
-            r = run_child(system, model_dir, scratch / "tune" / system, s, a, TUNE_STEPS["warmup"],
+            r = run_child(system, model_dir, scratch / "tune" / system, s, a, dtype, TUNE_STEPS["warmup"],
                           TUNE_STEPS["steps"], log)
             row = {"settings": s, "failed": r["failed"], "s_per_step": r.get("s_per_step"),
                    "peak_rss_bytes": r.get("peak_rss_bytes"), "wall_s": r["wall_s"]}
@@ -650,29 +683,65 @@ def settings_for(system: str, dtype: str) -> dict[str, Any]:
     return s
 
 
+def merge_rounds(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
+    """One system's row from its runs in every round: s/step the median of all rounds' timed steps, peak RSS the
+    highest round's, disk bytes over all timed steps; what each round gave is kept under `per_round`. A round
+    that failed is counted; when all did, the row is the last failure."""
+    ok = [r for r in runs if not r["failed"]]
+    if not ok:
+        return {**runs[-1], "failed_rounds": len(runs)}
+
+    def peak(key: str) -> int | None:
+        vals = [r[key] for r in ok if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    merged = {**ok[0], "records": [dict(rec, round=i) for i, r in enumerate(ok) for rec in r["records"]],
+              **{k: peak(k) for k in ("peak_rss_steps_bytes", "sampled_peak_rss_steps_bytes",
+                                      "peak_rss_before_steps_bytes", "sampled_peak_rss_bytes")},
+              "wall_s": sum(r["wall_s"] for r in runs), "failed_rounds": len(runs) - len(ok),
+              "per_round": [{k: r.get(k) for k in ("s_per_step", "peak_rss_bytes", "disk_write_bytes_per_step_mean",
+                                                   "wall_s", "failed", "reason")} for r in runs]}
+    merged.pop("samples", None)  # each round's RSS samples stay in that round's run (not in the report)
+    return summarize(merged, a)
+
+
 def keys(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """TARGETS' keys for lohan at its defaults against each peer, plus the memory ratios to the DeepSpeed
+    systems and, when `lohan-lean` ran, the speed and memory keys of that setting with a `_lean` suffix
+    (information: the targets judge the defaults)."""
     def ok(name: str) -> dict[str, Any] | None:
         r = rows.get(name)
         return r if r and not r.get("failed") and not r.get("skipped") else None
 
-    lo, zi, th, lr = ok("lohan"), ok("zero-infinity"), ok("torch"), ok("lohan-lean")
-    return {
-        "speedup_vs_zero_infinity": zi["s_per_step"] / lo["s_per_step"] if lo and zi else None,
-        "speed_vs_torch": th["s_per_step"] / lo["s_per_step"] if lo and th else None,
-        "rss_ratio_vs_zero_infinity": lo["peak_rss_bytes"] / zi["peak_rss_bytes"] if lo and zi else None,
-        "rss_ratio_vs_zero_infinity_whole_life": (lo["peak_rss_whole_life_bytes"] / zi["peak_rss_whole_life_bytes"]
-                                                  if lo and zi else None),
-        # the same keys for lohan's leanest setting (info: the targets are for the defaults)
-        **{f"{name}_lean": f(lr) if lr and other else None for name, other, f in (
-            ("speedup_vs_zero_infinity", zi, lambda r: zi["s_per_step"] / r["s_per_step"]),
-            ("speed_vs_torch", th, lambda r: th["s_per_step"] / r["s_per_step"]),
-            ("rss_ratio_vs_zero_infinity", zi, lambda r: r["peak_rss_bytes"] / zi["peak_rss_bytes"]))},
-    }
+    th, zo, zi = ok("torch"), ok("zero-offload"), ok("zero-infinity")
+
+    def of(lo: dict[str, Any] | None) -> dict[str, float | None]:
+        def speed(peer: dict[str, Any] | None) -> float | None:
+            return peer["s_per_step"] / lo["s_per_step"] if lo and peer else None
+
+        def rss(peer: dict[str, Any] | None, key: str = "peak_rss_bytes") -> float | None:
+            return lo[key] / peer[key] if lo and peer else None
+
+        return {"speed_vs_torch": speed(th), "speedup_vs_zero_offload": speed(zo),
+                "speedup_vs_zero_infinity": speed(zi), "rss_ratio_vs_torch": rss(th),
+                "disk_write_gb_per_step": (lo["disk_write_bytes_per_step_mean"] / 1e9
+                                           if lo and lo.get("disk_write_bytes_per_step_mean") is not None else None),
+                "rss_ratio_vs_torch_whole_life": rss(th, "peak_rss_whole_life_bytes"),
+                "rss_ratio_vs_zero_offload": rss(zo), "rss_ratio_vs_zero_infinity": rss(zi)}
+
+    out = of(ok("lohan"))
+    if rows.get("lohan-lean"):
+        out.update({f"{k}_lean": v for k, v in of(ok("lohan-lean")).items() if not k.endswith("_whole_life")})
+    return out
 
 
 def passed(k: dict[str, float | None]) -> dict[str, bool | None]:
+    """Each targeted key against its target (None: not measured)."""
     out = {}
-    for name, (op, target) in TARGETS.items():
+    for name, goal in TARGETS.items():
+        if goal is None:
+            continue
+        op, target = goal
         v = k.get(name)
         out[name] = None if v is None else (v >= target if op == ">=" else v <= target)
     return out
@@ -688,7 +757,7 @@ def environment() -> dict[str, Any]:
         "hardware": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "ram_bytes": psutil.virtual_memory().total,
                      "kernel": platform.release()},
         "versions": {"python": platform.python_version(), **{p: package_version(p) for p in
-                     ("torch", "transformers", "deepspeed", "psutil")},
+                     ("torch", "transformers", "deepspeed", "accelerate", "psutil")},
                      "git_commit": commit.stdout.strip() or None,
                      "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None},
     }
@@ -696,7 +765,8 @@ def environment() -> dict[str, Any]:
 
 ROW_KEYS = ("system", "s_per_step", "tokens_per_s", "peak_rss_bytes", "peak_rss_whole_life_bytes",
             "cpu_s_per_step", "cpu_user_s_per_step", "cpu_sys_s_per_step", "cpu_busy",
-            "disk_read_bytes_per_step", "disk_write_bytes_per_step", "settings")
+            "disk_read_bytes_per_step", "disk_write_bytes_per_step", "disk_write_bytes_per_step_mean", "settings",
+            "failed_rounds", "per_round")
 
 
 def row_of(r: dict[str, Any]) -> dict[str, Any]:
@@ -704,7 +774,7 @@ def row_of(r: dict[str, Any]) -> dict[str, Any]:
     if r.get("skipped") or r.get("failed"):
         return {k: r.get(k) for k in ("system", "settings", "skipped", "failed", "reason", "log_tail")
                 if r.get(k) is not None}
-    out = {k: r[k] for k in ROW_KEYS}
+    out = {k: r.get(k) for k in ROW_KEYS}
     out.update(first_loss=r["losses"][0], last_loss=r["losses"][-1], breakdown=r["breakdown"],
                step_s_all=r["step_s_all"])
     return out
@@ -717,47 +787,53 @@ def _cpu_cell(r: dict[str, Any]) -> str:
             f"{100 * r['cpu_busy']:.0f}%")
 
 
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    if r.get("skipped") or r.get("failed"):
+        why = r.get("reason") or "failed (see log_tail in the JSON)"
+        return f"| {r['system']} | {'skipped' if r.get('skipped') else 'failed'}: {why} |" + " |" * 9
+    b = r["breakdown"]
+    if "lanes" in b:
+        where = "lanes " + ", ".join(f"{k} {v:.2f}" for k, v in b["lanes"].items() if v)
+    else:
+        where = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in b.items() if k.endswith("_s"))
+    sets = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults"
+    return (f"| {r['system']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['peak_rss_bytes'] / GiB:.2f} | {r['peak_rss_whole_life_bytes'] / GiB:.2f} | "
+            f"{r['disk_read_bytes_per_step'] / 1e9:.2f} | {r['disk_write_bytes_per_step_mean'] / 1e9:.2f} | "
+            f"{_cpu_cell(r)} | {r['first_loss']:.4f} | {where} | {sets} |")
+
+
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# lohan vs DeepSpeed ZeRO-Infinity / ZeRO-Offload / PyTorch — {report['timestamp']}", "",
+    st = report["settings"]
+    lines = [f"# lohan vs DeepSpeed ZeRO-Offload / ZeRO-Infinity / PyTorch — {report['timestamp']}", "",
              f"`{report['command']}`", "",
              f"{report['hardware']['cpu_count']} CPUs ({report['hardware']['cpu_model']}), "
              f"{report['hardware']['ram_bytes'] / GiB:.1f} GiB RAM; torch {report['versions']['torch']}, "
-             f"transformers {report['versions']['transformers']}, deepspeed {report['versions']['deepspeed']}; "
-             f"batch {report['settings']['batch']} x seq {report['settings']['seq']}, {report['settings']['compute']}, "
-             f"AdamW lr {LR}, clip {MAX_GRAD_NORM}; {report['settings']['warmup']} warm-up + "
-             f"{report['settings']['steps']} timed steps (median).", ""]
+             f"transformers {report['versions']['transformers']}, deepspeed {report['versions']['deepspeed']}, "
+             f"accelerate {report['versions']['accelerate']}; batch {st['batch']} x seq {st['seq']}, AdamW lr {LR}, "
+             f"clip {MAX_GRAD_NORM}; {st['warmup']} warm-up + {st['steps']} timed steps per run, {st['rounds']} "
+             f"round(s) interleaved (median of all timed steps). Compute dtypes: "
+             + "; ".join(f"{d} ({why})" for d, why in st["dtypes"].items()) + ".", ""]
+    if report.get("keys_dtype"):
+        lines += [f"Headline keys: {report['models_measured'][0]}, {report['keys_dtype']}.", ""]
     for size, m in report["models"].items():
-        lines += [f"## {size} ({m['params'] / 1e6:.1f}M parameters)", "",
-                  "| system | s/step | tokens/s | peak RSS (steps) GiB | peak RSS (whole life) GiB | disk read GB/step | "
-                  "disk write GB/step | CPU s/step (user + sys), cores busy | first loss | where the time goes | "
-                  "settings |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in m["rows"]:
-            if r.get("skipped") or r.get("failed"):
-                why = r.get("reason") or "failed (see log_tail in the JSON)"
-                lines.append(f"| {r['system']} | {'skipped' if r.get('skipped') else 'failed'}: {why} |"
-                             + " |" * 9)
-                continue
-            b = r["breakdown"]
-            if "lanes" in b:
-                where = "lanes " + ", ".join(f"{k} {v:.2f}" for k, v in b["lanes"].items() if v)
-            else:
-                where = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in b.items() if k.endswith("_s"))
-            sets = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults"
-            lines.append(f"| {r['system']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
-                         f"{r['peak_rss_bytes'] / GiB:.2f} | {r['peak_rss_whole_life_bytes'] / GiB:.2f} | "
-                         f"{r['disk_read_bytes_per_step'] / 1e9:.2f} | {r['disk_write_bytes_per_step'] / 1e9:.2f} | "
-                         f"{_cpu_cell(r)} | {r['first_loss']:.4f} | {where} | {sets} |")
-        k, ok = m["keys"], m["pass"]
-        lines += ["", "| key | value | target | met |", "|---|---|---|---|"]
-        for name, (op, target) in TARGETS.items():
-            v = k.get(name)
-            lines.append(f"| `{name}` | {'n/a' if v is None else f'{v:.2f}'} | {op} {target} | "
-                         f"{ {True: 'yes', False: 'NO', None: 'n/a'}[ok.get(name)] } |")
-        for name in ("rss_ratio_vs_zero_infinity_whole_life", *(f"{t}_lean" for t in TARGETS)):
-            v = k.get(name)
-            lines.append(f"| `{name}` | {'n/a' if v is None else f'{v:.2f}'} | (info) | |")
-        lines.append("")
+        for dtype, d in m["dtypes"].items():
+            lines += [f"## {size} ({m['params'] / 1e6:.1f}M parameters), {dtype}", "",
+                      "| system | s/step | tokens/s | peak RSS (steps) GiB | peak RSS (whole life) GiB | "
+                      "disk read GB/step | disk write GB/step (mean) | CPU s/step (user + sys), cores busy | "
+                      "first loss | where the time goes | settings |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [_row_line(r) for r in d["rows"]]
+            lines += ["", "| key | value | target | met |", "|---|---|---|---|"]
+            for name, v in d["keys"].items():
+                goal = TARGETS.get(name)
+                met = {True: "yes", False: "NO", None: "n/a"}[d["pass"].get(name)] if goal else ""
+                lines.append(f"| `{name}` | {_fmt(v)} | {f'{goal[0]} {goal[1]}' if goal else '(report)'} | {met} |")
+            lines.append("")
     if report.get("tuning"):
         lines += ["## Tuning", ""]
         for key, t in report["tuning"].items():
@@ -783,19 +859,22 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     panels = [("s_per_step", "s / step", 1), ("peak_rss_bytes", "peak RSS (GiB)", GiB),
-              ("disk_write_bytes_per_step", "disk written (GB / step)", 1e9)]
-    models = list(report["models"])
-    fig, axes = plt.subplots(len(models), len(panels), figsize=(4.2 * len(panels), 3.2 * len(models)), squeeze=False)
-    colors = {"lohan": "tab:green", "lohan-lean": "tab:olive", "zero-infinity": "tab:red", "zero-offload": "tab:orange", "torch": "tab:blue"}
-    for i, size in enumerate(models):
-        rows = [r for r in report["models"][size]["rows"] if r.get("s_per_step")]
+              ("disk_write_bytes_per_step_mean", "disk written (GB / step)", 1e9)]
+    cases = [(size, dtype, d) for size, m in report["models"].items() for dtype, d in m["dtypes"].items()]
+    if not cases:
+        return None
+    fig, axes = plt.subplots(len(cases), len(panels), figsize=(4.2 * len(panels), 3.2 * len(cases)), squeeze=False)
+    colors = {"lohan": "tab:green", "lohan-lean": "tab:olive", "zero-infinity": "tab:red", "zero-offload": "tab:orange",
+              "torch": "tab:blue"}
+    for i, (size, dtype, d) in enumerate(cases):
+        rows = [r for r in d["rows"] if r.get("s_per_step")]
         for j, (key, label, scale) in enumerate(panels):
             ax = axes[i][j]
             vals = [r[key] / scale for r in rows]
             ax.bar([r["system"] for r in rows], vals, color=[colors.get(r["system"], "grey") for r in rows])
             for x, v in enumerate(vals):
                 ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-            ax.set_title(f"{size}: {label}", fontsize=9)
+            ax.set_title(f"{size} {dtype}: {label}", fontsize=9)
             ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -803,27 +882,33 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked; a parent run gets its mode's defaults filled in and `dtypes` resolved."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="110m only, 2 warm-up + 4 timed steps")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--models", default=None, help="comma-separated sizes (default 110m,350m; quick 110m)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help=argparse.SUPPRESS)  # a child's (resolved) dtype
+    p.add_argument("--quick", action="store_true",
+                   help="check that every system runs: 110m, seq 256, 1 warm-up + 2 timed steps, one round (~5 min)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
+    p.add_argument("--models", default=None, help="comma-separated sizes of scripts/make_tiny_hf.py (default 110m)")
+    p.add_argument("--dtypes", default="fp32,auto",
+                   help="comma-separated compute dtypes, each measured on every system: fp32 (everything fp32), bf16 "
+                        "(bf16 compute, fp32 master weights and Adam states), auto (bf16 on CUDA and on CPUs with "
+                        "avx512_bf16 or amx_bf16, else fp32); a dtype named twice after resolving runs once")
+    p.add_argument("--rounds", type=int, default=None, help="rounds, each running every system and dtype once, "
+                   "in a rotated order (default 3, quick 1)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=None, help="discarded steps per system (default 3, quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 10, quick 4)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 512, quick 256)")
+    p.add_argument("--warmup", type=int, default=None, help="discarded steps per run (default 2, quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 7: steps 3-9; quick 2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="compute dtype on every side. bf16: bf16 compute, fp32 master weights; fp32: everything fp32; "
-                        "auto (default): bf16 unless this CPU's bf16 matmuls are over 4x slower than fp32 (no AVX-512: "
-                        "see bf16_matmul in the report), then fp32. fp32 reports get a _fp32 suffix")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: cores)")
-    p.add_argument("--tune", action="store_true", help="tune each peer's knobs first (TUNE_GRID)")
+    p.add_argument("--tune", action="store_true", help="tune each peer's knobs first (TUNE_GRID), per model and dtype")
     p.add_argument("--lohan-set", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineConfig field for lohan (e.g. opt_chunk_bytes=128MiB, to trade speed for memory); "
                         "repeatable; the value is read as YAML")
@@ -836,132 +921,177 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="report path (.json; .md and .png next to it)")
     a = p.parse_args(argv)
     if a.child:
-        return child(a)
-
+        return a
     base = QUICK if a.quick else FULL
-    models = a.models.split(",") if a.models else base["models"]
-    systems = [s for s in a.systems.split(",") if s]
-    bad = [s for s in systems if s not in SYSTEMS] + [m for m in models if m not in MODELS]
-    if bad:
-        p.error(f"unknown system or model: {', '.join(bad)} (systems: {', '.join(SYSTEMS)}; models: "
-                f"{', '.join(MODELS)})")
+    for k in ("seq", "warmup", "steps", "rounds"):
+        if getattr(a, k) is None:
+            setattr(a, k, base[k])
+    a.models = a.models.split(",") if a.models else list(base["models"])
+    a.systems = [s for s in a.systems.split(",") if s]
+    names = [d for d in a.dtypes.split(",") if d]
+    bad = ([s for s in a.systems if s not in SYSTEMS] + [m for m in a.models if m not in MODELS]
+           + [d for d in names if d not in DTYPES])
+    if bad or not a.systems or not names:
+        p.error(f"unknown or missing system, model or dtype: {', '.join(bad) or '(empty list)'} (systems: "
+                f"{', '.join(SYSTEMS)}; models: {', '.join(MODELS)}; dtypes: {', '.join(DTYPES)})")
+    if min(a.rounds, a.steps, a.batch, a.seq) < 1 or a.warmup < 0:
+        p.error("--rounds, --steps, --batch and --seq take a positive number, --warmup zero or more")
+    if any(not kv.partition("=")[0] or "=" not in kv for kv in a.lohan_set):
+        p.error("--lohan-set takes KEY=VALUE")
     try:
-        lohan_set = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.lohan_set)}
+        a.lohan_set = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.lohan_set)}
     except yaml.YAMLError as e:
         p.error(f"--lohan-set: {e}")
-    if any(not k for k in lohan_set) or any("=" not in kv for kv in a.lohan_set):
-        p.error("--lohan-set takes KEY=VALUE")
-    warmup = a.warmup if a.warmup is not None else base["warmup"]
-    steps = a.steps if a.steps is not None else base["steps"]
-    a.scratch.mkdir(parents=True, exist_ok=True)
+    flags, cuda = cpu_flags(), _has_cuda()
+    a.dtype_reasons = {}
+    for name in names:
+        dtype, why = resolve_dtype(name, flags, cuda)
+        a.dtype_reasons.setdefault(dtype, why)
+    a.dtypes = list(a.dtype_reasons)
+    a.auto_dtype = resolve_dtype("auto", flags, cuda)[0]
+    return a
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
 
-    t_run = time.time()
-    probe = bf16_matmul_probe(a.threads)
-    slow_bf16 = probe["slowdown_vs_fp32"] > 4
-    dtype_why = "given" if a.dtype != "auto" else (
-        f"auto: bf16 matmuls {probe['slowdown_vs_fp32']:.0f}x slower than fp32 here" if slow_bf16 else "auto")
-    if a.dtype == "auto":
-        a.dtype = "fp32" if slow_bf16 else "bf16"
-    log(f"compute dtype {a.dtype} ({dtype_why}); bf16 matmul probe: {json.dumps(probe, default=lambda x: round(x, 3))}")
-    report: dict[str, Any] = {
-        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "benchmarks/vs_deepspeed.py", *(sys.argv[1:] if argv is None else argv)]),
-        **environment(),
-        "settings": {"batch": a.batch, "seq": a.seq, "warmup": warmup, "steps": steps, "seed": a.seed,
-                     "threads": a.threads, "systems": systems, "models": models, "lr": LR, "betas": list(BETAS),
-                     "peers_malloc_env": PEER_HEAP_REUSE_ENV if a.peers_heap_reuse else None,
-                     "eps": EPS, "weight_decay": WEIGHT_DECAY, "no_decay": "norm weights (1-D parameters)",
-                     "max_grad_norm": MAX_GRAD_NORM, "dtype": a.dtype, "dtype_reason": dtype_why,
-                     "compute": ("bf16, fp32 master weights and Adam states" if a.dtype == "bf16"
-                                 else "fp32 parameters, gradients, Adam states"),
-                     "peak_rss": "VmHWM of the child, reset (clear_refs 5) just before its first step",
-                     "disk_bytes": "median over timed steps of the child's /proc/self/io read_bytes / write_bytes "
-                                   "deltas around the step"},
-        "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
-        "bf16_matmul": probe, "models": {}, "tuning": {}, "notes": [],
-    }
-    if slow_bf16:
-        report["notes"].append(
-            f"bf16 matmuls are {probe['slowdown_vs_fp32']:.0f}x slower than fp32 on this CPU and torch (A @ B with both "
-            "row-major, the input gradient of every Linear): torch uses oneDNN for bf16 matmuls only on CPUs with "
-            "AVX-512 (or AMX), and its fallback kernel is slow in this layout, so every system's bf16 step is "
-            "dominated by it (~200 s per step of the 110M Llama for lohan and torch alike)"
-            + ("; measured in bf16 anyway (--dtype bf16)" if a.dtype == "bf16" else "; measured in fp32"))
-        log("note: " + report["notes"][-1])
+def measure(a: argparse.Namespace, report: dict[str, Any], log: Any) -> None:
+    """Every model: every (round, dtype, system) of `schedule` in a child process, merged per dtype and system
+    into `report["models"]`. Deletes what the runs wrote (and the models made here unless --keep-models)."""
     made: list[Path] = []
     try:
-        for size in models:
+        for size in a.models:
             model_dir = ensure_model(size, a.scratch, made)
             params = n_params(model_dir)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            log(f"== {size}: {params / 1e6:.1f}M parameters, batch {a.batch} x seq {a.seq}, {warmup} warm-up + "
-                f"{steps} timed steps")
-            rows: dict[str, dict[str, Any]] = {}
-            for system in systems:
-                settings = settings_for(system, a.dtype)
-                if system in LOHANS:
-                    settings.update(lohan_set)
-                if system == "torch":
-                    fits, need, avail = torch_fits(params, a.batch, a.seq, vocab)
-                    if not fits:
-                        rows[system] = {"system": system, "settings": settings, "skipped": True,
-                                        "reason": f"needs ~{need / GiB:.1f} GiB, {avail / GiB:.1f} GiB available"}
-                        log(f"  {system}: skipped ({rows[system]['reason']})")
-                        continue
-                if a.tune and TUNE_GRID[system]:
-                    t = tune(system, model_dir, a.scratch, a, log)
-                    report["tuning"][f"{size}/{system}"] = t
-                    settings = t["chosen"]
-                log(f"  {system}: {json.dumps(settings)}")
-                r = run_child(system, model_dir, a.scratch / "run" / system, settings, a, warmup, steps, log)
-                rows[system] = r
-                if r["failed"]:
-                    log(f"  {system}: FAILED (exit {r['returncode']}):\n{r['log_tail'][-2000:]}")
-                else:
-                    b = r["breakdown"]
-                    log(f"  {system}: {r['s_per_step']:.3f} s/step ({min(r['step_s_all']):.3f}-"
-                        f"{max(r['step_s_all']):.3f}), {r['tokens_per_s']:.0f} tok/s, peak RSS "
-                        f"{r['peak_rss_bytes'] / GiB:.2f} GiB (whole life {r['peak_rss_whole_life_bytes'] / GiB:.2f}), "
-                        f"disk {r['disk_read_bytes_per_step'] / 1e9:.2f} GB read + "
-                        f"{r['disk_write_bytes_per_step'] / 1e9:.2f} GB written per step, CPU {_cpu_cell(r)}, loss "
-                        f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, {r['wall_s']:.0f} s | "
-                        + json.dumps({k: v for k, v in b.items() if k != "lanes"}, default=lambda x: round(x, 3)))
-            k = keys(rows)
+            log(f"== {size}: {params / 1e6:.1f}M parameters, batch {a.batch} x seq {a.seq}, {a.warmup} warm-up + "
+                f"{a.steps} timed steps, {a.rounds} round(s), dtypes {', '.join(a.dtypes)}")
+            settings = {(d, s): dict(settings_for(s, d), **(a.lohan_set if s in LOHANS else {}))
+                        for d in a.dtypes for s in a.systems}
+            fits, need, avail = torch_fits(params, a.batch, a.seq, vocab)
+            if a.tune:
+                for (dtype, system) in settings:
+                    if TUNE_GRID[system] and (system != "torch" or fits):
+                        t = tune(system, model_dir, a.scratch, a, dtype, log)
+                        report["tuning"][f"{size}/{dtype}/{system}"] = t
+                        settings[dtype, system] = t["chosen"]
+            runs: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in settings}
+            plan = schedule(a.systems, a.dtypes, a.rounds)
+            for i, (rnd, dtype, system) in enumerate(plan):
+                head = f"  [{i + 1}/{len(plan)}] round {rnd + 1}, {dtype}, {system}"
+                if system == "torch" and not fits:
+                    runs[dtype, system].append({"system": system, "settings": settings[dtype, system], "skipped": True,
+                                                "failed": True, "wall_s": 0.0,
+                                                "reason": f"needs ~{need / GiB:.1f} GiB, {avail / GiB:.1f} available"})
+                    log(f"{head}: skipped ({runs[dtype, system][-1]['reason']})")
+                    continue
+                log(f"{head}: {json.dumps(settings[dtype, system])}")
+                r = run_child(system, model_dir, a.scratch / "run" / system, settings[dtype, system], a, dtype,
+                              a.warmup, a.steps, log)
+                runs[dtype, system].append(r)
+                log(f"{head}: " + (f"FAILED ({r['reason']})" if r["failed"] else _run_line(r)))
             report["models"][size] = {"params": params, "model": f"scripts/make_tiny_hf.py --size {size}",
-                                      "rows": [row_of(rows[s]) for s in systems], "keys": k, "pass": passed(k),
-                                      "details": {s: r for s, r in rows.items()}}
-            log(f"  {size}: " + ", ".join(f"{n} {'n/a' if v is None else f'{v:.2f}'}" for n, v in k.items()))
+                                      "dtypes": {}}
+            for dtype in a.dtypes:
+                rows = {s: merge_rounds(runs[dtype, s], a) for s in a.systems}
+                k = keys(rows)
+                report["models"][size]["dtypes"][dtype] = {
+                    "rows": [row_of(rows[s]) for s in a.systems], "keys": k, "pass": passed(k),
+                    "details": {s: [{kk: v for kk, v in r.items() if kk != "samples"} for r in runs[dtype, s]]
+                                for s in a.systems}}
+                log(f"  {size} {dtype}: " + ", ".join(f"{n} {_fmt(k.get(n))}" for n in TARGETS))
     finally:  # what this run wrote: the states, logs and the models it made (kept with --keep-models)
         for d in [a.scratch / "run", a.scratch / "tune", *([] if a.keep_models else made)]:
             shutil.rmtree(d, ignore_errors=True)
         for d in (a.scratch / "models", a.scratch):
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
-    first = report["models"].get(models[0], {})
-    report.update({k: first.get("keys", {}).get(k) for k in TARGETS})
+
+
+def _run_line(r: dict[str, Any]) -> str:
+    return (f"{r['s_per_step']:.3f} s/step ({min(r['step_s_all']):.3f}-{max(r['step_s_all']):.3f}), "
+            f"{r['tokens_per_s']:.0f} tok/s, peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB (whole life "
+            f"{r['peak_rss_whole_life_bytes'] / GiB:.2f}), disk {r['disk_read_bytes_per_step'] / 1e9:.2f} GB read + "
+            f"{r['disk_write_bytes_per_step_mean'] / 1e9:.2f} GB written per step, CPU {_cpu_cell(r)}, loss "
+            f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, {r['wall_s']:.0f} s")
+
+
+def headline(report: dict[str, Any], a: argparse.Namespace) -> None:
+    """The report's top-level keys: those of the first model in the machine's auto dtype when it ran (else the
+    first dtype), and `keys_by_dtype` for every dtype of that model."""
+    first = report["models"].get(a.models[0], {}).get("dtypes", {})
+    report["models_measured"] = list(report["models"])
+    report["keys_dtype"] = a.auto_dtype if a.auto_dtype in first else next(iter(first), None)
+    report["keys_by_dtype"] = {d: {k: v["keys"].get(k) for k in TARGETS} for d, v in first.items()}
+    top = report["keys_by_dtype"].get(report["keys_dtype"], {})
+    report.update({k: top.get(k) for k in TARGETS})
     report["pass"] = passed({k: report[k] for k in TARGETS})
+    for size, m in report["models"].items():
+        for dtype, d in m["dtypes"].items():
+            for r in d["rows"]:
+                if r.get("failed") and not r.get("skipped"):
+                    report["notes"].append(f"{size} {dtype}: {r['system']} failed: {r.get('reason')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.child:
+        return child(a)
+    a.scratch.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t_run = time.time()
+    for d, why in a.dtype_reasons.items():
+        log(f"compute dtype {d} ({why})")
+    report: dict[str, Any] = {
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "benchmarks/vs_deepspeed.py", *(sys.argv[1:] if argv is None else argv)]),
+        **environment(),
+        "settings": {"batch": a.batch, "seq": a.seq, "warmup": a.warmup, "steps": a.steps, "rounds": a.rounds,
+                     "seed": a.seed, "threads": a.threads, "systems": a.systems, "models": a.models,
+                     "dtypes": a.dtype_reasons, "lr": LR, "betas": list(BETAS),
+                     "peers_malloc_env": PEER_HEAP_REUSE_ENV if a.peers_heap_reuse else None,
+                     "eps": EPS, "weight_decay": WEIGHT_DECAY, "no_decay": "norm weights (1-D parameters)",
+                     "max_grad_norm": MAX_GRAD_NORM,
+                     "compute": {"bf16": "bf16 compute, fp32 master weights and Adam states",
+                                 "fp32": "fp32 parameters, gradients, Adam states"},
+                     "order": "rounds of every (dtype, system) pair, each round rotated (schedule())",
+                     "s_per_step": "median of every round's timed steps",
+                     "peak_rss": "VmHWM of the child, reset (clear_refs 5) just before its first step; the highest "
+                                 "round's",
+                     "disk_bytes": "the child's /proc/self/io read_bytes / write_bytes deltas around each timed step: "
+                                   "read the median, write the mean (disk_write_gb_per_step: lohan's, in 1e9 bytes)"},
+        "targets": {k: (f"{v[0]} {v[1]}" if v else "report") for k, v in TARGETS.items()},
+        "models": {}, "tuning": {}, "notes": [],
+    }
+    if a.quick:
+        report["notes"].append("--quick: a check that every system runs (few steps, one round, a shorter sequence), "
+                               "not a measurement to quote")
+    measure(a, report, log)
+    headline(report, a)
     report["wall_seconds"] = time.time() - t_run
     load = os.getloadavg()
     if load[0] > 0.5 * (os.cpu_count() or 1) + 1:
         report["notes"].append(f"load average at the end {load[0]:.1f} on {os.cpu_count()} cores: other work "
                                "shared the machine; compare with caution")
-    suffix = ("_quick" if a.quick else "") + ("_fp32" if a.dtype == "fp32" else "") \
+    suffix = ("_quick" if a.quick else "") + ("_" + a.dtypes[0] if len(a.dtypes) == 1 else "") \
         + ("_peers_heap_reuse" if a.peers_heap_reuse else "")
     out = a.out or REPO / "benchmarks" / "results" / f"vs_deepspeed{suffix}.json"
+    write_report(report, out, log)
+    return 0
+
+
+def write_report(report: dict[str, Any], out: Path, log: Any) -> None:
+    """The report as `out` (JSON) with its markdown table and bar chart beside it, no path of this machine in it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = portable(report)  # no path of this machine in a committed report
+    report = portable(report)
     png = plot(report, out.with_suffix(".png"))
     if png is None:
         report["notes"].append("matplotlib is not installed: no bar chart")
     report["png"] = png.name if png else None
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
-    log(f"wrote {out} and {out.with_suffix('.md').name}" + (f", {png.name}" if png else "") + ": "
-        + ", ".join(f"{k} {'n/a' if report[k] is None else f'{report[k]:.2f}'}" for k in TARGETS))
-    return 0
+    log(f"wrote {out} and {out.with_suffix('.md').name}" + (f", {png.name}" if png else "") + f" ({report['keys_dtype']}): "
+        + ", ".join(f"{k} {_fmt(report[k])}" for k in TARGETS))
 
 
 if __name__ == "__main__":
