@@ -146,3 +146,30 @@ def test_auto_with_every_record_resident_follows_the_measured_writes(make_dirs, 
         engine.step(data[1])
         assert not engine.last_stats.durable
         torch.manual_seed(0)
+
+
+def test_the_cost_model_and_the_dry_run_price_the_interval(tmp_path, capsys):
+    """`planner.capacity(persist_every=)`: with every record resident, a step's record writes are 1/N of a persist's
+    (the ssd lane shrinks), `auto` takes the least N that keeps them under a tenth of the step, streamed records keep
+    N = 1 and say why; the dry run prints the interval and what a kill loses."""
+    from lohan.app.cli import main
+    from lohan.config import get_model_config
+    from lohan.plan.planner import capacity, parse_hardware
+
+    mcfg, hw = get_model_config("125m", vocab_size=4096), parse_hardware("rtx4090,1xP5510,64GB")
+    plans = {pe: capacity(mcfg, hw, 1, 512, "bf16", resident_mem="all", cpu_mem=32 << 30, persist_every=pe)
+             for pe in (1, 4, "auto")}
+    every, four, auto = plans[1].plan.estimate, plans[4].plan.estimate, plans["auto"].plan.estimate
+    states = every.traffic["ssd_write"]
+    assert four.traffic["ssd_write"] == pytest.approx(states / 4)
+    assert four.lanes_b["ssd"] < every.lanes_b["ssd"]
+    n = plans["auto"].persist_every
+    assert n == persist_interval(states, hw.bw_m2s, every.t_iter) and n > 1
+    assert auto.traffic["ssd_write"] == pytest.approx(states / n)
+    streamed = capacity(mcfg, hw, 1, 512, "bf16", resident_mem=0, persist_every=4)
+    assert streamed.persist_every == 1 and streamed.persist_note.startswith("records stream")
+    assert main(["--model", "tiny", "--data", "synthetic", "--steps", "3", "--nvme", str(tmp_path),
+                 "--compute-dtype", "fp32", "--dry-run", "--persist-every", "5",
+                 "--set", "engine.resident_mem=all"]) == 0
+    out = capsys.readouterr().out
+    assert "durability: persist_every 5: the records written every 5 steps; a kill loses at most 5 steps" in out

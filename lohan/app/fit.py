@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from lohan.config import ModelConfig
+from lohan.plan import durability
 from lohan.plan.memory import SLACK_BYTES, SLACK_FACTOR
 from lohan.plan.planner import (
     DEFAULT_CPU,
@@ -342,6 +343,14 @@ class FitReport:
     def fits(self) -> bool:
         return self.capacity.fits
 
+    def durability(self) -> str:
+        """The durability interval the plan prices, and what a kill can lose (`durability.loss_text`)."""
+        asked, n = self.plan_args.get("persist_every", 1), self.capacity.persist_every
+        note = self.capacity.persist_note
+        why = f" ({note})" if note else ""
+        return (f"durability: persist_every {asked}: the records written every {n} step{'s' if n > 1 else ''}{why}; "
+                f"{durability.loss_text(n, self.step_s)}")
+
     def format(self) -> str:
         c = self.capacity
         lines = [c.format(), "", c.plan.format_table(clip=self.clips, defer=self.defers), "",
@@ -353,6 +362,8 @@ class FitReport:
                  + (f" | epoch {_duration(self.epoch_s)}" if self.epoch_s else "")]
         if self.ssd is not None:
             lines.append(self.ssd.format())
+        if self.plan_args.get("persist_every", 1) != 1:
+            lines.append(self.durability())
         lines += [f"  note: {n}" for n in self.machine.notes]
         return "\n".join(lines)
 
@@ -389,23 +400,25 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                slots: int = 2, keep_grads: bool = False, resident_mem: int | str = 0,
                cpu_mem: int | None = None, readahead_mem: int | str = "auto", clip_mode: str = "auto",
                clips: bool | None = None, state_format: str = "exact", act_compress: str = "none",
-               heap_reuse: bool = True) -> FitReport:
+               heap_reuse: bool = True, persist_every: int | str = 1) -> FitReport:
     """The capacity plan of a run and its predicted speed. ``keep_grads``: the step keeps its gradients (clipping
     or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says); ``act_compress``: the
     engine's setting (int8 records priced compressed, `planner.capacity`). The predicted step is
     the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
     norm (slots=1, or ``clip_mode`` defer: with clipping off too, where the plan keeps room for the gradients).
     ``heap_reuse``: the engine's setting, which on a CPU device keeps the freed device working set in the heap
-    (the allocator slack `plan.memory` bounds the peak RSS with)."""
+    (the allocator slack `plan.memory` bounds the peak RSS with). ``persist_every``: the engine's durability
+    interval (`planner.capacity` prices the record writes at 1/N per step where it applies)."""
     clips = keep_grads if clips is None else clips
     cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
                    keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
                    clip_mode=clip_mode, state_format=state_format, act_compress=act_compress,
-                   host_device=machine.device_is_host)
+                   host_device=machine.device_is_host, persist_every=persist_every)
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, machine.hardware, heap_reuse)
     defers = not clips and slots == 2 and "grad_stash" in cap.cpu_parts  # the plan kept room for the gradients
-    waits = slots == 1 or (clip_mode == "defer" and (clips or defers))
+    # (steps between durable ones update after the gradient norm is known: their states have no copy on the SSDs)
+    waits = slots == 1 or (clip_mode == "defer" and (clips or defers)) or cap.persist_every > 1
     est = cap.plan.estimate
     step_s = est.t_deferred if waits and est.t_deferred else est.t_iter
     tokens = batch * seq
@@ -413,7 +426,7 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     plan_args = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
                      slots=slots, keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem,
                      readahead_mem=readahead_mem, clip_mode=clip_mode, state_format=state_format,
-                     act_compress=act_compress, host_device=machine.device_is_host)
+                     act_compress=act_compress, host_device=machine.device_is_host, persist_every=persist_every)
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
                      steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers,
                      ssd_cost(mcfg, machine.hardware, batch, seq, **plan_args), mcfg, batch, seq, plan_args)

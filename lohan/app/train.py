@@ -606,7 +606,7 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                             resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem,
                             readahead_mem=e.readahead_mem if e.mode == "optimized" else 0, clip_mode=e.clip_mode,
                             clips=e.max_grad_norm > 0, state_format=e.state_format, act_compress=e.act_compress,
-                            heap_reuse=e.heap_reuse)
+                            heap_reuse=e.heap_reuse, persist_every=1 if dp else e.persist_every)
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:

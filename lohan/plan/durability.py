@@ -57,5 +57,6 @@ def loss_text(n: int, step_s: float | None) -> str:
     """'a kill loses at most N steps, about M minutes' (the header's line; M from the predicted step time)."""
     if n <= 1:
         return "a kill loses at most the step in flight"
-    about = f", about {n * step_s / 60:.1f} minutes" if step_s else ""
+    lost = n * step_s if step_s else 0.0
+    about = "" if not lost else f", about {lost:.2g} s" if lost < 60 else f", about {lost / 60:.1f} minutes"
     return f"a kill loses at most {n} steps{about}"

@@ -129,13 +129,13 @@ from typing import Any
 
 from io_engine import durable
 from lohan.config import PRESETS, ModelConfig, parse_bytes
-from lohan.plan import formats, pools, vocab
+from lohan.plan import durability, formats, pools, vocab
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 
 __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
     "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE", "QUANT_TRAFFIC",
-    "estimate", "WAIT_LANES", "LEGACY_LANES", "upgrade_lanes", "predict_lanes", "SsdCost", "ssd_cost",
+    "estimate", "reprice", "WAIT_LANES", "LEGACY_LANES", "upgrade_lanes", "predict_lanes", "SsdCost", "ssd_cost",
     "walk_order", "walk", "algorithm1",
     "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools", "resident_records",
     "reserve_engine_pools", "capacity", "activations_in_ram_capacity", "max_batch", "max_model",
@@ -294,6 +294,9 @@ class Profile:
     master is the copy the compute reads."""
     update_cost: float = 1.0
     """The CPU update's time per parameter relative to exact's AdamW (`lohan.plan.formats.StateFormat.update_cost`)."""
+    persist_every: int = 1
+    """Steps per durable commit where every record is resident (`engine.persist_every`): the records are written
+    once in that many steps, so a step's share of their writes is ``states / persist_every``."""
     input_bytes_int8: int | None = None
     """``input_bytes`` in an int8-compressed record; None: not known, priced as ``input_bytes``."""
     act_compress: str = "none"
@@ -310,6 +313,8 @@ class Profile:
             problems.append(f"n_blocks={self.n_blocks} must be >= 1")
         if not 0 <= self.resident_params <= self.param_count:
             problems.append(f"resident_params={self.resident_params} must be in [0, param_count]")
+        if not (isinstance(self.persist_every, int) and self.persist_every >= 1):
+            problems.append(f"persist_every={self.persist_every!r} must be an int >= 1")
         if not 0 <= self.kept_p16_params <= self.param_count:
             problems.append(f"kept_p16_params={self.kept_p16_params} must be in [0, param_count]")
         if not 0 <= self.readahead_params <= self.param_count - max(0, self.resident_params):
@@ -345,6 +350,11 @@ class Profile:
     @property
     def states(self) -> int:
         return round((self.record_bytes + (self.p16_itemsize if self.separate_p16 else 0)) * self.param_count)
+
+    @property
+    def states_written(self) -> float:
+        """Record bytes a step writes, on average: all of them each durable step (`persist_every`)."""
+        return self.states / max(1, self.persist_every)
 
     def key(self) -> str:
         # The itemsize is part of the key: a bf16 and an fp32 profile of one run differ in every byte count.
@@ -497,7 +507,7 @@ def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[s
     """(t_deferred, t_redo), the module docstring's equations: ``serial_b`` is backward without the optimizer
     (``B0``), ``cpu`` the AdamW lane, ``alpha`` the activation overflow."""
     hw, n, p = profile.hardware, profile.n_blocks, profile.param_count
-    writes = profile.states / hw.bw_m2s
+    writes = profile.states_written / hw.bw_m2s
     read = profile.record_bytes * (p - profile.resident_params) / hw.bw_s2m
     idle = max(serial_b.values()) - serial_b["ssd"]
     # READs issued ahead fill the SSD time backward leaves idle; write-behind (with follow) takes what they leave
@@ -522,7 +532,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     hw = profile.hardware
     a_raw = a_g2m if a_raw is None else a_raw
     quant, dequant = profile.quant_seconds(a_raw)
-    p16, states, n = profile.p16, profile.states, profile.n_blocks
+    p16, states, n = profile.p16, profile.states_written, profile.n_blocks
     # P32, m, v: what the optimizer reads of each record, but of those kept in memory across steps
     opt_read = profile.record_bytes * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
@@ -1027,6 +1037,11 @@ class Capacity:
     gpu_parts: dict[str, int]
     cpu_parts: dict[str, int]
     limits: dict[str, int]
+    persist_every: int = 1
+    """Steps per durable commit of the records (`engine.persist_every` as it applies to this plan: 1 unless every
+    record is resident)."""
+    persist_note: str = ""
+    """Why ``persist_every`` is 1 where the run asked for more or ``auto``."""
 
     def format(self) -> str:
         def row(tier: str, need: int, parts: Mapping[str, int]) -> str:
@@ -1234,7 +1249,7 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
              keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
              readahead_mem: int | str = "auto", clip_mode: str = "auto", state_format: str = "exact",
-             act_compress: str = "none", host_device: bool = False) -> Capacity:
+             act_compress: str = "none", host_device: bool = False, persist_every: int | str = 1) -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -1255,7 +1270,9 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     the tiers hold, and the links move, their int8 bytes, and the GPU pays their quantization; the GPU memory plan
     keeps counting them as the device makes them (an upper bound). ``host_device``: the CPU computes (its
     gradients are in main memory: the pools' ``auto`` rooms leave them out, ``gpu_need`` prices them as it holds
-    them)."""
+    them). ``persist_every`` (the engine's setting: steps, or ``auto``) writes the records once in that many
+    steps where every one is resident (`lohan.plan.durability`); the plan's ``persist_every`` is the interval in
+    force (``auto``: the least that keeps the writes under a tenth of the predicted step's time)."""
     host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
                         resident_mem, cpu_mem, readahead_mem, clip_mode, state_format, host_device)
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
@@ -1270,17 +1287,35 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     ahead = min(int(host.readahead // fmt.at_rest(profile.p16_itemsize)), profile.param_count - resident)
     kept = round(profile.param_count * pools.kept_p16_fraction(host.params, geometry.p16, prefetch_depth)) \
         if slots > 1 else 0  # (in place nothing is kept)
-    plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
-                                          kept_p16_params=kept,
-                                          write_behind=slots == 2, record_bytes=fmt.record(),
-                                          separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
-                                          act_compress=act_compress))
+    profile = dataclasses.replace(profile, resident_params=resident, readahead_params=ahead, kept_p16_params=kept,
+                                  write_behind=slots == 2, record_bytes=fmt.record(),
+                                  separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
+                                  act_compress=act_compress)
+    plan = algorithm1(profile)
+    every, why_not = _persist_every(persist_every, profile, plan, slots, host.has_stash)
+    if every > 1:
+        plan = algorithm1(dataclasses.replace(profile, persist_every=every))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap, host=host_device)
     states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
         states += max(0, host.grad_itemsize * cfg.param_count() - (host.stash_ram or 0))
-    return _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
-                  {**parts, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
+    judged = _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
+                    {**parts, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
+    return dataclasses.replace(judged, persist_every=every, persist_note=why_not)
+
+
+def _persist_every(asked: int | str, profile: Profile, plan: Plan, slots: int, has_stash: bool) -> tuple[int, str]:
+    """The durability interval a run of `profile` keeps and, where it is 1 against what was asked, why
+    (`durability.eligible`, `durability.persist_interval`; ``auto`` from the plan's step, every step durable)."""
+    if asked == 1:
+        return 1, ""
+    why = durability.eligible(profile.resident_params >= profile.param_count, slots, True, has_stash)
+    if why is not None:
+        return 1, why
+    if asked == "auto":
+        n = durability.persist_interval(profile.states, profile.hardware.bw_m2s, plan.estimate.t_iter)
+        return n, "" if n > 1 else "the writes take under a tenth of the step"
+    return int(asked), ""
 
 
 def activations_in_ram_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int,
