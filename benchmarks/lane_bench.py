@@ -10,7 +10,8 @@ the cores AdamW, hashing and the I/O need. The CPU AdamW rate is measured on thi
 SSD are chosen from the cost model (`planner.predict_lanes`) so that its lanes stand as the regime says:
 
 - ``disk``: records streamed from one paced directory, the ssd lane 3x the others;
-- ``optimizer``: every record resident in main memory, a fast modeled GPU and SSD: the cpu lane binds;
+- ``optimizer``: every record resident in main memory and written every few steps (``persist_every`` auto), a
+  fast modeled GPU: the cpu lane binds;
 - ``gpu``: a slow modeled GPU, its lane 3x the others;
 - ``balanced``: the gpu, cpu and ssd lanes equal (as on the paper's box at 13B).
 
@@ -57,6 +58,7 @@ REGIMES = ("disk", "optimizer", "gpu", "balanced")
 PCIE = 25e9  # modeled PCIe per direction (B/s): the copies are not what these regimes study
 CALIBRATION_STEPS = 4  # serial steps that measure the CPU lane's rate (the first one is not counted)
 MATTERS = 0.10  # a lane counts in the prediction error from this share of the step
+FIXED_SSD_GBPS = 2.0  # a regime's SSD where its shape does not solve it (the optimizer regime's, which persists rarely)
 TARGETS = {"step_over_slowest_lane_disk": ("<=", 1.10), "step_over_slowest_lane_optimizer": ("<=", 1.10),
            "step_over_slowest_lane_gpu": ("<=", 1.10), "optimized_vs_serial_balanced": (">=", 1.3),
            "optimized_vs_serial_disk": (">=", 1.0), "gpu_idle_fraction_gpu_bound": ("<=", 0.10),
@@ -72,6 +74,13 @@ class Regime:
     ssd_gbps: float
     resident_mem: int | str
     state_format: str = "exact"
+    persist_every: int | str = 1
+
+    @property
+    def rate_key(self) -> str:
+        """The CPU lane's calibration this regime is priced with (`calibrate_cpu`): its state format, and whether
+        its steps hash records (every step durable) or keep them in RAM (`engine.persist_every` auto)."""
+        return self.state_format if self.persist_every == 1 else f"{self.state_format}, in RAM"
 
     @property
     def sim_gpu(self) -> str:
@@ -131,7 +140,7 @@ def hardware(regime: Regime, cpu_rates: dict[str, float], n_dirs: int) -> Any:
     from lohan.plan.planner import Hardware
 
     ssd = regime.ssd_gbps * 1e9 * n_dirs
-    rate = cpu_rates[regime.state_format] * state_format(regime.state_format).update_cost
+    rate = cpu_rates[regime.rate_key] * state_format(regime.state_format).update_cost
     return Hardware(f"lane_bench-{regime.name}", thp_g=regime.tflops * 1e12, bw_g=PCIE, bw_s2m=ssd, bw_m2s=ssd,
                     mem_avail=64 * GiB, cpu_adam_params_per_s=rate)
 
@@ -143,39 +152,50 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
 
     return predict_lanes(mcfg, hardware(regime, cpu_rates, len(args.nvme)), args.batch_size, args.seq_len, mode,
                          compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
-                         readahead_mem="auto" if mode == "optimized" else 0, state_format=regime.state_format)
+                         readahead_mem="auto" if mode == "optimized" else 0, state_format=regime.state_format,
+                         persist_every=regime.persist_every if mode == "optimized" else 1)
 
 
-def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact") -> float:
+def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1
+                  ) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
-    median of serial steps on an unpaced store with every record resident. `measure_cpu_adam` times the kernel
+    median of serial steps on an unpaced store with every record resident. With ``persist_every`` auto, the steps
+    between durable ones instead (optimized mode: an interval needs the update after backward), which hash no
+    record: the optimizer regime's steps. `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
     alone would put every regime's GPU and SSD where the lanes are not."""
     import lohan
     from lohan.config import EngineConfig
 
+    in_ram = persist_every != 1
     cfg = EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
-                       device="sim", mode="serial", resident_mem="all", name=STORE_NAME, max_grad_norm=0.0,
-                       state_format=state_format, **({"sim_gpu": f"tflops=1000,h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"}
+                       device="sim", mode="optimized" if in_ram else "serial", resident_mem="all", name=STORE_NAME,
+                       max_grad_norm=0.0, state_format=state_format, persist_every=persist_every, **({"sim_gpu": f"tflops=1000,h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"}
                           if timed_device() else {}))
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, CALIBRATION_STEPS + 1, seed=1)
     with lohan.init(mcfg, cfg, overwrite=True) as engine:
         cpu = []
         for k in range(CALIBRATION_STEPS):
             engine.step(data[k], next_batch=data[k + 1])
-            cpu.append(engine.last_stats.lanes["cpu"])
+            if k and engine.last_stats.durable != in_ram:  # (the first step also profiles)
+                cpu.append(engine.last_stats.lanes["cpu"])
         params = engine.store.layout.param_count  # (the blocks the optimizer updates)
-    return params / statistics.median(cpu[1:])  # the first step also profiles
+    if not cpu:
+        raise RuntimeError(f"calibrating {state_format} (persist_every {persist_every}): no step of the kind "
+                           "measured (every step durable: the records' writes too short for an interval?)")
+    return params / statistics.median(cpu)
 
 
-SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd lane / cpu lane), the lanes predicted
-    "disk": ("exact", 0, 0.9, 3.0),
-    # a fast GPU: the next forward waits for the last block's update (the first block's), so the step is at least
-    # the forward and the cpu lane; at 0.3 the forward alone was 10% of the step
-    "optimizer": ("8bit-moments", "all", 0.15, 0.6),
-    "gpu": ("exact", 0, 6.0, 3.0),
-    "balanced": ("8bit-moments", 0, 1.0, 1.0),
+SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd lane / cpu lane (None: FIXED_SSD_GBPS),
+    #            persist_every), the lanes predicted
+    "disk": ("exact", 0, 0.9, 3.0, 1),
+    # records in RAM, written every few steps (persist_every auto), so the SSD hardly works; a fast GPU: the
+    # update runs after backward (the steps between durable ones wait for the norm), so the step is at least
+    # backward and the cpu lane
+    "optimizer": ("8bit-moments", "all", 0.1, None, "auto"),
+    "gpu": ("exact", 0, 6.0, 3.0, 1),
+    "balanced": ("8bit-moments", 0, 1.0, 1.0, 1),
 }
 """Why 8bit-moments where the cpu lane must meet or beat the ssd lane: exact's CPU update here runs ~180 M
 params/s in a step, so an SSD lane as short as it needs ~5 GB/s of paced I/O, which two cores cannot copy
@@ -190,12 +210,13 @@ def choose_regimes(args: argparse.Namespace, mcfg: Any, cpu_rates: dict[str, flo
     them; the plan (what is swapped, recomputed) moves with the rates, so it is settled in three more rounds."""
     out = []
     for name in args.regimes:
-        fmt, resident, gpu_x, ssd_x = SHAPES[name]
-        regime = Regime(name, 1.0, 1.0, resident, fmt)
+        fmt, resident, gpu_x, ssd_x, persist = SHAPES[name]
+        regime = Regime(name, 1.0, FIXED_SSD_GBPS if ssd_x is None else 1.0, resident, fmt, persist)
         for _ in range(4):
             got = predicted(args, mcfg, regime, cpu_rates, "optimized")
+            ssd = regime.ssd_gbps if ssd_x is None else regime.ssd_gbps * got["ssd"] / (ssd_x * got["cpu"])
             regime = dataclasses.replace(regime, tflops=regime.tflops * got["gpu"] / (gpu_x * got["cpu"]),
-                                         ssd_gbps=regime.ssd_gbps * got["ssd"] / (ssd_x * got["cpu"]))
+                                         ssd_gbps=ssd)
         out.append(regime)
     return out
 
@@ -219,7 +240,8 @@ def engine_config(args: argparse.Namespace, regime: Regime, mode: str) -> Any:
     sim = {"sim_gpu": regime.sim_gpu} if timed_device() else {}
     return EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
                         device="sim", mode=mode, resident_mem=regime.resident_mem, name=STORE_NAME,
-                        emulate_ssd_gbps=regime.ssd_gbps, max_grad_norm=0.0, state_format=regime.state_format, **sim)
+                        emulate_ssd_gbps=regime.ssd_gbps, max_grad_norm=0.0, state_format=regime.state_format,
+                        persist_every=regime.persist_every, **sim)
 
 
 def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, rnd: int,
@@ -235,7 +257,8 @@ def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, 
             engine.step(batch, next_batch=nxt)
             s = engine.last_stats
             records.append({"regime": regime.name, "mode": mode, "round": rnd, "warmup": k < args.warmup_steps,
-                            "step_s": s.step_s, "lanes": dict(s.lanes), "deferred": s.deferred})
+                            "step_s": s.step_s, "lanes": dict(s.lanes), "deferred": s.deferred,
+                            "durable": s.durable})
     release_free_memory()  # the engine's freed pools would stay in the heap for the next opening
     return records
 
@@ -331,8 +354,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {mode} | {m['step_s']:.3f} | {m['slowest_lane']} | "
                          f"{m['step_over_slowest_lane']:.2f} | " + " | ".join(cells) +
                          f" | {m['p16_wait_fraction']:.3f} | {f(m.get('deferred_fraction'), '.2f')} | {f(max(m['lane_prediction_error'].values(), default=None), '.2f')} |")
-    lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records, state format): " + "; ".join(
-        f"{n}: {r['sim_gpu']}, {r['regime']['ssd_gbps']:.3g} GB/s, resident {r['regime']['resident_mem']}, {r['regime']['state_format']}"
+    lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records, state format, persist_every): "
+              + "; ".join(
+        f"{n}: {r['sim_gpu']}, {r['regime']['ssd_gbps']:.3g} GB/s, resident {r['regime']['resident_mem']}, "
+        f"{r['regime']['state_format']}, persist {r['regime'].get('persist_every', 1)}"
         for n, r in report["regimes"].items()), "",
         "Lanes are `engine.last_stats.lanes` (medians of the measured steps) and `planner.predict_lanes` for the "
         "same run; the error counts lanes >= 10% of the step. `deferred`: the share of measured steps whose update "
@@ -357,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.nvme:
         os.makedirs(d, exist_ok=True)
     alone = measure_cpu_adam(compute_dtype="fp32", checksums=True)
-    cpu_rates = {fmt: calibrate_cpu(args, mcfg, fmt) for fmt in sorted({SHAPES[r][0] for r in args.regimes})}
+    kinds = sorted({(SHAPES[r][0], SHAPES[r][4]) for r in args.regimes}, key=str)
+    cpu_rates = {Regime("", 0, 0, 0, fmt, persist).rate_key: calibrate_cpu(args, mcfg, fmt, persist)
+                 for fmt, persist in kinds}
     regimes = choose_regimes(args, mcfg, cpu_rates)
     rates = ", ".join(f"{fmt} {r / 1e6:.1f}" for fmt, r in cpu_rates.items())
     log(f"{mcfg.name}: {mcfg.param_count() / 1e6:.1f}M params, batch {args.batch_size} x {args.seq_len}; CPU update "

@@ -23,20 +23,24 @@ def test_regimes_are_chosen_from_the_cost_model():
     """Each regime's modeled GPU and SSD put the predicted lanes where the regime says (`lane_bench.SHAPES`)."""
     args = lane_bench.parse_args(["--nvme", "unused", "--d-model", "128", "--layers", "2", "--vocab", "512"])
     mcfg = get_model_config("125m", n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64)
-    rates = {"exact": 1e8, "8bit-moments": 2e7}
+    rates = {"exact": 1e8, "8bit-moments": 2e7, "8bit-moments, in RAM": 4e7}
     regimes = lane_bench.choose_regimes(args, mcfg, rates)
     assert [r.name for r in regimes] == list(lane_bench.REGIMES)
     for r in regimes:
-        fmt, resident, gpu_x, ssd_x = lane_bench.SHAPES[r.name]
-        assert (r.state_format, r.resident_mem) == (fmt, resident)
+        fmt, resident, gpu_x, ssd_x, persist = lane_bench.SHAPES[r.name]
+        assert (r.state_format, r.resident_mem, r.persist_every) == (fmt, resident, persist)
         pred = lane_bench.predicted(args, mcfg, r, rates, "optimized")
         assert pred["gpu"] == pytest.approx(gpu_x * pred["cpu"], rel=0.02)
-        assert pred["ssd"] == pytest.approx(ssd_x * pred["cpu"], rel=0.02)
+        if ssd_x is None:
+            assert r.ssd_gbps == lane_bench.FIXED_SSD_GBPS
+        else:
+            assert pred["ssd"] == pytest.approx(ssd_x * pred["cpu"], rel=0.02)
     pred = {r.name: lane_bench.predicted(args, mcfg, r, rates, "optimized") for r in regimes}
     assert max(pred["disk"], key=pred["disk"].get) == "ssd" and max(pred["gpu"], key=pred["gpu"].get) == "gpu"
     assert max(pred["optimizer"], key=pred["optimizer"].get) == "cpu"
-    # the cpu lane is priced at the rate measured in the regime's own format
+    # the cpu lane is priced at the rate measured in the regime's own format (and persistence)
     assert pred["balanced"]["cpu"] == pytest.approx(mcfg.param_count() / rates["8bit-moments"], rel=0.1)
+    assert pred["optimizer"]["cpu"] == pytest.approx(mcfg.param_count() / rates["8bit-moments, in RAM"], rel=0.1)
 
 
 def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
