@@ -53,11 +53,11 @@ def resolve_device(kind: str = "auto") -> str:
     return kind
 
 
-def cpu_flags() -> frozenset[str]:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo names them (``avx2``, ``amx_bf16``, ``avx512_bf16``, ...); where
     there is no /proc/cpuinfo (not Linux), the bf16 ones torch's own CPU queries report."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() in ("flags", "Features"):  # x86; aarch64 calls them Features
