@@ -70,6 +70,7 @@ def test_a_resume_under_auto_keeps_the_stored_dtype_and_says_what_auto_would_pic
     assert kept.reason == "auto: the store was created with fp32, which a resume keeps; a new run here would pick bf16"
     slow = choose("auto", "cpu", AVX2, stored="bf16")
     assert slow.dtype == "bf16" and "a new run here would pick fp32" in slow.reason and SLOW_BF16 in slow.reason
+    assert choose("auto", "cpu", AMX, stored="bf16") == choose("auto", "cpu", AMX)  # the same: nothing to say
     assert choose("fp32", "cpu", AMX, stored="bf16").dtype == "fp32"  # explicit: the store's opening refuses it
 
 

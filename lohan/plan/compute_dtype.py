@@ -67,13 +67,11 @@ def choose(asked: str, device: str, cpu_flags: Collection[str], *, gpu_bf16: boo
             return DtypeChoice(asked, f"as set; {slow}: --compute-dtype auto picks fp32 here")
         return DtypeChoice(asked, "as set")
     if stored is not None:
-        mine = choose("auto", device, cpu_flags, gpu_bf16=gpu_bf16, state_format=state_format).dtype
-        why = f"auto: the store was created with {stored}, which a resume keeps"
-        if mine != stored:
-            why += f"; a new run here would pick {mine}"
-        if stored == "bf16" and on_cpu and not native:
-            why += f"; {slow}"
-        return DtypeChoice(stored, why)
+        mine = choose("auto", device, cpu_flags, gpu_bf16=gpu_bf16, state_format=state_format)
+        if mine.dtype == stored:
+            return mine
+        why = f"auto: the store was created with {stored}, which a resume keeps; a new run here would pick {mine.dtype}"
+        return DtypeChoice(stored, why + (f"; {slow}" if stored == "bf16" and on_cpu and not native else ""))
     if state_format in NEEDS_BF16:
         if on_cpu and not native:
             return DtypeChoice("bf16", f"auto: state format {state_format} computes on its bf16 master; {slow} "
