@@ -10,7 +10,7 @@ export DS_ACCELERATOR ?= cpu
 .PHONY: help install sysdeps aio-op kernels run test test-all lint bench-io bench-ago clean
 
 help:
-	@echo "make run       create .venv, install everything, run the default fine-tune (configs/tiny.yaml)"
+	@echo "make run       create .venv, install the packages, run the default fine-tune (configs/tiny.yaml)"
 	@echo "make test      create .venv, install everything, run the test suite (fast set)"
 	@echo "make test-all  the full suite, slow end-to-end tests included"
 	@echo "make kernels   build the compiled update of the compressed state formats (run and test do it)"
@@ -52,7 +52,10 @@ aio-op: install
 kernels: install
 	@$(PY) -m lohan.runtime.format_kernel || echo "NOTE: the format kernel did not build; compressed state formats use torch ops"
 
-run: aio-op kernels
+# The default run needs neither the aio op (backend auto takes the portable threads backend until `make aio-op` or
+# `make test` has built it, and never compiles in a run) nor the format kernel (its state format is exact): waiting
+# ~8 minutes for their first build on 2 cores would make the first run take four times as long as the run itself.
+run: $(VENV)/.installed
 	$(PY) finetune.py --overwrite
 
 test: aio-op kernels

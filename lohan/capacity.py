@@ -19,6 +19,7 @@ import os
 import sys
 
 from lohan.config import PRESETS, ModelConfig, get_model_config, is_model_dir
+from lohan.plan.compute_dtype import choose
 from lohan.plan.formats import FORMATS, state_format
 from lohan.plan.planner import (
     Hardware,
@@ -47,9 +48,12 @@ def model_config(model: str) -> ModelConfig:
     return program.planning_config(os.path.basename(os.path.normpath(model)))
 
 
-def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, compute_dtype: str = "bf16",
+def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, compute_dtype: str = "auto",
            micro_batches: int = 1, prefetch_depth: int = 2, compare: bool = True) -> str:
-    """The capacity report as text (what the command prints); `model` is a preset or a Hugging Face folder."""
+    """The capacity report as text (what the command prints); `model` is a preset or a Hugging Face folder.
+    ``compute_dtype`` auto is what a run on the described machine picks: its GPU computes bf16."""
+    choice = choose(compute_dtype, "cuda", ())
+    compute_dtype = choice.dtype
     cfg = model_config(model)
     model = cfg.name
     seq = seq or cfg.seq_len
@@ -58,7 +62,7 @@ def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, co
     hw = parse_hardware(hardware)
     kw = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth)
     ours = capacity(cfg, hw, batch, seq, **kw)
-    lines = [ours.format(), "", ours.plan.format_table(clip=False), ""]  # priced without clipping (no stash)
+    lines = [choice.describe(), ours.format(), "", ours.plan.format_table(clip=False), ""]  # priced without clipping (no stash)
     best = max_batch(cfg, hw, seq, **kw)
     lines.append(f"largest batch for {model} at seq {seq}: {best}" if best else
                  f"{model} does not fit at any batch size at seq {seq}")
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU, SSD count x model and RAM, e.g. 'rtx4090,12xP5510,256GB'")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (the paper uses 1024)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--compute-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--compute-dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="auto: what a run on the machine picks (bf16 on its GPU)")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--no-compare", action="store_true", help="skip the activations-in-RAM comparison")

@@ -343,6 +343,9 @@ def steps_share(ratio: float, steps: int) -> int:
 NO_DECAY_KINDS = ("bias", "norm", "embedding")
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 """The learning-rate schedules (`EngineConfig.lr_scheduler`)."""
+COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+"""`EngineConfig.compute_dtype`'s values; past `lohan.plan.compute_dtype.choose` every layer sees one of the last
+three."""
 
 
 @dataclass(frozen=True)
@@ -364,16 +367,19 @@ class EngineConfig:
     ``naive`` (per block READ -> ADAM -> WRITE during backward) or ``optimized`` (READ of block i-1
     issued before WRITE of block i, paper Fig. 3b)."""
 
-    compute_dtype: str = "bf16"
+    compute_dtype: str = "auto"
     """``bf16``: bf16 parameters on the device under autocast, fp32 master weights and Adam states.
-    ``fp32``: everything fp32 (bit-exact with a plain PyTorch fp32 loop)."""
+    ``fp32``: everything fp32 (bit-exact with a plain PyTorch fp32 loop). ``fp16``: with dynamic loss scaling.
+    ``auto``: bf16 on a GPU and on a CPU with native bf16 (AMX or AVX-512 bf16), fp32 on other CPUs, where bf16
+    runs ~10x slower; bf16 for ``state_format`` bf16-master; a resume keeps the store's. The engine and the run
+    resolve it once (`lohan.plan.compute_dtype.choose`) and the header says which and why."""
 
     state_format: str = "exact"
     """How the optimizer states are stored (README "Smaller states"; fixed when the store is created):
     ``exact`` (fp32 master, m, v and the P16 copy: bit-exact with PyTorch's AdamW, 14 bytes per parameter),
     ``bf16-moments`` (m and v in bf16: 10), ``8bit-moments`` (m and v 8-bit block-wise, as bitsandbytes' and
     torchao's 8-bit Adam: 8.03) or ``bf16-master`` (bf16 weights updated with stochastic rounding, seeded by
-    ``seed``, no separate P16, 8-bit moments: 4.03; needs compute_dtype bf16)."""
+    ``seed``, no separate P16, 8-bit moments: 4.03; needs compute_dtype bf16, which ``auto`` picks for it)."""
 
     micro_batches: int = 1
     """Gradient accumulation: each batch is split into this many micro-batches."""
@@ -656,7 +662,7 @@ class EngineConfig:
     def _execution_problems(self) -> list[str]:
         """How a step runs: the named choices, the counts, the switches, resident records, the slots."""
         problems: list[str] = []
-        choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": ("bf16", "fp16", "fp32"),
+        choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": COMPUTE_DTYPES,
                    "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda", "sim")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -706,7 +712,7 @@ class EngineConfig:
         problems += self._schedule_problems()
         if self.state_format not in STATE_FORMATS:
             problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
-        elif self.state_format == "bf16-master" and self.compute_dtype != "bf16":
+        elif self.state_format == "bf16-master" and self.compute_dtype not in ("bf16", "auto"):
             problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
                             f"it needs compute_dtype bf16, not {self.compute_dtype} (--compute-dtype bf16)")
         if isinstance(self.no_decay, str | list):

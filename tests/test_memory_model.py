@@ -55,7 +55,7 @@ def model(tied: bool):
 
 def engine_config(dirs=("unused",), **kw) -> EngineConfig:
     base = dict(nvme=tuple(dirs), cpu_mem=CPU_MEM, backend="threads", lr=1e-3, warmup_steps=0, total_steps=4,
-                seed=5)
+                seed=5, compute_dtype="bf16")  # (the plan takes a resolved dtype, never auto)
     return EngineConfig(**{**base, **kw})
 
 

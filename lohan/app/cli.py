@@ -109,8 +109,10 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
                    help="run a slice of the model: its width with its first N transformer layers (a preset, or a "
                         "Hugging Face directory, whose first N layers' weights are imported)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
-    g.add_argument("--compute-dtype", choices=["bf16", "fp16", "fp32"],
-                   help="device compute precision (fp16 uses dynamic loss scaling)")
+    g.add_argument("--compute-dtype", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="device compute precision. auto: bf16 on a GPU and on a CPU with native bf16 (AMX or "
+                        "AVX-512 bf16), fp32 on other CPUs, where bf16 runs ~10x slower (the header says which and "
+                        "why); fp16 uses dynamic loss scaling")
     g.add_argument("--device", choices=["auto", "cpu", "cuda", "sim"],
                    help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
     g.add_argument("--sim-gpu", metavar="SPEC",

@@ -236,8 +236,9 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
     """
     use_cuda = resolve_device(device) == "cuda"
     dev = torch.device("cuda" if use_cuda else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32) if use_cuda \
-        else torch.float32
+    # measured in the dtype the run computes in, also on a CPU: bf16 there is fast with AMX or AVX-512 bf16 and ~10x
+    # slower than fp32 without (lohan.plan.compute_dtype), and the plan must price what the run will see
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32)
     ram = psutil.virtual_memory().total
     n = len(nvme)
     measured = _measured_ssd(tuple(nvme), store_name)

@@ -61,9 +61,11 @@ from lohan.data import (
     eval_batches,
     synthetic_batches,
 )
+from lohan.plan.compute_dtype import DtypeChoice, choose
 from lohan.plan.durability import loss_text
 from lohan.plan.formats import state_format
 from lohan.plan.pools import MemoryPlanError
+from lohan.runtime.device import compute_dtype_choice
 from lohan.runtime.engine import Engine, init
 from lohan.runtime.optim import wsd_decay_steps
 from lohan.runtime.parallel import (
@@ -78,7 +80,7 @@ from lohan.runtime.step import NonFiniteError
 from lohan.store.dirlock import DirectoryInUseError, DirLock
 from lohan.store.group import rank_dir
 from lohan.store.integrity import StoreCorruptError, check_record, read_json_checked, write_json_atomic
-from lohan.store.opening import CLI, StoreExistsError, check_request
+from lohan.store.opening import CLI, StoreExistsError, check_request, stored_compute_dtype
 from lohan.store.states import StateStore, StoreStatus
 
 log = logging.getLogger(__name__)
@@ -383,7 +385,8 @@ def _persist_line(engine: Engine) -> str:
             f"{loss_text(n, est.t_iter if est is not None else None)}")
 
 
-def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str) -> None:
+def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str,
+            dtype: DtypeChoice) -> None:
     e = run.engine
     layout = engine.store.layout
     plan = engine.host_memory
@@ -402,6 +405,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
         f"  main memory: {plan.total / 2**30:.2f} of {plan.budget / 2**30:.2f} GiB budgeted ({plan.describe()}) | "
         f"device {engine.device.describe()}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}"
         + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none" else ""))
+    console.print(f"  {dtype.describe()}")
     console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
     if engine.cfg.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size
         console.print(f"  [yellow]warning:[/yellow] lr {engine.cfg.lr:g} is far above what AdamW training uses "
@@ -477,6 +481,7 @@ class _Run:
     console: Console
     checkpoints: Checkpoints | None = None
     fit: Any = None  # the plan's FitReport (`_plan`): the first step's measured lanes are priced with it
+    dtype: DtypeChoice | None = None  # the compute dtype `run.engine` was resolved to, and why (`_compute_dtype`)
 
     @property
     def world(self) -> int:
@@ -495,9 +500,12 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
     console = Console(soft_wrap=True, quiet=bool(dp and not dp.is_main))
     try:
+        run, dtype = _compute_dtype(run, resume, hardware, dp)
         ctx = _preflight(run, dry_run, export, export_dtype, config, console, dp)
+        ctx.dtype = dtype
         report = ctx.fit = _plan(ctx, hardware, dry_run)
         if dry_run:
+            console.print(dtype.describe())
             console.print(report.format())
             if ctx.dataset is not None and ctx.dataset.description:
                 console.print(f"data: {escape(ctx.dataset.description)}")
@@ -519,6 +527,23 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         engine.close()
         return _fail(console, dp, str(err))
     return _loop(ctx, engine, batches, data_state, export, export_dtype)
+
+
+def _compute_dtype(run: RunConfig, resume: bool, hardware: str | None,
+                   dp: DataParallel | None) -> tuple[RunConfig, DtypeChoice]:
+    """`run` with its compute dtype resolved once, for this machine or the one `hardware` describes (whose GPU
+    computes bf16), and why; a resume under ``auto`` keeps the dtype its store was created with."""
+    e = run.engine
+    if hardware:
+        choice = choose(e.compute_dtype, "cuda", (), state_format=e.state_format)
+    else:
+        dirs = dp.rank_dirs(e.nvme) if dp else e.nvme
+        stored = stored_compute_dtype(dirs, e.name) if resume and e.compute_dtype == "auto" else None
+        try:
+            choice = compute_dtype_choice(e.compute_dtype, e.device, e.state_format, stored)
+        except ValueError as err:  # the device: LOHAN_DEVICE unknown, or cuda asked for where there is none
+            raise Refusal(str(err)) from None
+    return dataclasses.replace(run, engine=e.with_overrides(compute_dtype=choice.dtype)), choice
 
 
 def _fail(console: Console, dp: DataParallel | None, msg: str) -> int:
@@ -716,7 +741,7 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
     if ctx.main_rank:
         _start_metrics(ctx.layout, resume)
     label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name
-    _header(console, run, ctx.model.config, engine, ctx.seq_len, label)
+    _header(console, run, ctx.model.config, engine, ctx.seq_len, label, ctx.dtype)
     if ctx.dataset is not None and ctx.dataset.description:
         console.print(f"  data: {escape(ctx.dataset.description)}")
     if ctx.eval_set is not None:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lohan.plan.compute_dtype import DtypeChoice, choose
 from lohan.runtime.simdevice import SIM_DEVICE, SimDevice
 from lohan.runtime.simgpu import ENV as SIM_GPU_ENV
 from lohan.runtime.simgpu import SimGpu, parse_sim_gpu
@@ -50,6 +51,30 @@ def resolve_device(kind: str = "auto") -> str:
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device (a CPU-only torch build, "
                          "no driver, or CUDA_VISIBLE_DEVICES hides it); use --device cpu or auto")
     return kind
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (``avx2``, ``amx_bf16``, ``avx512_bf16``, ...); where
+    there is no /proc/cpuinfo (not Linux), the bf16 ones torch's own CPU queries report."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):  # x86; aarch64 calls them Features
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    queries = {"amx_bf16": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported"}  # private: guarded
+    return frozenset(flag for flag, name in queries.items() if getattr(torch.cpu, name, lambda: False)())
+
+
+def compute_dtype_choice(asked: str, device: str = "auto", state_format: str = "exact",
+                         stored: str | None = None) -> DtypeChoice:
+    """`lohan.plan.compute_dtype.choose` on this machine: `device` (a kind, ``auto``, or ``cuda:N``) resolved, this
+    CPU's flags, and on CUDA whether the GPU computes bf16."""
+    kind = resolve_device(device.partition(":")[0])
+    gpu_bf16 = kind != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+    return choose(asked, kind, cpu_flags(), gpu_bf16=gpu_bf16, state_format=state_format, stored=stored)
 
 
 class Event(Protocol):

@@ -54,7 +54,7 @@ from lohan.plan.pools import (
 )
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.clip_schedule import ClipSchedule
-from lohan.runtime.device import Device
+from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.heap import release_free_memory, reuse_heap
 from lohan.runtime.offload import GradOffloader, Provide
 from lohan.runtime.optim import decay_mask
@@ -85,7 +85,7 @@ from lohan.runtime.step import (
 )
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
-from lohan.store.opening import check_request, open_or_create
+from lohan.store.opening import check_request, open_or_create, stored_compute_dtype
 from lohan.store.states import DTYPES, StateStore, StoreLayout, plan_layout, unit_views
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,10 @@ class Engine:
         if cfg.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
             reuse_heap()
         self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device, sim_gpu=cfg.sim_gpu)
+        # compute_dtype auto, resolved once for this machine (a resume keeps the dtype the store was laid out in)
+        stored = stored_compute_dtype(cfg.nvme, cfg.name) if resume and cfg.compute_dtype == "auto" else None
+        self.dtype_choice = compute_dtype_choice(cfg.compute_dtype, self.device.type, cfg.state_format, stored)
+        self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
         self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots,  # whole blocks
                                   cfg.state_format)

@@ -4,6 +4,7 @@ everything else with the reason (a store is never discarded silently)."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from lohan.plan.formats import state_format
 from lohan.store.files import remove_files, run_files
 from lohan.store.group import rank_dir, read_decision
 from lohan.store.integrity import StoreCorruptError, unit_bounds
-from lohan.store.states import StateStore, StoreLayout, StoreStatus
+from lohan.store.states import StateStore, StoreLayout, StoreStatus, _read_meta
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ def status_for(dirs: Sequence[str], name: str, overwrite: bool) -> StoreStatus:
     return StoreStatus("damaged", volume_id=current, replaces=replaced)
 
 
+def stored_compute_dtype(dirs: Sequence[str], name: str) -> str | None:
+    """The compute dtype the store `name` in `dirs` was laid out in (its P16 copy's: bf16, fp16 or fp32), or None
+    where there is none, or its description cannot be read (opening it then says what is wrong)."""
+    try:
+        meta = _read_meta(os.path.join(dirs[0], f"{name}.store.json"))
+    except (OSError, ValueError, StoreCorruptError):  # missing, damaged, written by another lohan version
+        return None
+    return StoreLayout.from_json(meta["layout"]).p16_dtype
+
+
 def check_request(base_dirs: Sequence[str], name: str, *, resume: bool, overwrite: bool, world: int = 1,
                   rank: int | None = None, must_exist: bool = False, asked: Asked = API) -> StoreStatus:
     """What the NVMe directories hold against what was asked, refused alike wherever a run starts (the command
@@ -123,6 +134,12 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
                 f"this run asks for {layout.state_format}: a store's format is fixed when it is created (its records "
                 f"are laid out for it, and converting them would change the states). Resume with --state-format "
                 f"{store.layout.state_format}, or export the model and fine-tune the export in a new store")
+        if store.layout.p16_dtype != layout.p16_dtype:
+            store.close()
+            raise ValueError(
+                f"the store in {dirs[0]} was created with compute_dtype {store.layout.p16_dtype} and this run asks "
+                f"for {layout.p16_dtype}: its P16 copy is laid out in the compute dtype it was created with. Resume "
+                f"with --compute-dtype {store.layout.p16_dtype}, or auto (which keeps the store's)")
         if store.layout != layout:
             problem = "was laid out for other settings (slots or compute_dtype differ)"
         elif any(unit_bounds(b.numel, store.chunk_elems) != unit_bounds(b.numel, chunk_elems) for b in layout.blocks):
