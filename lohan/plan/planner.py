@@ -291,7 +291,7 @@ class Profile:
     ``exact`` state format); less in a compressed one (`lohan.plan.formats.StateFormat.record`)."""
     separate_p16: bool = True
     """Whether the P16 copy is stored (and written each step) beside the record; False for ``bf16-master``, whose
-    master is the copy the compute reads."""
+    master is the copy the compute reads, and for ``exact`` states computed in fp32 (`StateFormat.keeps_p16`)."""
     update_cost: float = 1.0
     """The CPU update's time per parameter relative to exact's AdamW (`lohan.plan.formats.StateFormat.update_cost`)."""
     input_bytes_int8: int | None = None
@@ -1267,7 +1267,8 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     plan = algorithm1(dataclasses.replace(profile, resident_params=resident, readahead_params=ahead,
                                           kept_p16_params=kept,
                                           write_behind=slots == 2, record_bytes=fmt.record(),
-                                          separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
+                                          separate_p16=fmt.keeps_p16(profile.p16_itemsize),
+                                          update_cost=fmt.update_cost,
                                           act_compress=act_compress))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap, host=host_device)
     states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
