@@ -115,7 +115,9 @@ def build_lohan(model_dir: Path, work: Path, dtype: str, overrides: dict[str, An
                 "pool_allocated": {k: p.stats()["allocated"] for k, p in pools.items()},
                 "pool_peak_allocated": {k: p.stats()["peak_allocated"] for k, p in pools.items()},
                 "resident_blocks": f"{len(eng.offloader.resident)} of {len(eng.store.layout.blocks)}",
-                "activation_tier_bytes": getattr(eng.activations, "cpu_pool_bytes", None)}
+                # the activation records the plan keeps in main memory (its CPU tier), at their peak
+                "activation_tier_bytes": int(((eng.last_stats.to_dict() if eng.last_stats else {})
+                                              .get("activations") or {}).get("peak_cpu_bytes") or 0)}
 
     return step, eng.close, info
 
@@ -182,22 +184,36 @@ def run_child(system: str, model_dir: Path, a: argparse.Namespace) -> dict[str, 
     return json.loads(result.read_text())
 
 
+def command(argv: list[str], scratch: Path) -> str:
+    """The command line of the report, with the scratch directory relative to the checkout, or named by its role
+    (SCRATCH) outside it: never the path it had on the machine that ran it."""
+    where = scratch.resolve()
+    named = str(where.relative_to(REPO)) if where.is_relative_to(REPO) else "SCRATCH"
+    return " ".join(["benchmarks/mem_bench.py", *(named if x == str(scratch) else x for x in argv)])
+
+
 def accounting(rep: dict[str, Any]) -> list[tuple[str, float, float]]:
     """Peak RSS of the steps in parts, GiB, (part, torch, lohan). States: torch's fp32 weights, gradients, m and v
     (16 B a parameter); lohan's pools at their peak (records: P32, m, v and P16 of each resident block). Process:
-    lohan's RSS once built less its pools then allocated; torch's RSS after the imports (its weights, loaded
-    lazily from the file, are counted as states). The rest: the step's working set (activations, autograd's
-    temporaries, the loss) and what the allocator keeps, by difference."""
+    the RSS once built, before the first step (lohan's less the pools then allocated). torch's weights are mapped
+    from the checkpoint and mostly not yet touched then (its RSS grew 0.12 GiB over the imports' here, as lohan's
+    did for its meta-device skeleton): what of them is resident is counted twice, so torch's process is an upper
+    bound and lohan's excess there a lower one. Activation records: what lohan's plan keeps in main memory at
+    their peak (on a CPU device the outputs of the ops it does not recompute; torch's saved tensors are in its
+    rest). The rest: the step's working set (autograd's temporaries, the block being recomputed, the loss) and
+    what the allocator keeps, by difference."""
     th, lo = rep["runs"]["torch"], rep["runs"]["lohan"]
     pools = lo["pool_peak_allocated"]
     lo_process = lo["rss_ready_bytes"] - sum(lo["ready"]["pool_allocated"].values())
-    rows = [("records pool (P32, m, v, P16)", 0.75 * th["states_bytes"], pools["records"]),
+    acts = lo.get("activation_tier_bytes") or 0
+    rows = [("records pool (P32, m, v; P16 where kept)", 0.75 * th["states_bytes"], pools["records"]),
             ("params pool (P16)", 0.0, pools["params"]),
             ("grads pool (with the stash)", 0.25 * th["states_bytes"], pools["grads"]),
-            ("process", th["rss_imports_bytes"], lo_process)]
-    rest = [r["peak_rss_steps_bytes"] - s for r, s in ((th, th["states_bytes"] + th["rss_imports_bytes"]),
-                                                        (lo, sum(pools.values()) + lo_process))]
-    rows.append(("working set + allocator (the rest)", *rest))
+            ("process", th["rss_ready_bytes"], lo_process),
+            ("activation records in RAM (lohan's CPU tier)", 0.0, acts)]
+    rest = [r["peak_rss_steps_bytes"] - s for r, s in ((th, th["states_bytes"] + th["rss_ready_bytes"]),
+                                                        (lo, sum(pools.values()) + lo_process + acts))]
+    rows.append(("working set + allocator (the rest; torch's activations)", *rest))
     rows.append(("peak RSS of the steps", th["peak_rss_steps_bytes"], lo["peak_rss_steps_bytes"]))
     return [(k, t / GiB, v / GiB) for k, t, v in rows]
 
@@ -220,7 +236,8 @@ def markdown(rep: dict[str, Any]) -> str:
         f"{rep['rss_ratio_vs_torch_whole_life']:.3f})", "",
         f"lohan's memory plan (GiB): {plan}; pools' peak allocated (GiB): {peaks}; resident records: "
         f"{lo['resident_blocks']}.", "",
-        "Where the peak goes (GiB; torch's weights and m, v are under 'records', its gradients under 'grads'):", "",
+        "Where the peak goes (GiB; torch's weights and m, v are under 'records', its gradients under 'grads'; "
+        "`accounting` says how each part is measured):", "",
         "| part | torch | lohan | lohan - torch |", "|---|---|---|---|",
         *(f"| {k} | {t:.3f} | {v:.3f} | {v - t:+.3f} |" for k, t, v in accounting(rep)), ""])
 
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     th, lo = runs["torch"], runs["lohan"]
     rep = {"when": dt.datetime.now().isoformat(timespec="seconds"),
-           "command": " ".join(["benchmarks/mem_bench.py", *(argv if argv is not None else sys.argv[1:])]),
+           "command": command(argv if argv is not None else sys.argv[1:], a.scratch),
            "host": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
            "model": f"llama-{a.size}", "batch": a.batch, "seq": a.seq, "dtype": a.dtype, "steps": a.steps,
            "rss_ratio_vs_torch": lo["peak_rss_steps_bytes"] / th["peak_rss_steps_bytes"],
