@@ -596,7 +596,8 @@ class StateStore:
         if what != "state":
             parts = parts[-1:] if b.sections.p16 else parts[:1]  # (bf16-master: the P16 is the master)
         off, nbytes = parts[0][1], parts[-1][1] + parts[-1][2] - parts[0][1]
-        sections = ("P32/m/v" if b.fmt == "exact" else "master/m/v") if what == "state" else "P16"
+        sections = ("P32/m/v" if b.fmt == "exact" else "master/m/v") if what == "state" else \
+            ("P32 (read as the P16: the master is what the compute reads)" if b.shared_p16 else "P16")
         raise StoreCorruptError(
             f"checksum mismatch in block {block} ({b.name}), {sections} elements {lo}..{hi} of slot {slot} at "
             f"step {self.step}: the bytes read back from {describe_range(self.volume.dirs, off, nbytes)} are not "
@@ -624,7 +625,8 @@ class StateStore:
         for b in self.layout.blocks:
             for lo, hi in unit_bounds(b.numel, self.chunk_elems):
                 state, p16 = unit_sums(self._read_unit(b.index, lo, hi, with_p16=True))
-                for what, got in (("state", state), ("p16", p16)):
+                # (a record without a P16 section of its own: its P16 is the master, which "state" covers)
+                for what, got in (("state", state), ("p16", p16))[:2 if b.has_p16 else 1]:
                     try:
                         self.check_unit(b.index, lo, what, got)
                     except StoreCorruptError as e:
