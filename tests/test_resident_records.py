@@ -205,7 +205,9 @@ def test_resident_mem_all_reserves_nothing_for_records_updated_in_chunks(make_di
         chunked = [b.index for b in blocks if b.numel > chunk]
         assert chunked and set(engine.offloader.resident) == {b.index for b in blocks} - set(chunked)
         whole = sum(align_up(b.record_bytes) for b in blocks if b.numel <= chunk)
-        assert engine.records_pool.budget_bytes == whole + 3 * align_up(chunk_record_bytes(chunk, 4))
+        streamed = max(blocks[i].max_unit_bytes(chunk) for i in chunked)  # (fp32: P32, m, v; no P16 copy)
+        assert streamed == 3 * align_up(4 * chunk)
+        assert engine.records_pool.budget_bytes == whole + 3 * streamed
         losses = [engine.step(b) for b in batches(3)]
     assert all(math.isfinite(x) for x in losses)
 

@@ -12,7 +12,9 @@ def test_exact_moves_28_bytes_per_parameter_a_step_as_the_cost_model_counts():
     exact = formats.state_format("exact")
     assert exact.at_rest() == 14 and exact.record() == 12
     assert exact.per_step() == 12 + 14 + 2  # read P32, m, v; write them and P16; read P16 for the compute
-    assert exact.per_step(p16_bytes=4) == 12 + 16 + 4  # fp32 compute: the copy is fp32 too
+    # fp32 compute: no copy is stored or written, the master is read as the P16 (it was a copy bit for bit)
+    assert exact.per_step(p16_bytes=4) == 12 + 12 + 4 and exact.at_rest(4) == 12
+    assert not exact.keeps_p16(4) and exact.keeps_p16(2)
 
 
 def test_each_compressed_format_weighs_less_and_bf16_master_has_no_separate_copy():

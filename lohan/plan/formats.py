@@ -59,9 +59,15 @@ class StateFormat:
         """Whether m and v are 8-bit codes with one fp32 absmax per `QBLOCK` values of each parameter."""
         return self.moment_itemsize == 1
 
+    def keeps_p16(self, p16_bytes: int = 2) -> bool:
+        """Whether a record stores a P16 of `p16_bytes` bytes a parameter beside the master: not where the master
+        is what the compute reads (``bf16-master``), nor for ``exact`` states computed in fp32, whose P16 would be
+        the fp32 master bit for bit (a store laid out before that keeps its copy: `records.BlockLayout.shared_p16`)."""
+        return self.separate_p16 and not (self.name == "exact" and p16_bytes == 4)
+
     def at_rest(self, p16_bytes: int = 2) -> float:
         """Bytes per parameter on the SSDs (one slot)."""
-        return self.master + 2 * self.moment + (p16_bytes if self.separate_p16 else 0)
+        return self.master + 2 * self.moment + (p16_bytes if self.keeps_p16(p16_bytes) else 0)
 
     def record(self) -> float:
         """Bytes per parameter of the optimizer record the update reads and writes (master, m, v)."""
@@ -71,7 +77,7 @@ class StateFormat:
         """Bytes per parameter read plus written by one optimizer step: the record both ways, the P16 written
         (a separate copy) and read for the compute (unless the update hands it over)."""
         p16 = p16_bytes if self.separate_p16 else self.master
-        written = self.record() + (p16_bytes if self.separate_p16 else 0)
+        written = self.record() + (p16_bytes if self.keeps_p16(p16_bytes) else 0)
         return self.record() + written + (p16 if p16_read else 0)
 
 

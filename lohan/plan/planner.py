@@ -291,7 +291,7 @@ class Profile:
     ``exact`` state format); less in a compressed one (`lohan.plan.formats.StateFormat.record`)."""
     separate_p16: bool = True
     """Whether the P16 copy is stored (and written each step) beside the record; False for ``bf16-master``, whose
-    master is the copy the compute reads."""
+    master is the copy the compute reads, and for ``exact`` states computed in fp32 (`StateFormat.keeps_p16`)."""
     update_cost: float = 1.0
     """The CPU update's time per parameter relative to exact's AdamW (`lohan.plan.formats.StateFormat.update_cost`)."""
     persist_every: int = 1
@@ -1289,7 +1289,7 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
         if slots > 1 else 0  # (in place nothing is kept)
     profile = dataclasses.replace(profile, resident_params=resident, readahead_params=ahead, kept_p16_params=kept,
                                   write_behind=slots == 2, record_bytes=fmt.record(),
-                                  separate_p16=fmt.separate_p16, update_cost=fmt.update_cost,
+                                  separate_p16=fmt.keeps_p16(profile.p16_itemsize), update_cost=fmt.update_cost,
                                   act_compress=act_compress)
     plan = algorithm1(profile)
     every, why_not = _persist_every(persist_every, profile, plan, slots, host.has_stash)

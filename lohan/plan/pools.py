@@ -47,7 +47,7 @@ from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, la
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
-    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "upcast_bytes",
+    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
     "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes",
 ]
@@ -127,8 +127,15 @@ def reads_ahead(cfg: EngineConfig) -> bool:
 
 def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
     """Elements per optimizer chunk: `opt_chunk_bytes` of record, a multiple of 4096 (aligned I/O)."""
-    per_elem = math.ceil(state_format(layout.state_format).at_rest(layout.blocks[0].p16_itemsize))
-    return max(4096, cfg.opt_chunk_bytes // per_elem // 4096 * 4096)
+    return max(4096, cfg.opt_chunk_bytes // chunk_elem_bytes(layout) // 4096 * 4096)
+
+
+def chunk_elem_bytes(layout: StoreLayout) -> int:
+    """Bytes a parameter of `opt_chunk_bytes` counts: its record's with a P16 of the compute dtype beside the
+    master where the format keeps one at all, also where a record computed in fp32 shares it with the master
+    (`records.BlockLayout.shared_p16`): the chunks, and the checksum units of a store, stay what they were."""
+    f = state_format(layout.state_format)
+    return math.ceil(f.record() + (layout.blocks[0].p16_itemsize if f.separate_p16 else 0))
 
 
 def _itemsize(dtype: object) -> int:

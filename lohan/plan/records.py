@@ -10,7 +10,8 @@ narrower and, with 8-bit moments, each moment's fp32 absmax per `QBLOCK` values 
 
     record(n) = [ master: a*n | m: b*n | v: b*n | m absmax: 4q | v absmax: 4q | P16: c*n ]
 
-(``bf16-master`` has no separate P16: its master is what the compute reads.) `Sections` gives the offsets of
+(``bf16-master`` has no separate P16: its master is what the compute reads; nor have ``exact`` records computed
+in fp32, whose P16 would be the P32 bit for bit: `BlockLayout.shared_p16`.) `Sections` gives the offsets of
 any unit, a whole record or a chunk of one; everything before the P16 is what the optimizer reads.
 
 A chunk of a record (the optimizer updates blocks bigger than `opt_chunk_bytes` chunk by chunk) is laid out the
@@ -62,14 +63,15 @@ class Sections:
     total: int
 
 
-def sections(n: int, q: int, fmt: str, p16_itemsize: int, align: int = ALIGN) -> Sections:
-    """The sections of a unit of `n` elements and `q` quantization blocks in state format `fmt`."""
+def sections(n: int, q: int, fmt: str, p16_itemsize: int, align: int = ALIGN, shared_p16: bool = False) -> Sections:
+    """The sections of a unit of `n` elements and `q` quantization blocks in state format `fmt`; `shared_p16`:
+    the master is the P16 (no section of its own: `BlockLayout.shared_p16`)."""
     f = state_format(fmt)
     master = align_up(f.master_itemsize * n, align)
     moment = align_up(f.moment_itemsize * n, align)
     scale = align_up(4 * q, align) if f.quantized else 0
     end = master + 2 * moment + 2 * scale
-    p16, total = (end, end + align_up(p16_itemsize * n, align)) if f.separate_p16 else (0, end)
+    p16, total = (end, end + align_up(p16_itemsize * n, align)) if f.separate_p16 and not shared_p16 else (0, end)
     return Sections(n, q, 0, master, master + moment, master + 2 * moment, master + 2 * moment + scale, p16, end,
                     total)
 
@@ -95,6 +97,15 @@ class BlockLayout:
     p16_itemsize: int
     offset: int  # bytes from the start of a slot
     fmt: str = "exact"  # the state format (`lohan.plan.formats`)
+    shared_p16: bool = False
+    """The master is the P16 the compute reads: no P16 section of its own (``exact`` states computed in fp32, whose
+    P16 was a bit-for-bit copy of the master: 4 bytes a parameter less in RAM, on the SSDs and written per step;
+    `StateFormat.keeps_p16`). False in a store laid out before it, which keeps its copy (`has_p16` says which)."""
+
+    @property
+    def has_p16(self) -> bool:
+        """Whether the record has a P16 section of its own (else the master is read as the P16)."""
+        return state_format(self.fmt).separate_p16 and not self.shared_p16
 
     @property
     def quantized(self) -> bool:
@@ -131,7 +142,7 @@ class BlockLayout:
     def unit(self, lo: int, hi: int, align: int = ALIGN) -> Sections:
         """The sections of the unit lo..hi (the whole record when lo, hi = 0, numel)."""
         q0, q1 = self.qrange(lo, hi)
-        return sections(hi - lo, q1 - q0, self.fmt, self.p16_itemsize, align)
+        return sections(hi - lo, q1 - q0, self.fmt, self.p16_itemsize, align, self.shared_p16)
 
     @property
     def sections(self) -> Sections:
@@ -208,6 +219,7 @@ class StoreLayout:
         blocks = tuple(
             BlockLayout(index=b["index"], name=b["name"], numel=b["numel"], p16_itemsize=b["p16_itemsize"],
                         offset=b["offset"], fmt=b.get("fmt", "exact"),  # (stores from before the formats)
+                        shared_p16=b.get("shared_p16", False),  # (stores from before it: a P16 section each)
                         params=tuple(ParamSpec(p["name"], tuple(p["shape"]), p["offset"], p["numel"])
                                      for p in b["params"]))
             for b in data["blocks"])
@@ -218,14 +230,23 @@ P16_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of the compute-dtype copy (P16) by compute dtype (`store.states.DTYPES` holds the torch ones)."""
 
 
+def shares_p16(state_format_name: str, p16_dtype: str) -> bool:
+    """Whether a store laid out now for `state_format_name` states and `p16_dtype` compute has the master as its
+    P16 (`BlockLayout.shared_p16`): a format that keeps a separate P16, but not of this compute dtype."""
+    f = state_format(state_format_name)
+    return f.separate_p16 and not f.keeps_p16(P16_ITEMSIZE[p16_dtype])
+
+
 def layout_of(numels: list[int] | tuple[int, ...], p16_dtype: str, slots: int = 2,
               names: list[str] | tuple[str, ...] | None = None, state_format: str = "exact") -> StoreLayout:
     """A layout of blocks of the given element counts, each one flat parameter: the geometry the planners price
     when they know a model's shape but not its modules (`store.states.plan_layout` lays out real ones)."""
     blocks, offset = [], 0
+    shared = shares_p16(state_format, p16_dtype)
     for i, n in enumerate(numels):
         name = names[i] if names else f"block{i}"
-        b = BlockLayout(i, name, (ParamSpec("flat", (n,), 0, n),), n, P16_ITEMSIZE[p16_dtype], offset, state_format)
+        b = BlockLayout(i, name, (ParamSpec("flat", (n,), 0, n),), n, P16_ITEMSIZE[p16_dtype], offset, state_format,
+                        shared)
         blocks.append(b)
         offset += b.record_bytes
     return StoreLayout(tuple(blocks), p16_dtype, slots)

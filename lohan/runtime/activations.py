@@ -110,7 +110,7 @@ class ActivationManager:
         return {"resident_params": resident, "readahead_params": min(self.readahead_params, param_count - resident),
                 "kept_p16_params": round(param_count * self.kept_p16_fraction),
                 "write_behind": self.cfg.slots == 2 and self.cfg.write_behind, "record_bytes": fmt.record(),
-                "separate_p16": fmt.separate_p16, "update_cost": fmt.update_cost}
+                "separate_p16": fmt.keeps_p16(self.p16_itemsize), "update_cost": fmt.update_cost}
 
     def needs_prepare(self, batch: int, seq: int) -> bool:
         return len(self.inner) > 0 and self._shape != (batch, seq)

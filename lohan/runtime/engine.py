@@ -133,8 +133,10 @@ class Engine:
         self.dtype_choice = compute_dtype_choice(cfg.compute_dtype, self.device.type, cfg.state_format, stored)
         self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype)
         self.compute_dtype = DTYPES[cfg.compute_dtype]
+        # a store resumed keeps the records it was laid out with (a P16 section of its own or not: shared_p16)
+        shared = StateStore.stored_p16_sharing(list(cfg.nvme), cfg.name) if resume else None
         self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots,  # whole blocks
-                                  cfg.state_format)
+                                  cfg.state_format, shared)
         self.bounds = [shard_bounds(b, self.world) for b in self.layout.blocks]
         local_layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
         self.grad_dtype = grad_dtype(cfg, self.world)

@@ -91,7 +91,7 @@ def shard_layout(full: StoreLayout, bounds: Sequence[tuple[int, ...] | None], ra
                 a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if a < z:
                     specs.append(ParamSpec(f"{s.name}[{a - s.offset}:{z - s.offset}]", (z - a,), a - lo, z - a))
-            shard = BlockLayout(b.index, b.name, tuple(specs), hi - lo, b.p16_itemsize, offset, b.fmt)
+            shard = BlockLayout(b.index, b.name, tuple(specs), hi - lo, b.p16_itemsize, offset, b.fmt, b.shared_p16)
         blocks.append(shard)
         offset += shard.record_bytes
     return StoreLayout(tuple(blocks), full.p16_dtype, full.slots)

@@ -3,7 +3,6 @@ everything else with the reason (a store is never discarded silently)."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from lohan.config import EngineConfig
-from lohan.plan.formats import state_format
+from lohan.plan.pools import chunk_elem_bytes
 from lohan.store.files import remove_files, run_files
 from lohan.store.group import rank_dir, read_decision
 from lohan.store.integrity import StoreCorruptError, unit_bounds
@@ -143,7 +142,7 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
         if store.layout != layout:
             problem = "was laid out for other settings (slots or compute_dtype differ)"
         elif any(unit_bounds(b.numel, store.chunk_elems) != unit_bounds(b.numel, chunk_elems) for b in layout.blocks):
-            per_elem = math.ceil(state_format(layout.state_format).at_rest(layout.blocks[0].p16_itemsize))
+            per_elem = chunk_elem_bytes(layout)
             problem = (f"was created with other optimizer chunks (resume with --set "
                        f"engine.opt_chunk_bytes={store.chunk_elems * per_elem})")
         if problem:

@@ -42,7 +42,12 @@ from io_engine import ALIGN, Volume, open_volume
 from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format as state_format_of
-from lohan.plan.records import BlockLayout, ParamSpec, StoreLayout  # the record geometry (re-exported)
+from lohan.plan.records import (  # the record geometry (re-exported)
+    BlockLayout,
+    ParamSpec,
+    StoreLayout,
+    shares_p16,
+)
 from lohan.store.files import VOLUME_SUFFIXES, check_name
 from lohan.store.integrity import (
     StoreCorruptError,
@@ -65,10 +70,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: str, slots: int,
-                state_format: str = "exact") -> StoreLayout:
+                state_format: str = "exact", shared_p16: bool | None = None) -> StoreLayout:
     """Lay out the records of `blocks` (modules, typically on the meta device: only shapes are read) in
-    `state_format` (`lohan.plan.formats`)."""
+    `state_format` (`lohan.plan.formats`). `shared_p16`: whether the master is the P16 (`BlockLayout.shared_p16`);
+    None: as a store is laid out now (`records.shares_p16`), a bool: as the store being resumed was."""
     fmt = state_format_of(state_format)
+    shared = shares_p16(state_format, p16_dtype) if shared_p16 is None else shared_p16
     if not fmt.separate_p16 and p16_dtype != "bf16":
         raise ValueError(f"state format {state_format!r} keeps bf16 weights only, which the compute reads as they "
                          f"are; it needs compute_dtype bf16, not {p16_dtype} (--compute-dtype bf16)")
@@ -82,7 +89,7 @@ def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: st
             n += p.numel()
         if n == 0:
             raise ValueError(f"block {i} ({name}) has no parameters; merge it into a neighbour")
-        layout = BlockLayout(i, name, tuple(specs), n, itemsize, offset, state_format)
+        layout = BlockLayout(i, name, tuple(specs), n, itemsize, offset, state_format, shared)
         out.append(layout)
         offset += layout.record_bytes
     return StoreLayout(tuple(out), p16_dtype, slots)
@@ -143,7 +150,7 @@ def unit_views(buf: torch.Tensor, b: BlockLayout, lo: int, hi: int, p16_dtype: t
     if f.quantized:
         ms = buf[sec.m_scale:sec.m_scale + 4 * sec.q].view(torch.float32)
         vs = buf[sec.v_scale:sec.v_scale + 4 * sec.q].view(torch.float32)
-    p16 = buf[sec.p16:sec.p16 + b.p16_itemsize * n].view(p16_dtype) if f.separate_p16 else master
+    p16 = buf[sec.p16:sec.p16 + b.p16_itemsize * n].view(p16_dtype) if b.has_p16 else master
     return UnitViews(master, m, v, ms, vs, p16)
 
 
@@ -168,7 +175,7 @@ def unit_sections(layout: StoreLayout, unit: tuple[int, int, int], slot: int,
     if f.quantized:
         out += [(sec.m_scale, rec + whole.m_scale + 4 * q0, 4 * sec.q),
                 (sec.v_scale, rec + whole.v_scale + 4 * q0, 4 * sec.q)]
-    if with_p16 and f.separate_p16:
+    if with_p16 and b.has_p16:
         out.append((sec.p16, rec + whole.p16 + b.p16_itemsize * lo, b.p16_itemsize * n))
     return out
 
@@ -442,6 +449,18 @@ class StateStore:
         meta = _read_meta(meta_path)
         return meta["volume_id"], tuple(meta.get("replaces", ()))
 
+    @staticmethod
+    def stored_p16_sharing(dirs: Sequence[str], name: str = "lohan") -> bool | None:
+        """Whether the store described in `dirs` (complete, or its creation interrupted) has the master as its P16
+        (`BlockLayout.shared_p16`); None where no description can be read (no store: a new one is laid out as
+        stores are now; a damaged one is refused when it is opened)."""
+        meta_path = os.path.join(dirs[0], f"{name}.store.json")
+        try:
+            layout = StoreLayout.from_json(_read_meta(meta_path)["layout"])
+        except (OSError, ValueError, KeyError, TypeError, StoreCorruptError):
+            return None
+        return bool(layout.blocks) and layout.blocks[0].shared_p16
+
     @classmethod
     def open(cls, dirs: Sequence[str], backend: str = "auto", stripe_bytes: int = 1 << 20,
              name: str = "lohan", emulate_ssd_gbps: float | None = None) -> StateStore:
@@ -627,7 +646,8 @@ class StateStore:
         if what != "state":
             parts = parts[-1:] if b.sections.p16 else parts[:1]  # (bf16-master: the P16 is the master)
         off, nbytes = parts[0][1], parts[-1][1] + parts[-1][2] - parts[0][1]
-        sections = ("P32/m/v" if b.fmt == "exact" else "master/m/v") if what == "state" else "P16"
+        sections = ("P32/m/v" if b.fmt == "exact" else "master/m/v") if what == "state" else \
+            ("P32 (read as the P16: the master is what the compute reads)" if b.shared_p16 else "P16")
         raise StoreCorruptError(
             f"checksum mismatch in block {block} ({b.name}), {sections} elements {lo}..{hi} of slot {slot} at "
             f"step {self.step}: the bytes read back from {describe_range(self.volume.dirs, off, nbytes)} are not "
@@ -655,7 +675,8 @@ class StateStore:
         for b in self.layout.blocks:
             for lo, hi in unit_bounds(b.numel, self.chunk_elems):
                 state, p16 = unit_sums(self._read_unit(b.index, lo, hi, with_p16=True))
-                for what, got in (("state", state), ("p16", p16)):
+                # (a record without a P16 section of its own: its P16 is the master, which "state" covers)
+                for what, got in (("state", state), ("p16", p16))[:2 if b.has_p16 else 1]:
                     try:
                         self.check_unit(b.index, lo, what, got)
                     except StoreCorruptError as e:
