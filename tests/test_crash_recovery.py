@@ -78,6 +78,19 @@ def test_kills_between_durable_steps_resume_bit_identically(tmp_path, reference,
     assert trial.identical, trial.problems
 
 
+def test_kills_between_durable_steps_with_a_record_updated_in_chunks_resume_bit_identically(tmp_path, reference,
+                                                                                            monkeypatch):
+    """The same kills where the embedding's record (8.1M parameters) is updated in chunks of ~330K elements: it
+    stays resident chunk by chunk, so the interval applies, and the run still ends as the uninterrupted one."""
+    monkeypatch.setattr(kh, "SETS", ["engine.persist_every=4", "engine.resident_mem=all",
+                                     "engine.opt_chunk_bytes=5MiB"])
+    kills = [("backward", "engine.backward:44"), ("persist", "offload.persisted:1")]
+    ref, secs = reference
+    trial = kh.run_trial(0, tmp_path / "run", kills, ref, secs, random.Random(0))
+    assert trial.kills == len(kills), trial.attempts
+    assert trial.identical, trial.problems
+
+
 def test_sigterm_stops_like_ctrl_c_and_resumes(tmp_path, reference):
     ref, _ = reference
     work = tmp_path / "run"
