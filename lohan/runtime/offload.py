@@ -38,7 +38,7 @@ writes the slot the commit before it names). `wait_tail` lets readers of that sl
 their block's writes; `tail_done` is set once none is in flight.
 
 Resident records (`lohan.plan.pools.plan_resident`, `record_buffers.ResidentRecords`): the record buffers of some blocks stay in the
-pool from one step to the next. Each durable step still WRITEs them (the commit needs every record on the SSDs),
+pool from one step to the next (a block updated in chunks: one buffer per chunk, each a unit as when it streams). Each durable step still WRITEs them (the commit needs every record on the SSDs),
 but the next step finds their bytes in memory and skips their READ; with every record resident, the steps between
 durable ones (`engine.persist_every`, `begin_step(persist=False)`) write nothing: each updated buffer holds the
 state of a RAM slot (`store.states.RAM_SLOTS`), and `persist_resident` writes them all out between steps. The pool (`pools.record_pool_bytes`) is the least
