@@ -78,6 +78,20 @@ def test_kills_between_durable_steps_resume_bit_identically(tmp_path, reference,
     assert trial.identical, trial.problems
 
 
+def test_kills_between_durable_steps_with_a_record_updated_in_chunks_resume_bit_identically(tmp_path, reference,
+                                                                                            monkeypatch):
+    """The same kills where every block's record is updated in chunks (of 73728 elements: a layer's 309280 in five):
+    they stay resident chunk by chunk, so the interval applies (the persist's crash point is reached only so), and
+    the run still ends as the uninterrupted one."""
+    monkeypatch.setattr(kh, "SETS", ["engine.persist_every=4", "engine.resident_mem=all",
+                                     "engine.opt_chunk_bytes=1MiB"])
+    kills = [("backward", "engine.backward:44"), ("persist", "offload.persisted:1")]
+    ref, secs = reference
+    trial = kh.run_trial(0, tmp_path / "run", kills, ref, secs, random.Random(0))
+    assert trial.kills == len(kills), trial.attempts
+    assert trial.identical, trial.problems
+
+
 def test_sigterm_stops_like_ctrl_c_and_resumes(tmp_path, reference):
     ref, _ = reference
     work = tmp_path / "run"

@@ -32,11 +32,32 @@ def test_an_interval_trains_the_same_bits_as_pytorch(make_dirs, clip, lookahead)
     assert all(m["deferred"] for m in metrics if not m["durable"])  # (nothing on the SSDs to redo from)
 
 
-def test_steps_between_durable_ones_write_nothing(make_dirs):
+CHUNKED = {"opt_chunk_bytes": "1MiB"}
+"""With `tiny_cfg(vocab_size=4096)`: the embedding's record (264192 elements) is updated in five chunks."""
+
+
+@pytest.mark.parametrize("clip", [1.5, 0.0])
+@pytest.mark.parametrize("every", [1, 3])
+def test_an_interval_with_a_record_updated_in_chunks_trains_the_same_bits_as_pytorch(make_dirs, clip, every):
+    """A block updated in chunks stays resident (one buffer per chunk), so the interval applies: its chunks' READs
+    are skipped, their P16 served from RAM between durable steps, their WRITEs made at durable ones."""
+    mcfg, ecfg = tiny_cfg(vocab_size=4096), config(make_dirs(1), persist_every=every, max_grad_norm=clip, **CHUNKED)
+    with lohan.init(mcfg, ecfg) as engine:
+        assert engine.layout.blocks[0].numel > engine.store.chunk_elems  # (updated in chunks)
+        assert engine.offloader.resident == [0, 1, 2, 3] and engine.persist_refusal is None
+    metrics = check(mcfg, ecfg.with_overrides(nvme=tuple(make_dirs(1, "run"))), lookahead=True)
+    assert [m["durable"] for m in metrics] == [(s + 1) % every == 0 for s in range(STEPS)]
+    assert [m["resident_record_hits"] for m in metrics] == [0] + [4] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_steps_between_durable_ones_write_nothing(make_dirs, chunked):
     dirs = make_dirs(1)
     data = list(batches(STEPS))
-    with lohan.init(tiny_cfg(), config(dirs, persist_every=4, write_behind=False)) as engine:
+    mcfg = tiny_cfg(vocab_size=4096) if chunked else tiny_cfg()
+    with lohan.init(mcfg, config(dirs, persist_every=4, write_behind=False, **(CHUNKED if chunked else {}))) as engine:
         assert engine.persist_every == 4 and engine.persist_refusal is None
+        assert (engine.layout.blocks[0].numel > engine.store.chunk_elems) == chunked
         slot_bytes = engine.store.layout.slot_bytes
         for step, batch in enumerate(data[:6]):
             engine.step(batch)
@@ -55,10 +76,12 @@ def test_steps_between_durable_ones_write_nothing(make_dirs):
     assert _commit(dirs)["step"] == 6
 
 
-def test_close_eval_and_reads_persist_first_and_resume_is_exact(make_dirs):
-    """`close`, `evaluate` and `state_dict_fp32` persist the steps held in RAM; a reopened store resumes from there
-    bit-identically."""
-    mcfg, ecfg = tiny_cfg(), config(make_dirs(1), persist_every=5)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_close_eval_and_reads_persist_first_and_resume_is_exact(make_dirs, chunked):
+    """`close`, `evaluate` and `state_dict_fp32` persist the steps held in RAM (a record updated in chunks too, chunk
+    by chunk); a reopened store resumes from there bit-identically."""
+    mcfg = tiny_cfg(vocab_size=4096) if chunked else tiny_cfg()
+    ecfg = config(make_dirs(1), persist_every=5, **(CHUNKED if chunked else {}))
     data = list(batches(STEPS))
     _, _, ref_params = reference(mcfg, ecfg, data)
     with lohan.init(mcfg, ecfg) as engine:

@@ -4,7 +4,6 @@ redone, dropped with its tail, rolled back), fewer bytes read, and the pool's bu
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -78,14 +77,26 @@ def test_the_pool_streams_through_inflight_buffers_beside_the_records_bigger_tha
     assert record_pool_bytes(mixed, 3, 1 << 20, resident=True) == 3 * unit
 
 
-def test_blocks_updated_in_chunks_are_always_streamed():
+def test_blocks_updated_in_chunks_stay_whole_where_the_budget_allows():
+    """A block updated in chunks is a candidate like any other: resident, it keeps one buffer per chunk (its whole
+    record); streamed, it takes a chunk's buffer. The durability interval needs every record resident."""
     layout = _layout([3_500_000] + [1_000_000] * 6)
-    chunk = 1 << 20  # every block is chunked but the layers
+    chunk = 1 << 20  # the embedding is updated in four chunks, the layers whole
     unit = align_up(chunk_record_bytes(chunk, 2))
-    chosen = plan_resident(layout, 10 * unit, 3, chunk_elems=chunk)
-    assert 0 not in chosen and chosen  # the layers (under one chunk each) may stay
-    assert _caps(layout, chosen) + 3 * unit <= 10 * unit
-    assert plan_resident(layout, 10 * unit, 3, chunk_elems=4096) == []  # everything chunked
+    whole = layout.blocks[0].units_bytes(chunk)
+    every = whole + _caps(layout, list(range(1, 7)))
+    assert 3 * unit < whole < 4 * unit
+    assert plan_resident(layout, every, 3, chunk_elems=chunk) == list(range(7))  # all of them, the embedding too
+    assert record_pool_bytes(layout, 3, chunk, resident=True) == 3 * unit  # the least pool streams every chunk
+    # a budget short of every record: the embedding streams through three chunk buffers, the lowest layers stay
+    chosen = plan_resident(layout, 6 * unit, 3, chunk_elems=chunk)
+    assert 0 not in chosen and chosen == [1, 2, 3]
+    # room for the embedding and three streamed layers: the embedding stays, as a tied one does
+    layer = align_up(layout.blocks[1].record_bytes)
+    assert plan_resident(layout, whole + 3 * layer, 3, chunk_elems=chunk) == [0]
+    ecfg = config(["d"], resident_mem="all", opt_chunk_bytes=unit)
+    plan = plan_host_memory(PoolGeometry(layout), ecfg)
+    assert plan.records + plan.resident == every and plan.resident_blocks == tuple(range(7))
 
 
 def _run(mcfg, ecfg, data, lookahead=True):
@@ -197,19 +208,25 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
         assert engine.records_pool.budget_bytes == records and len(engine.offloader.resident) == 14
 
 
-def test_resident_mem_all_reserves_nothing_for_records_updated_in_chunks(make_dirs):
-    """Blocks bigger than a chunk keep streaming: `all` keeps every other record and adds no more."""
-    ecfg = config(make_dirs(1), clip_mode="defer", opt_chunk_bytes=4096 * 16 * 4, resident_mem="all")
-    with lohan.init(tiny_cfg(n_layer=3, vocab_size=4096), ecfg) as engine:
+@pytest.mark.parametrize("clip", [1.5, 0.0])
+def test_resident_mem_all_keeps_records_updated_in_chunks_and_stays_exact(make_dirs, clip):
+    """Blocks bigger than a chunk stay too (one buffer per chunk): `all` keeps every record, the pool holds them
+    all and no more, nothing is read after the first step, and the bits are plain PyTorch's."""
+    mcfg, data = tiny_cfg(n_layer=3, vocab_size=4096), list(batches(4))
+    ecfg = config(make_dirs(1), clip_mode="defer", opt_chunk_bytes="1MiB", resident_mem="all", persist_every=1,
+                  max_grad_norm=clip)
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    with lohan.init(mcfg, ecfg) as engine:
         blocks, chunk = engine.layout.blocks, engine.store.chunk_elems
-        chunked = [b.index for b in blocks if b.numel > chunk]
-        assert chunked and set(engine.offloader.resident) == {b.index for b in blocks} - set(chunked)
-        whole = sum(align_up(b.record_bytes) for b in blocks if b.numel <= chunk)
-        streamed = max(blocks[i].max_unit_bytes(chunk) for i in chunked)  # (fp32: P32, m, v; no P16 copy)
-        assert streamed == 3 * align_up(4 * chunk)
-        assert engine.records_pool.budget_bytes == whole + 3 * streamed
-        losses = [engine.step(b) for b in batches(3)]
-    assert all(math.isfinite(x) for x in losses)
+        assert [b.index for b in blocks if b.numel > chunk] == [0]  # the embedding, in five chunks
+        assert engine.offloader.resident == [b.index for b in blocks]
+        assert engine.records_pool.budget_bytes == sum(b.units_bytes(chunk) for b in blocks)
+        assert engine.persist_refusal is None
+    losses, metrics, params, _ = _run(mcfg, ecfg.with_overrides(nvme=tuple(make_dirs(1, "run"))), data)
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+    assert [m["resident_record_hits"] for m in metrics] == [0, 5, 5, 5]
+    assert all(m["ssd_read_bytes"] == 0 for m in metrics[1:])
 
 
 def test_config_takes_resident_mem_sizes_all_and_auto():

@@ -24,6 +24,7 @@ from tests import test_clipping as clip
 from tests import test_engine_equivalence as eq
 from tests import test_hf_families as families
 from tests import test_parallel as parallel
+from tests import test_persist_every as persist
 from tests import test_resident_records as resident
 from tests.test_hf_families import family_dir  # noqa: F401 - a fixture the HF test below takes
 
@@ -267,6 +268,11 @@ def test_fp16_loss_scaling_on_the_simulated_device(sim, make_dirs, tied):
 
 def test_resident_records_on_the_simulated_device(sim, make_dirs):
     resident.test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, "optimized", "defer")
+
+
+def test_an_interval_with_records_updated_in_chunks_on_the_simulated_device(sim, make_dirs):
+    """Resident chunks between durable steps: their P16 copied from RAM piece by piece, then uploaded."""
+    persist.test_an_interval_with_a_record_updated_in_chunks_trains_the_same_bits_as_pytorch(make_dirs, 1.5, 3)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text"])

@@ -359,8 +359,7 @@ def _resident_line(engine: Engine) -> str:
     if len(resident) < len(blocks):
         plan = engine.host_memory
         need = plan.resident_all  # what resident_mem takes to keep every record that can stay (pools.resident_every)
-        if all(b.numel <= engine.store.chunk_elems for b in blocks) and need > plan.resident \
-                and engine.cfg.resident_mem != "all":
+        if need > plan.resident and engine.cfg.resident_mem != "all":
             if engine.cfg.resident_mem == "auto":  # auto takes half of what cpu_mem leaves after the other pools
                 others = plan.total - plan.resident
                 cpu = math.ceil((others + 2 * need) / 2**28) / 4

@@ -1217,7 +1217,7 @@ def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, po
     """(bytes `resident_mem` adds, parameters whose records then stay in memory) for the optimizer's share of
     the pools `pool` (:func:`engine_pools`' ``optimizer``: the record pool and the fp32 upcast scratch):
     ``pools.resident_extra`` and ``pools.plan_resident`` on the model's blocks, without alignment. `extra`:
-    bytes, or ``all``. Records bigger than ``opt_chunk_bytes`` are updated in chunks and never stay."""
+    bytes, or ``all``. Records bigger than ``opt_chunk_bytes`` are updated in chunks and stay whole (every chunk)."""
     ecfg = pools.pool_config(compute_dtype, micro_batches, max_inflight=max_inflight, clip=clip, resident_mem=extra,
                              opt_chunk_bytes=opt_chunk_bytes)
     layout = pools.model_geometry(cfg, compute_dtype).store

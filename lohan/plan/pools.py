@@ -171,56 +171,54 @@ def format_work_bytes(layout: StoreLayout, chunk_elems: int | None) -> int:
     return FORMAT_SCRATCH * min(FORMAT_ELEMS, _largest_unit(layout, chunk_elems))
 
 
-def _caps(layout: StoreLayout, chunk_elems: int, align: int) -> tuple[list[bool], list[int]]:
-    """Per block: updated whole (not in chunks), and the buffer one of its pipeline units takes."""
-    whole = [b.numel <= chunk_elems for b in layout.blocks]
-    caps = [b.max_unit_bytes(chunk_elems, align) for b in layout.blocks]
-    return whole, caps
+def _caps(layout: StoreLayout, chunk_elems: int, align: int) -> tuple[list[int], list[int]]:
+    """Per block: the buffer one of its pipeline units takes while it streams (its record, or a chunk), and the
+    buffers it keeps while resident (its record, or one per chunk: `runtime.record_buffers.ResidentRecords`)."""
+    stream = [b.max_unit_bytes(chunk_elems, align) for b in layout.blocks]
+    keep = [b.units_bytes(chunk_elems, align) for b in layout.blocks]
+    return stream, keep
 
 
 def record_pool_bytes(layout: StoreLayout, inflight: int, chunk_elems: int, resident: bool, align: int = ALIGN) -> int:
     """The record pool's size before `resident_mem`: `inflight` buffers of the largest record (or chunk). With
     resident records, no more than the least pool that streams the rest through `inflight` buffers while every
-    record bigger than them stays: min over t of (records above t) + inflight x t. A tied embedding's record,
-    3.5x a layer's, then takes one buffer instead of three (the 110M Llama's pool: 0.64 instead of 1.03 GB),
-    and plan_resident keeps it. Pure."""
-    whole, caps = _caps(layout, chunk_elems, align)
-    top = inflight * max(caps)
+    record whose unit is bigger than them stays: min over t of (records above t) + inflight x t. A tied embedding's
+    record, 3.5x a layer's, then takes one buffer instead of three (the 110M Llama's pool: 0.64 instead of 1.03 GB),
+    and plan_resident keeps it; a record updated in chunks counts whole (all its chunks) when it stays. Pure."""
+    stream, keep = _caps(layout, chunk_elems, align)
+    top = inflight * max(stream)
     if not resident:
         return top
-    return min([top] + [sum(c for c in caps if c > t) + inflight * t for t in sorted({0, *caps})
-                        if not any(c > t and not w for c, w in zip(caps, whole))])
+    return min([top] + [sum(k for s, k in zip(stream, keep) if s > t) + inflight * t for t in sorted({0, *stream})])
 
 
 def plan_resident(layout: StoreLayout, budget: int, inflight: int, chunk_elems: int, align: int = ALIGN) -> list[int]:
     """Blocks whose records stay resident in a record pool of `budget` bytes (`runtime.offload`'s docstring): the
-    most bytes that fit beside `inflight` buffers of the largest record still streamed, lowest blocks first (the
-    deferred pass and the next forward start there). Blocks updated in chunks are always streamed. Pure."""
-    whole, caps = _caps(layout, chunk_elems, align)
+    most bytes that fit beside `inflight` buffers of the largest unit still streamed, lowest blocks first (the
+    deferred pass and the next forward start there). A block updated in chunks stays whole (one buffer per chunk)
+    or streams chunk by chunk. Pure."""
+    stream, keep = _caps(layout, chunk_elems, align)
     best: list[int] = []
-    # t: the largest record still streamed (0: none); every record larger than t must be resident
-    for t in sorted({0, *caps}):
-        if any(c > t and not w for c, w in zip(caps, whole)):
-            continue
-        chosen = [i for i, c in enumerate(caps) if c > t]
-        room = budget - sum(caps[i] for i in chosen) - (inflight * t if t else 0)
+    # t: the largest unit still streamed (0: none); every block whose unit is larger than t must be resident
+    for t in sorted({0, *stream}):
+        chosen = [i for i, s in enumerate(stream) if s > t]
+        room = budget - sum(keep[i] for i in chosen) - (inflight * t if t else 0)
         if room < 0:
             continue
-        for i, c in enumerate(caps):
-            if c <= t and whole[i] and c <= room:
+        for i, s in enumerate(stream):
+            if s <= t and keep[i] <= room:
                 chosen.append(i)
-                room -= c
-        if sum(caps[i] for i in chosen) > sum(caps[i] for i in best):
+                room -= keep[i]
+        if sum(keep[i] for i in chosen) > sum(keep[i] for i in best):
             best = sorted(chosen)
     return best
 
 
 def resident_every(layout: StoreLayout, inflight: int, chunk_elems: int, pool: int, align: int = ALIGN) -> int:
-    """Bytes a record pool of `pool` bytes lacks to keep every record that can stay (all but those updated in
-    chunks, which keep `inflight` streaming buffers of a chunk): what `resident_mem: all` adds."""
-    whole, caps = _caps(layout, chunk_elems, align)
-    streamed = max((c for c, w in zip(caps, whole) if not w), default=0)
-    return max(0, sum(c for c, w in zip(caps, whole) if w) + inflight * streamed - pool)
+    """Bytes a record pool of `pool` bytes lacks to keep every record (those updated in chunks too, one buffer
+    per chunk): what `resident_mem: all` adds. (`inflight`: none streams then, so no buffer is kept for it.)"""
+    _, keep = _caps(layout, chunk_elems, align)
+    return max(0, sum(keep) - pool)
 
 
 def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int, room: int = 0,

@@ -237,15 +237,18 @@ class Engine:
             return 1
         return self._auto_persist if self.cfg.persist_every == "auto" else int(self.cfg.persist_every)
 
-    def _ram_p16(self, block: int, slot: int) -> Tensor:
-        """Block `block`'s P16 of RAM slot `slot` (a step between durable commits): its resident record's."""
+    def _ram_p16(self, block: int, slot: int) -> list[tuple[int, Tensor]]:
+        """Block `block`'s P16 of RAM slot `slot` (a step between durable commits): its resident record's, as
+        (first element, P16) of each of its units (one, or one per chunk of a block updated in chunks)."""
         res = self.offloader.resident_records
-        rb = res.get(block)
-        if rb is None or not self.store.in_ram(slot) or res.tags[block] != (slot, self.store.commit_state.applied):
+        rbs = res.of_block(block)
+        applied = self.store.commit_state.applied
+        if not rbs or not self.store.in_ram(slot) or not all(res.holds(rb.unit, slot, applied) for rb in rbs):
             raise RuntimeError(f"block {block}'s parameters of RAM slot {slot} are not in memory (a discarded update "
                                "lost them); resume from the last durable step")
         b = self.store.layout.blocks[block]
-        return unit_views(rb.buf.tensor, b, 0, b.numel, self.store.p16_dtype).p16
+        return [(lo, unit_views(rb.buf.tensor, b, lo, hi, self.store.p16_dtype).p16) for rb in rbs
+                for _, lo, hi in [rb.unit]]
 
     def _observe_persist(self, stats: StepStats) -> None:
         """auto: the least interval that keeps the persist writes under ~10% of the run's time, from a durable

@@ -38,7 +38,7 @@ writes the slot the commit before it names). `wait_tail` lets readers of that sl
 their block's writes; `tail_done` is set once none is in flight.
 
 Resident records (`lohan.plan.pools.plan_resident`, `record_buffers.ResidentRecords`): the record buffers of some blocks stay in the
-pool from one step to the next. Each durable step still WRITEs them (the commit needs every record on the SSDs),
+pool from one step to the next (a block updated in chunks: one buffer per chunk, each a unit as when it streams). Each durable step still WRITEs them (the commit needs every record on the SSDs),
 but the next step finds their bytes in memory and skips their READ; with every record resident, the steps between
 durable ones (`engine.persist_every`, `begin_step(persist=False)`) write nothing: each updated buffer holds the
 state of a RAM slot (`store.states.RAM_SLOTS`), and `persist_resident` writes them all out between steps. The pool (`pools.record_pool_bytes`) is the least
@@ -71,7 +71,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from io_engine import AlignedBuffer, BudgetExceededError, BufferPool
+from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up
 from io_engine.priority import Priority
 from lohan.crashpoints import crashpoint
@@ -264,7 +264,7 @@ class UpdatePass:
         b = ago.store.layout.blocks[i]
         rb.to(BufState.UPDATING)
         if rb.resident:  # updated in place: it holds no slot's bytes until its WRITE goes out
-            ago.resident_records.forget(i)
+            ago.resident_records.forget(rb.unit)
         g = grad.tensor[:ago.grad_dtype.itemsize * b.numel].view(ago.grad_dtype)[lo:hi]
         views = unit_views(rb.buf.tensor, b, lo, hi, ago.store.p16_dtype)
         p32, m, v, p16 = views.master, views.m, views.v, views.p16
@@ -391,22 +391,20 @@ class UpdatePass:
         write of this thread would free the room (the only other buffer is the one this thread updates)."""
         ago, behind = self.ago, self.ago.behind
         i, lo, hi = unit
-        layout, vol = ago.store.layout, ago.store.volume
         if behind.tail:  # the last pass's tail may still write this block (to the slot read): only its writes
             behind.retire_block(i)
-        res = ago.resident_records.get(i)
+        res = ago.resident_records.get(unit)
         if res is not None:  # its own buffer: no room needed, and no READ when it holds the slot's bytes
-            if ago.resident_records.holds(i, self.read_slot, self.update - 1):
+            if ago.resident_records.holds(unit, self.read_slot, self.update - 1):
                 self.reads[unit] = res.to(BufState.READY)
-                ago.resident_hits += 1
+                if lo == 0:  # (counted per block, as `blocks_written`)
+                    ago.resident_hits += 1
                 return
             if ago.store.in_ram(self.read_slot):  # nowhere else: a failed or discarded update lost it
                 raise RuntimeError(f"block {i}'s states of the steps since the last durable commit were held in RAM "
                                    "only and are lost (an update was discarded); resume from the last durable step")
-            ago.resident_records.forget(i)
-            self.reads[unit] = res.to(BufState.READING)
-            res.handle = vol.read_into(res.buf.tensor[:layout.blocks[i].sections.state_end],
-                                       layout.record_offset(i, self.read_slot), priority=Priority.READ)
+            ago.resident_records.forget(unit)
+            self._read_into(res.to(BufState.READING))
             return
         # The pool's buffers are held by this thread alone (reads pending, writes in flight, the last pass's
         # tail), so when it is full, retire the oldest write instead of blocking on buffers only this thread
@@ -425,12 +423,18 @@ class UpdatePass:
                 if not self.writes:  # write-behind: the oldest held update goes out to make room
                     self.release_held()
                 self._retire_oldest_write()
-        rb = self.reads[unit] = RecordBuffer(unit, buf, ago.buffers).to(BufState.READING)
+        self._read_into(RecordBuffer(unit, buf, ago.buffers).to(BufState.READING))
+
+    def _read_into(self, rb: RecordBuffer) -> None:
+        """Send the READ of rb's unit (P32, m, v of the read slot: one request for a whole record)."""
+        layout, vol = self.ago.store.layout, self.ago.store.volume
+        i, lo, hi = unit = rb.unit
+        self.reads[unit] = rb
         if (lo, hi) == (0, layout.blocks[i].numel):
-            rb.handle = vol.read_into(buf.tensor[:layout.blocks[i].sections.state_end],
+            rb.handle = vol.read_into(rb.buf.tensor[:layout.blocks[i].sections.state_end],
                                       layout.record_offset(i, self.read_slot), priority=Priority.READ)
         else:
-            rb.handle = Handles([vol.read_into(buf.tensor[a:a + n], off, priority=Priority.READ)
+            rb.handle = Handles([vol.read_into(rb.buf.tensor[a:a + n], off, priority=Priority.READ)
                                  for a, off, n in unit_sections(layout, unit, self.read_slot, with_p16=False)])
 
     def _read_ahead(self, k: int) -> None:
@@ -473,16 +477,12 @@ class UpdatePass:
         """WRITE: the updated P32, m, v, P16 to the write slot (one request for a whole record)."""
         self._settle_tail()
         ago = self.ago
-        layout, vol = ago.store.layout, ago.store.volume
+        layout = ago.store.layout
         i, lo, hi = rb.unit
         self.writes.append(rb.to(BufState.WRITING))
-        if (lo, hi) == (0, layout.blocks[i].numel):
-            rb.handle = vol.write(rb.buf.tensor, layout.record_offset(i, self.write_slot), priority=Priority.WRITE)
-        else:
-            rb.handle = Handles([vol.write(rb.buf.tensor[a:a + n], off, priority=Priority.WRITE)
-                                 for a, off, n in unit_sections(layout, rb.unit, self.write_slot, with_p16=True)])
+        rb.handle = write_unit(ago.store, rb, self.write_slot)
         if rb.resident:  # its bytes are the ones of the slot written, once that step is committed
-            ago.resident_records.written(i, self.write_slot, self.update)
+            ago.resident_records.written(rb.unit, self.write_slot, self.update)
         if ago.store.checksums:  # hashed while the WRITE is in flight: the buffer cannot change until it retires,
             views = unit_views(rb.buf.tensor, layout.blocks[i], lo, hi, ago.store.p16_dtype)  # so these are the
             rb.handle = ago.sum_hasher.beside_write(rb.handle, functools.partial(unit_sums, views))  # SSD's bytes
@@ -510,6 +510,16 @@ class UpdatePass:
             self.ago.behind.reap()
         while self.writes and (wait or self.writes[0].done()):
             self._retire_oldest_write()
+
+
+def write_unit(store: StateStore, rb: RecordBuffer, slot: int) -> Handle | Handles:
+    """WRITE rb's unit (P32, m, v, P16) to its place in `slot`'s record: one request for a whole record."""
+    layout, vol = store.layout, store.volume
+    i, lo, hi = rb.unit
+    if (lo, hi) == (0, layout.blocks[i].numel):
+        return vol.write(rb.buf.tensor, layout.record_offset(i, slot), priority=Priority.WRITE)
+    return Handles([vol.write(rb.buf.tensor[a:a + n], off, priority=Priority.WRITE)
+                    for a, off, n in unit_sections(layout, rb.unit, slot, with_p16=True)])
 
 
 class GradOffloader:
@@ -544,10 +554,9 @@ class GradOffloader:
                     f"multiple of 256 elements); raise engine.opt_chunk_bytes so the block is updated whole")
         self.read_ahead = mode == "optimized"  # READs beyond the next unit while the pool has room
         self.buffers = Ledger()  # record buffers per state, and the transitions made (records.py)
-        for i in resident or []:
-            if self.units(i) != [(i, 0, layout.blocks[i].numel)]:
-                raise ValueError(f"block {i} is updated in chunks: its record cannot stay resident")
-        self.resident_records = ResidentRecords(pool, layout, resident or [], self.buffers)
+        # a block updated in chunks keeps one buffer per chunk (`ResidentRecords`)
+        self.resident_records = ResidentRecords(pool, layout, [u for i in resident or [] for u in self.units(i)],
+                                                self.buffers)
         self.behind = WriteBehind(self.resident_records)
         self._upcast: torch.Tensor | None = None  # fp32 scratch for bf16 gradients, see `_fp32`
         # One worker thread for the engine's life, not one per step: glibc gives every new thread one of
@@ -584,7 +593,7 @@ class GradOffloader:
     @property
     def resident(self) -> list[int]:
         """Blocks whose records stay in memory across steps (`plan_resident`)."""
-        return sorted(self.resident_records.bufs)
+        return self.resident_records.blocks
 
     @property
     def tail_done(self) -> threading.Event:
@@ -630,7 +639,7 @@ class GradOffloader:
         """
         if self._thread is not None:
             raise RuntimeError("begin_step called while the previous step is still running")
-        if not persist and len(self.resident_records.bufs) != len(self.store.layout.blocks):
+        if not persist and len(self.resident_records.blocks) != len(self.store.layout.blocks):
             raise RuntimeError("a step that writes nothing needs every record resident")
         self._pass = UpdatePass(self, step, hyper, list(order), read_slot, write_slot, gate or ClipGate(), keep,
                                 provide, lazy, persist)
@@ -705,13 +714,16 @@ class GradOffloader:
         with every record resident, the whole slot (the commit that follows names it)."""
         if self._thread is not None:
             raise RuntimeError("persist_resident() while a step's pipeline is running")
-        layout, vol = self.store.layout, self.store.volume
-        res = self.resident_records
-        writes = [vol.write(res.bufs[i].buf.tensor, layout.record_offset(i, slot), priority=Priority.WRITE)
-                  for i in sorted(res.bufs)]
-        sums = ([[unit_sums(unit_views(res.bufs[i].buf.tensor, layout.blocks[i], 0, layout.blocks[i].numel,
-                                        self.store.p16_dtype))] for i in sorted(res.bufs)]
-                if self.store.checksums else None)  # (hashed while the writes are in flight)
+        layout, res = self.store.layout, self.resident_records
+        units = sorted(res.bufs)  # block by block, first element first: the order of the store's checksums
+        writes = [write_unit(self.store, res.bufs[u], slot) for u in units]
+        sums = None
+        if self.store.checksums:  # (hashed while the writes are in flight)
+            sums = [[] for _ in res.blocks]
+            at = {i: k for k, i in enumerate(res.blocks)}
+            for i, lo, hi in units:
+                views = unit_views(res.bufs[i, lo, hi].buf.tensor, layout.blocks[i], lo, hi, self.store.p16_dtype)
+                sums[at[i]].append(unit_sums(views))
         first: BaseException | None = None
         for h in writes:
             try:
@@ -720,8 +732,8 @@ class GradOffloader:
                 first = first or e
         if first is not None:
             raise first
-        for i in res.bufs:
-            res.written(i, slot, update)
+        for u in units:
+            res.written(u, slot, update)
         crashpoint("offload.persisted")
         return sums
 

@@ -96,9 +96,10 @@ class ParamStreamer:
         # called with the slot and the block before any read from the SSDs: the engine waits there while the
         # last step's writes of that block to that slot may still be in flight (write-behind)
         self.before_read: Callable[[int, int], None] | None = None
-        # (block, RAM slot) -> that block's P16, held in RAM only (a step between durable commits,
-        # engine.persist_every): copied from there, never read from the SSDs, whose slots hold an older step
-        self.ram_p16: Callable[[int, int], torch.Tensor] | None = None
+        # (block, RAM slot) -> that block's P16 as (first element, piece) of each optimizer unit, held in RAM only
+        # (a step between durable commits, engine.persist_every): copied from there, never read from the SSDs,
+        # whose slots hold an older step
+        self.ram_p16: Callable[[int, int], list[tuple[int, torch.Tensor]]] | None = None
 
     def _state(self, i: int) -> P16State | None:
         """Block i's buffer's state (None: none in flight or in use)."""
@@ -243,8 +244,9 @@ class ParamStreamer:
         entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
         try:
             at = self._own(i)[0] * own.p16_itemsize
-            entry.buf.tensor[at:at + own.numel * own.p16_itemsize].view(self.store.p16_dtype).copy_(
-                self.ram_p16(i, slot))
+            dst = entry.buf.tensor[at:at + own.numel * own.p16_itemsize].view(self.store.p16_dtype)
+            for lo, piece in self.ram_p16(i, slot):  # (a block updated in chunks: one piece per chunk)
+                dst[lo:lo + piece.numel()].copy_(piece)
         except BaseException:
             entry.buf.release()
             raise

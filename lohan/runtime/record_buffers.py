@@ -158,46 +158,58 @@ class RecordBuffer:
 
 # ----------------------------------------------------------------------------- resident records, write-behind
 class ResidentRecords:
-    """Record buffers kept across steps (`plan_resident`), taken from the pool for the offloader's life, and
-    the (slot, update) whose committed bytes each holds (None: not known to match any slot; its next READ goes
-    to the SSDs). A skipped, redone, rolled-back or dropped step thus makes them read again."""
+    """Record buffers kept across steps (`plan_resident`), taken from the pool for the offloader's life, one per
+    pipeline unit of each resident block (a block updated in chunks keeps one buffer per chunk: each chunk keeps its
+    own READ, update, WRITE, checksum and state as when it streams, and no buffer of a whole record larger than the
+    chunking bounds is ever allocated), and the (slot, update) whose committed bytes each holds (None: not known to
+    match any slot; its next READ goes to the SSDs). A skipped, redone, rolled-back or dropped step thus makes them
+    read again."""
 
-    def __init__(self, pool: BufferPool, layout: StoreLayout, blocks: Iterable[int], ledger: Ledger) -> None:
-        self.bufs: dict[int, RecordBuffer] = {}
-        self.tags: dict[int, tuple[int, int] | None] = {}
-        for i in blocks:
-            b = layout.blocks[i]
-            buf = pool.acquire(b.record_bytes, block=False)
-            self.bufs[i] = RecordBuffer((i, 0, b.numel), buf, ledger, resident=True)
-            self.tags[i] = None
+    def __init__(self, pool: BufferPool, layout: StoreLayout, units: Iterable[Unit], ledger: Ledger) -> None:
+        self.bufs: dict[Unit, RecordBuffer] = {}
+        self.tags: dict[Unit, tuple[int, int] | None] = {}
+        for unit in units:
+            i, lo, hi = unit
+            buf = pool.acquire(layout.blocks[i].unit(lo, hi).total, block=False)
+            self.bufs[unit] = RecordBuffer(unit, buf, ledger, resident=True)
+            self.tags[unit] = None
+
+    @property
+    def blocks(self) -> list[int]:
+        """The blocks whose records stay, in order."""
+        return sorted({u[0] for u in self.bufs})
 
     def __contains__(self, block: int) -> bool:
-        return block in self.bufs
+        return any(u[0] == block for u in self.bufs)
 
-    def get(self, block: int) -> RecordBuffer | None:
-        return self.bufs.get(block)
+    def get(self, unit: Unit) -> RecordBuffer | None:
+        return self.bufs.get(unit)
 
-    def holds(self, block: int, slot: int, update: int) -> bool:
-        """Whether block's buffer holds the bytes that optimizer update `update` wrote to `slot`."""
-        return self.tags[block] == (slot, update)
+    def of_block(self, block: int) -> list[RecordBuffer]:
+        """The buffers of `block`'s units, first element first (none: not resident)."""
+        return [rb for u, rb in sorted(self.bufs.items()) if u[0] == block]
 
-    def written(self, block: int, slot: int, update: int) -> None:
-        self.tags[block] = (slot, update)
+    def holds(self, unit: Unit, slot: int, update: int) -> bool:
+        """Whether unit's buffer holds the bytes that optimizer update `update` wrote to `slot`."""
+        return self.tags[unit] == (slot, update)
+
+    def written(self, unit: Unit, slot: int, update: int) -> None:
+        self.tags[unit] = (slot, update)
 
     def keep(self, rb: RecordBuffer, slot: int, update: int) -> None:
         """An updated resident buffer kept unwritten (UPDATING -> RESIDENT): it holds update `update` of RAM slot
         `slot`, and no copy of it is on the SSDs until it is persisted."""
         rb.to(BufState.RESIDENT)
-        self.tags[rb.unit[0]] = (slot, update)
+        self.tags[rb.unit] = (slot, update)
 
     def all_hold(self, slot: int, update: int) -> bool:
         """Whether every resident buffer holds update `update` of `slot` (none was updated since, or lost)."""
         return all(t == (slot, update) for t in self.tags.values())
 
-    def forget(self, block: int | None = None) -> None:
-        """The buffer of `block` (of every block: None) no longer holds any slot's bytes."""
-        for i in self.tags if block is None else [block]:
-            self.tags[i] = None
+    def forget(self, unit: Unit | None = None) -> None:
+        """The buffer of `unit` (of every unit: None) no longer holds any slot's bytes."""
+        for u in self.tags if unit is None else [unit]:
+            self.tags[u] = None
 
     def close(self) -> None:
         for rb in self.bufs.values():
