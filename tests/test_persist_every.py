@@ -196,3 +196,18 @@ def test_the_cost_model_and_the_dry_run_price_the_interval(tmp_path, capsys):
                  "--set", "engine.resident_mem=all"]) == 0
     out = capsys.readouterr().out
     assert "durability: persist_every 5: the records written every 5 steps; a kill loses at most 5 steps" in out
+
+
+def test_auto_ignores_a_durable_step_whose_writes_fell_into_the_next_one(make_dirs):
+    """With write-behind a persist's writes may complete in the next step's window: a step that measured a sliver
+    of them prices nothing (it would make the writes look 100x slower and the interval 100)."""
+    from types import SimpleNamespace
+
+    with lohan.init(tiny_cfg(), config(make_dirs(1), persist_every="auto")) as engine:
+        slot = engine.store.layout.slot_bytes
+        sliver = SimpleNamespace(ssd_write_bytes=16 << 10, step_s=1.0, lanes={"ssd_write": 0.5})
+        engine._observe_persist(sliver)
+        assert engine._auto_persist == 1
+        whole = SimpleNamespace(ssd_write_bytes=slot, step_s=1.0, lanes={"ssd_write": 0.5})
+        engine._observe_persist(whole)
+        assert engine._auto_persist == persist_interval(slot, slot / 0.5, 0.5)
