@@ -244,12 +244,13 @@ class _FactoryMode(TorchDispatchMode):
 # ------------------------------------------------------------------------------------------ the device
 class _CopyEngine:
     """One copy engine: a stream and the worker thread that runs its copies in order, each after the device's
-    latency (from its issue) and, with a timing model, for ``bytes / rate`` seconds (its real time counting)."""
+    latency (from its issue) and, with a timing model, for at least ``bytes / rate`` seconds, which its lane
+    counts (without one, its real time)."""
 
     def __init__(self, device: SimDevice, name: str, rate: float | None) -> None:
         self.device, self.rate = device, rate
         self.stream = SimStream(device, name)
-        self.busy = 0.0  # seconds a copy was running (the latency before it started is not counted)
+        self.busy = 0.0  # seconds a copy was running, or modeled (the latency before it started is not counted)
         self.not_before = 0.0  # the modeled end of the compute this engine's stream last waited for
         self._jobs: queue.Queue[tuple[Callable[[], None], SimEvent, float, int] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"lohan-sim{name}", daemon=True)
@@ -274,7 +275,11 @@ class _CopyEngine:
                 ev.error = e
             if self.rate:
                 _sleep_until(start + nbytes / self.rate)
-            self.busy += time.monotonic() - start
+                # the modeled seconds only, as the gpu lane counts them: where the CPU's own memcpy outlasts them
+                # (two busy cores copy a few GB/s), the engine waits on the emulator, not on the modeled link
+                self.busy += nbytes / self.rate
+            else:
+                self.busy += time.monotonic() - start
             ev._finish()
 
     def close(self) -> None:
@@ -381,7 +386,7 @@ class SimDevice:
     def busy(self) -> dict[str, float]:
         """Seconds each lane was busy so far, under the cost model's lane names (lohan.plan.planner.LANES): the
         compute stream ``gpu`` (its ops' modeled seconds, `_charge`), the upload engine ``m2g`` and the
-        download engine ``g2m`` (their copies' running time)."""
+        download engine ``g2m`` (their copies' modeled seconds; without a timing model, their running time)."""
         with self._clock:
             gpu = self._gpu_busy
         return {"gpu": gpu, "m2g": self._upload.busy, "g2m": self._download.busy}
