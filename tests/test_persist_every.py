@@ -198,16 +198,24 @@ def test_the_cost_model_and_the_dry_run_price_the_interval(tmp_path, capsys):
     assert "durability: persist_every 5: the records written every 5 steps; a kill loses at most 5 steps" in out
 
 
-def test_auto_ignores_a_durable_step_whose_writes_fell_into_the_next_one(make_dirs):
-    """With write-behind a persist's writes may complete in the next step's window: a step that measured a sliver
-    of them prices nothing (it would make the writes look 100x slower and the interval 100)."""
+def test_auto_prices_a_persist_at_the_profiled_write_rate_not_a_steps_window(make_dirs):
+    """auto weighs a slot of records at the SSDs' profiled write rate against each step's time without its own
+    writes. With write-behind a durable step's writes fall mostly into the next step: a step that measured a sliver
+    of them (16 KB) would have priced the writes 100x too slow; before a profile exists, such a step prices nothing."""
+    import dataclasses
     from types import SimpleNamespace
 
     with lohan.init(tiny_cfg(), config(make_dirs(1), persist_every="auto")) as engine:
         slot = engine.store.layout.slot_bytes
         sliver = SimpleNamespace(ssd_write_bytes=16 << 10, step_s=1.0, lanes={"ssd_write": 0.5})
-        engine._observe_persist(sliver)
+        engine._observe_persist(sliver)  # no profile yet (no step ran): nothing to price the writes with
         assert engine._auto_persist == 1
-        whole = SimpleNamespace(ssd_write_bytes=slot, step_s=1.0, lanes={"ssd_write": 0.5})
-        engine._observe_persist(whole)
-        assert engine._auto_persist == persist_interval(slot, slot / 0.5, 0.5)
+        engine.step(next(batches(1)))
+        profile = engine.activations.profile
+        rate = slot / 0.5  # a persist takes 0.5 s
+        engine.activations.profile = dataclasses.replace(
+            profile, hardware=dataclasses.replace(profile.hardware, bw_m2s=rate))
+        engine._observe_persist(sliver)
+        assert engine._auto_persist == persist_interval(slot, rate, 0.5) == 10
+        engine._observe_persist(SimpleNamespace(ssd_write_bytes=0, step_s=2.0, lanes={"ssd_write": 0.0}))
+        assert engine._auto_persist == persist_interval(slot, rate, 2.0) == 3

@@ -376,9 +376,9 @@ def _persist_line(engine: Engine) -> str:
         why = f" ({engine.persist_refusal})" if asked != 1 else ""
         return f"records written and committed every step{why}; {loss_text(1, None)}"
     if asked == "auto":
-        return ("persist_every auto: every step until the first step's writes are measured, then the least interval "
-                "that keeps them under 10% of the run's time (every record is in RAM; a kill replays the steps after "
-                "the last durable one)")
+        return ("persist_every auto: every step until the first step has measured the SSDs' write rate, then the least "
+                "interval that keeps the persist writes under 10% of the run's time (every record is in RAM; a kill "
+                "replays the steps after the last durable one)")
     est = engine.activations.plan.estimate if engine.activations.plan is not None else None
     return (f"records written and committed every {n} step(s), held in RAM between; "
             f"{loss_text(n, est.t_iter if est is not None else None)}")

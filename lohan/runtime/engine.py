@@ -225,14 +225,14 @@ class Engine:
             len(resident) == len(layout.blocks), cfg.slots, self.dp is None, self.stash is not None)
         if self.persist_refusal is not None and cfg.persist_every not in ("auto", 1):
             log.warning("persist_every=%s lowered to 1: %s", cfg.persist_every, self.persist_refusal)
-        self._auto_persist = 1  # auto: decided from the writes of a durable step (`_observe_persist`)
+        self._auto_persist = 1  # auto: priced after each step (`_observe_persist`)
         self.streamer.ram_p16 = self._ram_p16
 
     # ------------------------------------------------------------ durability
     @property
     def persist_every(self) -> int:
         """The durability interval in force (`engine.persist_every`): 1 where records stream (or it cannot apply,
-        `persist_refusal`); `auto`: what the last durable step's writes priced (1 before one was measured)."""
+        `persist_refusal`); `auto`: what the last step priced (`_observe_persist`; 1 before the first step)."""
         if self.persist_refusal is not None:
             return 1
         return self._auto_persist if self.cfg.persist_every == "auto" else int(self.cfg.persist_every)
@@ -251,21 +251,25 @@ class Engine:
                 for _, lo, hi in [rb.unit]]
 
     def _observe_persist(self, stats: StepStats) -> None:
-        """auto: the least interval that keeps the persist writes under ~10% of the run's time, from a durable
-        step's measured writes (bytes over the busiest device's write seconds) and the step's time without them."""
-        if self.cfg.persist_every != "auto" or self.persist_refusal is not None or not stats.ssd_write_bytes:
+        """auto, after every step: the least interval that keeps the persist writes under ~10% of the run's time.
+        A persist writes a slot of records at the SSDs' write rate the profile measured (the first step's probe);
+        before a profile, at the rate a durable step's own writes show. The time they are weighed against is the
+        step's without its own writes. (A durable step's writes measured in its window mislead: with write-behind
+        most of them fall into the next step, and 16 KB of a 2.7 MB persist priced them 100x too slow.)"""
+        if self.cfg.persist_every != "auto" or self.persist_refusal is not None:
             return
-        write_s = stats.lanes.get("ssd_write", 0.0)
-        slot_bytes = self.store.layout.slot_bytes
-        # a step whose writes mostly fell into the next one (write-behind) says nothing of their rate: 16 KB in
-        # the window of a 2.7 MB persist priced the writes 100x too slow and set a tiny model's interval to 100
-        if write_s <= 0 or stats.ssd_write_bytes < slot_bytes / 2:
-            return
-        step_s = max(stats.step_s - write_s, write_s / 10)
-        n = durability.persist_interval(slot_bytes, stats.ssd_write_bytes / write_s, step_s)
+        slot_bytes, write_s = self.store.layout.slot_bytes, stats.lanes.get("ssd_write", 0.0)
+        profile = self.activations.profile
+        rate = profile.hardware.bw_m2s if profile is not None else 0.0
+        if rate <= 0:
+            if write_s <= 0 or stats.ssd_write_bytes < slot_bytes / 2:
+                return
+            rate = stats.ssd_write_bytes / write_s
+        step_s = max(stats.step_s - write_s, slot_bytes / rate / 10)
+        n = durability.persist_interval(slot_bytes, rate, step_s)
         if n != self._auto_persist:
-            log.info("persist_every auto: %d (the records' writes took %.2f s of a %.2f s step); %s", n, write_s,
-                     stats.step_s, durability.loss_text(n, step_s))
+            log.info("persist_every auto: %d (a persist writes %.2f GB at %.2f GB/s against a %.2f s step); %s", n,
+                     slot_bytes / 1e9, rate / 1e9, step_s, durability.loss_text(n, step_s))
         self._auto_persist = n
 
     def persist(self) -> None:
@@ -384,8 +388,7 @@ class Engine:
             self.last_stats = measure(self, run, loss, overlapped=self._next.held)
             self.clip_schedule.observe(self.last_stats)
             self._refine_cpu_rate(self.last_stats)
-            if run.plan.durable:
-                self._observe_persist(self.last_stats)
+            self._observe_persist(self.last_stats)
         except BaseException:
             self._abort(run)
             raise
