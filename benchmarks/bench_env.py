@@ -51,3 +51,32 @@ def save_report(report: dict, out: Path, markdown: Callable[[dict, Path], Any],
     markdown(report, out.with_suffix(".md"))
     plot(report, out.with_suffix(".png"))
     return report
+
+
+# ------------------------------------------------------------------- a child process's memory and data
+def status_bytes(key: str) -> int:
+    """A /proc/self/status size field (VmRSS, VmHWM, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":"))
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (proc(5), clear_refs "5")."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def batches(vocab: int, batch: int, seq: int, seed: int):
+    """Batch k: (ids, targets) [batch, seq], targets shifted by one; depends only on (seed, k)."""
+    import torch
+
+    k = 0
+    while True:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        w = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        k += 1

@@ -32,37 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_env import batches, reset_peak_rss, status_bytes  # sibling module (the script's own directory)
+
 REPO = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
 TARGET = 1.15
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":"))
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (proc(5), clear_refs "5")."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def batches(vocab: int, batch: int, seq: int, seed: int):
-    """Batch k: (ids, targets) [batch, seq], targets shifted by one; depends only on (seed, k)."""
-    import torch
-
-    k = 0
-    while True:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        w = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        k += 1
 
 
 def build_torch(model_dir: Path, work: Path, dtype: str):
@@ -128,7 +103,7 @@ def child(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    rss_imports = _status_bytes("VmRSS")
+    rss_imports = status_bytes("VmRSS")
     work, model_dir = Path(a.work), Path(a.model_dir)
     if a.child == "lohan":
         step, close, info = build_lohan(model_dir, work, a.dtype, a.lohan_set)
@@ -136,9 +111,9 @@ def child(a: argparse.Namespace) -> int:
         step, close, info = build_torch(model_dir, work, a.dtype)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     data = batches(vocab, a.batch, a.seq, a.seed)
-    hwm_build, rss_ready = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+    hwm_build, rss_ready = status_bytes("VmHWM"), status_bytes("VmRSS")
     ready = info()  # (lohan: the pools allocated before the first step; the process is the RSS less those)
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     print(f"[{a.child}] built: RSS {rss_ready / GiB:.2f} GiB (peak {hwm_build / GiB:.2f})", flush=True)
     pending, losses, times = next(data), [], []
     for k in range(a.steps):
@@ -147,8 +122,8 @@ def child(a: argparse.Namespace) -> int:
         losses.append(step(idx, targets, pending))
         times.append(time.perf_counter() - t0)
         print(f"[{a.child}] step {k + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}, "
-              f"RSS {_status_bytes('VmRSS') / GiB:.2f} GiB (peak {_status_bytes('VmHWM') / GiB:.2f})", flush=True)
-    hwm_steps = _status_bytes("VmHWM") if reset else None
+              f"RSS {status_bytes('VmRSS') / GiB:.2f} GiB (peak {status_bytes('VmHWM') / GiB:.2f})", flush=True)
+    hwm_steps = status_bytes("VmHWM") if reset else None
     extra = info()
     close()
     out = {"system": a.child, "losses": losses, "step_s": times, "rss_ready_bytes": rss_ready,

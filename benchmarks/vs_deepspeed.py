@@ -85,7 +85,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    batches,
+    cpu_model,
+    package_version,
+    portable,
+    reset_peak_rss,
+    status_bytes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 GiB, MiB = 1 << 30, 1 << 20
@@ -161,33 +168,6 @@ PEER_HEAP_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2*
 def _proc_io() -> dict[str, int]:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, _, v in (ln.partition(": ") for ln in f.read().splitlines())}
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":"))
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (proc(5), clear_refs "5")."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def batches(vocab: int, batch: int, seq: int, seed: int):
-    """Batch k: (ids, targets) [batch, seq], targets shifted by one; depends only on (seed, k)."""
-    import torch
-
-    k = 0
-    while True:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        w = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        k += 1
 
 
 def _decay_groups(named: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -397,9 +377,9 @@ def child(args: argparse.Namespace) -> int:
         step, close, info = build_deepspeed(args.child, model_dir, work, settings, args.batch, args.dtype)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     data = batches(vocab, args.batch, args.seq, args.seed)
-    hwm_build = _status_bytes("VmHWM")
-    rss_ready = _status_bytes("VmRSS")
-    reset = _reset_peak_rss()
+    hwm_build = status_bytes("VmHWM")
+    rss_ready = status_bytes("VmRSS")
+    reset = reset_peak_rss()
     t_steps = time.monotonic()
     records = []
     total = args.warmup + args.steps
@@ -420,11 +400,11 @@ def child(args: argparse.Namespace) -> int:
                         "disk_read_bytes": io1["read_bytes"] - io0["read_bytes"],
                         "disk_write_bytes": io1["write_bytes"] - io0["write_bytes"],
                         "cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
-                        "rss_end_bytes": _status_bytes("VmRSS"), "t_end": time.monotonic(), **parts})
+                        "rss_end_bytes": status_bytes("VmRSS"), "t_end": time.monotonic(), **parts})
         print(f"[{args.child}] step {k + 1}{' (warm-up)' if k < args.warmup else ''}: {dt_s:.3f} s, loss "
               f"{loss:.4f}", flush=True)
     t_steps_end = time.monotonic()
-    hwm_steps = _status_bytes("VmHWM") if reset else None
+    hwm_steps = status_bytes("VmHWM") if reset else None
     close()
     result = {"system": args.child, "settings": settings, "info": info, "records": records,
               "t_start": t_start, "t_steps_start": t_steps, "t_steps_end": t_steps_end,
