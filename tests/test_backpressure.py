@@ -38,7 +38,8 @@ def test_optimized_grads_pool_is_at_least_serials_where_memory_allows(kw):
 
 
 def test_where_cpu_mem_does_not_allow_the_pool_stays_and_the_plan_says_so():
-    # (2.5 GiB: the record pool's chunked-embedding buffers shrank, and 3 GiB now holds every block's gradient)
+    # (2.5 GiB: the record pool keeps the chunked embedding whole beside three layer buffers instead of three chunk
+    # buffers, 1.28 instead of 1.63 GB, so 3 GiB now holds every block's gradient)
     tight = _plan("optimized", int(2.5 * GiB), clip_mode="speculate", resident_mem=0)
     serial = _plan("serial", 8 * GiB, clip_mode="speculate", resident_mem=0)
     two = 2 * max(_block_grads())
