@@ -6,6 +6,7 @@ durable step. Where records stream, the interval is 1."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -219,3 +220,15 @@ def test_auto_prices_a_persist_at_the_profiled_write_rate_not_a_steps_window(mak
         assert engine._auto_persist == persist_interval(slot, rate, 0.5) == 10
         engine._observe_persist(SimpleNamespace(ssd_write_bytes=0, step_s=2.0, lanes={"ssd_write": 0.0}))
         assert engine._auto_persist == persist_interval(slot, rate, 2.0) == 3
+
+
+def test_the_header_says_what_a_kill_loses_in_steps_and_time(tmp_path, capsys):
+    """The run's header: the interval in force and what a kill can lose, the time at the pre-flight's predicted
+    step (the engine's own estimate exists only once the first step has profiled)."""
+    from lohan.app.cli import main
+
+    assert main(["--model", "tiny", "--data", "synthetic", "--steps", "2", "--nvme", str(tmp_path),
+                 "--compute-dtype", "fp32", "--persist-every", "3", "--set", "engine.resident_mem=all"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "durability:" in ln)
+    assert "records written and committed every 3 step(s)" in line
+    assert re.search(r"a kill loses at most 3 steps, about [0-9.]+ (s|minutes)", line), line

@@ -369,23 +369,25 @@ def _resident_line(engine: Engine) -> str:
     return line
 
 
-def _persist_line(engine: Engine) -> str:
-    """The durability interval in force (engine.persist_every) and what a kill can lose."""
+def _persist_line(engine: Engine, fit: Any = None) -> str:
+    """The durability interval in force (engine.persist_every) and what a kill can lose, in steps and in time at
+    the pre-flight's predicted step (`fit`: its FitReport, whose plan also priced `auto`'s interval)."""
     asked, n = engine.cfg.persist_every, engine.persist_every
+    step_s = fit.step_s if fit is not None else None
     if engine.persist_refusal is not None:
         why = f" ({engine.persist_refusal})" if asked != 1 else ""
         return f"records written and committed every step{why}; {loss_text(1, None)}"
     if asked == "auto":
+        planned = fit.capacity.persist_every if fit is not None else 1
+        priced = (f"; the plan prices every {planned} steps: {loss_text(planned, step_s)}" if planned > 1 else "")
         return ("persist_every auto: every step until the first step has measured the SSDs' write rate, then the least "
                 "interval that keeps the persist writes under 10% of the run's time (every record is in RAM; a kill "
-                "replays the steps after the last durable one)")
-    est = engine.activations.plan.estimate if engine.activations.plan is not None else None
-    return (f"records written and committed every {n} step(s), held in RAM between; "
-            f"{loss_text(n, est.t_iter if est is not None else None)}")
+                f"replays the steps after the last durable one){priced}")
+    return f"records written and committed every {n} step(s), held in RAM between; {loss_text(n, step_s)}"
 
 
 def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str,
-            dtype: DtypeChoice) -> None:
+            dtype: DtypeChoice, fit: Any = None) -> None:
     e = run.engine
     layout = engine.store.layout
     plan = engine.host_memory
@@ -411,7 +413,7 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
                       "(1e-5 to 1e-3): each step moves every weight by up to lr, so training will not converge; "
                       "check --lr")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
-    console.print(f"  durability: {_persist_line(engine)}")
+    console.print(f"  durability: {_persist_line(engine, fit)}")
     # The RSS bound (lohan/plan/memory.py): cpu_mem covers the pools and the activations kept in main memory;
     # the overhead is this process as measured now, before the first step, plus what no budget covers.
     import psutil
@@ -740,7 +742,7 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
     if ctx.main_rank:
         _start_metrics(ctx.layout, resume)
     label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name
-    _header(console, run, ctx.model.config, engine, ctx.seq_len, label, ctx.dtype)
+    _header(console, run, ctx.model.config, engine, ctx.seq_len, label, ctx.dtype, ctx.fit)
     if ctx.dataset is not None and ctx.dataset.description:
         console.print(f"  data: {escape(ctx.dataset.description)}")
     if ctx.eval_set is not None:
