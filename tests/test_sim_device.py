@@ -65,6 +65,21 @@ def test_device_tensors_report_their_own_device_and_factories_follow_it(dev):
     assert not isinstance(back, SimTensor) and torch.equal(back, torch.arange(4.0))
 
 
+def test_ops_that_return_lists_and_named_tuples_keep_their_shape_on_the_device(dev):
+    """The device walks an op's arguments and results itself (torch's generic pytree walk was most of its per-op
+    time): lists in, lists and torch.return_types out, every tensor wrapped, the values as on the host."""
+    host = torch.tensor([[3.0, 1.0], [2.0, 5.0]])
+    x = dev.put(host)
+    with dev.autocast(None):
+        top = torch.max(x, dim=1)
+        parts = torch.split(x, 1)
+        joined = torch.cat([x, x], dim=0)
+    assert type(top) is type(torch.max(host, dim=1)) and all(isinstance(t, SimTensor) for t in top)
+    assert torch.equal(top.values.cpu(), torch.tensor([3.0, 5.0])) and torch.equal(top.indices.cpu(), torch.tensor([0, 1]))
+    assert isinstance(parts, tuple) and len(parts) == 2 and all(isinstance(t, SimTensor) for t in parts)
+    assert torch.equal(joined.cpu(), torch.cat([host, host]))
+
+
 def test_compute_before_waiting_for_the_copy_raises(dev):
     host = torch.arange(8.0)
     t = dev.to_device(host)

@@ -45,6 +45,9 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
   kernel efficiency and launch overhead (every op at the peak rate; fp32 ops at the bf16 peak), the caching
   allocator, and the host's own issue order beyond that: the compute's real part runs when the host issues it,
   and a wait for an upload (`Device.wait`) blocks the host until the upload is done (on a GPU only the stream).
+  A timed device does not poison the destinations of its copies (they hold their old bytes until the copy runs, as
+  on a GPU): filling every uploaded and downloaded byte would take the host time the model leaves to AdamW and
+  the I/O; the ordering checks still run, and the untimed device, which the equivalence suite runs, poisons them.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from lohan.runtime.simgpu import SimGpu
@@ -153,6 +156,40 @@ class SimStream:
         return f"SimStream({self.name})"
 
 
+
+# aten ops take tensors, scalars and flat lists of them, and return a tensor or a tuple: these walk just that, at a
+# fraction of torch.utils._pytree's cost (its generic walk was most of the emulator's per-op time, which a timing
+# model must keep small: it is the host time the modeled GPU waits for)
+def _leaves(tree: Any, out: list) -> list:
+    """`tree`'s leaves (tuples, lists and dicts walked) appended to `out`."""
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            _leaves(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _leaves(x, out)
+    else:
+        out.append(tree)
+    return out
+
+
+def _map(cls: type, fn: Callable[[Tensor], Any], tree: Any) -> Any:
+    """`tree` with every instance of `cls` replaced by ``fn(it)``; other leaves kept."""
+    kind = type(tree)
+    if isinstance(tree, cls):
+        return fn(tree)
+    if kind is tuple or kind is list:
+        return kind(_map(cls, fn, x) for x in tree)
+    if kind is dict:
+        return {k: _map(cls, fn, x) for k, x in tree.items()}
+    if isinstance(tree, tuple):  # torch.return_types (a structseq): the generic walk rebuilds it
+        return tree_map_only(cls, fn, tree)
+    return tree
+
+def _inner(t: SimTensor) -> Tensor:
+    return t._inner
+
+
 # ------------------------------------------------------------------------------------------ tensors
 class _Memory:
     """What a SimTensor and all its views share: the last write (stream, count) and the copies reading it."""
@@ -194,7 +231,7 @@ class SimTensor(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        device = next(t._device for t in tree_flatten((args, kwargs))[0] if isinstance(t, SimTensor))
+        device = next(t._device for t in _leaves((args, kwargs), []) if isinstance(t, SimTensor))
         return device.dispatch(func, args, kwargs)
 
 
@@ -235,10 +272,10 @@ class _FactoryMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("device") != SIM_DEVICE or any(isinstance(t, SimTensor) for t in tree_flatten(args)[0]):
+        if kwargs.get("device") != SIM_DEVICE or any(isinstance(t, SimTensor) for t in _leaves(args, [])):
             return func(*args, **kwargs)
         out = func(*args, **_to_host_kwargs(kwargs))
-        return tree_map_only(Tensor, lambda t: t if isinstance(t, SimTensor) else self.device.wrap(t), out)
+        return _map(Tensor, lambda t: t if isinstance(t, SimTensor) else self.device.wrap(t), out)
 
 
 # ------------------------------------------------------------------------------------------ the device
@@ -311,7 +348,7 @@ _EXTRA_FLOPS: dict[Any, Callable[..., float]] = {
 
 
 def _nbytes(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+    return sum(t.numel() * t.element_size() for t in _leaves(tree, []) if isinstance(t, Tensor))
 
 
 class SimDevice:
@@ -403,7 +440,7 @@ class SimDevice:
         return self.wrap(inner)
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        leaves = tree_flatten((args, kwargs))[0]
+        leaves = _leaves((args, kwargs), [])
         if func in _COPIES:
             t0 = time.monotonic()
             out = self._copy_op(func, args, kwargs)
@@ -413,7 +450,7 @@ class SimDevice:
         self._check_compute_op(func, args, kwargs, leaves)
         if func in _SYNCS:
             self.syncs += 1
-        inner_args, inner_kwargs = tree_map_only(SimTensor, lambda t: t._inner, (args, _to_host_kwargs(kwargs)))
+        inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
         t0 = time.monotonic()
         out = func(*inner_args, **inner_kwargs)
         self._charge(t0, time.monotonic(), self._op_seconds(func, inner_args, inner_kwargs, out))
@@ -422,9 +459,9 @@ class SimDevice:
             return out
         if _is_view(func):
             mem = next(t._mem for t in leaves if isinstance(t, SimTensor))
-            wrapped = tree_map_only(Tensor, lambda t: SimTensor(t, self, mem), out)
+            wrapped = _map(Tensor, lambda t: SimTensor(t, self, mem), out)
         else:
-            wrapped = tree_map_only(Tensor, lambda t: self.wrap(t), out)
+            wrapped = _map(Tensor, self.wrap, out)
         return return_and_correct_aliasing(func, args, kwargs, wrapped)
 
     def _check_compute_op(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> None:
@@ -478,8 +515,8 @@ class SimDevice:
                 self.syncs += 1
                 return func(src._inner, *args[1:], **kwargs)
             return self.wrap(func(src._inner, *args[1:], **_to_host_kwargs(kwargs)))
-        inner_args, inner_kwargs = tree_map_only(SimTensor, lambda t: t._inner, (args, _to_host_kwargs(kwargs)))
-        return tree_map_only(Tensor, lambda t: self.wrap(t), func(*inner_args, **inner_kwargs))
+        inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
+        return _map(Tensor, self.wrap, func(*inner_args, **inner_kwargs))
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
@@ -520,7 +557,8 @@ class SimDevice:
         if isinstance(host, SimTensor):
             raise DeviceMixError("h2d of a tensor that is already on the device")
         inner = torch.empty(host.shape, dtype=host.dtype)
-        _poison(inner)
+        if self.timing is None:  # a timed device leaves it unpoisoned (the module's docstring, Time)
+            _poison(inner)
         stream = self.upload_stream
         if after is not None:
             stream.wait_event(after)
@@ -549,7 +587,8 @@ class SimDevice:
                                    "wrote, without waiting for an event recorded after that write (a missing wait "
                                    "for the producing stream: Device.to_host orders it after the compute)")
         _HOST.check_order(out, self.download_stream, "write")
-        _poison(out)  # what the host finds there before the copy has run
+        if self.timing is None:  # what the host finds there before the copy has run (untimed only: Time)
+            _poison(out)
         ev = self.download_stream.record()
         src = dev._inner
         dev._mem.readers.append(ev)
