@@ -6,7 +6,9 @@ durable step. Where records stream, the interval is 1."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import signal
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from test_clipping import config as _config
 
 import lohan
 from lohan.plan.durability import eligible, loss_text, persist_interval
+from lohan.runtime.held import finish_before_interrupts
 
 
 def config(dirs, **kw):
@@ -30,7 +33,43 @@ def _commit(dirs) -> dict:
 def test_an_interval_trains_the_same_bits_as_pytorch(make_dirs, clip, lookahead):
     metrics = check(tiny_cfg(), config(make_dirs(1), persist_every=3, max_grad_norm=clip), lookahead=lookahead)
     assert [m["durable"] for m in metrics] == [(s + 1) % 3 == 0 for s in range(STEPS)]
-    assert all(m["deferred"] for m in metrics if not m["durable"])  # (nothing on the SSDs to redo from)
+    if clip:  # (nothing on the SSDs to redo from)
+        assert all(m["deferred"] for m in metrics if not m["durable"])
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_clipping_off_steps_held_in_ram_update_them_in_place_during_backward(make_dirs, lookahead):
+    """Clipping off, the update of a step whose states are in RAM only runs during backward (active gradient
+    offloading, as on the SSDs), in place: the same bits as PyTorch."""
+    ecfg = config(make_dirs(1), persist_every=3, max_grad_norm=0.0, clip_mode="speculate")
+    metrics = check(tiny_cfg(), ecfg, lookahead=lookahead)
+    assert [m["deferred"] for m in metrics] == [False] * STEPS
+    assert [m["durable"] for m in metrics] == [(s + 1) % 3 == 0 for s in range(STEPS)]
+
+
+def test_a_non_finite_step_that_updated_ram_in_place_is_replayed_and_skipped(make_dirs, caplog):
+    """A step that updated RAM-only states in place and then turned out not finite: the engine goes back to the
+    last durable commit, replays the steps since from their batches and skips the failed one, the same bits as
+    PyTorch's guarded loop. (Step 4 is the first after a durable one: it reads the SSD slot, and skips as usual.)"""
+    mcfg = tiny_cfg()
+    ecfg = config(make_dirs(1), persist_every=4, max_grad_norm=0.0, clip_mode="speculate")
+    data, poison = list(batches(STEPS)), {4, 6}
+    bad = [data[s][0] for s in poison]
+    losses, metrics = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        real = engine.program.run
+        # by the batch, not by the call: the replayed steps run inside the failed step's call
+        engine.program.run = lambda i, x, t: (real(i, x, t) * math.nan if i == 0 and any(torch.equal(x, b)
+                                              for b in bad) else real(i, x, t))
+        for batch in data:
+            losses.append(engine.step(batch))
+            metrics.append(engine.last_stats.to_dict())
+        params = engine.state_dict_fp32()
+    ref_losses, ref_norms, ref_params = reference(mcfg, ecfg, data, poison)
+    assert [str(x) for x in losses] == [str(x) for x in ref_losses]
+    assert [m["skipped"] for m in metrics] == [s in poison for s in range(STEPS)]
+    assert "replaying 1 step(s)" in caplog.text
+    same_weights(params, ref_params)
 
 
 CHUNKED = {"opt_chunk_bytes": "1MiB"}
@@ -232,3 +271,46 @@ def test_the_header_says_what_a_kill_loses_in_steps_and_time(tmp_path, capsys):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "durability:" in ln)
     assert "records written and committed every 3 step(s)" in line
     assert re.search(r"a kill loses at most 3 steps, about [0-9.]+ (s|minutes)", line), line
+
+
+def test_ctrl_c_during_a_step_that_updates_ram_in_place_waits_for_its_commit(make_dirs, caplog):
+    """Ctrl-C while a step updates RAM-only states in place: the step finishes and commits first, then the interrupt
+    is raised, so the driver's persist loses nothing; the run goes on the same bits as PyTorch."""
+    mcfg = tiny_cfg()
+    ecfg = config(make_dirs(1), persist_every=4, max_grad_norm=0.0, clip_mode="speculate")
+    data = list(batches(STEPS))
+    with lohan.init(mcfg, ecfg) as engine:
+        for batch in data[:5]:
+            engine.step(batch)
+        cls = engine.offloader._pass.__class__
+        real, calls = cls._update, []
+
+        def interrupted(self, rb, grad):
+            calls.append(rb.unit)
+            if len(calls) == 2:  # mid-pass, on the optimizer's thread: the handler runs on the main one
+                signal.raise_signal(signal.SIGINT)
+            return real(self, rb, grad)
+        cls._update = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                engine.step(data[5])
+        finally:
+            cls._update = real
+        assert "SIGINT: finishing the step first" in caplog.text
+        assert (engine.step_count, engine.committed_step) == (6, 4)
+        engine.persist()
+        assert engine.committed_step == 6
+        for batch in data[6:]:
+            engine.step(batch)
+        params = engine.state_dict_fp32()
+    same_weights(params, reference(mcfg, ecfg, data)[2])
+
+
+def test_a_second_signal_stops_at_once():
+    with pytest.raises(KeyboardInterrupt):
+        with finish_before_interrupts(True):
+            signal.raise_signal(signal.SIGINT)
+            held = True  # the first one is held ...
+            signal.raise_signal(signal.SIGINT)  # ... the second is not
+            held = False
+    assert held and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -38,18 +38,19 @@ def persist_interval(record_bytes: int, write_bps: float, step_s: float, share: 
     return max(1, min(cap, math.ceil(write_s / (share * step_s) - 1e-9)))
 
 
-def eligible(all_resident: bool, slots: int, one_process: bool, can_defer: bool) -> str | None:
+def eligible(all_resident: bool, slots: int, one_process: bool, can_defer: bool, in_place: bool = False) -> str | None:
     """Why a durability interval over 1 cannot apply (None: it can): some records stream from the SSDs, one slot (in
-    place), data parallel, or no room to hold a step's gradients until its update (a step whose states are only in
-    RAM must not update before the gradient norm is known)."""
+    place), data parallel, or no room to hold a step's gradients until its update where a step whose states are only
+    in RAM must wait for the gradient norm (clipping, fp16); without either (`in_place`) it updates them during
+    backward (lohan.runtime.held)."""
     if not all_resident:
         return "records stream from the SSDs, which are written every step anyway"
     if slots != 2:
         return "slots=1 updates in place"
     if not one_process:
         return "data parallel ranks commit together every step"
-    if not can_defer:
-        return "no gradient stash to hold a step's gradients until its update"
+    if not (can_defer or in_place):
+        return "no gradient stash to hold a step's gradients until its update (clipping or fp16 need one)"
     return None
 
 

@@ -1292,7 +1292,8 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
                                   separate_p16=fmt.keeps_p16(profile.p16_itemsize), update_cost=fmt.update_cost,
                                   act_compress=act_compress)
     plan = algorithm1(profile)
-    every, why_not = _persist_every(persist_every, profile, plan, slots, host.has_stash)
+    every, why_not = _persist_every(persist_every, profile, plan, slots, host.has_stash,
+                                    in_place=not keep_grads and compute_dtype != "fp16")
     if every > 1:
         plan = algorithm1(dataclasses.replace(profile, persist_every=every))
     gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap, host=host_device)
@@ -1304,12 +1305,13 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     return dataclasses.replace(judged, persist_every=every, persist_note=why_not)
 
 
-def _persist_every(asked: int | str, profile: Profile, plan: Plan, slots: int, has_stash: bool) -> tuple[int, str]:
+def _persist_every(asked: int | str, profile: Profile, plan: Plan, slots: int, has_stash: bool,
+                   in_place: bool = False) -> tuple[int, str]:
     """The durability interval a run of `profile` keeps and, where it is 1 against what was asked, why
     (`durability.eligible`, `durability.persist_interval`; ``auto`` from the plan's step, every step durable)."""
     if asked == 1:
         return 1, ""
-    why = durability.eligible(profile.resident_params >= profile.param_count, slots, True, has_stash)
+    why = durability.eligible(profile.resident_params >= profile.param_count, slots, True, has_stash, in_place)
     if why is not None:
         return 1, why
     if asked == "auto":

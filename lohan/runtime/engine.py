@@ -56,6 +56,7 @@ from lohan.runtime.activations import ActivationManager
 from lohan.runtime.clip_schedule import ClipSchedule
 from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.heap import release_free_memory, reuse_heap
+from lohan.runtime.held import HeldSteps, finish_before_interrupts
 from lohan.runtime.offload import GradOffloader, Provide
 from lohan.runtime.optim import decay_mask
 from lohan.runtime.parallel import (
@@ -222,10 +223,14 @@ class Engine:
         self._next = NextForward(self.device, self.streamer, self.activations)
         # the durability interval (engine.persist_every, lohan.plan.durability): why it cannot exceed 1 here
         self.persist_refusal = durability.eligible(
-            len(resident) == len(layout.blocks), cfg.slots, self.dp is None, self.stash is not None)
+            len(resident) == len(layout.blocks), cfg.slots, self.dp is None, self.stash is not None,
+            in_place=cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16")
         if self.persist_refusal is not None and cfg.persist_every not in ("auto", 1):
             log.warning("persist_every=%s lowered to 1: %s", cfg.persist_every, self.persist_refusal)
         self._auto_persist = 1  # auto: priced after each step (`_observe_persist`)
+        # the steps since the last durable commit, which a step that updates RAM-only states in place and turns
+        # out not finite replays (lohan.runtime.held); `_skip_next`: the failed step runs again, known to skip
+        self._held, self._skip_next = HeldSteps(), False
         self.streamer.ram_p16 = self._ram_p16
 
     # ------------------------------------------------------------ durability
@@ -287,6 +292,10 @@ class Engine:
         sums = self.offloader.persist_resident(slot, c.applied)
         store.commit(c.step, slot, sums=sums, updates=c.applied, bad_streak=c.bad_streak, loss_scale=c.loss_scale,
                      growth_tracker=c.growth_tracker, note=c.note)
+        self._held.clear()
+        # blocks kept for the next forward under the RAM slot (an update during backward handed them over): the
+        # next step reads `slot` now, so nothing would take them, and they would hold the pool's room for good
+        self.streamer.drop_kept()
         log.info("step %d persisted (its states were held in RAM)", c.step)
 
     # ------------------------------------------------------------------ step
@@ -380,20 +389,28 @@ class Engine:
         if self._broken:
             raise RuntimeError(self._broken)
         run = self._begin(batch, next_batch)
+        replay = None
         try:
-            loss = self._train(run)
-            # measured before the commit too, to be committed with it (`committed_stats`): the time of the commit
-            # itself is in `last_stats` only
-            self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
-            self.last_stats = measure(self, run, loss, overlapped=self._next.held)
-            self.clip_schedule.observe(self.last_stats)
-            self._refine_cpu_rate(self.last_stats)
-            self._observe_persist(self.last_stats)
+            with finish_before_interrupts(run.plan.in_place):  # a stop halfway would lose the RAM-only states
+                loss = self._train(run)
+                # measured before the commit too, to be committed with it (`committed_stats`): the time of the
+                # commit itself is in `last_stats` only
+                self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
+                self._held.after_commit(self.store.volatile, batch, next_batch)
+                self.last_stats = measure(self, run, loss, overlapped=self._next.held)
+                self.clip_schedule.observe(self.last_stats)
+                self._refine_cpu_rate(self.last_stats)
+                self._observe_persist(self.last_stats)
+        except _InPlaceNotFinite:
+            replay = self._held.take()
+            self._abort(run)
         except BaseException:
             self._abort(run)
             raise
         finally:  # after the abort: a failed pass may still read the kept gradients until it is stopped
             self.offloader.release_kept()
+        if replay is not None:
+            return self._replay(replay, batch, next_batch)
         if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
             release_free_memory()
             self._trimmed = True
@@ -418,7 +435,7 @@ class Engine:
         durable = store.step + 1 - (store.durable_step if store.volatile else store.step) >= self.persist_every
         plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(durable), n, speculate,
                              self._overlappable(idx, next_batch), one_process=self.dp is None,
-                             durable=durable, ram_read=store.in_ram(store.slot))
+                             durable=durable, ram_read=store.in_ram(store.slot), replayable=True, skip=self._skip_next)
         run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
         store.begin_step()
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
@@ -455,6 +472,12 @@ class Engine:
         if plan.follow:
             self.streamer.expect(list(range(n)), lambda: self.offloader.failure)
         run.settlement = settle(self.cfg, self.device, loss, norms, self._norm_order, plan, run.scaler)
+        if run.settlement.skipped and plan.in_place and self.store.in_ram(plan.read_slot):
+            raise _InPlaceNotFinite  # what it updated was in RAM only: nothing to skip back to (`_replay`)
+        if plan.skip and not run.settlement.skipped:
+            raise RuntimeError(f"step {plan.step + 1} was not finite, and finite when replayed from the same batch: "
+                               "the model's compute is not deterministic here, so the steps held in RAM cannot be "
+                               "replayed; resume from the last durable step")
         self._finish_updates(run)
         run.tail_s = max(0.0, time.perf_counter() - t_tail - run.next_fwd_s)
         if not self._next.held:
@@ -572,6 +595,22 @@ class Engine:
         if fatal is not None:
             raise fatal
 
+    def _replay(self, held: list, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None) -> float:
+        """A step that updated RAM-only states in place turned out not finite (`StepPlan.in_place`): the rollback
+        went back to the last durable commit; the steps since are run again from their batches (the same bits),
+        then this one known to skip: its optimizer pass lets each gradient go (no stash needed to hold them), and it
+        commits the skip as any non-finite step (lohan.runtime.held)."""
+        log.warning("step %d is not finite and had updated in place the states held in RAM since step %d: "
+                    "replaying %d step(s) from their batches, then skipping it", self.store.step + len(held) + 1,
+                    self.store.step, len(held))
+        for b, nb in held:
+            self.step(b, nb)
+        self._skip_next = True
+        try:
+            return self.step(batch, next_batch)
+        finally:
+            self._skip_next = False
+
     def _rollback(self, step: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
         self._next.forget()
@@ -606,6 +645,7 @@ class Engine:
             return
         lost = c.step
         self.store.drop_volatile()
+        self._held.clear()
         res.forget()
         self.streamer.drop_kept()
         log.warning("steps %d..%d were held in RAM and a failed update overwrote them; the state committed at step "
@@ -697,6 +737,10 @@ class _Whole:
         self.layout = engine.layout
         self.read_params = engine.read_params
         self.step_count = engine.step_count
+
+
+class _InPlaceNotFinite(Exception):
+    """A step that updated RAM-only states in place is not finite (`Engine._replay` recovers it)."""
 
 
 def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_block: Callable[[int], list[Tensor]],

@@ -140,6 +140,13 @@ class ClipGate:
         self.cancelled = True
         self._ready.set()
 
+    @classmethod
+    def discarded(cls) -> ClipGate:
+        """A gate of a step known to be skipped (a replayed failure, lohan.runtime.held): nothing is updated."""
+        gate = cls(None)
+        gate.cancel()
+        return gate
+
     def wait(self) -> torch.Tensor | None:
         """The coefficient (None: the step was discarded)."""
         self._ready.wait()
@@ -200,6 +207,8 @@ class UpdatePass:
     def _pipeline(self) -> bool:
         """READ, update and emit every unit in order; False if the pass stopped early (an aborted or discarded
         step)."""
+        if self.gate.cancelled:  # discarded from the start: each gradient let go as it comes (backward waits for room)
+            return self._let_go()
         if self.ago.mode == "serial":
             self.backward_done.wait()
         prefetch = self.ago.mode in ("optimized", "serial")
@@ -283,6 +292,15 @@ class UpdatePass:
             adamw_chunk_(p32, g, m, v, p16, self.update, self.hyper, params, lo)
         ago.adam_s += time.perf_counter() - t0
         return True
+
+    def _let_go(self) -> bool:
+        """A discarded pass: give back each block's gradient once it arrives, until an abort; False (discarded)."""
+        for i in dict.fromkeys(u[0] for u in self.units):
+            grad = self._take_grad(i)
+            if grad is None:
+                return False
+            self._done_with(i, grad)
+        return False
 
     def _reads_pending(self, k: int) -> bool:
         """Whether a unit after unit k still waits for its READ: not issued yet (`reads` holds only units after

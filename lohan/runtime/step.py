@@ -71,15 +71,25 @@ class StepPlan:
     durable: bool         # written and committed to the SSDs; else its states stay in RAM (engine.persist_every)
     next_idx: Tensor | None  # the next batch's ids on the device, when its forward may run beside this step's
     #                          optimizer pass (a deferred one, or a redone one)
+    in_place: bool = False  # updates during backward states held in RAM only: nothing to skip back to if the step
+    #                         turns out not finite (the engine replays from the last durable commit instead)
+    skip: bool = False      # known not finite (a replayed failure): its optimizer pass discards every gradient
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
              speculate: bool, next_idx: Tensor | None, one_process: bool, durable: bool = True,
-             ram_read: bool = False) -> StepPlan:
-        # a step whose read states are in RAM only, or whose states will be, updates them in place with no copy
-        # on the SSDs to redo or skip from: its update waits for the gradient norm (deferred)
+             ram_read: bool = False, replayable: bool = False, skip: bool = False) -> StepPlan:
+        # A step whose read states are in RAM only, or whose states will be, updates them in place with no copy
+        # on the SSDs to redo or skip from. With clipping on (a redo needs the old states) or fp16 (an overflow
+        # skips often) its update waits for the gradient norm (deferred). Otherwise, where the engine can rebuild
+        # the RAM states by replaying its steps since the last durable commit (`replayable`), a non-finite step is
+        # rare enough to pay that replay, and the update may run during backward, as on the SSDs. A replayed step
+        # that failed so (`skip`) runs again known to be skipped: its gate discards from the start.
         hold = not durable or ram_read
-        gate = clip_gate(cfg, speculate and not hold, next_idx is not None, hold=hold)
+        in_place_ok = replayable and one_process and cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16"
+        strict = hold and not in_place_ok
+        gate = ClipGate.discarded() if skip else clip_gate(cfg, speculate and not strict, next_idx is not None,
+                                                             hold=strict)
         deferred = gate.deferred
         follow = deferred and next_idx is not None
         return StepPlan(
@@ -90,7 +100,7 @@ class StepPlan:
             # commit stands meanwhile; in place there is none)
             lazy=follow and cfg.write_behind and one_process and cfg.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
-            durable=durable, next_idx=next_idx)
+            durable=durable, next_idx=next_idx, in_place=hold and not deferred and not skip, skip=skip)
 
 
 def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bool = False) -> ClipGate:
