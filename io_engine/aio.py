@@ -42,7 +42,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import ALIGN, BudgetExceededError, DeviceOp, IOEngineError, LaneStats, check_op, device_error
+from .base import (
+    ALIGN,
+    BudgetExceededError,
+    DeviceOp,
+    IOEngineError,
+    LaneStats,
+    check_op,
+    device_error,
+    device_lanes,
+)
 from .buffers import aligned_empty
 from .priority import ClassQueue, Priority
 from .throttle import Throttle, for_directory
@@ -440,7 +449,7 @@ class AioBackend:
         self._locked = 0
         self._lock = threading.Lock()
         self._example = torch.empty(0, dtype=torch.uint8)
-        self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
+        self.stats = [device_lanes() for _ in paths]
         self._throttles = [for_directory(p, throttle_gbps) if throttle_gbps else None for p in paths]
         if handles_per_lane < 1:
             raise ValueError(f"handles_per_lane must be >= 1, got {handles_per_lane}")

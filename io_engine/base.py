@@ -200,12 +200,14 @@ class LaneStats:
     """Bytes moved and busy time of one device in one direction.
 
     Busy time is the union of intervals with at least one operation in flight, so it stays
-    meaningful with many concurrent requests (sum of latencies would overcount).
+    meaningful with many concurrent requests (sum of latencies would overcount). `device`, where given,
+    is the same union over both directions of the device (`device_lanes`).
     """
 
     bytes: int = 0
     busy_s: float = 0.0
     ops: int = 0
+    device: LaneStats | None = field(default=None, repr=False)
     _inflight: int = 0
     _since: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -215,6 +217,8 @@ class LaneStats:
             if self._inflight == 0:
                 self._since = time.perf_counter()
             self._inflight += 1
+        if self.device is not None:
+            self.device.start()
 
     def finish(self, nbytes: int) -> None:
         with self._lock:
@@ -223,6 +227,8 @@ class LaneStats:
             self.ops += 1
             if self._inflight == 0:
                 self.busy_s += time.perf_counter() - self._since
+        if self.device is not None:
+            self.device.finish(nbytes)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
@@ -231,6 +237,14 @@ class LaneStats:
                 busy += time.perf_counter() - self._since
             return {"bytes": self.bytes, "busy_s": busy, "ops": self.ops,
                     "gbps": self.bytes / busy / 1e9 if busy > 0 else 0.0}
+
+
+def device_lanes() -> dict[str, LaneStats]:
+    """A device's lanes: ``read`` and ``write``, and ``any``, the union of the two. A simplex device's busy time is
+    the union, not the sum: a read queued on the device behind a write is in flight while the write runs, and both
+    directions would count that time."""
+    both = LaneStats()
+    return {"read": LaneStats(device=both), "write": LaneStats(device=both), "any": both}
 
 
 # A request that has not completed after this many seconds is reported (WARNING on the `io_engine` logger),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import ALIGN, DeviceOp, IOEngineError, LaneStats, check_op, device_error, memview
+from .base import ALIGN, DeviceOp, IOEngineError, check_op, device_error, device_lanes, memview
 from .buffers import aligned_empty
 from .priority import Priority, PriorityExecutor
 from .throttle import Throttle, for_directory
@@ -75,7 +75,7 @@ class ThreadsBackend:
             raise
         self._pools = [PriorityExecutor(queue_depth, f"io_engine-dev{i}") for i in range(len(paths))]
         self._throttles = [for_directory(p, throttle_gbps) if throttle_gbps else None for p in paths]
-        self.stats = [{"read": LaneStats(), "write": LaneStats()} for _ in paths]
+        self.stats = [device_lanes() for _ in paths]
 
     def is_direct(self, buffer: torch.Tensor) -> bool:
         return buffer.data_ptr() % ALIGN == 0

@@ -368,11 +368,11 @@ class Volume:
         self.backend.sync()
 
     def stats(self) -> dict:
-        """Bytes, busy seconds and GB/s per device and direction, plus totals."""
+        """Bytes, busy seconds and GB/s per device and direction (and ``any``: both, as a union), plus totals."""
         devices = []
         totals = {"read_bytes": 0, "write_bytes": 0}
         for path, lanes in zip(self.paths, self.backend.stats):
-            entry = {"path": path, "read": lanes["read"].snapshot(), "write": lanes["write"].snapshot()}
+            entry = {"path": path, **{k: lane.snapshot() for k, lane in lanes.items()}}
             totals["read_bytes"] += entry["read"]["bytes"]
             totals["write_bytes"] += entry["write"]["bytes"]
             devices.append(entry)

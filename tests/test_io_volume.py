@@ -190,6 +190,29 @@ def test_emulated_device_time_runs_while_the_bytes_move(make_dirs, monkeypatch):
     assert paced_s * 0.95 <= elapsed < paced_s + 0.6 * medium_s, elapsed
 
 
+def test_a_simplex_device_is_busy_while_either_direction_is_in_flight_not_both_summed(make_dirs):
+    """A read and a write on one paced device run one after the other (half duplex), but both are in flight from
+    the start: each direction's busy time covers the pair, and their sum would count the device twice. Its
+    ``any`` lane is the union: the paced time of both, which the cost model's ssd lane prices."""
+    import time
+
+    paced_s = 2 * (1 * MiB / 0.02e9)  # 105 ms for the two
+    with open_volume(make_dirs(1), 4 * MiB, backend="threads", emulate_ssd_gbps=0.02) as vol:
+        pool = vol.buffer_pool(2 * MiB)
+        with pool.acquire(1 * MiB) as a, pool.acquire(1 * MiB) as b:
+            vol.write(a.tensor, 0).wait()
+            before = vol.stats()["devices"][0]
+            t0 = time.perf_counter()
+            handles = [vol.read_into(b.tensor, 0), vol.write(a.tensor, 1 * MiB)]
+            for h in handles:
+                h.wait()
+            elapsed = time.perf_counter() - t0
+            after = vol.stats()["devices"][0]
+    busy = {k: after[k]["busy_s"] - before[k]["busy_s"] for k in ("read", "write", "any")}
+    assert paced_s * 0.95 <= busy["any"] <= elapsed + 1e-3, (busy, elapsed)
+    assert busy["read"] + busy["write"] > 1.3 * busy["any"], busy  # (what the ssd lane once summed)
+
+
 def test_reopening_a_volume_rewrites_nothing(make_dirs):
     """A volume reopened as it was writes no manifest (a store whose disk filled up can still be opened)."""
     import os

@@ -423,9 +423,9 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
         return busy, io1[f"{direction}_bytes"] - io0[f"{direction}_bytes"]
 
     (read_s, read_b), (write_s, write_b) = lane("read"), lane("write")
-    # the SSDs are simplex: a device's reads and writes add; the busiest device sets the lane
-    ssd_s = max(sum(d1[k]["busy_s"] - d0[k]["busy_s"] for k in ("read", "write"))
-                for d0, d1 in zip(io0["devices"], io1["devices"]))
+    # the SSDs are simplex: a device is busy while a read or a write is in flight (`io_engine.base.device_lanes`:
+    # the sum of the two would count twice a read queued on the device behind a write); the busiest sets the lane
+    ssd_s = max(d1["any"]["busy_s"] - d0["any"]["busy_s"] for d0, d1 in zip(io0["devices"], io1["devices"]))
     lanes = {**_device_lanes(engine, run), "ssd": ssd_s,
              # the optimizer's CPU work, as the cost model's cpu lane prices it: AdamW and its records' hashing
              "cpu": ago.adam_s + ago.hash_s,
