@@ -153,15 +153,15 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
     return predict_lanes(mcfg, hardware(regime, cpu_rates, len(args.nvme)), args.batch_size, args.seq_len, mode,
                          compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
                          readahead_mem="auto" if mode == "optimized" else 0, state_format=regime.state_format,
-                         persist_every=regime.persist_every if mode == "optimized" else 1)
+                         persist_every=regime.persist_every)  # (serial runs the regime's interval too)
 
 
 def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1
                   ) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
     median of serial steps on an unpaced store with every record resident. With ``persist_every`` auto, the steps
-    between durable ones instead (optimized mode: an interval needs the update after backward), which hash no
-    record: the optimizer regime's steps. `measure_cpu_adam` times the kernel
+    between durable ones instead (optimized mode), which hash no record: the optimizer regime's steps.
+    `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
     alone would put every regime's GPU and SSD where the lanes are not."""
@@ -190,9 +190,8 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
 SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd lane / cpu lane (None: FIXED_SSD_GBPS),
     #            persist_every), the lanes predicted
     "disk": ("exact", 0, 0.9, 3.0, 1),
-    # records in RAM, written every few steps (persist_every auto), so the SSD hardly works; a fast GPU: the
-    # update runs after backward (the steps between durable ones wait for the norm), so the step is at least
-    # backward and the cpu lane
+    # records in RAM, written every few steps (persist_every auto), so the SSD hardly works; a fast GPU: with
+    # clipping off the steps between durable ones update in place during backward (lohan.runtime.held)
     "optimizer": ("8bit-moments", "all", 0.1, None, "auto"),
     "gpu": ("exact", 0, 6.0, 3.0, 1),
     "balanced": ("8bit-moments", 0, 1.0, 1.0, 1),

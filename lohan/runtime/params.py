@@ -236,8 +236,9 @@ class ParamStreamer:
         self.bytes_read += own.p16_bytes
 
     def _from_ram(self, i: int, slot: int) -> None:
-        """`prefetch` of a RAM slot: block i's P16 copied from its resident record (the optimizer's own bytes, which
-        no update changes while a step reads them: such a step's update waits for the gradient norm)."""
+        """`prefetch` of a RAM slot: block i's P16 copied from its resident record (the optimizer's own bytes: a step
+        updates a block in place only once its gradient is complete, after the last read of its P16 in the step, or
+        after backward)."""
         if self.ram_p16 is None:
             raise RuntimeError(f"block {i}'s parameters of RAM slot {slot} have no source in memory")
         own = self.store.layout.blocks[i]
