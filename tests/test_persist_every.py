@@ -47,6 +47,19 @@ def test_clipping_off_steps_held_in_ram_update_them_in_place_during_backward(mak
     assert [m["durable"] for m in metrics] == [(s + 1) % 3 == 0 for s in range(STEPS)]
 
 
+def test_a_speculated_step_held_in_ram_that_clips_is_replayed_at_its_coefficient(make_dirs, caplog):
+    """Clipping on and speculated: a step whose states are in RAM only updates them in place during backward at
+    coefficient 1; where it clips after all, there is no previous slot to redo from, so the steps since the last
+    durable commit are replayed from their batches and the step runs again at the coefficient it is now known to
+    take. The same bits as PyTorch's clip_grad_norm_ + AdamW."""
+    ecfg = config(make_dirs(1), persist_every=3, max_grad_norm=1.0, clip_mode="speculate")
+    metrics = check(tiny_cfg(), ecfg)
+    held = [m for m in metrics if not m["durable"]]
+    assert not any(m["deferred"] for m in held)
+    assert any(m["clip_coef"] < 1 for m in held)  # (the data clips: what this test is about)
+    assert "clips (coefficient" in caplog.text and "replaying 1 step(s)" in caplog.text
+
+
 def test_a_non_finite_step_that_updated_ram_in_place_is_replayed_and_skipped(make_dirs, caplog):
     """A step that updated RAM-only states in place and then turned out not finite: the engine goes back to the
     last durable commit, replays the steps since from their batches and skips the failed one, the same bits as

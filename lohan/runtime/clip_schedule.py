@@ -72,8 +72,10 @@ class ClipSchedule:
         self._probe_left = 0  # steps of the probe still to run
         self.last_choice: dict[str, float | str | None] = {}  # why the last step was scheduled as it was
 
-    def speculate(self, estimate: Estimate | None = None) -> bool:
-        """Whether the next step speculates: updates during backward (`step.clip_gate` decides the rest)."""
+    def speculate(self, estimate: Estimate | None = None, replay_s: float = 0.0) -> bool:
+        """Whether the next step speculates: updates during backward (`step.clip_gate` decides the rest).
+        `replay_s`: what a clip costs at least when the step's states are in RAM only (no previous slot to redo
+        from: the steps since the last durable commit are replayed, lohan.runtime.held)."""
         mode = self.cfg.clip_mode
         if self.cfg.max_grad_norm <= 0 and not self.defer_unclipped:
             self.last_choice = {"rule": "clipping off"}
@@ -88,6 +90,7 @@ class ClipSchedule:
             self.last_choice = {"rule": "last step", "last_coef": self.last_coef}
             return self.last_coef == 1.0 or self.cfg.max_grad_norm <= 0
         defer, redo = costs
+        redo = max(redo, replay_s)
         p = clip_probability(list(self.norms), self.cfg.max_grad_norm, HISTORY)
         choice = should_speculate(p, defer, redo)
         self.last_choice = {"rule": "cost", "p_clip": p, "defer_s": defer, "redo_s": redo}

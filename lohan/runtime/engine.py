@@ -229,8 +229,10 @@ class Engine:
             log.warning("persist_every=%s lowered to 1: %s", cfg.persist_every, self.persist_refusal)
         self._auto_persist = 1  # auto: priced after each step (`_observe_persist`)
         # the steps since the last durable commit, which a step that updates RAM-only states in place and turns
-        # out not finite replays (lohan.runtime.held); `_skip_next`: the failed step runs again, known to skip
-        self._held, self._skip_next = HeldSteps(), False
+        # out not finite, or clips, replays (lohan.runtime.held); `_replayed`: how the failed step then runs again
+        # (None: as planned; "skip": known to skip; a tensor: known to clip at that coefficient)
+        self._held: HeldSteps = HeldSteps()
+        self._replayed: str | Tensor | None = None
         self.streamer.ram_p16 = self._ram_p16
 
     # ------------------------------------------------------------ durability
@@ -401,8 +403,8 @@ class Engine:
                 self.clip_schedule.observe(self.last_stats)
                 self._refine_cpu_rate(self.last_stats)
                 self._observe_persist(self.last_stats)
-        except _InPlaceNotFinite:
-            replay = self._held.take()
+        except _InPlaceLost as lost:
+            replay = (self._held.take(), lost.coef)
             self._abort(run)
         except BaseException:
             self._abort(run)
@@ -410,7 +412,7 @@ class Engine:
         finally:  # after the abort: a failed pass may still read the kept gradients until it is stopped
             self.offloader.release_kept()
         if replay is not None:
-            return self._replay(replay, batch, next_batch)
+            return self._replay(*replay, batch, next_batch)
         if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
             release_free_memory()
             self._trimmed = True
@@ -430,12 +432,16 @@ class Engine:
         if self.cfg.compute_dtype == "fp16":
             scaler = LossScale(self.cfg, commit, self.device.put if self.dp is None else (lambda t: t))
         estimate = self.activations.plan.estimate if self.activations.plan is not None else None
-        speculate = self.clip_schedule.speculate(estimate)
         # the durability interval: a step is durable every persist_every steps after the last durable one
         durable = store.step + 1 - (store.durable_step if store.volatile else store.step) >= self.persist_every
+        # a clip of a step whose states are in RAM only replays the steps since the last durable one, and it
+        replay_s = (len(self._held) + 1) * self.last_stats.step_s if store.volatile and self.last_stats else 0.0
+        speculate = self.clip_schedule.speculate(estimate, replay_s)
         plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(durable), n, speculate,
                              self._overlappable(idx, next_batch), one_process=self.dp is None,
-                             durable=durable, ram_read=store.in_ram(store.slot), replayable=True, skip=self._skip_next)
+                             durable=durable, ram_read=store.in_ram(store.slot), replayable=True,
+                             skip=isinstance(self._replayed, str), known=self._replayed if isinstance(
+                                 self._replayed, Tensor) else None)
         run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
         store.begin_step()
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
@@ -472,12 +478,15 @@ class Engine:
         if plan.follow:
             self.streamer.expect(list(range(n)), lambda: self.offloader.failure)
         run.settlement = settle(self.cfg, self.device, loss, norms, self._norm_order, plan, run.scaler)
-        if run.settlement.skipped and plan.in_place and self.store.in_ram(plan.read_slot):
-            raise _InPlaceNotFinite  # what it updated was in RAM only: nothing to skip back to (`_replay`)
-        if plan.skip and not run.settlement.skipped:
-            raise RuntimeError(f"step {plan.step + 1} was not finite, and finite when replayed from the same batch: "
-                               "the model's compute is not deterministic here, so the steps held in RAM cannot be "
-                               "replayed; resume from the last durable step")
+        settled = run.settlement
+        if (settled.skipped or settled.redone) and plan.in_place and self.store.in_ram(plan.read_slot):
+            # what it updated was in RAM only: nothing to skip back to or redo from (`_replay`)
+            raise _InPlaceLost(None if settled.skipped else settled.coef_t)
+        if (plan.skip and not settled.skipped) or (plan.known is not None and (
+                settled.skipped or not torch.equal(settled.coef_t, plan.known))):
+            raise RuntimeError(f"step {plan.step + 1}, replayed from the same batch, did not come out as it did (norm "
+                               f"{settled.grad_norm}): the model's compute is not deterministic here, so the steps held "
+                               "in RAM cannot be replayed; resume from the last durable step")
         self._finish_updates(run)
         run.tail_s = max(0.0, time.perf_counter() - t_tail - run.next_fwd_s)
         if not self._next.held:
@@ -505,7 +514,8 @@ class Engine:
             if follow:
                 self.streamer.expect(order, lambda: self.offloader.failure)
             self.offloader.begin_redo(plan.update, plan.hyper, order, plan.read_slot, plan.write_slot,
-                                      settled.coef_t, provide=self.streamer.offer if follow else None)
+                                      settled.coef_t, provide=self.streamer.offer if follow else None,
+                                      persist=plan.durable)
         fwd_t = None
         if follow:
             acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
@@ -595,21 +605,24 @@ class Engine:
         if fatal is not None:
             raise fatal
 
-    def _replay(self, held: list, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None) -> float:
-        """A step that updated RAM-only states in place turned out not finite (`StepPlan.in_place`): the rollback
-        went back to the last durable commit; the steps since are run again from their batches (the same bits),
-        then this one known to skip: its optimizer pass lets each gradient go (no stash needed to hold them), and it
-        commits the skip as any non-finite step (lohan.runtime.held)."""
-        log.warning("step %d is not finite and had updated in place the states held in RAM since step %d: "
-                    "replaying %d step(s) from their batches, then skipping it", self.store.step + len(held) + 1,
+    def _replay(self, held: list, coef: Tensor | None, batch: tuple[Tensor, Tensor],
+                next_batch: tuple[Tensor, Tensor] | None) -> float:
+        """A step that updated RAM-only states in place turned out not finite, or clipped after a speculated update
+        (`StepPlan.in_place`): the rollback went back to the last durable commit; the steps since are run again from
+        their batches (the same bits), then this one as it now is known to end: skipped (`coef` None: its optimizer
+        pass lets each gradient go, no stash needed, and it commits the skip as any non-finite step) or clipped at
+        `coef` (its update during backward at that coefficient) (lohan.runtime.held)."""
+        what = "is not finite" if coef is None else f"clips (coefficient {float(coef):.4g})"
+        log.warning("step %d %s and had updated in place the states held in RAM since step %d: replaying %d step(s) "
+                    "from their batches, then running it again", self.store.step + len(held) + 1, what,
                     self.store.step, len(held))
         for b, nb in held:
             self.step(b, nb)
-        self._skip_next = True
+        self._replayed = "skip" if coef is None else coef
         try:
             return self.step(batch, next_batch)
         finally:
-            self._skip_next = False
+            self._replayed = None
 
     def _rollback(self, step: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
@@ -739,8 +752,13 @@ class _Whole:
         self.step_count = engine.step_count
 
 
-class _InPlaceNotFinite(Exception):
-    """A step that updated RAM-only states in place is not finite (`Engine._replay` recovers it)."""
+class _InPlaceLost(Exception):
+    """A step that updated RAM-only states in place is not finite (`coef` None) or clipped at `coef`
+    (`Engine._replay` recovers it)."""
+
+    def __init__(self, coef: Tensor | None) -> None:
+        super().__init__()
+        self.coef = coef
 
 
 def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_block: Callable[[int], list[Tensor]],

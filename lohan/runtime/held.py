@@ -7,10 +7,10 @@ the gradient norm is known avoids both, at the price of the overlap: the update 
 box whose CPU lane binds the step costs backward + update instead of about the larger of the two. This module pays
 for the overlap with two rare-case mechanisms instead:
 
-- `HeldSteps`, the batches of the steps committed since the last durable commit. A non-finite step that updated
-  RAM-only states in place is recovered exactly: the engine drops back to the last durable commit, replays these
-  steps (the same batches give the same bits), and runs the failed step again with its update deferred, which
-  skips it as a deferred step would have been skipped.
+- `HeldSteps`, the batches of the steps committed since the last durable commit. A step that updated RAM-only
+  states in place and turned out not finite, or clipped after a speculated update, is recovered exactly: the engine
+  drops back to the last durable commit, replays these steps (the same batches give the same bits), and runs the
+  failed step again as it is now known to end: skipped (its gradients let go) or at its clip coefficient.
 - `finish_before_interrupts`: Ctrl-C or SIGTERM during such a step is held until the step has committed, then
   raised, so the driver's persist loses nothing (a second signal stops at once, losing the steps since the last
   durable commit, as a kill does).

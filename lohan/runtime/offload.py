@@ -141,6 +141,13 @@ class ClipGate:
         self._ready.set()
 
     @classmethod
+    def known(cls, coef: torch.Tensor) -> ClipGate:
+        """A gate open from the start at `coef` (a replayed step that clipped, lohan.runtime.held)."""
+        gate = cls(None)
+        gate.open(coef)
+        return gate
+
+    @classmethod
     def discarded(cls) -> ClipGate:
         """A gate of a step known to be skipped (a replayed failure, lohan.runtime.held): nothing is updated."""
         gate = cls(None)
@@ -698,15 +705,17 @@ class GradOffloader:
         return [[sums[i][lo].value() for lo in sorted(sums[i])] for i in range(len(self.store.layout.blocks))]
 
     def begin_redo(self, step: int, hyper: AdamWHyper, order: list[int], read_slot: int, write_slot: int,
-                   coef: torch.Tensor, provide: Provide | None = None) -> None:
+                   coef: torch.Tensor, provide: Provide | None = None, persist: bool = True) -> None:
         """Start the step's optimizer pass again from `read_slot` (untouched: the speculative writes went to
-        `write_slot`) with the kept gradients and the step's true coefficient; `finish` waits for it."""
+        `write_slot`, or, `persist` False, into resident buffers now read back from it) with the kept gradients
+        and the step's true coefficient; `finish` waits for it."""
         if self.stash is None:
             raise RuntimeError("redo needs a gradient stash")
         grads = [self.stash.get(i) for i in order]
         gate = ClipGate(None)
         gate.open(coef)
-        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=False, provide=provide)
+        self.begin_step(step, hyper, order, read_slot, write_slot, gate=gate, keep=False, provide=provide,
+                        persist=persist)
         for i, g in zip(order, grads):
             self._pass.submit(i, g)
         self._pass.backward_done.set()

@@ -74,33 +74,39 @@ class StepPlan:
     in_place: bool = False  # updates during backward states held in RAM only: nothing to skip back to if the step
     #                         turns out not finite (the engine replays from the last durable commit instead)
     skip: bool = False      # known not finite (a replayed failure): its optimizer pass discards every gradient
+    known: Tensor | None = None  # the coefficient a replayed step that clipped is known to take (its gate's)
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
              speculate: bool, next_idx: Tensor | None, one_process: bool, durable: bool = True,
-             ram_read: bool = False, replayable: bool = False, skip: bool = False) -> StepPlan:
+             ram_read: bool = False, replayable: bool = False, skip: bool = False,
+             known: Tensor | None = None) -> StepPlan:
         # A step whose read states are in RAM only, or whose states will be, updates them in place with no copy
-        # on the SSDs to redo or skip from. With clipping on (a redo needs the old states) or fp16 (an overflow
-        # skips often) its update waits for the gradient norm (deferred). Otherwise, where the engine can rebuild
-        # the RAM states by replaying its steps since the last durable commit (`replayable`), a non-finite step is
-        # rare enough to pay that replay, and the update may run during backward, as on the SSDs. A replayed step
-        # that failed so (`skip`) runs again known to be skipped: its gate discards from the start.
+        # on the SSDs to redo or skip from. Where the engine can rebuild the RAM states by replaying its steps
+        # since the last durable commit (`replayable`, lohan.runtime.held), the update may still run during
+        # backward, as on the SSDs: clipping off, or speculated (the schedule prices the replay a clip costs).
+        # A replayed step runs again known to be skipped (`skip`: its gate discards from the start) or known to
+        # clip at `known` (its gate open at that coefficient from the start). fp16 (an overflow skips often) waits
+        # for the norm (deferred), as where nothing can be replayed.
         hold = not durable or ram_read
-        in_place_ok = replayable and one_process and cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16"
-        strict = hold and not in_place_ok
-        gate = ClipGate.discarded() if skip else clip_gate(cfg, speculate and not strict, next_idx is not None,
-                                                             hold=strict)
+        strict = hold and not (replayable and one_process and cfg.compute_dtype != "fp16")
+        if skip or known is not None:
+            gate = ClipGate.discarded() if skip else ClipGate.known(known)
+        else:
+            gate = clip_gate(cfg, speculate and not strict, next_idx is not None, hold=strict)
         deferred = gate.deferred
+        replayed = skip or known is not None
         follow = deferred and next_idx is not None
         return StepPlan(
             step=commit.step, update=commit.applied + 1, hyper=AdamWHyper.from_config(cfg, lr_at(cfg, commit.step)),
             read_slot=read_slot, write_slot=write_slot, gate=gate, deferred=deferred,
-            speculated=not deferred and cfg.max_grad_norm > 0, follow=follow,
+            speculated=not deferred and cfg.max_grad_norm > 0 and not replayed, follow=follow,
             # (write-behind stages a commit whose last writes are still in flight: with two slots the previous
             # commit stands meanwhile; in place there is none)
             lazy=follow and cfg.write_behind and one_process and cfg.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
-            durable=durable, next_idx=next_idx, in_place=hold and not deferred and not skip, skip=skip)
+            durable=durable, next_idx=next_idx, in_place=hold and not deferred and not replayed, skip=skip,
+            known=known)
 
 
 def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bool = False) -> ClipGate:
