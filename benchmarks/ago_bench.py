@@ -79,12 +79,10 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import resource
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -92,7 +90,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    portable,
+    shared_environment,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -730,29 +731,10 @@ def attach_plans(cases: dict[str, dict], openings: list[dict], baseline_rss: int
 
 
 def environment(nvme: list[str]) -> dict:
-    import torch
-
     usage = shutil.disk_usage(nvme[0])
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "lohan", "io_engine", "benchmarks"],
-                           capture_output=True, text=True)
-    return {
-        "hardware": {
-            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
-            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "disk_devices": sorted({d for d in (_block_device(p) for p in nvme) if d}),
-            "disk_total_bytes": usage.total, "disk_free_bytes": usage.free,
-            "kernel": platform.release(), "platform": platform.platform(), "machine": platform.machine(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
-        "versions": {
-            "python": platform.python_version(), "torch": package_version("torch"), "deepspeed": package_version("deepspeed"),
-            "psutil": package_version("psutil"), "torch_num_threads": torch.get_num_threads(),
-            "torch_num_interop_threads": torch.get_num_interop_threads(),
-            "git_commit": commit.stdout.strip() or None,
-            "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None,
-        },
-    }
+    return shared_environment(("torch", "deepspeed", "psutil"), hardware={
+        "disk_devices": sorted({d for d in (_block_device(p) for p in nvme) if d}),
+        "disk_total_bytes": usage.total, "disk_free_bytes": usage.free})
 
 
 def _fmt(x: float | None, spec: str = "5.2f") -> str:

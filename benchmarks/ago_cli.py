@@ -40,7 +40,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -51,7 +50,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    portable,
+    shared_environment,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 FINETUNE = REPO / "finetune.py"
@@ -260,19 +262,7 @@ def keys(summary: dict[str, dict[str, dict]]) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------- report
 def environment() -> dict[str, Any]:
     """Git commit, versions and hardware of this machine."""
-    def git(*a: str) -> str | None:
-        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    dirty = git("status", "--porcelain", "--", "lohan", "io_engine", "finetune.py", "benchmarks")
-    return {
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty_paths": None if dirty is None else [line for line in dirty.splitlines() if line],
-        "versions": {"python": platform.python_version(), "torch": package_version("torch")},
-        "hardware": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
-                     "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                     "kernel": platform.release()},
-    }
+    return shared_environment(dirty_paths=("lohan", "io_engine", "finetune.py", "benchmarks"))
 
 
 def _f(x: Any, spec: str = ".3f") -> str:
@@ -308,7 +298,7 @@ def markdown(report: dict) -> str:
              f"finetune.py runs: model {st['model']}, batch {st['batch_size']} x seq {st['seq_len']}, {st['steps']} "
              f"steps per run ({st['warmup']} warm-up left out), {st['rounds']} round(s), synthetic data, "
              f"engine.resident_mem=0, cpu_mem {st['cpu_mem'] or 'the CLI default'}; commit "
-             f"{report['git_commit']}; {report['hardware']['cpu_count']} CPUs; wall time "
+             f"{report['versions']['git_commit']}; {report['hardware']['cpu_count']} CPUs; wall time "
              f"{report['wall_seconds']:.0f} s.", "", "| key | value |", "|---|---|"]
     for k, v in report["keys"].items():
         lines.append(f"| {k} | {_cell(v)} |")

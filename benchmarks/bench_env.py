@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import platform
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +30,37 @@ def cpu_model() -> str | None:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         return None
+
+
+def git_state(paths: tuple[str, ...] = ("lohan", "io_engine", "benchmarks")) -> dict[str, Any]:
+    """The commit the run imported and the uncommitted changes under `paths` (None where git cannot tell)."""
+    def git(*a: str) -> str | None:
+        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
+        return r.stdout if r.returncode == 0 else None
+
+    commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", *paths)
+    return {"git_commit": (commit.strip() or None) if commit is not None else None,
+            "git_dirty_paths": None if dirty is None else [line for line in dirty.splitlines() if line]}
+
+
+def shared_environment(packages: tuple[str, ...] = ("torch",), hardware: dict[str, Any] | None = None,
+                versions: dict[str, Any] | None = None,
+                dirty_paths: tuple[str, ...] = ("lohan", "io_engine", "benchmarks")) -> dict[str, Any]:
+    """What every report records of the machine and the code (STYLE 14): ``hardware`` (cores, CPU model, RAM,
+    kernel, platform, plus `hardware`) and ``versions`` (python, each of `packages`, torch's thread counts where
+    torch is imported, the git commit and dirty paths, plus `versions`). Call it at the start of a run: the commit
+    and the tree the run actually imported."""
+    torch = sys.modules.get("torch")
+    hw = {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
+          "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+          "kernel": platform.release(), "platform": platform.platform(), "machine": platform.machine(),
+          "libc": " ".join(platform.libc_ver())}
+    if torch is not None:
+        hw["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    ver: dict[str, Any] = {"python": platform.python_version(), **{p: package_version(p) for p in packages}}
+    if torch is not None:
+        ver.update(torch_num_threads=torch.get_num_threads(), torch_num_interop_threads=torch.get_num_interop_threads())
+    return {"hardware": {**hw, **(hardware or {})}, "versions": {**ver, **(versions or {}), **git_state(dirty_paths)}}
 
 
 def portable(value: Any) -> Any:

@@ -40,7 +40,6 @@ import errno
 import json
 import math
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -54,7 +53,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    portable,
+    shared_environment,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -611,25 +613,10 @@ def environment(base: Path, tool_version: str) -> dict:
     mount = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
                 key=lambda m: len(m[1]), default=None)
     usage = shutil.disk_usage(base)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "io_engine", "benchmarks"],
-                           capture_output=True, text=True)
-    return {
-        "hardware": {
-            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
-            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "disk_total_bytes": usage.total, "disk_free_bytes": usage.free,
-            "device": mount[0] if mount else None, "filesystem": mount[2] if mount else None,
-            "mount_point": mount[1] if mount else None,
-            "kernel": platform.release(), "platform": platform.platform(), "machine": platform.machine(),
-        },
-        "versions": {
-            "python": platform.python_version(), "torch": package_version("torch"), "deepspeed": package_version("deepspeed"),
-            "reference_tool": tool_version,
-            "git_commit": commit.stdout.strip() or None,
-            "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None,
-        },
-    }
+    return shared_environment(("torch", "deepspeed"), versions={"reference_tool": tool_version}, hardware={
+        "disk_total_bytes": usage.total, "disk_free_bytes": usage.free,
+        "device": mount[0] if mount else None, "filesystem": mount[2] if mount else None,
+        "mount_point": mount[1] if mount else None}, dirty_paths=("io_engine", "benchmarks"))
 
 
 def _fmt_cfg(r: dict) -> str:

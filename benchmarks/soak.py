@@ -57,7 +57,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import resource
 import shlex
@@ -70,7 +69,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    portable,
+    shared_environment,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -414,21 +416,7 @@ def _counts(per_step: list[dict], samples: list[dict], warmup: int, key: str) ->
 
 
 def environment() -> dict[str, Any]:
-    import torch
-
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "lohan", "io_engine", "benchmarks"],
-                           capture_output=True, text=True)
-    return {
-        "hardware": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
-                     "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                     "kernel": platform.release(), "libc": " ".join(platform.libc_ver())},
-        "versions": {"python": platform.python_version(), "torch": package_version("torch"),
-                     "transformers": package_version("transformers"), "deepspeed": package_version("deepspeed"),
-                     "psutil": package_version("psutil"), "torch_num_threads": torch.get_num_threads(),
-                     "git_commit": commit.stdout.strip() or None,
-                     "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None},
-    }
+    return shared_environment(("torch", "transformers", "deepspeed", "psutil"))
 
 
 def _header_lines(stdout: str) -> list[str]:

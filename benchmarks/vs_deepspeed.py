@@ -72,7 +72,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -87,10 +86,9 @@ from typing import Any
 import yaml
 from bench_env import (  # sibling module (the script's own directory)
     batches,
-    cpu_model,
-    package_version,
     portable,
     reset_peak_rss,
+    shared_environment,
     status_bytes,
 )
 
@@ -728,19 +726,7 @@ def passed(k: dict[str, float | None]) -> dict[str, bool | None]:
 
 
 def environment() -> dict[str, Any]:
-    import psutil
-
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "lohan", "io_engine", "benchmarks"],
-                           capture_output=True, text=True)
-    return {
-        "hardware": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "ram_bytes": psutil.virtual_memory().total,
-                     "kernel": platform.release()},
-        "versions": {"python": platform.python_version(), **{p: package_version(p) for p in
-                     ("torch", "transformers", "deepspeed", "accelerate", "psutil")},
-                     "git_commit": commit.stdout.strip() or None,
-                     "git_dirty_paths": dirty.stdout.split("\n")[:-1] if dirty.returncode == 0 else None},
-    }
+    return shared_environment(("torch", "transformers", "deepspeed", "accelerate", "psutil"))
 
 
 ROW_KEYS = ("system", "s_per_step", "tokens_per_s", "peak_rss_bytes", "peak_rss_whole_life_bytes",

@@ -385,7 +385,7 @@ def test_ago_cli_runs_finetune_on_the_tiny_preset(tmp_path, capsys):
         assert s["n_measured_steps"] == 1 and len(s["warmup_step_s"][0]) == 2 and s["median_s_per_step"] > 0
         assert "optimizer_tail" in s["lanes"]
     assert report["clipped_fraction"] == 1.0  # random init: every step clips at the default norm 1.0
-    assert report["ordering_holds"] in (True, False) and report["git_commit"]
+    assert report["ordering_holds"] in (True, False) and report["versions"]["git_commit"]
     assert "## clipped" in out.with_suffix(".md").read_text()
     assert not scratch.exists()  # stores, metrics files and logs removed
     assert "run 2/2" in capsys.readouterr().out
