@@ -273,9 +273,10 @@ def measure_thp(mcfg: Any, batch: int, seq: int, compute_dtype: str, device: str
     from lohan.runtime.activation_store import OpTracker
     from lohan.runtime.device import Device
     from lohan.runtime.profiler import profile_block
+    from lohan.store.states import DTYPES
 
     dev = Device(device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[compute_dtype]
+    dtype = DTYPES[compute_dtype]
     block = Block(mcfg).to(device=dev.torch, dtype=dtype)
     for p in block.parameters():
         p.requires_grad_(True)

@@ -45,6 +45,7 @@ from lohan.runtime.optim import AdamWHyper, adamw_chunk_
 from lohan.runtime.profiler import measure_quant_rate
 from lohan.store.files import run_files
 from lohan.store.integrity import tensor_hash
+from lohan.store.states import DTYPES
 
 ASSUMED_SSD_GBPS = 2.0
 """Per-directory read and write GB/s assumed for a dry run on this machine (not measured: no writes)."""
@@ -175,7 +176,7 @@ def measure_cpu_adam(numel: int = 1 << 22, compute_dtype: str = "bf16", checksum
     Measured alone: in a run the optimizer shares the cores with the compute thread and the I/O, so
     this is the rate's upper end.
     """
-    p16_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32)
+    p16_dtype = DTYPES.get(compute_dtype, torch.float32)
     p32, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
     grad16, grad = torch.randn(numel).to(p16_dtype), torch.empty(numel)
     p16 = torch.empty(numel, dtype=p16_dtype)
@@ -238,7 +239,7 @@ def detect_hardware(nvme: tuple[str, ...], device: str = "auto", compute_dtype: 
     dev = torch.device("cuda" if use_cuda else "cpu")
     # measured in the dtype the run computes in, also on a CPU: bf16 there is fast with AMX or AVX-512 bf16 and ~10x
     # slower than fp32 without (lohan.plan.compute_dtype), and the plan must price what the run will see
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_dtype, torch.float32)
+    dtype = DTYPES.get(compute_dtype, torch.float32)
     ram = psutil.virtual_memory().total
     n = len(nvme)
     measured = _measured_ssd(tuple(nvme), store_name)
