@@ -56,7 +56,7 @@ from lohan.runtime.activations import ActivationManager
 from lohan.runtime.clip_schedule import ClipSchedule
 from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.heap import release_free_memory, reuse_heap
-from lohan.runtime.held import HeldSteps, finish_before_interrupts
+from lohan.runtime.held import HeldSteps, Outcome, finish_before_interrupts
 from lohan.runtime.offload import GradOffloader, Provide
 from lohan.runtime.optim import decay_mask
 from lohan.runtime.parallel import (
@@ -74,6 +74,7 @@ from lohan.runtime.step import (
     LossScale,
     NextForward,
     Phase,
+    Settlement,
     StepPlan,
     StepRun,
     StepStats,
@@ -232,7 +233,7 @@ class Engine:
         # out not finite, or clips, replays (lohan.runtime.held); `_replayed`: how the failed step then runs again
         # (None: as planned; "skip": known to skip; a tensor: known to clip at that coefficient)
         self._held: HeldSteps = HeldSteps()
-        self._replayed: str | Tensor | None = None
+        self._replayed: Outcome = None
         self.streamer.ram_p16 = self._ram_p16
 
     # ------------------------------------------------------------ durability
@@ -393,12 +394,13 @@ class Engine:
         run = self._begin(batch, next_batch)
         replay = None
         try:
-            with finish_before_interrupts(run.plan.in_place):  # a stop halfway would lose the RAM-only states
+            # a stop halfway through an update in place of RAM-only states would lose them
+            with finish_before_interrupts(run.plan.in_place or run.plan.known is not None):
                 loss = self._train(run)
                 # measured before the commit too, to be committed with it (`committed_stats`): the time of the
                 # commit itself is in `last_stats` only
                 self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
-                self._held.after_commit(self.store.volatile, batch, next_batch)
+                self._held.after_commit(self.store.volatile, batch, next_batch, _outcome(run.settlement))
                 self.last_stats = measure(self, run, loss, overlapped=self._next.held)
                 self.clip_schedule.observe(self.last_stats)
                 self._refine_cpu_rate(self.last_stats)
@@ -406,6 +408,7 @@ class Engine:
         except _InPlaceLost as lost:
             replay = (self._held.take(), lost.coef)
             self._abort(run)
+            self._drop_volatile()  # (whatever the rollback found updated: the replay starts at the durable commit)
         except BaseException:
             self._abort(run)
             raise
@@ -434,7 +437,7 @@ class Engine:
         estimate = self.activations.plan.estimate if self.activations.plan is not None else None
         # the durability interval: a step is durable every persist_every steps after the last durable one
         durable = store.step + 1 - (store.durable_step if store.volatile else store.step) >= self.persist_every
-        # a clip of a step whose states are in RAM only replays the steps since the last durable one, and it
+        # a clip of a step whose states are in RAM only replays the steps since the last durable one, then it
         replay_s = (len(self._held) + 1) * self.last_stats.step_s if store.volatile and self.last_stats else 0.0
         speculate = self.clip_schedule.speculate(estimate, replay_s)
         plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(durable), n, speculate,
@@ -616,13 +619,25 @@ class Engine:
         log.warning("step %d %s and had updated in place the states held in RAM since step %d: replaying %d step(s) "
                     "from their batches, then running it again", self.store.step + len(held) + 1, what,
                     self.store.step, len(held))
-        for b, nb in held:
-            self.step(b, nb)
-        self._replayed = "skip" if coef is None else coef
-        try:
-            return self.step(batch, next_batch)
-        finally:
-            self._replayed = None
+        # each replayed step runs as it ended (skipped, clipped at its coefficient): none replays again; and the
+        # replay is part of this call, which an interrupt must not leave halfway
+        with finish_before_interrupts(True):
+            for b, nb, outcome in [*held, (batch, next_batch, "skip" if coef is None else coef)]:
+                self._replayed = outcome
+                try:
+                    loss = self.step(b, nb)
+                finally:
+                    self._replayed = None
+        return loss
+
+    def _drop_volatile(self) -> None:
+        """Forget the steps held in RAM since the last durable commit (their states, the batches to replay them,
+        the blocks kept for the next forward): the durable commit is current again."""
+        if self.store.volatile:
+            self.store.drop_volatile()
+            self.offloader.resident_records.forget()
+            self.streamer.drop_kept()
+        self._held.clear()
 
     def _rollback(self, step: int) -> None:
         """After a failure inside a step: stop the pipeline and keep (re-commit) the last committed state."""
@@ -657,12 +672,10 @@ class Engine:
         if res.all_hold(c.slot, c.applied):
             return
         lost = c.step
-        self.store.drop_volatile()
-        self._held.clear()
-        res.forget()
-        self.streamer.drop_kept()
-        log.warning("steps %d..%d were held in RAM and a failed update overwrote them; the state committed at step "
-                    "%d stands", self.store.step + 1, lost, self.store.step)
+        self._drop_volatile()
+        log.warning("steps %d..%d were held in RAM and the step after them had updated them in place when it failed "
+                    "or turned out not to stand; the state committed at step %d is current again", self.store.step + 1,
+                    lost, self.store.step)
 
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` = (token ids, targets) under the committed weights, forward only.
@@ -750,6 +763,13 @@ class _Whole:
         self.layout = engine.layout
         self.read_params = engine.read_params
         self.step_count = engine.step_count
+
+
+def _outcome(settled: Settlement) -> Outcome:
+    """How a committed step ended, for its replay (`held.Outcome`)."""
+    if settled.skipped:
+        return "skip"
+    return settled.coef_t if settled.clip_coef is not None and settled.clip_coef < 1.0 else None
 
 
 class _InPlaceLost(Exception):

@@ -32,28 +32,33 @@ log = logging.getLogger("lohan.runtime.engine")
 Batch = tuple[Tensor, Tensor]
 
 
+Outcome = str | Tensor | None
+"""How a step ended, so that its replay runs as it is known to end: "skip" (not finite), its clip coefficient (a
+0-d tensor, below 1), or None (unclipped)."""
+
+
 class HeldSteps:
-    """The (batch, next batch) of each step committed since the last durable commit, in order (copies: the
-    caller may reuse its tensors)."""
+    """The (batch, next batch, outcome) of each step committed since the last durable commit, in order (copies:
+    the caller may reuse its tensors)."""
 
     def __init__(self) -> None:
-        self._steps: list[tuple[Batch, Batch | None]] = []
+        self._steps: list[tuple[Batch, Batch | None, Outcome]] = []
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def after_commit(self, volatile: bool, batch: Batch, next_batch: Batch | None) -> None:
+    def after_commit(self, volatile: bool, batch: Batch, next_batch: Batch | None, outcome: Outcome) -> None:
         """A step committed: held in RAM (`volatile`) it joins the list, durable it ends it."""
         if not volatile:
             self._steps.clear()
             return
-        self._steps.append((_copy(batch), None if next_batch is None else _copy(next_batch)))
+        self._steps.append((_copy(batch), None if next_batch is None else _copy(next_batch), outcome))
 
     def clear(self) -> None:
         """The held steps became durable (a persist), or were lost (dropped back to the last durable commit)."""
         self._steps.clear()
 
-    def take(self) -> list[tuple[Batch, Batch | None]]:
+    def take(self) -> list[tuple[Batch, Batch | None, Outcome]]:
         steps, self._steps = self._steps, []
         return steps
 
