@@ -124,6 +124,12 @@ def available_memory(local_world: int = 1) -> int:
     return psutil.virtual_memory().available // local_world
 
 
+def preset_program(mcfg: ModelConfig) -> GPTBlocks:
+    """The block program `init` trains for a preset's config, on the meta device (shapes only, nothing
+    allocated): what a pre-flight plans a preset's run from (`plan_engine`)."""
+    return GPTBlocks(build_model(mcfg, device="meta"))
+
+
 def plan_engine(program: BlockProgram, cfg: EngineConfig, world: int = 1, rank: int = 0, free: int | None = None,
                 host_device: bool = False, shared: bool | None = None) -> RunPlan:
     """The run plan an engine of `program` executes (`lohan.plan.run_plan.plan_run` on `engine_geometry`), made
@@ -768,12 +774,14 @@ def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, lo
 
 
 def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = None, *, resume: bool = False,
-         overwrite: bool = False, progress: Callable[[int, int], None] | None = None, **overrides: Any) -> Engine:
+         overwrite: bool = False, progress: Callable[[int, int], None] | None = None, plan: RunPlan | None = None,
+         **overrides: Any) -> Engine:
     """Build an Engine for a preset name, a ModelConfig, or a GPT (meta or initialized).
 
     The model's states are laid out on the NVMe directories of `config` and initialized block by
     block (an initialized GPT's own weights are used; a preset or config is initialized from
-    `config.seed`). Nothing else changes in the training loop: `loss = engine.step(batch)`.
+    `config.seed`). Nothing else changes in the training loop: `loss = engine.step(batch)`. `plan`: the run
+    plan a pre-flight made for it (`plan_engine`), which the engine executes (`Engine`).
     """
     cfg = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
     if overrides:
@@ -798,7 +806,7 @@ def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = No
 
     meta = {"kind": "gpt", "config": asdict(mcfg), "seed": None if materialized else cfg.seed}
     engine = Engine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token, resume=resume,
-                    overwrite=overwrite, progress=progress)
+                    overwrite=overwrite, progress=progress, plan=plan)
     if materialized:  # the weights now live in the store; free the caller's copy
         model.to_empty(device="meta")
     return engine
