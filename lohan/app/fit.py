@@ -429,7 +429,7 @@ def plan_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, plan:
     # the other state formats (`planner.ssd_cost`) are priced as designs of the same settings
     plan_args = dict(compute_dtype=e.compute_dtype, micro_batches=e.micro_batches, prefetch_depth=e.prefetch_depth,
                      max_inflight=e.max_inflight_blocks, slots=e.slots, keep_grads=e.max_grad_norm > 0 or e.slots == 1,
-                     resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=int(e.cpu_mem),
+                     resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=plan.host.budget,
                      readahead_mem=e.readahead_mem, clip_mode=e.clip_mode, state_format=e.state_format,
                      act_compress=e.act_compress, host_device=machine.device_is_host,
                      persist_every=e.persist_every if plan.world == 1 else 1, opt_chunk_bytes=int(e.opt_chunk_bytes))
