@@ -1302,7 +1302,7 @@ def plan_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, run: Run
     ahead = min(run.readahead_params, profile.param_count - resident)
     kept = round(profile.param_count * run.kept_p16)  # (in place nothing is kept)
     profile = dataclasses.replace(profile, resident_params=resident, readahead_params=ahead, kept_p16_params=kept,
-                                  write_behind=e.slots == 2, record_bytes=fmt.record(),
+                                  write_behind=run.write_behind, record_bytes=fmt.record(),
                                   separate_p16=fmt.keeps_p16(profile.p16_itemsize), update_cost=fmt.update_cost,
                                   act_compress=e.act_compress)
     plan = algorithm1(profile)

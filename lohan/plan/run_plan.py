@@ -54,6 +54,9 @@ class RunPlan:
     deferred unclipped update)."""
     defer_unclipped: bool
     """Clipping off, the plan kept room for every gradient: an update may run after backward (`ClipSchedule`)."""
+    write_behind: bool
+    """A deferred update's last writes may complete during the next step (two slots, ``write_behind`` on, one
+    process: `step.StepPlan`'s lazy commit), which the cost model prices (`Profile.write_behind`)."""
     kept_p16: float
     """The share of the P16 the parameter pool keeps over a forward/backward turn (0 in place: slots=1)."""
     resident_params: int
@@ -89,12 +92,13 @@ class RunPlan:
 
 
 def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: int | None = None,
-             host_device: bool = False) -> RunPlan:
+             host_device: bool = False, grad_size: int | None = None) -> RunPlan:
     """The run's plan (module docstring) for the whole config `cfg` (its compute dtype resolved), the store's
     `geometry` (data parallel: the rank's shards in ``geometry.local``), `world` ranks, `free` bytes of main memory
-    available to this process and `host_device` (the CPU computes). Never raises for a plan over cpu_mem: the
+    available to this process and `host_device` (the CPU computes); `grad_size`: the host gradient buffers'
+    itemsize where the engine's differs from `pools.grad_dtype`'s rule. Never raises for a plan over cpu_mem: the
     refusal is in the plan (:meth:`RunPlan.check`)."""
-    host = plan_host_memory(geometry, cfg, world, free, host_device=host_device, check=False)
+    host = plan_host_memory(geometry, cfg, world, free, grad_size, check=False, host_device=host_device)
     stash = keeps_all_grads(cfg) or host.has_stash
     local, whole = geometry.store, geometry.layout.param_count
     mine = max(1, local.param_count)
@@ -103,6 +107,7 @@ def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: in
     return RunPlan(
         engine=cfg, geometry=geometry, world=world, free=free, host_device=host_device, host=host, stash=stash,
         defer_unclipped=host.has_stash and cfg.max_grad_norm <= 0,
+        write_behind=cfg.slots == 2 and cfg.write_behind and world == 1,
         kept_p16=kept_p16_fraction(host.params, geometry.p16, cfg.prefetch_depth) if cfg.slots > 1 else 0.0,
         resident_params=whole * resident // mine, readahead_params=whole * int(host.readahead // at_rest) // mine,
         persist_refusal=durability.eligible(len(host.resident_blocks) == len(local.blocks), cfg.slots, world == 1,

@@ -170,7 +170,7 @@ class Engine:
                                                                            self.dp.rank if self.dp else 0, shared)
         self.grad_dtype = grad_dtype(cfg, self.world)
         self.run_plan = _executed_plan(plan, cfg, geometry, self.world, self.device.is_host,
-                                       self.dp.local_world if self.dp else 1)
+                                       self.dp.local_world if self.dp else 1, self.grad_dtype.itemsize)
         self.run_plan.check()  # pools over cpu_mem: refused before anything is written
         # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
         self.host_memory = self.run_plan.host
@@ -746,12 +746,13 @@ def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_b
 
 
 def _executed_plan(plan: RunPlan | None, cfg: EngineConfig, geometry: PoolGeometry, world: int, host_device: bool,
-                   local_world: int) -> RunPlan:
+                   local_world: int, grad_size: int) -> RunPlan:
     """The plan the engine runs: the one given, where its own inputs (with the memory the plan assumed available)
-    give the same figures, or its own with the memory available now."""
+    give the same figures, or its own with the memory available now. `grad_size`: its gradient buffers' itemsize
+    (`grad_dtype`)."""
     if plan is None:
-        return plan_run(cfg, geometry, world, available_memory(local_world), host_device)
-    mine = plan_run(cfg, geometry, world, plan.free, host_device)
+        return plan_run(cfg, geometry, world, available_memory(local_world), host_device, grad_size)
+    mine = plan_run(cfg, geometry, world, plan.free, host_device, grad_size)
     if mine != plan:
         raise ValueError(f"the run plan given to the engine is not the one its settings and model give (given: "
                          f"{plan.pools()}, {plan.resident_blocks} resident; the engine's: {mine.pools()}, "
