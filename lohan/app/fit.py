@@ -37,9 +37,11 @@ from lohan.plan.planner import (
     SsdCost,
     capacity,
     parse_hardware,
+    plan_capacity,
     ssd_cost,
 )
 from lohan.plan.pools import ram_budget
+from lohan.plan.run_plan import RunPlan
 from lohan.runtime.device import Device, resolve_device
 from lohan.runtime.optim import AdamWHyper, adamw_chunk_
 from lohan.runtime.profiler import measure_quant_rate
@@ -403,19 +405,46 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
                cpu_mem: int | None = None, readahead_mem: int | str = "auto", clip_mode: str = "auto",
                clips: bool | None = None, state_format: str = "exact", act_compress: str = "none",
                heap_reuse: bool = True, persist_every: int | str = 1) -> FitReport:
-    """The capacity plan of a run and its predicted speed. ``keep_grads``: the step keeps its gradients (clipping
-    or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads`` says); ``act_compress``: the
-    engine's setting (int8 records priced compressed, `planner.capacity`). The predicted step is
-    the estimate's ``t_iter`` (updates under backward), or ``t_deferred`` where every update waits for the global
-    norm (slots=1, or ``clip_mode`` defer: with clipping off too, where the plan keeps room for the gradients).
+    """The capacity plan of a design given as keywords and its predicted speed. ``keep_grads``: the step keeps
+    its gradients (clipping or slots=1); ``clips``: the run clips (max_grad_norm > 0; None: as ``keep_grads``
+    says); ``act_compress``: the engine's setting (int8 records priced compressed, `planner.capacity`).
     ``heap_reuse``: the engine's setting, which on a CPU device keeps the freed device working set in the heap
     (the allocator slack `plan.memory` bounds the peak RSS with). ``persist_every``: the engine's durability
-    interval (`planner.capacity` prices the record writes at 1/N per step where it applies)."""
-    clips = keep_grads if clips is None else clips
-    cap = capacity(mcfg, machine.hardware, batch, seq, compute_dtype, micro_batches, prefetch_depth, slots=slots,
-                   keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem, readahead_mem=readahead_mem,
-                   clip_mode=clip_mode, state_format=state_format, act_compress=act_compress,
-                   host_device=machine.device_is_host, persist_every=persist_every)
+    interval (`planner.capacity` prices the record writes at 1/N per step where it applies). A run prices its
+    own plan, its whole EngineConfig: :func:`plan_report`."""
+    plan_args = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
+                     slots=slots, keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem,
+                     readahead_mem=readahead_mem, clip_mode=clip_mode, state_format=state_format,
+                     act_compress=act_compress, host_device=machine.device_is_host, persist_every=persist_every)
+    cap = capacity(mcfg, machine.hardware, batch, seq, **plan_args)
+    return _report(mcfg, machine, batch, seq, cap, steps_per_epoch, keep_grads if clips is None else clips,
+                   clip_mode, heap_reuse, plan_args)
+
+
+def plan_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, plan: RunPlan,
+                steps_per_epoch: int | None = None) -> FitReport:
+    """The capacity plan and predicted speed of a run's own plan (`run_plan.plan_run` on the engine's geometry
+    and the whole EngineConfig, `plan.engine`): the pools the engine will allocate, and its refusal where they
+    exceed cpu_mem (`planner.plan_capacity`). ``batch``: this process's."""
+    e = plan.engine
+    # the other state formats (`planner.ssd_cost`) are priced as designs of the same settings
+    plan_args = dict(compute_dtype=e.compute_dtype, micro_batches=e.micro_batches, prefetch_depth=e.prefetch_depth,
+                     max_inflight=e.max_inflight_blocks, slots=e.slots, keep_grads=e.max_grad_norm > 0 or e.slots == 1,
+                     resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=plan.host.budget,
+                     readahead_mem=e.readahead_mem, clip_mode=e.clip_mode, state_format=e.state_format,
+                     act_compress=e.act_compress, host_device=machine.device_is_host,
+                     persist_every=e.persist_every if plan.world == 1 else 1, opt_chunk_bytes=int(e.opt_chunk_bytes))
+    cap = plan_capacity(mcfg, machine.hardware, batch, seq, plan)
+    return _report(mcfg, machine, batch, seq, cap, steps_per_epoch, e.max_grad_norm > 0, e.clip_mode, e.heap_reuse,
+                   plan_args, e.mode)
+
+
+def _report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, cap: Capacity, steps_per_epoch: int | None,
+            clips: bool, clip_mode: str, heap_reuse: bool, plan_args: dict, mode: str = "optimized") -> FitReport:
+    """The report of a capacity plan: its predicted step is the estimate's ``t_iter`` (updates under backward),
+    or ``t_deferred`` where every update waits for the global norm (slots=1, or ``clip_mode`` defer: with
+    clipping off too, where the plan keeps room for the gradients)."""
+    slots = plan_args["slots"]
     if machine.device_is_host:
         cap = _with_device_in_ram(cap, machine.hardware, heap_reuse)
     defers = not clips and slots == 2 and "grad_stash" in cap.cpu_parts  # the plan kept room for the gradients
@@ -425,13 +454,9 @@ def fit_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, comput
     step_s = est.t_deferred if waits and est.t_deferred else est.t_iter
     tokens = batch * seq
     flops = 3 * mcfg.flops_per_token(seq) * tokens
-    plan_args = dict(compute_dtype=compute_dtype, micro_batches=micro_batches, prefetch_depth=prefetch_depth,
-                     slots=slots, keep_grads=keep_grads, resident_mem=resident_mem, cpu_mem=cpu_mem,
-                     readahead_mem=readahead_mem, clip_mode=clip_mode, state_format=state_format,
-                     act_compress=act_compress, host_device=machine.device_is_host, persist_every=persist_every)
     return FitReport(cap, machine, step_s, flops / step_s / 1e12, tokens / step_s,
                      steps_per_epoch * step_s if steps_per_epoch else None, clips, waits, defers,
-                     ssd_cost(mcfg, machine.hardware, batch, seq, **plan_args), mcfg, batch, seq, plan_args)
+                     ssd_cost(mcfg, machine.hardware, batch, seq, mode, **plan_args), mcfg, batch, seq, plan_args)
 
 
 def _with_device_in_ram(cap: Capacity, hw: Hardware, heap_reuse: bool = True) -> Capacity:

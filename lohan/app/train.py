@@ -33,8 +33,8 @@ from lohan.app.fit import (
     data_parallel_machine,
     described_hardware,
     detect_hardware,
-    fit_report,
     local_problems,
+    plan_report,
 )
 from lohan.app.layout import OutputError, RunLayout, default_metrics, plot_owner
 from lohan.app.metrics import (
@@ -65,8 +65,9 @@ from lohan.plan.compute_dtype import DtypeChoice, choose
 from lohan.plan.durability import loss_text
 from lohan.plan.formats import state_format
 from lohan.plan.pools import MemoryPlanError
-from lohan.runtime.device import compute_dtype_choice
-from lohan.runtime.engine import Engine, init
+from lohan.plan.run_plan import RunPlan
+from lohan.runtime.device import compute_dtype_choice, resolve_device
+from lohan.runtime.engine import Engine, available_memory, init, plan_engine, preset_program
 from lohan.runtime.optim import wsd_decay_steps
 from lohan.runtime.parallel import (
     DataParallel,
@@ -100,6 +101,11 @@ class Model:
     @property
     def max_seq_len(self) -> int:
         return self.hf_program.max_seq_len if self.hf_program is not None else self.config.seq_len
+
+    def program(self) -> Any:
+        """The block program the engine trains, with its parameters on the meta device: what the run is planned
+        from (`_run_plan`)."""
+        return self.hf_program if self.hf_program is not None else preset_program(self.config)
 
 
 def load_model(run: RunConfig, dry_run: bool = False) -> Model:
@@ -482,6 +488,7 @@ class _Run:
     console: Console
     checkpoints: Checkpoints | None = None
     fit: Any = None  # the plan's FitReport (`_plan`): the first step's measured lanes are priced with it
+    run_plan: RunPlan | None = None  # the plan the engine executes (`_plan`, on this machine), the one priced
     dtype: DtypeChoice | None = None  # the compute dtype `run.engine` was resolved to, and why (`_compute_dtype`)
 
     @property
@@ -504,7 +511,7 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
         run, dtype = _compute_dtype(run, resume, hardware, dp)
         ctx = _preflight(run, dry_run, export, export_dtype, config, console, dp)
         ctx.dtype = dtype
-        report = ctx.fit = _plan(ctx, hardware, dry_run)
+        report = ctx.fit = _plan(ctx, hardware, dry_run, resume)
         if dry_run:
             console.print(dtype.describe())
             console.print(report.format())
@@ -613,9 +620,10 @@ def _check_shapes(run: RunConfig, model: Model, seq_len: int, world: int) -> Non
                       f"rank trains batch_size / {world} sequences; use a multiple of {world * m}")
 
 
-def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
+def _plan(ctx: _Run, hardware: str | None, dry_run: bool, resume: bool = False) -> Any:
     """The plan, on this machine or on a described one; a run (not a dry run) that cannot fit is refused, with
-    the plan."""
+    the plan. On this machine the run plan priced is the one the engine is handed (`ctx.run_plan`): a dry run
+    and a run price and allocate the same pools, and refuse the same cpu_mem in the same words."""
     run, e, world, dp = ctx.run, ctx.run.engine, ctx.world, ctx.dp
     problems = [] if hardware else local_problems(e.nvme, e.cpu_mem)
     if problems:
@@ -626,13 +634,11 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                                    checksums=e.checksums, act_compress=e.act_compress))
         if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
             machine = data_parallel_machine(machine, world, dp.local_world)
-        report = fit_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, e.compute_dtype,
-                            e.micro_batches, e.prefetch_depth, ctx.per_epoch, slots=e.slots,
-                            keep_grads=e.max_grad_norm > 0 or e.slots == 1,
-                            resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=e.cpu_mem,
-                            readahead_mem=e.readahead_mem if e.mode == "optimized" else 0, clip_mode=e.clip_mode,
-                            clips=e.max_grad_norm > 0, state_format=e.state_format, act_compress=e.act_compress,
-                            heap_reuse=e.heap_reuse, persist_every=1 if dp else e.persist_every)
+        plan = _run_plan(ctx, resume, None if hardware else available_memory(dp.local_world if dp else 1),
+                         False if hardware else resolve_device(e.device) == "cpu")
+        if not hardware:
+            ctx.run_plan = plan
+        report = plan_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, plan, ctx.per_epoch)
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:
@@ -643,6 +649,8 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
             f"optimizer states under its own rank<r> directory; the plan below is one rank's. Network per step and "
             f"rank: {net / 1e9:.2f} GB sent and as much received (gradient all-reduce in fp32, P16 all-gathers in "
             "forward and backward)")
+    if not dry_run and report.capacity.reasons == (plan.refusal,):  # the engine's own refusal, in its words
+        raise Refusal(plan.refusal)
     if not dry_run and not report.fits:
         ctx.console.print(report.format())
         raise Refusal(f"{run.model} does not fit this machine: {'; '.join(report.capacity.reasons)}. Nothing was "
@@ -650,6 +658,16 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                       "(--nvme on larger or more drives), or see the plan for another box with --dry-run "
                       "--hardware 'rtx4090,12xP5510,256GB'")
     return report
+
+
+def _run_plan(ctx: _Run, resume: bool, free: int | None, host_device: bool) -> RunPlan:
+    """The run plan the engine executes (`engine.plan_engine`): the whole engine config, as this process's engine
+    gets it (a rank's: its share of cpu_mem), on the model's blocks as the store lays them out (a resume: as the
+    stored layout shares the P16), with `free` bytes of main memory available (None: the described machine's)."""
+    dp = ctx.dp
+    cfg = dp.rank_config(ctx.run.engine) if dp else ctx.run.engine
+    shared = StateStore.stored_p16_sharing(list(cfg.nvme), cfg.name) if resume else None
+    return plan_engine(ctx.model.program(), cfg, ctx.world, dp.rank if dp else 0, free, host_device, shared)
 
 
 class _Interrupted(Exception):
@@ -672,7 +690,7 @@ def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
         # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
         engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
     try:
-        engine = _open_engine(ctx.console, run, ctx.model, engine_cfg, resume)
+        engine = _open_engine(ctx.console, run, ctx.model, engine_cfg, resume, ctx.run_plan)
         ctx.layout.adopt(engine.store.volume.volume_id)  # the run's outputs carry its store's identity
         return engine
     except KeyboardInterrupt as err:
@@ -1009,9 +1027,11 @@ def _plot(layout: RunLayout) -> str:
     return f", plot: {png}" if png else ""
 
 
-def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: EngineConfig, resume: bool) -> Engine:
+def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: EngineConfig, resume: bool,
+                 plan: RunPlan | None = None) -> Engine:
     """Open the store (resume), continue its interrupted initialization (resume), or create it, with a
-    progress bar over the blocks written (on a terminal), or a line every few seconds (a log file)."""
+    progress bar over the blocks written (on a terminal), or a line every few seconds (a log file). `plan`: the
+    run plan the pre-flight priced, which the engine executes."""
     with Progress(TextColumn("initializing states on NVMe"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("blocks"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("init", total=model.config.n_layer + 2)
@@ -1027,8 +1047,8 @@ def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: Eng
             from lohan.runtime.hf_engine import init_from_hf
 
             return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress,
-                                n_layer=run.model_overrides.get("n_layer"))
-        return init(model.config, engine_cfg, resume=resume, overwrite=not resume, progress=progress)
+                                n_layer=run.model_overrides.get("n_layer"), plan=plan)
+        return init(model.config, engine_cfg, resume=resume, overwrite=not resume, progress=progress, plan=plan)
 
 
 class _InitLog:

@@ -131,6 +131,7 @@ from io_engine import durable
 from lohan.config import PRESETS, ModelConfig, parse_bytes
 from lohan.plan import durability, formats, pools, vocab
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
+from lohan.plan.run_plan import RunPlan, plan_run
 
 __all__ = [
     "Hardware", "OpProfile", "Profile", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec", "CpuSpec",
@@ -1229,27 +1230,33 @@ def resident_records(cfg: ModelConfig, compute_dtype: str, max_inflight: int, po
     return add, sum(layout.blocks[i].numel for i in kept)
 
 
-def _host_memory(cfg: ModelConfig, hw: Hardware, compute_dtype: str, micro_batches: int, prefetch_depth: int,
-                 max_inflight: int, slots: int, keep_grads: bool, resident_mem: int | str,
-                 cpu_mem: int | None, readahead_mem: int | str = "auto",
-                 clip_mode: str = "auto", state_format: str = "exact",
-                 host_device: bool = False) -> pools.HostMemoryPlan:
-    """The engine's host memory plan for the model on this machine (unchecked: :func:`_judge` judges it), with
-    cpu_mem the run's budget within what the machine's RAM gives (:func:`_ram_budget`)."""
+def design_plan(cfg: ModelConfig, hw: Hardware, compute_dtype: str = "bf16", micro_batches: int = 1,
+                prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2, keep_grads: bool = False,
+                resident_mem: int | str = 0, cpu_mem: int | None = None, readahead_mem: int | str = "auto",
+                clip_mode: str = "auto", state_format: str = "exact", act_compress: str = "none",
+                host_device: bool = False, persist_every: int | str = 1, mode: str = "optimized",
+                opt_chunk_bytes: int = OPT_CHUNK_BYTES) -> RunPlan:
+    """The run plan of a design priced from settings given as keywords (:func:`capacity`'s, for a model and
+    machine with no run behind them: the capacity CLI, the benchmarks), on the model's blocks without padding
+    (``pools.model_geometry``), with cpu_mem the run's budget within what the machine's RAM gives
+    (:func:`_ram_budget`), which is also the memory the ``auto`` rooms take half of. A run prices its own plan
+    (`run_plan.plan_run` on the engine's geometry) with :func:`plan_capacity`."""
     budget = _ram_budget(hw)
     limit = min(cpu_mem, budget) if cpu_mem and budget else (cpu_mem or budget)
     ecfg = pools.pool_config(compute_dtype, micro_batches, prefetch_depth, max_inflight, slots=slots,
                              clip=keep_grads, resident_mem=resident_mem, cpu_mem=limit, readahead_mem=readahead_mem,
-                             clip_mode=clip_mode)
-    return pools.plan_host_memory(pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format), ecfg,
-                                  free=budget, check=False, host_device=host_device)
+                             clip_mode=clip_mode, mode=mode, opt_chunk_bytes=opt_chunk_bytes)
+    ecfg = ecfg.with_overrides(state_format=state_format, act_compress=act_compress, persist_every=persist_every)
+    return plan_run(ecfg, pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format),
+                    free=budget, host_device=host_device)
 
 
 def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype: str = "bf16",
              micro_batches: int = 1, prefetch_depth: int = 2, max_inflight: int = 3, slots: int = 2,
              keep_grads: bool = False, resident_mem: int | str = 0, cpu_mem: int | None = None,
              readahead_mem: int | str = "auto", clip_mode: str = "auto", state_format: str = "exact",
-             act_compress: str = "none", host_device: bool = False, persist_every: int | str = 1) -> Capacity:
+             act_compress: str = "none", host_device: bool = False, persist_every: int | str = 1,
+             mode: str = "optimized", opt_chunk_bytes: int = OPT_CHUNK_BYTES) -> Capacity:
     """LoHan: states on SSD (``slots`` copies: 2 for crash-consistent steps), activations in main memory
     and overflowing to SSD, gradients consumed per block by active gradient offloading (only two block
     buffers in main memory). With ``keep_grads`` (gradient clipping; the engine keeps them with ``slots=1`` too)
@@ -1272,36 +1279,46 @@ def capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, compute_dtype
     gradients are in main memory: the pools' ``auto`` rooms leave them out, ``gpu_need`` prices them as it holds
     them). ``persist_every`` (the engine's setting: steps, or ``auto``) writes the records once in that many
     steps where every one is resident (`lohan.plan.durability`); the plan's ``persist_every`` is the interval in
-    force (``auto``: the least that keeps the writes under a tenth of the predicted step's time)."""
-    host = _host_memory(cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads,
-                        resident_mem, cpu_mem, readahead_mem, clip_mode, state_format, host_device)
+    force (``auto``: the least that keeps the writes under a tenth of the predicted step's time). ``mode`` and
+    ``opt_chunk_bytes``: the engine's settings, which size the grads and record pools."""
+    return plan_capacity(cfg, hw, batch, seq, design_plan(
+        cfg, hw, compute_dtype, micro_batches, prefetch_depth, max_inflight, slots, keep_grads, resident_mem, cpu_mem,
+        readahead_mem, clip_mode, state_format, act_compress, host_device, persist_every, mode, opt_chunk_bytes))
+
+
+def plan_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, run: RunPlan) -> Capacity:
+    """:func:`capacity` of a run plan (`run_plan.plan_run`): its main-memory pools, as the engine allocates them
+    (a run's own plan: on the engine's geometry, with the whole EngineConfig), every setting from ``run.engine``,
+    and, where the pools exceed cpu_mem, the engine's refusal among the reasons, in its words. ``batch``: this
+    process's (one rank's: ``hw`` then the rank's share of the machine, `app.fit.data_parallel_machine`)."""
+    e, host = run.engine, run.host
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
-    geometry = pools.model_geometry(cfg, compute_dtype, slots, state_format=state_format)
-    layout = geometry.store
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
-    profile = analytic_profile(cfg, batch, seq, reserved, compute_dtype)
-    resident = min(sum(layout.blocks[i].numel for i in host.resident_blocks), profile.param_count)
+    profile = analytic_profile(cfg, batch, seq, reserved, e.compute_dtype)
+    resident = min(run.resident_params, profile.param_count)
     # the room holds whole records (P32, m, v, P16) of parameters not resident
-    fmt = formats.state_format(state_format)
-    ahead = min(int(host.readahead // fmt.at_rest(profile.p16_itemsize)), profile.param_count - resident)
-    kept = round(profile.param_count * pools.kept_p16_fraction(host.params, geometry.p16, prefetch_depth)) \
-        if slots > 1 else 0  # (in place nothing is kept)
+    fmt = formats.state_format(e.state_format)
+    ahead = min(run.readahead_params, profile.param_count - resident)
+    kept = round(profile.param_count * run.kept_p16)  # (in place nothing is kept)
     profile = dataclasses.replace(profile, resident_params=resident, readahead_params=ahead, kept_p16_params=kept,
-                                  write_behind=slots == 2, record_bytes=fmt.record(),
+                                  write_behind=run.write_behind, record_bytes=fmt.record(),
                                   separate_p16=fmt.keeps_p16(profile.p16_itemsize), update_cost=fmt.update_cost,
-                                  act_compress=act_compress)
+                                  act_compress=e.act_compress)
     plan = algorithm1(profile)
-    every, why_not = _persist_every(persist_every, profile, plan, slots, host.has_stash,
-                                    in_place=not keep_grads and compute_dtype != "fp16")
+    every, why_not = _persist_every(e.persist_every, profile, plan, e.slots, host.has_stash,
+                                    in_place=e.max_grad_norm <= 0 and e.compute_dtype != "fp16")
     if every > 1:
         plan = algorithm1(dataclasses.replace(profile, persist_every=every))
-    gpu = gpu_need(cfg, batch, seq, hw, compute_dtype, micro_batches, prefetch_depth, plan.swap, host=host_device)
-    states = round(slots * fmt.at_rest(_itemsize(compute_dtype)) * cfg.param_count())
+    gpu = gpu_need(cfg, batch, seq, hw, e.compute_dtype, e.micro_batches, e.prefetch_depth, plan.swap, run.world,
+                   host=run.host_device)
+    states = round(e.slots * fmt.at_rest(_itemsize(e.compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
         states += max(0, host.grad_itemsize * cfg.param_count() - (host.stash_ram or 0))
     judged = _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
                     {**parts, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
+    if run.refusal is not None:  # the engine would refuse its pools: the same words
+        judged = dataclasses.replace(judged, fits=False, reasons=(run.refusal, *judged.reasons))
     return dataclasses.replace(judged, persist_every=every, persist_note=why_not)
 
 
@@ -1440,7 +1457,7 @@ def ssd_cost(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "
     dtype is not bf16, ``bf16-master`` (bf16 weights only) is not offered."""
     dtype = capacity_args.get("compute_dtype", "bf16")
     current = capacity_args.get("state_format", "exact")
-    est = capacity(cfg, hw, batch, seq, **capacity_args).plan.estimate
+    est = capacity(cfg, hw, batch, seq, mode=mode, **capacity_args).plan.estimate
     lanes, step_s = est.step_lanes(mode), (est.t_serial if mode == "serial" else est.t_iter)
     if measured is not None:
         lanes, step_s = upgrade_lanes(measured[0]), measured[1]
@@ -1456,7 +1473,7 @@ def ssd_cost(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "
     scale = step_s / (est.t_serial if mode == "serial" else est.t_iter)
     priced = {}
     for name in smaller:
-        other = capacity(cfg, hw, batch, seq, **{**capacity_args, "state_format": name}).plan.estimate
+        other = capacity(cfg, hw, batch, seq, mode=mode, **{**capacity_args, "state_format": name}).plan.estimate
         ol = other.step_lanes(mode)
         priced[name] = ((other.t_serial if mode == "serial" else other.t_iter) * scale, max(ol, key=ol.__getitem__))
     best = min(priced, key=lambda f: priced[f][0])

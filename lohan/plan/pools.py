@@ -49,7 +49,7 @@ __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
     "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
-    "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes",
+    "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes", "memory_refusal",
 ]
 
 OS_RESERVE = 0.10
@@ -494,12 +494,19 @@ def _with_stash(plan: HostMemoryPlan, shards: list[int], kept: int, host_device:
 
 
 def _check(plan: HostMemoryPlan, cfg: EngineConfig) -> None:
-    """Refuse a plan over cpu_mem, saying what each pool takes and what to change."""
+    """Refuse a plan over cpu_mem (:func:`memory_refusal`)."""
+    refusal = memory_refusal(plan, cfg)
+    if refusal is not None:
+        raise MemoryPlanError(refusal)
+
+
+def memory_refusal(plan: HostMemoryPlan, cfg: EngineConfig) -> str | None:
+    """Why a plan over cpu_mem is refused, saying what each pool takes and what to change; None: it fits."""
     if plan.total <= plan.budget:
-        return
+        return None
     total = plan.total
     parts = ", ".join(f"{k} {size_text(v)}" for k, v in plan.parts().items())
-    raise MemoryPlanError(
+    return (
         f"cpu_mem={size_text(plan.budget)} is too small for this model: the engine needs "
         f"{size_text(total)} ({parts}). Raise cpu_mem to at least {size_text(total)}"
         + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")

@@ -44,14 +44,8 @@ from lohan.models.adapter import BlockProgram, GPTBlocks
 from lohan.models.gpt import GPT, block_generator, build_model, init_block_
 from lohan.plan import durability, pools
 from lohan.plan.formats import state_format
-from lohan.plan.pools import (
-    PoolGeometry,
-    keeps_all_grads,
-    kept_p16_fraction,
-    optimizer_chunk_elems,
-    plan_host_memory,
-    plan_resident,
-)
+from lohan.plan.pools import PoolGeometry
+from lohan.plan.run_plan import RunPlan, plan_run
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.clip_schedule import ClipSchedule
 from lohan.runtime.device import Device, compute_dtype_choice
@@ -113,6 +107,38 @@ def pool_geometry(program: BlockProgram, layout: StoreLayout, local: StoreLayout
         tied=tuple(layout.blocks[o].params[p].numel for o, p in borrowed), owners=len({o for o, _ in borrowed}))
 
 
+def engine_geometry(program: BlockProgram, cfg: EngineConfig, world: int = 1, rank: int = 0,
+                    shared: bool | None = None) -> tuple[StoreLayout, list[tuple[int, ...] | None], StoreLayout,
+                                                         PoolGeometry]:
+    """The store an engine lays out for `program` (whole blocks), each block's shard bounds over `world` ranks,
+    this rank's store (its shards; one process: the whole blocks) and the pools' geometry. Shapes only: a meta
+    program gives the engine's figures without allocating (`cfg.compute_dtype` resolved; `shared`: a resumed
+    store's P16 sharing, `StateStore.stored_p16_sharing`)."""
+    layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots, cfg.state_format, shared)
+    bounds = [shard_bounds(b, world) for b in layout.blocks]
+    local = shard_layout(layout, bounds, rank) if world > 1 else layout
+    return layout, bounds, local, pool_geometry(program, layout, local if world > 1 else None, bounds, world)
+
+
+def available_memory(local_world: int = 1) -> int:
+    """Main memory available to this process now: the machine's, shared by the ranks on this host (what the
+    plan's ``auto`` rooms take half of)."""
+    return psutil.virtual_memory().available // local_world
+
+
+def preset_program(mcfg: ModelConfig) -> GPTBlocks:
+    """The block program `init` trains for a preset's config, on the meta device (shapes only, nothing
+    allocated): what a pre-flight plans a preset's run from (`plan_engine`)."""
+    return GPTBlocks(build_model(mcfg, device="meta"))
+
+
+def plan_engine(program: BlockProgram, cfg: EngineConfig, world: int = 1, rank: int = 0, free: int | None = None,
+                host_device: bool = False, shared: bool | None = None) -> RunPlan:
+    """The run plan an engine of `program` executes (`lohan.plan.run_plan.plan_run` on `engine_geometry`), made
+    without opening anything: the pre-flight's and the dry run's, handed to the engine (`Engine(plan=...)`)."""
+    return plan_run(cfg, engine_geometry(program, cfg, world, rank, shared)[3], world, free, host_device)
+
+
 class Engine:
     """Trains a block program whose states live in a StateStore on NVMe. Build with `lohan.init`."""
 
@@ -120,7 +146,11 @@ class Engine:
                  init_block: Callable[[int], list[Tensor]],
                  flops_per_token: Callable[[int], float] | None = None,
                  resume: bool = False, overwrite: bool = False,
-                 progress: Callable[[int, int], None] | None = None, dp: DataParallel | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, dp: DataParallel | None = None,
+                 plan: RunPlan | None = None) -> None:
+        """`plan`: the run plan the pre-flight made (`plan_engine`) and priced; the engine checks that its own
+        inputs give the same figures (a disagreement is a bug, refused before anything is written) and executes
+        it. None: the engine makes it, with the memory available now."""
         # data parallel (torchrun): the rank's own directories and share of the machine (parallel.py)
         self.dp = dp if dp is not None else DataParallel.detect()
         self.world = self.dp.world if self.dp else 1
@@ -137,25 +167,20 @@ class Engine:
         self.compute_dtype = DTYPES[cfg.compute_dtype]
         # a store resumed keeps the records it was laid out with (a P16 section of its own or not: shared_p16)
         shared = StateStore.stored_p16_sharing(list(cfg.nvme), cfg.name) if resume else None
-        self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots,  # whole blocks
-                                  cfg.state_format, shared)
-        self.bounds = [shard_bounds(b, self.world) for b in self.layout.blocks]
-        local_layout = shard_layout(self.layout, self.bounds, self.dp.rank) if self.dp else self.layout  # the store's
+        # the whole blocks, their shard bounds and this rank's store
+        self.layout, self.bounds, local_layout, geometry = engine_geometry(program, cfg, self.world,
+                                                                           self.dp.rank if self.dp else 0, shared)
         self.grad_dtype = grad_dtype(cfg, self.world)
-        geometry = pool_geometry(program, self.layout, local_layout if self.dp else None, self.bounds, self.world)
-        # the machine's available memory, shared by the ranks on this host (resident_mem: auto)
-        free = psutil.virtual_memory().available // (self.dp.local_world if self.dp else 1)
+        self.run_plan = _executed_plan(plan, cfg, geometry, self.world, self.device.is_host,
+                                       self.dp.local_world if self.dp else 1, self.grad_dtype.itemsize)
+        self.run_plan.check()  # pools over cpu_mem: refused before anything is written
         # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
-        self.host_memory = plan_host_memory(geometry, cfg, self.world, free, grad_size=self.grad_dtype.itemsize,
-                                            host_device=self.device.is_host)
+        self.host_memory = self.run_plan.host
         self.memory_plan = self.host_memory.parts()
-        # the share of the P16 the parameter pool keeps over a turn (in place, with one slot, nothing is kept)
-        self._kept_p16 = kept_p16_fraction(self.host_memory.params, geometry.p16, cfg.prefetch_depth) \
-            if cfg.slots > 1 else 0.0
         if self.dp:
             init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
         self.store, self._lock = _open_store(cfg, local_layout, model_meta, init_block, resume, overwrite, progress,
-                                             self.dp, self._base_dirs)
+                                             self.dp, self._base_dirs, self.run_plan.chunk_elems)
         # what building the store freed (a block's fp32 init, its records' chunks) goes back before the pools and
         # the first step take their memory: kept in the heap (reuse_heap), it added GBs to that step's peak RSS
         release_free_memory()
@@ -168,7 +193,7 @@ class Engine:
         self.last_stats: StepStats | None = None  # what the last step measured
         self._broken: str | None = None
         self.clip_schedule = ClipSchedule(self.cfg, by_cost=self.dp is None,  # speculate or defer (clip_mode)
-                                          defer_unclipped=self.host_memory.has_stash and self.cfg.max_grad_norm <= 0)
+                                          defer_unclipped=self.run_plan.defer_unclipped)
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
@@ -179,15 +204,15 @@ class Engine:
     def _build(self, layout: StoreLayout, label: str) -> None:
         """The components, on the store just opened: the host pools (at the memory plan's figures), the parameter
         streamer, the gradient stash, the optimizer pipeline, the activation manager and the block passes."""
-        cfg, plan, program, volume = self.cfg, self.host_memory, self.program, self.store.volume
+        cfg, run_plan, program, volume = self.cfg, self.run_plan, self.program, self.store.volume
         # page-locked only where buffers cross to or from a GPU (P16 in, gradients out): the optimizer records
         # never leave main memory, and page-locked memory is scarce
-        pin = self.device.is_cuda
-        self.params_pool = volume.buffer_pool(plan.params, pin=pin)
-        self.grads_pool = volume.buffer_pool(plan.grads + plan.grad_stash, pin=pin)
+        pin, sizes, plan = self.device.is_cuda, run_plan.pools(), run_plan.host
+        self.params_pool = volume.buffer_pool(sizes["params"], pin=pin)
+        self.grads_pool = volume.buffer_pool(sizes["grads"], pin=pin)
         # the optimizer's share of the plan also holds the fp32 upcast scratch (plan.upcast), which the offloader
         # allocates itself: the record pool gets the records, the resident room and the read-ahead room
-        self.records_pool = volume.buffer_pool(plan.records + plan.resident + plan.readahead)
+        self.records_pool = volume.buffer_pool(sizes["records"])
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
                                       self.dp, self.bounds)
         self.streamer.before_read = self._await_tail
@@ -196,11 +221,10 @@ class Engine:
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
         self.stash = (GradStash(list(cfg.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
-                                cfg.stripe_bytes, cfg.emulate_ssd_gbps) if keeps_all_grads(cfg) or plan.has_stash else None)
-        # (on the pool without the read-ahead room: that room is for one backward, not from step to step; the
-        # store's chunk, which a resumed store keeps)
-        resident = (plan_resident(layout, plan.records + plan.resident, cfg.max_inflight_blocks,
-                                  self.store.chunk_elems) if cfg.resident_records else [])
+                                cfg.stripe_bytes, cfg.emulate_ssd_gbps) if run_plan.stash else None)
+        # (planned on the pool without the read-ahead room: that room is for one backward, not from step to step;
+        # at the plan's chunk, whose units a resumed store must share: store.opening refuses others)
+        resident = list(run_plan.resident_blocks)
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
                                        self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.seed,
                                        origins=[bd[self.dp.rank] if self.dp and bd else 0 for bd in self.bounds])
@@ -208,14 +232,10 @@ class Engine:
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=plan.total, model_label=label, param_count=self.layout.param_count,
             p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
-            # the share of the states kept in memory (a rank's of its shards: the same share of the model)
-            resident_params=self.layout.param_count * sum(layout.blocks[i].numel for i in resident)
-            // max(1, sum(b.numel for b in layout.blocks)),
-            # the records the read-ahead room holds (the same share of the whole model as of the rank's shards)
-            kept_p16_fraction=self._kept_p16,
-            readahead_params=self.layout.param_count
-            * int(plan.readahead // state_format(cfg.state_format).at_rest(self.store.p16_dtype.itemsize))
-            // max(1, sum(b.numel for b in layout.blocks)))
+            # the shares of the states kept in memory and held by the read-ahead room (a rank's of its shards:
+            # the same share of the model), and of the P16 kept over a turn
+            resident_params=run_plan.resident_params, kept_p16_fraction=run_plan.kept_p16,
+            readahead_params=run_plan.readahead_params)
         self.passes = BlockPasses(cfg, program, self.layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,
                                   self.dp, self.bounds, direct=(not self.device.is_host and cfg.micro_batches == 1
@@ -223,9 +243,7 @@ class Engine:
         # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
         self._next = NextForward(self.device, self.streamer, self.activations)
         # the durability interval (engine.persist_every, lohan.plan.durability): why it cannot exceed 1 here
-        self.persist_refusal = durability.eligible(
-            len(resident) == len(layout.blocks), cfg.slots, self.dp is None, self.stash is not None,
-            in_place=cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16")
+        self.persist_refusal = run_plan.persist_refusal
         if self.persist_refusal is not None and cfg.persist_every not in ("auto", 1):
             log.warning("persist_every=%s lowered to 1: %s", cfg.persist_every, self.persist_refusal)
         self._auto_persist = 1  # auto: priced after each step (`_observe_persist`)
@@ -783,7 +801,7 @@ class _InPlaceLost(Exception):
 
 def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_block: Callable[[int], list[Tensor]],
                 resume: bool, overwrite: bool, progress: Callable[[int, int], None] | None, dp: DataParallel | None,
-                base_dirs: tuple[str, ...]) -> tuple[StateStore, DirLock]:
+                base_dirs: tuple[str, ...], chunk_elems: int) -> tuple[StateStore, DirLock]:
     """Lock the run's directories, refuse what they cannot give this run (`check_request`; data parallel, alike
     on every rank), then open the store, continue its creation or create it (`open_or_create`); a rank is brought
     to its group's committed step. Returns the store and the held lock."""
@@ -797,8 +815,7 @@ def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_b
             decision = check_group(dp, base_dirs, cfg.name, resume)
         else:
             check_request(dirs, cfg.name, resume=resume, overwrite=overwrite)
-        store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress,
-                               optimizer_chunk_elems(layout, cfg))
+        store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress, chunk_elems)
         if dp:
             join_group(dp, store, decision, base_dirs, cfg.name, dirs)
     except BaseException:
@@ -807,6 +824,22 @@ def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_b
         lock.release()
         raise
     return store, lock
+
+
+def _executed_plan(plan: RunPlan | None, cfg: EngineConfig, geometry: PoolGeometry, world: int, host_device: bool,
+                   local_world: int, grad_size: int) -> RunPlan:
+    """The plan the engine runs: the one given, where its own inputs (with the memory the plan assumed available)
+    give the same figures, or its own with the memory available now. `grad_size`: its gradient buffers' itemsize
+    (`grad_dtype`)."""
+    if plan is None:
+        return plan_run(cfg, geometry, world, available_memory(local_world), host_device, grad_size)
+    mine = plan_run(cfg, geometry, world, plan.free, host_device, grad_size)
+    if mine != plan:
+        raise ValueError(f"the run plan given to the engine is not the one its settings and model give (given: "
+                         f"{plan.pools()}, {plan.resident_blocks} resident; the engine's: {mine.pools()}, "
+                         f"{mine.resident_blocks} resident): plan with lohan.runtime.engine.plan_engine on the same "
+                         "config and model")
+    return plan
 
 
 def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, local: StoreLayout,
@@ -823,12 +856,14 @@ def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, lo
 
 
 def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = None, *, resume: bool = False,
-         overwrite: bool = False, progress: Callable[[int, int], None] | None = None, **overrides: Any) -> Engine:
+         overwrite: bool = False, progress: Callable[[int, int], None] | None = None, plan: RunPlan | None = None,
+         **overrides: Any) -> Engine:
     """Build an Engine for a preset name, a ModelConfig, or a GPT (meta or initialized).
 
     The model's states are laid out on the NVMe directories of `config` and initialized block by
     block (an initialized GPT's own weights are used; a preset or config is initialized from
-    `config.seed`). Nothing else changes in the training loop: `loss = engine.step(batch)`.
+    `config.seed`). Nothing else changes in the training loop: `loss = engine.step(batch)`. `plan`: the run
+    plan a pre-flight made for it (`plan_engine`), which the engine executes (`Engine`).
     """
     cfg = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
     if overrides:
@@ -853,7 +888,7 @@ def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = No
 
     meta = {"kind": "gpt", "config": asdict(mcfg), "seed": None if materialized else cfg.seed}
     engine = Engine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token, resume=resume,
-                    overwrite=overwrite, progress=progress)
+                    overwrite=overwrite, progress=progress, plan=plan)
     if materialized:  # the weights now live in the store; free the caller's copy
         model.to_empty(device="meta")
     return engine
