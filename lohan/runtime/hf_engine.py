@@ -12,13 +12,14 @@ from collections.abc import Callable
 from lohan.config import EngineConfig
 from lohan.models import hf, hf_checkpoint
 from lohan.runtime.engine import Engine
+from lohan.runtime.lora_engine import LoraEngine
 
 __all__ = ["init_from_hf"]
 
 
 def init_from_hf(path: str | os.PathLike, config: EngineConfig | dict | None = None, *, resume: bool = False,
                  overwrite: bool = False, progress: Callable[[int, int], None] | None = None,
-                 n_layer: int | None = None) -> Engine:
+                 n_layer: int | None = None) -> Engine | LoraEngine:
     """An Engine that fine-tunes the HF model in directory `path` (weights imported block by block).
 
     `config` is an EngineConfig or a dict of its fields. With `resume=True` an existing store of the
@@ -29,5 +30,7 @@ def init_from_hf(path: str | os.PathLike, config: EngineConfig | dict | None = N
     program = hf.load_hf_skeleton(path, n_layer)
     # looked up at call time, so a test can wrap the import hook
     init_block = hf_checkpoint.make_init_block(program, path)
-    return Engine(program, cfg, hf.model_meta(program), init_block, flops_per_token=program.flops_per_token,
-                  resume=resume, overwrite=overwrite, progress=progress)
+    # --lora R: the weights are a frozen base and only adapters train (lohan.runtime.lora_engine)
+    cls = LoraEngine if cfg.lora_r else Engine
+    return cls(program, cfg, hf.model_meta(program), init_block, flops_per_token=program.flops_per_token,
+               resume=resume, overwrite=overwrite, progress=progress)

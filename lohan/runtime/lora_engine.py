@@ -1,0 +1,348 @@
+"""LoRA on frozen weights streamed from the SSDs (issue 41): `LoraEngine`, the engine of a ``--lora R`` run.
+
+How a LoRA run maps onto lohan's engine
+---------------------------------------
+*Base weights.* The store holds the model once, in the ``frozen`` state format (`lohan.plan.formats`): a record
+is the P16 alone (the compute dtype's copy: bf16, or fp32 in an fp32 run), no master, no moments, one slot. It is
+written by the import (`StateStore.create`, block by block, checksummed, resumable as today) and never again: the
+engine never begins, commits or writes a step in it. Its checksums, in its commit record, are verified on every
+read as in full fine-tuning (`ParamStreamer`), and a resume checks that the adapters were trained on this very
+base (its identity and checksums are committed with them).
+
+*Streaming.* The blocks are the full fine-tuning's ([embed, layer 0..L-1, head]) and are streamed by the same
+`ParamStreamer` (prefetch `prefetch_depth` ahead, copy to the device beside the previous block's compute),
+forward then backward with recomputation, with the same activation plan (`ActivationManager`: block inputs and
+swapped ops on the device, in RAM or on the SSDs; int8 records). As the slot is never rewritten, a released block
+is *kept* in the parameter pool across forward, backward and the next step while the pool has room (`cpu_mem`):
+a base that fits it is read from the SSDs once. The backward skips the embedding (it has no adapter and takes no
+gradient); the head's backward only carries the gradient down.
+
+*Adapters.* `lohan.models.lora.LoraAdapters` hooks the targeted projections of the decoder layers with PEFT's
+ops; the adapters (fp32 A and B) and their AdamW states live on the compute device (they are small: rank r
+over the projections' widths, ~0.1-1% of the model). Backward asks autograd for the block input's and the block's
+adapters' gradients only: no gradient of a base weight is ever computed or copied (its parameters are bound with
+``requires_grad=False``). Each block's adapter gradients are summed over the micro-batches as autograd sums a leaf's
+(`p.grad`), then `torch.nn.utils.clip_grad_norm_` and `torch.optim.AdamW` — the very classes a PEFT run calls,
+on the same tensors in the same order — update them: bit-exact with PEFT + `torch.optim.AdamW` in fp32 (tested).
+No CPU AdamW over the base, no gradient offloading, no optimizer traffic to the SSDs.
+
+*Crash consistency.* After every step the adapters, their AdamW states, the step count and the settings are
+written to ``<name>.lora.pt`` beside the store's records through a temporary file, fsynced and renamed (with its
+directory fsynced): the commit of a LoRA step. A kill at any moment leaves the last committed step; `--resume`
+reloads it and continues bit-identically (the data position is the run's, `.run.json`, keyed by the step).
+
+Not yet: data parallel, fp16 loss scaling, LoRA dropout > 0 (the recomputation would need the forward's masks),
+and the planner's pricing of a LoRA step (it prices full fine-tuning's optimizer lanes); they are refused with a
+message where they would be wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from io_engine.durable import fsync_dir
+from lohan.config import EngineConfig
+from lohan.crashpoints import crashpoint
+from lohan.models.adapter import BlockProgram
+from lohan.models.lora import LoraAdapters
+from lohan.runtime.activations import ActivationManager
+from lohan.runtime.device import Device, compute_dtype_choice
+from lohan.runtime.optim import lr_at
+from lohan.runtime.params import ParamStreamer
+from lohan.runtime.passes import Acts, BlockPasses
+from lohan.runtime.step import rank_batch
+from lohan.store.integrity import StoreCorruptError
+from lohan.store.opening import stored_compute_dtype
+from lohan.store.states import DTYPES, plan_layout
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+"""Version of the ``<name>.lora.pt`` commit."""
+
+
+def lora_settings(cfg: EngineConfig) -> dict[str, Any]:
+    """What fixes a LoRA run's adapters (committed with them; a resume must ask for the same)."""
+    return {"r": int(cfg.lora_r), "alpha": float(cfg.lora_alpha), "dropout": float(cfg.lora_dropout),
+            "targets": list(cfg.lora_targets)}
+
+
+class LoraEngine:
+    """Trains LoRA adapters over a frozen base streamed from the SSDs (module docstring). Built like `Engine`, with
+    `cfg.lora_r` > 0; `step(batch)` returns the mean loss."""
+
+    def __init__(self, program: BlockProgram, cfg: EngineConfig, model_meta: dict,
+                 init_block: Callable[[int], list[Tensor]],
+                 flops_per_token: Callable[[int], float] | None = None,
+                 resume: bool = False, overwrite: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        from lohan.runtime.engine import _open_store  # (the full engine's: lock, refusals, open or create)
+
+        _refuse(cfg)
+        self.program, self.flops_per_token, self.dp, self.world = program, flops_per_token, None, 1
+        self.device = Device(cfg.device, sim_gpu=cfg.sim_gpu)
+        stored = stored_compute_dtype(cfg.nvme, cfg.name) if resume and cfg.compute_dtype == "auto" else None
+        self.dtype_choice = compute_dtype_choice(cfg.compute_dtype, self.device.type, "exact", stored)
+        self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype, slots=1)
+        self.compute_dtype = DTYPES[cfg.compute_dtype]
+        self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, 1, "frozen")
+        n = len(program.modules)
+        self.bounds: list[tuple[int, ...] | None] = [None] * n
+        self.store, self._lock = _open_store(cfg, self.layout, model_meta, init_block, resume, overwrite, progress,
+                                             None, tuple(cfg.nvme))
+        self._closed = False
+        try:
+            self._build(str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
+            self.lora = LoraAdapters(program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
+                                     self.device.torch)
+            self.lora.attach()
+            self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                               weight_decay=cfg.weight_decay)
+            self._step, self._bad_streak = 0, 0
+            self._path = os.path.join(cfg.nvme[0], f"{cfg.name}.lora.pt")
+            if resume and os.path.exists(self._path):
+                self._load()
+        except BaseException:
+            self._close()
+            raise
+        self.last_stats: dict[str, Any] | None = None
+
+    def _build(self, label: str) -> None:
+        """The parameter pool (the whole base where `cpu_mem` holds it, so it is read once; at least the blocks in
+        flight), the streamer, the activation manager and the block passes."""
+        cfg, layout = self.cfg, self.layout
+        biggest = max(b.p16_bytes for b in layout.blocks)
+        in_flight = (cfg.prefetch_depth + 3) * biggest  # the block computing, the tied owner, the prefetched ones
+        pool_bytes = max(in_flight, min(int(cfg.cpu_mem), sum(b.p16_bytes for b in layout.blocks) + biggest))
+        self.params_pool = self.store.volume.buffer_pool(pool_bytes, pin=self.device.is_cuda)
+        self.streamer = ParamStreamer(self.store, self.params_pool, self.device, self.program.modules, layout)
+        self.streamer.frozen = self.streamer.keeps = True
+        total = sum(b.p16_bytes for b in layout.blocks)
+        self.activations = ActivationManager(
+            cfg, self.program, self.device, lambda: self.device.autocast(self.compute_dtype),
+            engine_pool_bytes=pool_bytes, model_label=label, param_count=layout.param_count,
+            p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
+            kept_p16_fraction=min(1.0, pool_bytes / max(1, total)))
+        self.passes = BlockPasses(cfg, self.program, layout, self.device, self.compute_dtype, self.streamer,
+                                  self.activations, None, None, torch.float32, None, None, self.bounds, direct=False)
+
+    # ------------------------------------------------------------------ step
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps completed and committed."""
+        return self._step
+
+    @property
+    def committed_step(self) -> int:
+        """The step a process killed now would resume from (every step is committed before `step` returns)."""
+        return self._step
+
+    def step(self, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None = None) -> float:
+        """One step on `batch` = (token ids, targets) [batch, seq]: forward, backward (adapter gradients only),
+        clipping and AdamW on the adapters, then the commit. Returns the mean loss. A step whose loss or adapter
+        gradients are not finite is skipped (the adapters stay as they were); `max_bad_steps` in a row stop the
+        run. `next_batch` is accepted for `Engine`'s signature; nothing overlaps the tiny update."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        t0 = time.perf_counter()
+        idx, targets = rank_batch(batch, self.cfg.micro_batches, 1, 0)
+        idx, targets = self.device.put(idx), self.device.put(targets)
+        n = len(self.program.modules)
+        # the embedding's backward would compute nothing (no adapter, no gradient to pass on): not visited
+        visits = list(range(n - 1)) + list(range(n - 1, 0, -1))
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            acts, fwd_timer = self.passes.forward(visits, 0, idx)
+            losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches))
+            loss = self.passes.host_sum(losses)
+        finally:
+            self.streamer.release_all()
+            self.activations.end_step()
+        norm = self._update(loss)
+        self._commit()
+        self.last_stats = {"step": self._step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
+                           "grad_norm": norm, "step_s": time.perf_counter() - t0,
+                           "ssd_read_bytes": self.streamer.bytes_read}
+        return loss
+
+    def _backward(self, visits: list[int], acts: Acts, tgt_mb: tuple[Tensor, ...]) -> list[Tensor]:
+        """Blocks n-1..1, each recomputed with grad per micro-batch; autograd is asked for the block input's
+        gradient and the block's adapters' (summed into their `.grad` as autograd sums a leaf's, micro-batch after
+        micro-batch). Returns the micro-batches' losses (on the device)."""
+        m_count, last = self.cfg.micro_batches, len(self.program.modules) - 1
+        grad_out: list[Tensor | None] = [None] * m_count
+        losses: list[Tensor] = []
+        acts_mgr = self.activations
+        for p in range(last, len(visits)):
+            i = visits[p]
+            self.passes.visit(visits, p, 0)
+            for o, _ in self.program.external_params(i):  # a tied head: its owner's weight must be resident
+                self.streamer.acquire(o, 0)
+            adapters = self.lora.block_params(i)
+            inner = i in acts_mgr.inner
+            acts_mgr.prefetch(i - 1)
+            for m in range(m_count):
+                if inner:
+                    x, fn = acts_mgr.backward_block(i, m)
+                else:
+                    x, fn = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
+                x = x.detach().requires_grad_()
+                with torch.enable_grad(), self.device.autocast(self.compute_dtype):
+                    out = fn(x)
+                    if i == last:
+                        out = out / m_count
+                grads = torch.autograd.grad(out, [x, *adapters], grad_outputs=None if i == last else grad_out[m],
+                                            allow_unused=True)
+                if i == last:
+                    losses.append(out.detach())
+                for a, g in zip(adapters, grads[1:]):
+                    if g is not None:
+                        a.grad = g if a.grad is None else a.grad.add_(g)
+                grad_out[m] = grads[0]
+                acts[i][m] = None
+                if inner:
+                    del x, out, grads
+                    acts_mgr.release(i, m)
+            acts_mgr.stage(i - 1)
+            crashpoint("lora.backward")
+            self.passes.leave(visits, p, 0)
+        return losses
+
+    def _update(self, loss: float) -> float | None:
+        """Clip (as `clip_grad_norm_` over PEFT's trainable parameters) and step AdamW at the schedule's rate; a
+        non-finite loss or norm skips the update. Returns the gradient norm taken (None: clipping off)."""
+        params = [p for p in self.lora.params if p.grad is not None]
+        norm = None
+        if self.cfg.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        finite = math.isfinite(loss) and (norm is None or math.isfinite(norm))
+        if finite and norm is None:
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+        if not finite:
+            self._bad_streak += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            if self._bad_streak >= self.cfg.max_bad_steps:
+                raise FloatingPointError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient; "
+                                         "the adapters of the last good step are committed")
+            log.warning("step %d: non-finite loss or gradient, skipped", self._step + 1)
+            self._step += 1
+            return norm
+        self._bad_streak = 0
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.cfg, self._step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        return norm
+
+    # ---------------------------------------------------------------- commit
+    def _base_identity(self) -> dict[str, Any]:
+        """What ties the adapters to the base they were trained on: its volume and its records' checksums."""
+        return {"volume_id": self.store.volume.volume_id, "sums": self.store.sums}
+
+    def _commit(self) -> None:
+        """The step's commit: adapters, AdamW states and step count in one file, atomically and durably."""
+        state = {"format": FORMAT, "step": self._step, "bad_streak": self._bad_streak,
+                 "lora": lora_settings(self.cfg), "base": repr(self._base_identity()),
+                 "adapters": [p.detach().cpu() for p in self.lora.params],
+                 "optimizer": _to_cpu(self.optimizer.state_dict())}
+        tmp = self._path + ".tmp"
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        crashpoint("lora.commit.rename")
+        os.replace(tmp, self._path)
+        fsync_dir(os.path.dirname(self._path) or ".")
+
+    def _load(self) -> None:
+        """Resume: the committed adapters and AdamW states, after checking they belong to this run and base."""
+        try:
+            state = torch.load(self._path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise StoreCorruptError(f"{self._path} (the LoRA adapters' commit) cannot be read: {e}. Restore it from "
+                                    "a checkpoint, or start over with --overwrite") from e
+        if state.get("format") != FORMAT or len(state.get("adapters", ())) != len(self.lora.params):
+            raise StoreCorruptError(f"{self._path} is not a LoRA commit of this model ({len(self.lora.params)} "
+                                    "adapter matrices); start over with --overwrite")
+        if state["lora"] != lora_settings(self.cfg):
+            raise ValueError(f"the run in {self.cfg.nvme[0]} trains LoRA adapters with {state['lora']} and this run "
+                             f"asks for {lora_settings(self.cfg)}; resume with the settings it was started with")
+        if state["base"] != repr(self._base_identity()):
+            raise StoreCorruptError(f"{self._path} was committed over another base store than the one in "
+                                    f"{self.cfg.nvme[0]}; start over with --overwrite")
+        with torch.no_grad():
+            for p, t in zip(self.lora.params, state["adapters"]):
+                if p.shape != t.shape:
+                    raise StoreCorruptError(f"{self._path}: an adapter of shape {tuple(t.shape)} where this model "
+                                            f"has {tuple(p.shape)}; start over with --overwrite")
+                p.copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])  # (moves the states to the parameters' device)
+        self._step, self._bad_streak = int(state["step"]), int(state["bad_streak"])
+
+    # ---------------------------------------------------------------- access
+    def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
+        """Mean loss of `batch` under the committed adapters, forward only (as `Engine.evaluate`)."""
+        idx, targets = rank_batch(batch, self.cfg.micro_batches, 1, 0)
+        return self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+
+    def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+        """Block `block`'s base weights (the frozen P16, checksums verified) as `dtype`."""
+        return [t.to(dtype) for t in self.store.read_params(block)]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        for part in ("streamer", "activations"):
+            if hasattr(self, part):
+                getattr(self, part).close()
+        if hasattr(self, "lora"):
+            self.lora.detach()
+        if hasattr(self, "params_pool"):
+            self.params_pool.clear()
+        self.device.close()
+        try:
+            self.store.close()
+        finally:
+            self._lock.release()
+
+    def __enter__(self) -> LoraEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_cpu(obj: Any) -> Any:
+    """An optimizer state dict with its tensors on the CPU (what the commit stores)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _refuse(cfg: EngineConfig) -> None:
+    """What a LoRA run cannot do yet, refused before anything is written."""
+    problems = []
+    if cfg.lora_r < 1:
+        problems.append("lora_r must be >= 1 for a LoRA run (--lora R)")
+    if cfg.compute_dtype == "fp16":
+        problems.append("compute_dtype fp16 (loss scaling) is not supported with LoRA yet: use bf16 or fp32")
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        problems.append("data parallel (torchrun) is not supported with LoRA yet: run one process")
+    if problems:
+        raise ValueError("LoRA run refused:\n  - " + "\n  - ".join(problems))

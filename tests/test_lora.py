@@ -1,0 +1,149 @@
+"""LoRA on a frozen base streamed from the store (issue 41) against a plain PyTorch + PEFT + torch.optim.AdamW run.
+
+The reference is the HF model as transformers loads it, wrapped by `peft.get_peft_model` with the same rank,
+alpha and targets (PEFT's ``all-linear``: every projection of the decoder layers) and dropout 0, its adapters set
+to lohan's initial ones (PEFT draws them from the global generator in its own order), trained with
+`torch.optim.AdamW` over the trainable parameters, the lr schedule and (optionally) `clip_grad_norm_`. fp32: losses
+and adapters bit-exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from lohan.models.gpt import lm_loss
+from lohan.runtime.hf_engine import init_from_hf
+from lohan.runtime.lora_engine import LoraEngine
+from lohan.runtime.optim import lr_factor
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from tests.test_hf import batches, engine_config, reference_model  # noqa: E402
+from tests.test_hf_families import family_config, save_model  # noqa: E402
+
+STEPS = 3
+_DIRS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    """family_dir(name) -> a tiny random HF model of that family, saved once per module."""
+    def get(family: str) -> str:
+        if family not in _DIRS:
+            _DIRS[family] = save_model(tmp_path_factory.mktemp(family), family_config(family))
+        return _DIRS[family]
+    return get
+
+
+def lora_config(dirs, **kw):
+    return engine_config(dirs, lora_r=4, lora_alpha=8.0, total_steps=STEPS, **kw)
+
+
+def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0):
+    """Losses and adapters (PEFT's saved names) of the PEFT run started from `engine`'s initial adapters."""
+    model = reference_model(path)
+    targets = engine.lora.target_names()
+    pcfg = peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                           bias="none", task_type="CAUSAL_LM")
+    pmodel = peft.get_peft_model(model, pcfg)
+    init = engine.lora.peft_state_dict(engine.program.model)
+    peft.set_peft_model_state_dict(pmodel, init)
+    trainable = [p for p in pmodel.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == engine.lora.numel  # the same targets
+    opt = torch.optim.AdamW(trainable, lr=ecfg.lr, betas=ecfg.betas, eps=ecfg.eps, weight_decay=ecfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, ecfg.warmup_steps, ecfg.total_steps, ecfg.min_lr_ratio))
+    losses, m = [], ecfg.micro_batches
+    for idx, tgt in data:
+        total = 0.0
+        for x, y in zip(idx.chunk(m), tgt.chunk(m)):
+            loss = lm_loss(pmodel(input_ids=x).logits, y) / m
+            loss.backward()
+            total += float(loss.detach())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(pmodel.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, peft.get_peft_model_state_dict(pmodel)
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("llama", {}),
+    ("qwen3", {"max_grad_norm": 1e-3}),  # clipping on, at a norm every step exceeds
+    ("gemma3_text", {"micro_batches": 2}),
+])
+def test_lora_is_bit_exact_with_peft(family_dir, make_dirs, family, kw):
+    path = family_dir(family)
+    ecfg = lora_config(make_dirs(1), **kw)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        assert isinstance(engine, LoraEngine)
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=ecfg.max_grad_norm)
+        losses = [engine.step(b) for b in data]
+        got = engine.lora.peft_state_dict(engine.program.model)
+    assert losses == want_losses
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in got.items() if "lora_B" in n)  # it trained
+
+
+def _digest(dirs: list[str]) -> dict[str, str]:
+    """Hashes of the base store's slab files."""
+    out = {}
+    for d in dirs:
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".slab"):
+                out[f] = hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+    return out
+
+
+def test_base_is_p16_only_and_never_written(family_dir, make_dirs):
+    path = family_dir("llama")
+    dirs = make_dirs(1)
+    ecfg = lora_config(dirs)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        layout = engine.store.layout
+        assert all(b.fmt == "frozen" and b.record_bytes == b.p16_bytes for b in layout.blocks)
+        assert layout.slots == 1
+        before = _digest(dirs)
+        for b in data[:2]:
+            engine.step(b)
+    assert _digest(dirs) == before
+    with init_from_hf(path, ecfg, resume=True) as engine:
+        assert engine.step_count == 2
+        engine.step(data[2])
+    assert _digest(dirs) == before
+
+
+def test_resume_is_bit_identical(family_dir, make_dirs):
+    path = family_dir("qwen3")
+    data = list(batches(STEPS))
+    straight_dirs, split_dirs = make_dirs(1, "a"), make_dirs(1, "b")
+    with init_from_hf(path, lora_config(straight_dirs)) as engine:
+        straight = [engine.step(b) for b in data]
+        want = engine.lora.peft_state_dict(engine.program.model)
+    with init_from_hf(path, lora_config(split_dirs)) as engine:
+        split = [engine.step(b) for b in data[:1]]
+    with init_from_hf(path, lora_config(split_dirs), resume=True) as engine:
+        split += [engine.step(b) for b in data[1:]]
+        got = engine.lora.peft_state_dict(engine.program.model)
+    assert split == straight
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_resume_with_other_lora_settings_is_refused(family_dir, make_dirs):
+    path = family_dir("llama")
+    dirs = make_dirs(1)
+    with init_from_hf(path, lora_config(dirs)) as engine:
+        engine.step(next(batches(1)))
+    with pytest.raises(ValueError, match="resume with the settings it was started with"):
+        init_from_hf(path, engine_config(dirs, lora_r=8, total_steps=STEPS), resume=True)
