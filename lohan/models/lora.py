@@ -170,8 +170,19 @@ def _hook(a: nn.Parameter, b: nn.Parameter, scaling: float):
     def hook(module: nn.Module, args: tuple, result: Tensor) -> Tensor:
         x = args[0]
         result_dtype = result.dtype
-        if x.dtype != a.dtype:  # PEFT's _cast_input_dtype
-            x = x.to(dtype=a.dtype)
-        result = result + F.linear(F.linear(x, a), b) * scaling  # lora_B(lora_A(dropout(x))) * scaling, dropout 0
+        dev = result.device.type
+        if torch.is_autocast_enabled(dev):
+            # autocast runs both linears in its lower precision: cast here, as it would, but never through its
+            # cache of leaf casts, which makes a no-grad forward and the recomputation with grad issue different op
+            # sequences (the activation records are replayed by op sequence). (x: lower precision already, or
+            # PEFT's cast to fp32 then autocast's back: the same values.)
+            low = torch.get_autocast_dtype(dev)
+            with torch.autocast(dev, enabled=False):
+                h = F.linear(F.linear(x.to(low), a.to(low)), b.to(low))
+        else:
+            if x.dtype != a.dtype:  # PEFT's _cast_input_dtype
+                x = x.to(dtype=a.dtype)
+            h = F.linear(F.linear(x, a), b)  # lora_B(lora_A(dropout(x))), dropout 0
+        result = result + h * scaling
         return result.to(result_dtype)
     return hook
