@@ -179,3 +179,59 @@ def test_lora_bf16_is_close_to_peft_fp32(family_dir, make_dirs):
             worst = max(worst, float((d_got - d_want).norm() / d_want.norm()))
     print(f"bf16: losses {losses} vs {want_losses}, largest relative difference of an update B @ A {worst:.2e}")
     assert worst < 0.1
+
+
+def _cli(path: str, work, *extra: str) -> list[str]:
+    return ["--model", path, "--lora", "4", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--nvme",
+            str(work / "nvme"), "--metrics", str(work / "metrics.jsonl"), "--compute-dtype", "fp32", "--backend",
+            "threads", *extra]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: Conv1D projections (PEFT's fan_in_fan_out)
+def test_cli_exports_a_peft_adapter_and_merged_weights(family_dir, tmp_path, capsys, family):
+    """`--lora 4 --export DIR`: a PEFT adapter folder that `PeftModel.from_pretrained` loads to lohan's logits (its
+    base streamed from the store, its adapters hooked); `--export-merged DIR` from the same store: the weights
+    `merge_and_unload` gives, loadable with `from_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    from lohan.app.cli import main
+    from lohan.config import EngineConfig
+    from tests.test_hf import materialize
+
+    path = family_dir(family)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(_cli(path, tmp_path, "--export", str(adapter))) == 0, capsys.readouterr()
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    ids = torch.randint(0, 150, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        pmodel = peft.PeftModel.from_pretrained(reference_model(path), str(adapter))
+        want = pmodel(input_ids=ids).logits
+        cfg = EngineConfig(nvme=(str(tmp_path / "nvme"),), compute_dtype="fp32", backend="threads", lora_r=4)
+        with init_from_hf(path, cfg, resume=True) as engine:
+            assert engine.step_count == 2
+            materialize(engine.program, [engine.read_params(i) for i in range(len(engine.program.modules))])
+            got = engine.program.forward(ids)
+    assert torch.equal(got, want)
+    # the same store, exported merged (--steps 2: nothing more to train)
+    assert main(_cli(path, tmp_path, "--resume", "--export-merged", str(merged))) == 0, capsys.readouterr()
+    with torch.no_grad():
+        want_merged = pmodel.merge_and_unload()(input_ids=ids).logits
+        got_merged = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)(input_ids=ids).logits
+    assert torch.allclose(got_merged, want_merged, rtol=0, atol=1e-5)
+    assert torch.allclose(got_merged, want, rtol=0, atol=1e-4)
+
+
+def test_cli_lora_refusals(family_dir, tmp_path, capsys):
+    from lohan.app.cli import main
+
+    path = family_dir("llama")
+    assert main(_cli(path, tmp_path, "--export-merged", str(tmp_path / "a"), "--export", str(tmp_path / "b"))) == 2
+    assert "pass one" in capsys.readouterr().err
+    assert main(["--model", "tiny", "--lora", "4", "--export", str(tmp_path / "c"), "--nvme", str(tmp_path / "n")]) == 2
+    assert "use --export-merged DIR" in capsys.readouterr().err
+    assert main(["--model", "tiny", "--export-merged", str(tmp_path / "c"), "--nvme", str(tmp_path / "n")]) == 2
+    assert "add --lora R" in capsys.readouterr().err
+    assert main(_cli(path, tmp_path, "--lora-dropout", "0.1")) == 2
+    assert "only 0 is supported" in capsys.readouterr().err
+    assert main(_cli(path, tmp_path, "--lora-targets", "nope")) == 2
+    assert "matches no linear projection" in capsys.readouterr().out

@@ -390,13 +390,16 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
             dtype: DtypeChoice, fit: Any = None) -> None:
     e = run.engine
     layout = engine.store.layout
-    plan = engine.host_memory
     n_params = engine.layout.param_count  # the whole model (a rank's store holds its shards)
     ranks = f" (rank {engine.dp.rank}'s shards; every rank holds as much)" if engine.dp else ""
     console.print(
         f"[bold]lohan[/bold] {label}: {n_params / 1e6:,.1f}M params, {mcfg.n_layer} layers, "
         f"d_model {mcfg.d_model}, vocab {mcfg.vocab_size} | batch {run.batch_size} x {seq_len} tokens, "
         f"{e.micro_batches} micro-batch(es)")
+    if getattr(engine, "lora", None) is not None:
+        _lora_header(console, engine, dtype)
+        return
+    plan = engine.host_memory
     console.print(
         f"  states on NVMe: {layout.total_bytes / 2**30:.2f} GiB{ranks} in {len(layout.blocks)} blocks x "
         f"{layout.slots} slot(s) over {len(e.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
@@ -432,13 +435,14 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
 
 def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware: str | None = None,
           export: str | None = None, overwrite: bool = False, export_dtype: str | None = None,
-          config: str | os.PathLike | None = None) -> int:
+          config: str | os.PathLike | None = None, merged: bool = False) -> int:
     """Run (or, with `dry_run`, only plan) the fine-tune described by `run`; returns a process exit code.
 
     `resume` continues the store in the NVMe directories (or its interrupted initialization);
     `overwrite` discards it. Without either, a directory that holds a store is refused. SIGTERM stops
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands. `config`: the YAML the
-    run was read from (an input no output may touch: layout.RunLayout).
+    run was read from (an input no output may touch: layout.RunLayout). `merged`: a LoRA run exports its base with
+    the adapters merged in (``--export-merged``), not its PEFT adapter folder.
     """
     try:  # launched by torchrun: one process per rank (lohan/runtime/parallel.py), each on its own GPU from here on
         joined = init_from_env(run.engine.device)
@@ -448,11 +452,11 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     code = 2
     try:
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config, merged)
             return code
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config, merged)
             return code
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -483,6 +487,7 @@ class _Run:
     checkpoints: Checkpoints | None = None
     fit: Any = None  # the plan's FitReport (`_plan`): the first step's measured lanes are priced with it
     dtype: DtypeChoice | None = None  # the compute dtype `run.engine` was resolved to, and why (`_compute_dtype`)
+    merged: bool = False  # a LoRA run exports its merged weights (--export-merged), not its adapters
 
     @property
     def world(self) -> int:
@@ -495,7 +500,8 @@ class _Run:
 
 
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
-           overwrite: bool, export_dtype: str | None = None, config: str | os.PathLike | None = None) -> int:
+           overwrite: bool, export_dtype: str | None = None, config: str | os.PathLike | None = None,
+           merged: bool = False) -> int:
     """The run driver: pre-flight -> plan -> open the store -> position the data -> the loop -> finish."""
     dp = DataParallel.detect()
     # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
@@ -503,7 +509,9 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     try:
         run, dtype = _compute_dtype(run, resume, hardware, dp)
         ctx = _preflight(run, dry_run, export, export_dtype, config, console, dp)
-        ctx.dtype = dtype
+        ctx.dtype, ctx.merged = dtype, merged
+        if ctx.checkpoints is not None:
+            ctx.checkpoints.merged = merged
         report = ctx.fit = _plan(ctx, hardware, dry_run)
         if dry_run:
             console.print(dtype.describe())
@@ -713,6 +721,27 @@ def _check_store(ctx: _Run, resume: bool, overwrite: bool) -> StoreStatus:
     return status
 
 
+def _lora_header(console: Console, engine: Any, dtype: DtypeChoice) -> None:
+    """The header's lines for a LoRA run (`LoraEngine`): the adapters, the read-only base, the memory it streams
+    through, the schedule."""
+    e, lora, layout = engine.cfg, engine.lora, engine.store.layout
+    targets = ", ".join(lora.target_names())
+    console.print(
+        f"  LoRA: rank {lora.r}, alpha {lora.alpha:g} (scaling {lora.scaling:g}), {len(lora.targets)} adapted "
+        f"projections ({targets}), {lora.numel / 1e6:,.3f}M trainable parameters "
+        f"({lora.numel / max(1, layout.param_count):.3%} of the model); the adapters and their AdamW states on the "
+        f"device, committed every step with the run's step ({engine.store.volume.dirs[0]})")
+    console.print(
+        f"  base on NVMe: {layout.total_bytes / 2**30:.2f} GiB of read-only {layout.p16_dtype} weights (no master, "
+        f"no moments, one slot, never written after import) in {len(layout.blocks)} blocks over {len(e.nvme)} dir(s), "
+        f"backend {engine.store.volume.backend.name}; streamed through a {engine.params_pool.budget_bytes / 2**30:.2f} GiB "
+        f"pool that keeps what it can across passes | device {engine.device.describe()}, {e.compute_dtype}, "
+        f"activations {e.act_policy}" + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none"
+                                         else ""))
+    console.print(f"  {dtype.describe()}")
+    console.print(f"  optimizer: {_schedule_line(e)}")
+
+
 def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch], dict | None]:
     """The batch stream at the committed step (a resume: the saved data position and RNG, rank 0's for every
     rank), and the header. A fresh run's metrics file (lohan's: checked) starts over with its store."""
@@ -778,7 +807,7 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
         _train_steps(ctx, engine, batches, data_state, history)
         if export:
             if ctx.main_rank:
-                export_final(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
+                export_final(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype, ctx.merged)
             else:
                 _gather_whole(engine)
     except KeyboardInterrupt as err:

@@ -19,7 +19,10 @@ an exactness test copies the initial adapters across (`peft_state_dict`).
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -186,3 +189,30 @@ def _hook(a: nn.Parameter, b: nn.Parameter, scaling: float):
         result = result + h * scaling
         return result.to(result_dtype)
     return hook
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+"""The files of a PEFT adapter folder (`peft.PeftModel.from_pretrained(base, folder)` reads them)."""
+
+
+def peft_config(adapters: LoraAdapters, root: nn.Module, base: str, dropout: float = 0.0) -> dict:
+    """The ``adapter_config.json`` of `adapters` (a PEFT ``LoraConfig``): its targets as a pattern that matches exactly
+    the adapted modules (PEFT full-matches a string ``target_modules`` against every module's name), so a leaf name
+    that also names a module outside the decoder layers adapts nothing more."""
+    pattern = "|".join(re.escape(m) for m in adapters.module_names(root))
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": adapters.r,
+            "lora_alpha": adapters.alpha, "lora_dropout": float(dropout), "target_modules": f"^({pattern})$",
+            "bias": "none", "fan_in_fan_out": any(t.conv1d for t in adapters.targets), "inference_mode": True,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def write_peft_adapter(adapters: LoraAdapters, root: nn.Module, base: str, out: str | os.PathLike,
+                       dropout: float = 0.0) -> None:
+    """Write `adapters` as a PEFT adapter folder into `out` (an existing folder the caller owns): its config and
+    its weights under PEFT's saved names, fp32 as PEFT keeps them."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
+        json.dump(peft_config(adapters, root, base, dropout), f, indent=2, sort_keys=True)
+    save_file(adapters.peft_state_dict(root), os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})

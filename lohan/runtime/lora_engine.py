@@ -38,6 +38,8 @@ message where they would be wrong.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -45,6 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import torch
 from torch import Tensor
 
@@ -58,7 +61,7 @@ from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.optim import lr_at
 from lohan.runtime.params import ParamStreamer
 from lohan.runtime.passes import Acts, BlockPasses
-from lohan.runtime.step import rank_batch
+from lohan.runtime.step import NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import stored_compute_dtype
 from lohan.store.states import DTYPES, plan_layout
@@ -106,7 +109,7 @@ class LoraEngine:
             self.lora.attach()
             self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                                weight_decay=cfg.weight_decay)
-            self._step, self._bad_streak = 0, 0
+            self._step, self._bad_streak, self._note = 0, 0, None
             self._path = os.path.join(cfg.nvme[0], f"{cfg.name}.lora.pt")
             if resume and os.path.exists(self._path):
                 self._load()
@@ -152,26 +155,52 @@ class LoraEngine:
         run. `next_batch` is accepted for `Engine`'s signature; nothing overlaps the tiny update."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        t0 = time.perf_counter()
+        t0, io0, wait0 = time.perf_counter(), self.store.volume.stats(), self.streamer.wait_s
+        hash0 = self.streamer.hash_s
         idx, targets = rank_batch(batch, self.cfg.micro_batches, 1, 0)
         idx, targets = self.device.put(idx), self.device.put(targets)
         n = len(self.program.modules)
         # the embedding's backward would compute nothing (no adapter, no gradient to pass on): not visited
         visits = list(range(n - 1)) + list(range(n - 1, 0, -1))
         self.optimizer.zero_grad(set_to_none=True)
+        self.device.reset_peak_memory()
         try:
             acts, fwd_timer = self.passes.forward(visits, 0, idx)
+            self._bwd_timer = self.device.timer()
             losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches))
             loss = self.passes.host_sum(losses)
+            acts_stats = self.activations.stats()
         finally:
             self.streamer.release_all()
             self.activations.end_step()
-        norm = self._update(loss)
-        self._commit()
-        self.last_stats = {"step": self._step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
-                           "grad_norm": norm, "step_s": time.perf_counter() - t0,
-                           "ssd_read_bytes": self.streamer.bytes_read}
+        lr = lr_at(self.cfg, self._step)
+        t_opt = time.perf_counter()
+        norm, coef, skipped = self._update(loss)
+        lanes = {"gpu": fwd_timer.seconds() + self._bwd_timer.seconds(), "adam": time.perf_counter() - t_opt,
+                 "param_wait": self.streamer.wait_s - wait0, "checksum": self.streamer.hash_s - hash0}
+        stats = self._stats(idx, loss, lr, t0, io0, lanes, acts_stats, norm, coef, skipped)
+        self._commit(commit_note(stats))
+        self.last_stats = dataclasses.replace(stats, step_s=time.perf_counter() - t0)
         return loss
+
+    def _stats(self, idx: Tensor, loss: float, lr: float, t0: float, io0: dict, lanes: dict[str, float],
+               acts: dict[str, Any], norm: float | None, coef: float | None, skipped: bool) -> StepStats:
+        """The step's `StepStats` (what the run's metrics and log line read), from the counters now and at its
+        start. The SSDs only read (the base's P16); nothing is written to them but the adapters' commit."""
+        io1 = self.store.volume.stats()
+        read_s = max((d1["read"]["busy_s"] - d0["read"]["busy_s"] for d0, d1 in zip(io0["devices"], io1["devices"])),
+                     default=0.0)
+        tokens, fpt = idx.numel(), self.flops_per_token
+        return StepStats(
+            step=self._step, loss=loss, lr=lr, tokens=tokens, step_s=time.perf_counter() - t0,
+            flops=3 * fpt(idx.shape[1]) * tokens if fpt else None,
+            ssd_read_bytes=io1["read_bytes"] - io0["read_bytes"], ssd_write_bytes=0,
+            lanes={**lanes, "ssd": read_s, "ssd_read": read_s, "ssd_write": 0.0, "cpu": 0.0},
+            cpu_mem_bytes=psutil.Process().memory_info().rss,
+            gpu_mem_bytes=self.device.max_memory_allocated() if self.device.is_cuda else None,
+            max_resident_blocks=self.streamer.max_resident, resident_records=0, resident_record_hits=0,
+            activations=acts, next_forward_overlapped=False, deferred=False, grad_norm=norm, clip_coef=coef,
+            skipped=skipped)
 
     def _backward(self, visits: list[int], acts: Acts, tgt_mb: tuple[Tensor, ...]) -> list[Tensor]:
         """Blocks n-1..1, each recomputed with grad per micro-batch; autograd is asked for the block input's
@@ -195,12 +224,12 @@ class LoraEngine:
                 else:
                     x, fn = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
                 x = x.detach().requires_grad_()
-                with torch.enable_grad(), self.device.autocast(self.compute_dtype):
+                with self._bwd_timer, torch.enable_grad(), self.device.autocast(self.compute_dtype):
                     out = fn(x)
                     if i == last:
                         out = out / m_count
-                grads = torch.autograd.grad(out, [x, *adapters], grad_outputs=None if i == last else grad_out[m],
-                                            allow_unused=True)
+                    grads = torch.autograd.grad(out, [x, *adapters],
+                                                grad_outputs=None if i == last else grad_out[m], allow_unused=True)
                 if i == last:
                     losses.append(out.detach())
                 for a, g in zip(adapters, grads[1:]):
@@ -216,41 +245,44 @@ class LoraEngine:
             self.passes.leave(visits, p, 0)
         return losses
 
-    def _update(self, loss: float) -> float | None:
+    def _update(self, loss: float) -> tuple[float | None, float | None, bool]:
         """Clip (as `clip_grad_norm_` over PEFT's trainable parameters) and step AdamW at the schedule's rate; a
-        non-finite loss or norm skips the update. Returns the gradient norm taken (None: clipping off)."""
+        non-finite loss or norm skips the update (`max_bad_steps` in a row raise `NonFiniteError`). Returns the
+        gradient norm taken and the clip coefficient (None: clipping off), and whether the update was skipped."""
         params = [p for p in self.lora.params if p.grad is not None]
-        norm = None
+        norm = coef = None
         if self.cfg.max_grad_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # (clip_grad_norm_'s own coefficient)
         finite = math.isfinite(loss) and (norm is None or math.isfinite(norm))
         if finite and norm is None:
             finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+        self._step += 1
         if not finite:
             self._bad_streak += 1
             self.optimizer.zero_grad(set_to_none=True)
             if self._bad_streak >= self.cfg.max_bad_steps:
-                raise FloatingPointError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient; "
-                                         "the adapters of the last good step are committed")
-            log.warning("step %d: non-finite loss or gradient, skipped", self._step + 1)
-            self._step += 1
-            return norm
+                raise NonFiniteError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient (the last "
+                                     f"at step {self._step}); the adapters of step {self._step - self._bad_streak} "
+                                     "stand. Lower --lr or check the data")
+            log.warning("step %d: non-finite loss or gradient, skipped", self._step)
+            return norm, coef, True
         self._bad_streak = 0
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.cfg, self._step)
+            group["lr"] = lr_at(self.cfg, self._step - 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._step += 1
-        return norm
+        return norm, coef, False
 
     # ---------------------------------------------------------------- commit
     def _base_identity(self) -> dict[str, Any]:
         """What ties the adapters to the base they were trained on: its volume and its records' checksums."""
         return {"volume_id": self.store.volume.volume_id, "sums": self.store.sums}
 
-    def _commit(self) -> None:
-        """The step's commit: adapters, AdamW states and step count in one file, atomically and durably."""
-        state = {"format": FORMAT, "step": self._step, "bad_streak": self._bad_streak,
+    def _commit(self, note: dict[str, Any]) -> None:
+        """The step's commit: adapters, AdamW states, step count and what the step measured (`note`,
+        `committed_stats`) in one file, atomically and durably."""
+        state = {"format": FORMAT, "step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
                  "lora": lora_settings(self.cfg), "base": repr(self._base_identity()),
                  "adapters": [p.detach().cpu() for p in self.lora.params],
                  "optimizer": _to_cpu(self.optimizer.state_dict())}
@@ -262,6 +294,7 @@ class LoraEngine:
         crashpoint("lora.commit.rename")
         os.replace(tmp, self._path)
         fsync_dir(os.path.dirname(self._path) or ".")
+        self._note = note
 
     def _load(self) -> None:
         """Resume: the committed adapters and AdamW states, after checking they belong to this run and base."""
@@ -287,6 +320,25 @@ class LoraEngine:
                 p.copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])  # (moves the states to the parameters' device)
         self._step, self._bad_streak = int(state["step"]), int(state["bad_streak"])
+        self._note = json.loads(state["note"])
+
+    @property
+    def committed_stats(self) -> StepStats | None:
+        """What the committed step measured, as committed with it (None before the first step)."""
+        return stats_from_note(self._note)
+
+    # what the run driver (lohan.app.train) asks of an engine: every step is durable when `step` returns
+    persist_every = 1
+    persist_refusal = "a LoRA step commits its adapters every step"
+
+    def persist(self) -> None:
+        """Nothing to do: every step is committed before `step` returns."""
+
+    def flush(self) -> None:
+        """Nothing to do (no write-behind)."""
+
+    def drop_staged(self) -> None:
+        """Nothing is ever staged."""
 
     # ---------------------------------------------------------------- access
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
@@ -297,6 +349,16 @@ class LoraEngine:
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
         """Block `block`'s base weights (the frozen P16, checksums verified) as `dtype`."""
         return [t.to(dtype) for t in self.store.read_params(block)]
+
+    @property
+    def whole(self) -> LoraEngine:
+        """What the exporters read: the engine (its `lora` adapters for a PEFT adapter folder; `merged()` for the
+        merged weights)."""
+        return self
+
+    def merged(self) -> _Merged:
+        """The base with the adapters merged in, as the Hugging Face exporters read a store."""
+        return _Merged(self)
 
     def close(self) -> None:
         if not self._closed:
@@ -322,6 +384,25 @@ class LoraEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Merged:
+    """The weights PEFT's ``merge_and_unload`` gives (each adapted weight plus its update B @ A x scaling, in fp32),
+    with what `lohan.models.hf.export_hf` and `export_gpt2` read: ``.store.layout``, ``.store.read_params(i)``
+    and ``.step_count``."""
+
+    def __init__(self, engine: LoraEngine) -> None:
+        self.store, self.layout, self.step_count, self._engine = self, engine.layout, engine.step_count, engine
+
+    def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+        params = self._engine.read_params(block)
+        names = [s.name for s in self.layout.blocks[block].params]
+        lora = self._engine.lora
+        for k, t in enumerate(lora.targets):
+            if t.block == block:
+                j = names.index(f"{t.path}.weight")
+                params[j] = params[j] + lora.delta(k).cpu()  # (PEFT: base_layer.weight.data += delta_weight)
+        return [p.to(dtype) for p in params]
 
 
 def _to_cpu(obj: Any) -> Any:
