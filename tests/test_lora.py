@@ -235,3 +235,46 @@ def test_cli_lora_refusals(family_dir, tmp_path, capsys):
     assert "only 0 is supported" in capsys.readouterr().err
     assert main(_cli(path, tmp_path, "--lora-targets", "nope")) == 2
     assert "matches no linear projection" in capsys.readouterr().out
+
+
+def _lora_state(work) -> dict[str, torch.Tensor]:
+    """The committed adapters and AdamW states of a run (`<name>.lora.pt`), by position."""
+    state = torch.load(work / "nvme" / "lohan.lora.pt", weights_only=True)
+    out = {f"adapter{k}": t for k, t in enumerate(state["adapters"])}
+    for k, s in state["optimizer"]["state"].items():
+        out.update({f"opt{k}.{n}": t for n, t in s.items()})
+    return {**out, "step": torch.tensor(state["step"])}
+
+
+def test_killed_lora_run_resumes_bit_identically(tmp_path):
+    """SIGKILL in backward, just before an adapters' commit is renamed in, and before the run state's rename; each
+    time resumed with --resume: the metrics, the adapters with their AdamW states, the merged checkpoints and export
+    end as the uninterrupted run's, and the base's slab is never written."""
+    import sys
+
+    from tests.test_crash_recovery import kh
+
+    def args(work, resume: bool = False) -> list[str]:
+        return [sys.executable, str(kh.ROOT / "finetune.py"), "--model", "tiny", "--lora", "4", "--steps", "4",
+                "--seq-len", "64", "--batch-size", "4", "--compute-dtype", "fp32", "--backend", "threads", "--nvme",
+                str(work / "nvme"), "--metrics", str(work / "metrics.jsonl"), "--export-merged", str(work / "export"),
+                "--save-every", "2", *(["--resume"] if resume else [])]
+
+    ref = tmp_path / "ref"
+    rc, out, _ = kh.run_once(args(ref), None)
+    assert rc == 0, out
+    run = tmp_path / "run"
+    resume = False
+    for spec in ("lora.backward:9", "lora.commit.rename:3", "json.rename:lohan.run.json:1"):
+        rc, out, _ = kh.run_once(args(run, resume), spec)
+        assert rc == -9, (spec, out)  # killed there
+        if not resume:
+            base = _digest([str(run / "nvme")])
+        resume = True
+    rc, out, _ = kh.run_once(args(run, True), None)
+    assert rc == 0, out
+    assert [r[:2] for r in kh.read_records(run)] == [r[:2] for r in kh.read_records(ref)]
+    got, want = _lora_state(run), _lora_state(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert kh.same_tensors(kh.read_export(run), kh.read_export(ref))
+    assert _digest([str(run / "nvme")]) == base
