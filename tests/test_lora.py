@@ -104,6 +104,23 @@ def test_lora_is_bit_exact_with_peft(family_dir, make_dirs, family, kw):
     assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in got.items() if "lora_B" in n)  # it trained
 
 
+def test_lora_on_the_simulated_device_is_bit_exact(family_dir, make_dirs, monkeypatch):
+    """LOHAN_DEVICE=sim: the base streamed to a device that refuses host tensors, the adapters and their AdamW
+    states on it; clipping and two micro-batches; still PEFT's bits."""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+    path = family_dir("qwen3")
+    ecfg = lora_config(make_dirs(1), max_grad_norm=1e-3, micro_batches=2)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        assert engine.device.type == "sim"
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=ecfg.max_grad_norm)
+        losses = [engine.step(b) for b in data]
+        got = engine.lora.peft_state_dict(engine.program.model)
+        assert engine.device.sim.copies["h2d"] > 0
+    assert losses == want_losses
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
 def _digest(dirs: list[str]) -> dict[str, str]:
     """Hashes of the base store's slab files."""
     out = {}

@@ -23,7 +23,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,8 @@ class LoraAdapters:
     """The adapters of a block program, their hooks and their names (module docstring)."""
 
     def __init__(self, modules: Sequence[nn.Module], r: int, alpha: float, targets: Sequence[str] = (),
-                 seed: int = 0, device: torch.device | str = "cpu") -> None:
+                 seed: int = 0, put: Callable[[Tensor], Tensor] = lambda t: t) -> None:
+        """`put` moves a new CPU tensor to the compute device (`Device.put`)."""
         if r < 1:
             raise ValueError(f"LoRA rank {r}: give a rank >= 1")
         self.r, self.alpha = int(r), float(alpha)
@@ -101,8 +102,8 @@ class LoraAdapters:
             a = torch.empty(self.r, t.in_features, dtype=torch.float32)
             gen = torch.Generator().manual_seed(_seed_of(seed, t.block, k))
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # PEFT's reset_lora_parameters
-            self.A.append(nn.Parameter(a.to(device)))
-            self.B.append(nn.Parameter(torch.zeros(t.out_features, self.r, dtype=torch.float32, device=device)))
+            self.A.append(nn.Parameter(put(a)))
+            self.B.append(nn.Parameter(put(torch.zeros(t.out_features, self.r, dtype=torch.float32))))
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     @property

@@ -105,7 +105,7 @@ class LoraEngine:
         try:
             self._build(str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
             self.lora = LoraAdapters(program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
-                                     self.device.torch)
+                                     self.device.put)
             self.lora.attach()
             self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                                weight_decay=cfg.weight_decay)
