@@ -732,14 +732,19 @@ def _lora_header(console: Console, engine: Any, dtype: DtypeChoice) -> None:
         f"({lora.numel / max(1, layout.param_count):.3%} of the model); the adapters and their AdamW states on the "
         f"device, committed every step with the run's step ({engine.store.volume.dirs[0]})")
     console.print(
-        f"  base on NVMe: {layout.total_bytes / 2**30:.2f} GiB of read-only {layout.p16_dtype} weights (no master, "
+        f"  base on NVMe: {_gib(layout.total_bytes)} of read-only {layout.p16_dtype} weights (no master, "
         f"no moments, one slot, never written after import) in {len(layout.blocks)} blocks over {len(e.nvme)} dir(s), "
-        f"backend {engine.store.volume.backend.name}; streamed through a {engine.params_pool.budget_bytes / 2**30:.2f} GiB "
+        f"backend {engine.store.volume.backend.name}; streamed through a {_gib(engine.params_pool.budget_bytes)} "
         f"pool that keeps what it can across passes | device {engine.device.describe()}, {e.compute_dtype}, "
         f"activations {e.act_policy}" + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none"
                                          else ""))
     console.print(f"  {dtype.describe()}")
     console.print(f"  optimizer: {_schedule_line(e)}")
+
+
+def _gib(n: int) -> str:
+    """Bytes as GiB, or MiB below one GiB (a tiny model's 0.00 GiB says nothing)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch], dict | None]:
