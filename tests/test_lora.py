@@ -173,6 +173,13 @@ def test_resume_with_other_lora_settings_is_refused(family_dir, make_dirs):
         engine.step(next(batches(1)))
     with pytest.raises(ValueError, match="resume with the settings it was started with"):
         init_from_hf(path, engine_config(dirs, lora_r=8, total_steps=STEPS), resume=True)
+    with pytest.raises(ValueError, match="holds a LoRA run's frozen base"):  # without --lora
+        init_from_hf(path, engine_config(dirs, total_steps=STEPS), resume=True)
+    full = make_dirs(1, "full")
+    with init_from_hf(path, engine_config(full, total_steps=STEPS)):
+        pass
+    with pytest.raises(ValueError, match="holds a full fine-tuning's states"):
+        init_from_hf(path, lora_config(full), resume=True)
 
 
 def test_lora_bf16_is_close_to_peft_fp32(family_dir, make_dirs):
