@@ -173,6 +173,8 @@ def test_resume_with_other_lora_settings_is_refused(family_dir, make_dirs):
         engine.step(next(batches(1)))
     with pytest.raises(ValueError, match="resume with the settings it was started with"):
         init_from_hf(path, engine_config(dirs, lora_r=8, total_steps=STEPS), resume=True)
+    with pytest.raises(ValueError, match="fp16 .loss scaling. is not supported with LoRA yet"):
+        init_from_hf(path, lora_config(make_dirs(1, "fp16"), compute_dtype="fp16"))
     with pytest.raises(ValueError, match="holds a LoRA run's frozen base"):  # without --lora
         init_from_hf(path, engine_config(dirs, total_steps=STEPS), resume=True)
     full = make_dirs(1, "full")
@@ -302,3 +304,47 @@ def test_killed_lora_run_resumes_bit_identically(tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert kh.same_tensors(kh.read_export(run), kh.read_export(ref))
     assert _digest([str(run / "nvme")]) == base
+
+
+def test_base_is_read_once_when_memory_holds_it(make_dirs, tmp_path):
+    """The base's slot is never rewritten, so a released block stays in the parameter pool across passes and
+    steps: with room for the whole base the SSDs are read in the first step only; with room for the blocks in
+    flight only (10 blocks, room for 5), every step reads its forward and its backward."""
+    config = family_config("llama")
+    config.num_hidden_layers = 8
+    path = save_model(tmp_path / "deep", config)
+    data = list(batches(STEPS))
+    with init_from_hf(path, lora_config(make_dirs(1, "big"), cpu_mem="64MiB")) as engine:
+        first = engine.step(data[0]), engine.last_stats.ssd_read_bytes
+        engine.step(data[1])
+        assert first[1] >= engine.store.layout.slot_bytes and engine.last_stats.ssd_read_bytes == 0
+        want = engine.evaluate(data[2])
+    with init_from_hf(path, lora_config(make_dirs(1, "small"), cpu_mem=4096)) as engine:
+        assert engine.step(data[0]) == first[0]
+        engine.step(data[1])
+        assert engine.last_stats.ssd_read_bytes > engine.store.layout.slot_bytes  # forward and backward
+        assert engine.evaluate(data[2]) == want  # (forward only, on the committed adapters)
+
+
+def test_a_non_finite_step_is_skipped_and_committed(family_dir, make_dirs, monkeypatch):
+    """A step whose loss is not finite leaves the adapters and their AdamW states as they were (its batch is
+    consumed and counted); `max_bad_steps` in a row stop the run with the last good adapters committed."""
+    from lohan.runtime.step import NonFiniteError
+
+    path = family_dir("llama")
+    dirs = make_dirs(1)
+    data = list(batches(STEPS))
+    with init_from_hf(path, lora_config(dirs, max_bad_steps=2)) as engine:
+        engine.step(data[0])
+        before = {k: t.clone() for k, t in engine.lora.peft_state_dict(engine.program.model).items()}
+        monkeypatch.setattr(engine.passes, "host_sum", lambda losses: float("nan"))
+        engine.step(data[1])
+        assert engine.last_stats.skipped and engine.step_count == 2
+        after = engine.lora.peft_state_dict(engine.program.model)
+        assert all(torch.equal(after[k], t) for k, t in before.items())
+        with pytest.raises(NonFiniteError, match="2 steps in a row"):
+            engine.step(data[2])
+    with init_from_hf(path, lora_config(dirs, max_bad_steps=2), resume=True) as engine:
+        assert engine.step_count == 3 and engine.committed_stats.skipped
+        got = engine.lora.peft_state_dict(engine.program.model)
+        assert all(torch.equal(got[k], t) for k, t in before.items())

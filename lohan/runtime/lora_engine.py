@@ -181,6 +181,10 @@ class LoraEngine:
         stats = self._stats(idx, loss, lr, t0, io0, lanes, acts_stats, norm, coef, skipped)
         self._commit(commit_note(stats))
         self.last_stats = dataclasses.replace(stats, step_s=time.perf_counter() - t0)
+        if self._bad_streak >= self.cfg.max_bad_steps:  # (the skip is committed first, as `Engine` commits it)
+            raise NonFiniteError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient (the last at "
+                                 f"step {self._step}); the adapters of step {self._step - self._bad_streak} stand. "
+                                 "Lower --lr or check the data")
         return loss
 
     def _stats(self, idx: Tensor, loss: float, lr: float, t0: float, io0: dict, lanes: dict[str, float],
@@ -247,7 +251,7 @@ class LoraEngine:
 
     def _update(self, loss: float) -> tuple[float | None, float | None, bool]:
         """Clip (as `clip_grad_norm_` over PEFT's trainable parameters) and step AdamW at the schedule's rate; a
-        non-finite loss or norm skips the update (`max_bad_steps` in a row raise `NonFiniteError`). Returns the
+        non-finite loss or norm skips the update (`step` raises `NonFiniteError` after `max_bad_steps` in a row). Returns the
         gradient norm taken and the clip coefficient (None: clipping off), and whether the update was skipped."""
         params = [p for p in self.lora.params if p.grad is not None]
         norm = coef = None
@@ -255,16 +259,12 @@ class LoraEngine:
             norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # (clip_grad_norm_'s own coefficient)
         finite = math.isfinite(loss) and (norm is None or math.isfinite(norm))
-        if finite and norm is None:
-            finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+        if finite and norm is None and params:  # (one synchronization, not one per adapter)
+            finite = bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all())
         self._step += 1
         if not finite:
             self._bad_streak += 1
             self.optimizer.zero_grad(set_to_none=True)
-            if self._bad_streak >= self.cfg.max_bad_steps:
-                raise NonFiniteError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient (the last "
-                                     f"at step {self._step}); the adapters of step {self._step - self._bad_streak} "
-                                     "stand. Lower --lr or check the data")
             log.warning("step %d: non-finite loss or gradient, skipped", self._step)
             return norm, coef, True
         self._bad_streak = 0
