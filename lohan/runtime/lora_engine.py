@@ -251,8 +251,8 @@ class LoraEngine:
 
     def _update(self, loss: float) -> tuple[float | None, float | None, bool]:
         """Clip (as `clip_grad_norm_` over PEFT's trainable parameters) and step AdamW at the schedule's rate; a
-        non-finite loss or norm skips the update (`step` raises `NonFiniteError` after `max_bad_steps` in a row). Returns the
-        gradient norm taken and the clip coefficient (None: clipping off), and whether the update was skipped."""
+        non-finite loss or norm skips the update (`step` raises `NonFiniteError` after `max_bad_steps` in a row).
+        Returns the gradient norm taken and the clip coefficient (None: clipping off), and whether it was skipped."""
         params = [p for p in self.lora.params if p.grad is not None]
         norm = coef = None
         if self.cfg.max_grad_norm > 0:
