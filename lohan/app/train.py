@@ -634,6 +634,8 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                                    checksums=e.checksums, act_compress=e.act_compress))
         if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
             machine = data_parallel_machine(machine, world, dp.local_world)
+        if e.lora_r:  # a frozen base streamed, adapters on the device: its own plan (lohan.plan.lora)
+            return _lora_fit(ctx, machine, dry_run)
         report = fit_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, e.compute_dtype,
                             e.micro_batches, e.prefetch_depth, ctx.per_epoch, slots=e.slots,
                             keep_grads=e.max_grad_norm > 0 or e.slots == 1,
@@ -657,6 +659,20 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
                       "written. Try a smaller model or --layers N (a slice of the same shape), more SSD space "
                       "(--nvme on larger or more drives), or see the plan for another box with --dry-run "
                       "--hardware 'rtx4090,12xP5510,256GB'")
+    return report
+
+
+def _lora_fit(ctx: _Run, machine: Any, dry_run: bool) -> Any:
+    """`_plan` for a LoRA run (`lohan.plan.lora.lora_plan`); refused, with the plan, where it does not fit."""
+    from lohan.plan.lora import lora_plan
+
+    e = ctx.run.engine
+    report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size, ctx.seq_len, e.lora_r,
+                       e.compute_dtype, int(e.cpu_mem), e.prefetch_depth, machine.notes, ctx.per_epoch)
+    if not dry_run and not report.fits:
+        ctx.console.print(report.format())
+        raise Refusal(f"{ctx.run.model} does not fit this machine for LoRA: {'; '.join(report.capacity.reasons)}. "
+                      "Nothing was written")
     return report
 
 
