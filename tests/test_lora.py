@@ -384,3 +384,21 @@ def test_dry_run_plans_lora(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "LoRA rank 16" in out and "read-only P16" in out and "the GPU hides the base's reads from" in out
     assert not (tmp_path / "n").exists()
+
+
+def test_verify_reads_the_adapters_commit_back(tmp_path, capsys):
+    """--verify on a LoRA run's store: the base's blocks and the adapters' commit, checked against that base; a
+    damaged commit is reported (exit 1)."""
+    from lohan.app.cli import main
+
+    nv = tmp_path / "nvme"
+    assert main(["--model", "tiny", "--lora", "4", "--steps", "1", "--seq-len", "64", "--batch-size", "4",
+                 "--compute-dtype", "fp32", "--backend", "threads", "--nvme", str(nv), "--metrics",
+                 str(tmp_path / "m.jsonl")]) == 0
+    capsys.readouterr()
+    assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 0
+    assert "the LoRA adapters committed at step 1" in capsys.readouterr().out
+    commit = nv / "lohan.lora.pt"
+    commit.write_bytes(commit.read_bytes()[:100])
+    assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 1
+    assert "lohan.lora.pt (the LoRA adapters' commit) cannot be read" in capsys.readouterr().out

@@ -1200,6 +1200,7 @@ def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named:
                     task = bar.add_task("verify", total=len(store.layout.blocks))
                     problems = store.verify(lambda done, total: bar.update(task, completed=done))
                 gib = store.layout.slot_bytes / 2**30
+                lora = _verify_lora(store, dirs, e.name, problems)
             finally:
                 store.close()
     except (StoreCorruptError, DirectoryInUseError, VolumeConfigError, IOEngineError, ValueError, RuntimeError) as err:
@@ -1213,5 +1214,23 @@ def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named:
         return 1
     where = f" in {dirs[0]}" if named else ""
     console.print(f"{status.describe()}{where}: all {len(store.layout.blocks)} blocks ({gib:.2f} GiB) match their "
-                  "checksums")
+                  f"checksums{lora}")
     return 0
+
+
+def _verify_lora(store: StateStore, dirs: tuple[str, ...], name: str, problems: list[str]) -> str:
+    """A LoRA run's store (its frozen base): its adapters' commit read back and checked against that base (a problem
+    added to `problems` if it is not); what to add to the report ('' for any other store)."""
+    if store.layout.state_format != "frozen":
+        return ""
+    from lohan.runtime.lora_engine import commit_path, read_commit
+
+    path = commit_path(dirs, name)
+    if not os.path.exists(path):
+        return " (a LoRA run's base; no adapters committed yet)"
+    try:
+        state = read_commit(path, store)
+    except StoreCorruptError as err:
+        problems.append(str(err))
+        return ""
+    return f"; the LoRA adapters committed at step {state['step']} ({path}) read back, over this base"

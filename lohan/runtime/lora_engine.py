@@ -44,7 +44,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -64,7 +64,7 @@ from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import stored_compute_dtype
-from lohan.store.states import DTYPES, plan_layout
+from lohan.store.states import DTYPES, StateStore, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class LoraEngine:
             self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                                weight_decay=cfg.weight_decay)
             self._step, self._bad_streak, self._note = 0, 0, None
-            self._path = os.path.join(cfg.nvme[0], f"{cfg.name}.lora.pt")
+            self._path = commit_path(cfg.nvme, cfg.name)
             if resume and os.path.exists(self._path):
                 self._load()
         except BaseException:
@@ -276,8 +276,7 @@ class LoraEngine:
 
     # ---------------------------------------------------------------- commit
     def _base_identity(self) -> dict[str, Any]:
-        """What ties the adapters to the base they were trained on: its volume and its records' checksums."""
-        return {"volume_id": self.store.volume.volume_id, "sums": self.store.sums}
+        return base_identity(self.store)
 
     def _commit(self, note: dict[str, Any]) -> None:
         """The step's commit: adapters, AdamW states, step count and what the step measured (`note`,
@@ -298,20 +297,13 @@ class LoraEngine:
 
     def _load(self) -> None:
         """Resume: the committed adapters and AdamW states, after checking they belong to this run and base."""
-        try:
-            state = torch.load(self._path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise StoreCorruptError(f"{self._path} (the LoRA adapters' commit) cannot be read: {e}. Restore it from "
-                                    "a checkpoint, or start over with --overwrite") from e
-        if state.get("format") != FORMAT or len(state.get("adapters", ())) != len(self.lora.params):
+        state = read_commit(self._path, self.store)
+        if len(state["adapters"]) != len(self.lora.params):
             raise StoreCorruptError(f"{self._path} is not a LoRA commit of this model ({len(self.lora.params)} "
                                     "adapter matrices); start over with --overwrite")
         if state["lora"] != lora_settings(self.cfg):
             raise ValueError(f"the run in {self.cfg.nvme[0]} trains LoRA adapters with {state['lora']} and this run "
                              f"asks for {lora_settings(self.cfg)}; resume with the settings it was started with")
-        if state["base"] != repr(self._base_identity()):
-            raise StoreCorruptError(f"{self._path} was committed over another base store than the one in "
-                                    f"{self.cfg.nvme[0]}; start over with --overwrite")
         with torch.no_grad():
             for p, t in zip(self.lora.params, state["adapters"]):
                 if p.shape != t.shape:
@@ -384,6 +376,33 @@ class LoraEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def base_identity(store: StateStore) -> dict[str, Any]:
+    """What ties a LoRA run's adapters to the base they were trained on: its volume and its records' checksums."""
+    return {"volume_id": store.volume.volume_id, "sums": store.sums}
+
+
+def commit_path(dirs: Sequence[str], name: str) -> str:
+    """Where a LoRA run's adapters are committed (beside the store's records)."""
+    return os.path.join(dirs[0], f"{name}.lora.pt")
+
+
+def read_commit(path: str, store: StateStore) -> dict[str, Any]:
+    """The LoRA commit at `path`, checked: readable, of this format, committed over `store`'s base.
+    StoreCorruptError (saying what to do) otherwise."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise StoreCorruptError(f"{path} (the LoRA adapters' commit) cannot be read: {e}. Restore it from a backup, "
+                                "or start over with --overwrite") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("adapters"), list):
+        raise StoreCorruptError(f"{path} is not a LoRA commit lohan wrote (format {FORMAT}); start over with "
+                                "--overwrite")
+    if state.get("base") != repr(base_identity(store)):
+        raise StoreCorruptError(f"{path} was committed over another base store than the one beside it; start over "
+                                "with --overwrite")
+    return state
 
 
 class _Merged:
