@@ -42,15 +42,17 @@ def family_dir(tmp_path_factory):
 
 
 def lora_config(dirs, **kw):
-    return engine_config(dirs, lora_r=4, lora_alpha=8.0, total_steps=STEPS, **kw)
+    return engine_config(dirs, **{"lora_r": 4, "lora_alpha": 8.0, "total_steps": STEPS, **kw})
 
 
-def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0, bf16: bool = False):
-    """Losses and adapters (PEFT's saved names) of the PEFT run started from `engine`'s initial adapters (`bf16`: the
-    base weights in bf16 and the forward under autocast, the adapters fp32 as PEFT keeps them)."""
+def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0, low: torch.dtype | None = None,
+                   scales: list | None = None):
+    """Losses and adapters (PEFT's saved names) of the PEFT run started from `engine`'s initial adapters (`low`: the
+    base weights in bf16 or fp16 and the forward under autocast, the adapters fp32 as PEFT keeps them; fp16 with
+    `torch.amp.GradScaler`, whose scale each step ran with goes to `scales`)."""
     model = reference_model(path)
-    if bf16:
-        model = model.to(torch.bfloat16)
+    if low is not None:
+        model = model.to(low)
     targets = engine.lora.target_names()
     pcfg = peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
                            bias="none", task_type="CAUSAL_LM")
@@ -62,18 +64,24 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
     opt = torch.optim.AdamW(trainable, lr=ecfg.lr, betas=ecfg.betas, eps=ecfg.eps, weight_decay=ecfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, ecfg.warmup_steps, ecfg.total_steps, ecfg.min_lr_ratio))
+    scaler = torch.amp.GradScaler("cpu", init_scale=ecfg.loss_scale, growth_interval=ecfg.loss_scale_growth_interval,
+                                  enabled=low == torch.float16)
     losses, m = [], ecfg.micro_batches
     for idx, tgt in data:
         total = 0.0
         for x, y in zip(idx.chunk(m), tgt.chunk(m)):
-            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            with torch.autocast("cpu", low or torch.bfloat16, enabled=low is not None):
                 logits = pmodel(input_ids=x).logits
             loss = lm_loss(logits.float(), y) / m
-            loss.backward()
+            scaler.scale(loss).backward()
             total += float(loss.detach())
+        if scales is not None:
+            scales.append(scaler.get_scale())
+        scaler.unscale_(opt)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(pmodel.parameters(), clip)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
@@ -102,6 +110,27 @@ def test_lora_is_bit_exact_with_peft(family_dir, make_dirs, family, kw):
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in got.items() if "lora_B" in n)  # it trained
+
+
+def test_lora_fp16_scales_the_loss_as_grad_scaler(family_dir, make_dirs):
+    """fp16: the loss scaled and the gradients unscaled as `torch.amp.GradScaler` does; an initial scale the
+    gradients overflow at skips steps and halves the scale (not bad steps), as the PEFT + GradScaler run does; the
+    losses then agree to 0.5% (the base in fp16 under autocast on both sides)."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), compute_dtype="fp16", loss_scale=2.0**22, total_steps=5, max_grad_norm=1.0)
+    data = list(batches(5))
+    scales: list[float] = []
+    with init_from_hf(path, ecfg) as engine:
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=1.0, low=torch.float16, scales=scales)
+        losses, ran, skipped = [], [], []
+        for b in data:
+            losses.append(engine.step(b))
+            ran.append(engine.last_stats.loss_scale)
+            skipped.append(engine.last_stats.overflow)
+        got = engine.lora.peft_state_dict(engine.program.model)
+    assert ran == scales and any(skipped) and not all(skipped)
+    assert losses == pytest.approx(want_losses, rel=5e-3)
+    assert all(torch.allclose(got[n], t, atol=2e-2) for n, t in want.items())
 
 
 def test_lora_on_the_simulated_device_is_bit_exact(family_dir, make_dirs, monkeypatch):
@@ -150,17 +179,23 @@ def test_base_is_p16_only_and_never_written(family_dir, make_dirs):
     assert _digest(dirs) == before
 
 
-def test_resume_is_bit_identical(family_dir, make_dirs):
+# fp16: the first step overflows at this scale, the next ones at the halved scale do not; the scale is committed
+@pytest.mark.parametrize("kw", [{}, {"compute_dtype": "fp16", "loss_scale": 2.0**20}])
+def test_resume_is_bit_identical(family_dir, make_dirs, kw):
     path = family_dir("qwen3")
     data = list(batches(STEPS))
     straight_dirs, split_dirs = make_dirs(1, "a"), make_dirs(1, "b")
-    with init_from_hf(path, lora_config(straight_dirs)) as engine:
-        straight = [engine.step(b) for b in data]
+
+    def step(engine, b):
+        loss = engine.step(b)
+        return loss, engine.last_stats.loss_scale, engine.last_stats.overflow
+    with init_from_hf(path, lora_config(straight_dirs, **kw)) as engine:
+        straight = [step(engine, b) for b in data]
         want = engine.lora.peft_state_dict(engine.program.model)
-    with init_from_hf(path, lora_config(split_dirs)) as engine:
-        split = [engine.step(b) for b in data[:1]]
-    with init_from_hf(path, lora_config(split_dirs), resume=True) as engine:
-        split += [engine.step(b) for b in data[1:]]
+    with init_from_hf(path, lora_config(split_dirs, **kw)) as engine:
+        split = [step(engine, b) for b in data[:1]]
+    with init_from_hf(path, lora_config(split_dirs, **kw), resume=True) as engine:
+        split += [step(engine, b) for b in data[1:]]
         got = engine.lora.peft_state_dict(engine.program.model)
     assert split == straight
     assert all(torch.equal(got[n], t) for n, t in want.items())
@@ -173,8 +208,6 @@ def test_resume_with_other_lora_settings_is_refused(family_dir, make_dirs):
         engine.step(next(batches(1)))
     with pytest.raises(ValueError, match="resume with the settings it was started with"):
         init_from_hf(path, engine_config(dirs, lora_r=8, total_steps=STEPS), resume=True)
-    with pytest.raises(ValueError, match="fp16 .loss scaling. is not supported with LoRA yet"):
-        init_from_hf(path, lora_config(make_dirs(1, "fp16"), compute_dtype="fp16"))
     with pytest.raises(ValueError, match="holds a LoRA run's frozen base"):  # without --lora
         init_from_hf(path, engine_config(dirs, total_steps=STEPS), resume=True)
     full = make_dirs(1, "full")
@@ -191,7 +224,7 @@ def test_lora_bf16_is_close_to_peft_fp32(family_dir, make_dirs):
     ecfg = lora_config(make_dirs(1), compute_dtype="bf16")
     data = list(batches(STEPS))
     with init_from_hf(path, ecfg) as engine:
-        want_losses, want = peft_reference(path, engine, ecfg, data, bf16=True)
+        want_losses, want = peft_reference(path, engine, ecfg, data, low=torch.bfloat16)
         losses = [engine.step(b) for b in data]
         got = engine.lora.peft_state_dict(engine.program.model)
     assert losses == pytest.approx(want_losses, rel=1e-3)

@@ -31,7 +31,9 @@ written to ``<name>.lora.pt`` beside the store's records through a temporary fil
 directory fsynced): the commit of a LoRA step. A kill at any moment leaves the last committed step; `--resume`
 reloads it and continues bit-identically (the data position is the run's, `.run.json`, keyed by the step).
 
-Not yet: data parallel, fp16 loss scaling, LoRA dropout > 0 (the recomputation would need the forward's masks),
+fp16 runs with GradScaler's dynamic loss scale (`step.LossScale`, the full engine's), committed with the adapters.
+
+Not yet: data parallel, LoRA dropout > 0 (the recomputation would need the forward's masks),
 and the planner's pricing of a LoRA step (it prices full fine-tuning's optimizer lanes); they are refused with a
 message where they would be wrong.
 """
@@ -45,6 +47,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -61,7 +64,7 @@ from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.optim import lr_at
 from lohan.runtime.params import ParamStreamer
 from lohan.runtime.passes import Acts, BlockPasses
-from lohan.runtime.step import NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
+from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import stored_compute_dtype
 from lohan.store.states import DTYPES, StateStore, plan_layout
@@ -110,6 +113,7 @@ class LoraEngine:
             self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                                weight_decay=cfg.weight_decay)
             self._step, self._bad_streak, self._note = 0, 0, None
+            self._scale: dict[str, Any] = {}  # fp16: the loss scale and growth tracker of the last commit
             self._path = commit_path(cfg.nvme, cfg.name)
             if resume and os.path.exists(self._path):
                 self._load()
@@ -152,7 +156,9 @@ class LoraEngine:
         """One step on `batch` = (token ids, targets) [batch, seq]: forward, backward (adapter gradients only),
         clipping and AdamW on the adapters, then the commit. Returns the mean loss. A step whose loss or adapter
         gradients are not finite is skipped (the adapters stay as they were); `max_bad_steps` in a row stop the
-        run. `next_batch` is accepted for `Engine`'s signature; nothing overlaps the tiny update."""
+        run. fp16: the loss is scaled as `torch.amp.GradScaler` scales it, a step whose scaled gradients overflow is
+        skipped and the scale lowered (not a bad step). `next_batch` is accepted for `Engine`'s signature; nothing
+        overlaps the tiny update."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         t0, io0, wait0 = time.perf_counter(), self.store.volume.stats(), self.streamer.wait_s
@@ -164,10 +170,15 @@ class LoraEngine:
         visits = list(range(n - 1)) + list(range(n - 1, 0, -1))
         self.optimizer.zero_grad(set_to_none=True)
         self.device.reset_peak_memory()
+        scaler = None
+        if self.cfg.compute_dtype == "fp16":  # GradScaler's state, from the last commit (`LossScale`)
+            scaler = LossScale(self.cfg, SimpleNamespace(loss_scale=self._scale.get("loss_scale"),
+                                                         growth_tracker=self._scale.get("growth_tracker", 0)),
+                               self.device.put)
         try:
             acts, fwd_timer = self.passes.forward(visits, 0, idx)
             self._bwd_timer = self.device.timer()
-            losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches))
+            losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches), scaler)
             loss = self.passes.host_sum(losses)
             acts_stats = self.activations.stats()
         finally:
@@ -175,10 +186,14 @@ class LoraEngine:
             self.activations.end_step()
         lr = lr_at(self.cfg, self._step)
         t_opt = time.perf_counter()
-        norm, coef, skipped = self._update(loss)
+        ran_with = float(self.device.fetch(scaler.scale)) if scaler is not None else None
+        norm, coef, skipped, overflow = self._update(loss, scaler)
+        if scaler is not None:
+            self._scale = scaler.update(self.device)
         lanes = {"gpu": fwd_timer.seconds() + self._bwd_timer.seconds(), "adam": time.perf_counter() - t_opt,
                  "param_wait": self.streamer.wait_s - wait0, "checksum": self.streamer.hash_s - hash0}
-        stats = self._stats(idx, loss, lr, t0, io0, lanes, acts_stats, norm, coef, skipped)
+        stats = dataclasses.replace(self._stats(idx, loss, lr, t0, io0, lanes, acts_stats, norm, coef, skipped),
+                                    overflow=overflow, loss_scale=ran_with)
         self._commit(commit_note(stats))
         self.last_stats = dataclasses.replace(stats, step_s=time.perf_counter() - t0)
         if self._bad_streak >= self.cfg.max_bad_steps:  # (the skip is committed first, as `Engine` commits it)
@@ -206,10 +221,12 @@ class LoraEngine:
             activations=acts, next_forward_overlapped=False, deferred=False, grad_norm=norm, clip_coef=coef,
             skipped=skipped)
 
-    def _backward(self, visits: list[int], acts: Acts, tgt_mb: tuple[Tensor, ...]) -> list[Tensor]:
+    def _backward(self, visits: list[int], acts: Acts, tgt_mb: tuple[Tensor, ...],
+                  scaler: LossScale | None) -> list[Tensor]:
         """Blocks n-1..1, each recomputed with grad per micro-batch; autograd is asked for the block input's
         gradient and the block's adapters' (summed into their `.grad` as autograd sums a leaf's, micro-batch after
-        micro-batch). Returns the micro-batches' losses (on the device)."""
+        micro-batch; fp16: of the loss x scale, as GradScaler.scale). Returns the micro-batches' losses (on the
+        device, unscaled)."""
         m_count, last = self.cfg.micro_batches, len(self.program.modules) - 1
         grad_out: list[Tensor | None] = [None] * m_count
         losses: list[Tensor] = []
@@ -232,7 +249,8 @@ class LoraEngine:
                     out = fn(x)
                     if i == last:
                         out = out / m_count
-                    grads = torch.autograd.grad(out, [x, *adapters],
+                    target = out * scaler.scale if i == last and scaler is not None else out
+                    grads = torch.autograd.grad(target, [x, *adapters],
                                                 grad_outputs=None if i == last else grad_out[m], allow_unused=True)
                 if i == last:
                     losses.append(out.detach())
@@ -249,30 +267,39 @@ class LoraEngine:
             self.passes.leave(visits, p, 0)
         return losses
 
-    def _update(self, loss: float) -> tuple[float | None, float | None, bool]:
-        """Clip (as `clip_grad_norm_` over PEFT's trainable parameters) and step AdamW at the schedule's rate; a
-        non-finite loss or norm skips the update (`step` raises `NonFiniteError` after `max_bad_steps` in a row).
-        Returns the gradient norm taken and the clip coefficient (None: clipping off), and whether it was skipped."""
+    def _update(self, loss: float, scaler: LossScale | None) -> tuple[float | None, float | None, bool, bool]:
+        """fp16: unscale (GradScaler.unscale_'s op and inf check); clip (as `clip_grad_norm_` over PEFT's trainable
+        parameters) and step AdamW at the schedule's rate. A non-finite loss or norm skips the update (`step` raises
+        `NonFiniteError` after `max_bad_steps` in a row); so does an fp16 overflow, GradScaler's ordinary skip, which
+        is not a bad step. Returns the gradient norm taken and the clip coefficient (None: clipping off), whether the
+        update was skipped and whether for an overflow."""
         params = [p for p in self.lora.params if p.grad is not None]
         norm = coef = None
-        if self.cfg.max_grad_norm > 0:
+        overflow = False
+        if scaler is not None:
+            scaler.unscale_([p.grad for p in params])
+            overflow = bool(self.device.fetch(scaler.found_inf).item())
+        if self.cfg.max_grad_norm > 0 and not overflow:
             norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # (clip_grad_norm_'s own coefficient)
-        finite = math.isfinite(loss) and (norm is None or math.isfinite(norm))
+        finite = math.isfinite(loss) and not overflow and (norm is None or math.isfinite(norm))
         if finite and norm is None and params:  # (one synchronization, not one per adapter)
             finite = bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all())
         self._step += 1
         if not finite:
-            self._bad_streak += 1
             self.optimizer.zero_grad(set_to_none=True)
+            if overflow and math.isfinite(loss):
+                log.info("step %d: fp16 gradients overflowed; skipped, the loss scale lowered", self._step)
+                return None, None, True, True
+            self._bad_streak += 1
             log.warning("step %d: non-finite loss or gradient, skipped", self._step)
-            return norm, coef, True
+            return norm, coef, True, False
         self._bad_streak = 0
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.cfg, self._step - 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm, coef, False
+        return norm, coef, False, False
 
     # ---------------------------------------------------------------- commit
     def _base_identity(self) -> dict[str, Any]:
@@ -282,6 +309,7 @@ class LoraEngine:
         """The step's commit: adapters, AdamW states, step count and what the step measured (`note`,
         `committed_stats`) in one file, atomically and durably."""
         state = {"format": FORMAT, "step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
+                 "scale": dict(self._scale),
                  "lora": lora_settings(self.cfg), "base": repr(self._base_identity()),
                  "adapters": [p.detach().cpu() for p in self.lora.params],
                  "optimizer": _to_cpu(self.optimizer.state_dict())}
@@ -313,6 +341,7 @@ class LoraEngine:
         self.optimizer.load_state_dict(state["optimizer"])  # (moves the states to the parameters' device)
         self._step, self._bad_streak = int(state["step"]), int(state["bad_streak"])
         self._note = json.loads(state["note"])
+        self._scale = dict(state.get("scale") or {})
 
     @property
     def committed_stats(self) -> StepStats | None:
@@ -440,8 +469,6 @@ def _refuse(cfg: EngineConfig) -> None:
     problems = []
     if cfg.lora_r < 1:
         problems.append("lora_r must be >= 1 for a LoRA run (--lora R)")
-    if cfg.compute_dtype == "fp16":
-        problems.append("compute_dtype fp16 (loss scaling) is not supported with LoRA yet: use bf16 or fp32")
     if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         problems.append("data parallel (torchrun) is not supported with LoRA yet: run one process")
     if problems:
