@@ -215,6 +215,12 @@ def test_resume_is_bit_identical(family_dir, make_dirs, kw):
     assert all(torch.equal(got[n], t) for n, t in want.items())
 
 
+def test_data_parallel_lora_is_refused(family_dir, make_dirs, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="data parallel .torchrun. is not supported with LoRA yet"):
+        init_from_hf(family_dir("llama"), lora_config(make_dirs(1)))
+
+
 def test_resume_with_other_lora_settings_is_refused(family_dir, make_dirs):
     path = family_dir("llama")
     dirs = make_dirs(1)
