@@ -460,3 +460,29 @@ def test_verify_reads_the_adapters_commit_back(tmp_path, capsys):
     commit.write_bytes(commit.read_bytes()[:100])
     assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 1
     assert "lohan.lora.pt (the LoRA adapters' commit) cannot be read" in capsys.readouterr().out
+
+
+def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_dirs, monkeypatch):
+    """A step whose commit fails (here its rename) leaves the engine at the last commit: the next step runs as if
+    the failed one had never been, and the run goes on bit-identically to one without the failure."""
+    import lohan.runtime.lora_engine as le
+
+    path = family_dir("llama")
+    data = list(batches(STEPS))
+    with init_from_hf(path, lora_config(make_dirs(1, "a"))) as engine:
+        want = [engine.step(b) for b in (data[0], data[2])]
+        want_state = engine.lora.peft_state_dict(engine.program.model)
+    with init_from_hf(path, lora_config(make_dirs(1, "b"))) as engine:
+        got = [engine.step(data[0])]
+        real = le.os.replace
+
+        def fail(src, dst):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(le.os, "replace", fail)
+        with pytest.raises(OSError):
+            engine.step(data[1])
+        monkeypatch.setattr(le.os, "replace", real)
+        assert engine.step_count == engine.committed_step == 1
+        got.append(engine.step(data[2]))
+        state = engine.lora.peft_state_dict(engine.program.model)
+    assert got == want and all(torch.equal(state[n], t) for n, t in want_state.items())

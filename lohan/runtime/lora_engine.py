@@ -107,20 +107,27 @@ class LoraEngine:
         self._closed = False
         try:
             self._build(str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
-            self.lora = LoraAdapters(program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
-                                     self.device.put)
-            self.lora.attach()
-            self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                               weight_decay=cfg.weight_decay)
-            self._step, self._bad_streak, self._note = 0, 0, None
-            self._scale: dict[str, Any] = {}  # fp16: the loss scale and growth tracker of the last commit
             self._path = commit_path(cfg.nvme, cfg.name)
+            self._fresh()
             if resume and os.path.exists(self._path):
                 self._load()
         except BaseException:
             self._close()
             raise
         self.last_stats: dict[str, Any] | None = None
+
+    def _fresh(self) -> None:
+        """The adapters as initialized (PEFT's init, seeded), hooked; a new AdamW over them; the counters at 0."""
+        if hasattr(self, "lora"):
+            self.lora.detach()
+        cfg = self.cfg
+        self.lora = LoraAdapters(self.program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
+                                 self.device.put)
+        self.lora.attach()
+        self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay)
+        self._step, self._bad_streak, self._note, self._committed = 0, 0, None, 0
+        self._scale: dict[str, Any] = {}  # fp16: the loss scale and growth tracker of the last commit
 
     def _build(self, label: str) -> None:
         """The parameter pool (the whole base where `cpu_mem` holds it, so it is read once; at least the blocks in
@@ -149,8 +156,9 @@ class LoraEngine:
 
     @property
     def committed_step(self) -> int:
-        """The step a process killed now would resume from (every step is committed before `step` returns)."""
-        return self._step
+        """The step a process killed now would resume from (every step is committed before `step` returns, unless
+        its commit failed)."""
+        return self._committed
 
     def step(self, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None = None) -> float:
         """One step on `batch` = (token ids, targets) [batch, seq]: forward, backward (adapter gradients only),
@@ -187,14 +195,18 @@ class LoraEngine:
         lr = lr_at(self.cfg, self._step)
         t_opt = time.perf_counter()
         ran_with = float(self.device.fetch(scaler.scale)) if scaler is not None else None
-        norm, coef, skipped, overflow = self._update(loss, scaler)
-        if scaler is not None:
-            self._scale = scaler.update(self.device)
-        lanes = {"gpu": fwd_timer.seconds() + self._bwd_timer.seconds(), "adam": time.perf_counter() - t_opt,
-                 "param_wait": self.streamer.wait_s - wait0, "checksum": self.streamer.hash_s - hash0}
-        stats = dataclasses.replace(self._stats(idx, loss, lr, t0, io0, lanes, acts_stats, norm, coef, skipped),
-                                    overflow=overflow, loss_scale=ran_with)
-        self._commit(commit_note(stats))
+        try:  # from the update on, a failure takes the engine back to the last commit (`_restore`)
+            norm, coef, skipped, overflow = self._update(loss, scaler)
+            if scaler is not None:
+                self._scale = scaler.update(self.device)
+            lanes = {"gpu": fwd_timer.seconds() + self._bwd_timer.seconds(), "adam": time.perf_counter() - t_opt,
+                     "param_wait": self.streamer.wait_s - wait0, "checksum": self.streamer.hash_s - hash0}
+            stats = dataclasses.replace(self._stats(idx, loss, lr, t0, io0, lanes, acts_stats, norm, coef, skipped),
+                                        overflow=overflow, loss_scale=ran_with)
+            self._commit(commit_note(stats))
+        except BaseException:
+            self._restore()
+            raise
         self.last_stats = dataclasses.replace(stats, step_s=time.perf_counter() - t0)
         if self._bad_streak >= self.cfg.max_bad_steps:  # (the skip is committed first, as `Engine` commits it)
             raise NonFiniteError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient (the last at "
@@ -321,7 +333,17 @@ class LoraEngine:
         crashpoint("lora.commit.rename")
         os.replace(tmp, self._path)
         fsync_dir(os.path.dirname(self._path) or ".")
-        self._note = note
+        self._note, self._committed = note, self._step
+
+    def _restore(self) -> None:
+        """After a step failed between its update and its commit (a full disk, an interrupt): the adapters, AdamW
+        states and counters of the last commit, or the initial ones before the first, so that memory and the commit
+        agree again."""
+        if os.path.exists(self._path):
+            self._load()
+        else:
+            self._fresh()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _load(self) -> None:
         """Resume: the committed adapters and AdamW states, after checking they belong to this run and base."""
@@ -340,6 +362,7 @@ class LoraEngine:
                 p.copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])  # (moves the states to the parameters' device)
         self._step, self._bad_streak = int(state["step"]), int(state["bad_streak"])
+        self._committed = self._step
         self._note = json.loads(state["note"])
         self._scale = dict(state.get("scale") or {})
 
