@@ -24,7 +24,8 @@ def init_from_hf(path: str | os.PathLike, config: EngineConfig | dict | None = N
 
     `config` is an EngineConfig or a dict of its fields. With `resume=True` an existing store of the
     same model continues where it stopped (the weights in `path` are not read then). `n_layer` trains
-    the first N decoder layers only (a slice of the real width; their weights are imported).
+    the first N decoder layers only (a slice of the real width; their weights are imported). With `lora_r` > 0 in
+    `config`, a `LoraEngine`: the weights a frozen base, LoRA adapters trained.
     """
     cfg = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
     program = hf.load_hf_skeleton(path, n_layer)
