@@ -215,10 +215,49 @@ def test_resume_is_bit_identical(family_dir, make_dirs, kw):
     assert all(torch.equal(got[n], t) for n, t in want.items())
 
 
-def test_data_parallel_lora_is_refused(family_dir, make_dirs, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="data parallel .torchrun. is not supported with LoRA yet"):
-        init_from_hf(family_dir("llama"), lora_config(make_dirs(1)))
+def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
+    """Data parallel (two gloo ranks, as torchrun starts them): each streams its own base and sums the adapters'
+    gradients with the other; losses, the evaluation and the adapters equal one process's with two micro-batches,
+    bit for bit. Then rank 1 is killed before its commit of step 4 while rank 0 committed it: the group resumes
+    at step 3 (rank 0 from the commit it kept) and ends as the uninterrupted run."""
+    from tests.test_parallel import MODEL, STEPS, engine_kw, launch, single_process
+
+    engine = engine_kw(str(tmp_path / "dp"), lora_r=4)
+    codes, out = launch(tmp_path, 2, engine)
+    assert codes == [0, 0], out
+    result = torch.load(tmp_path / "run.pt")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        import lohan
+        from lohan.config import EngineConfig, get_model_config
+        from tests.dp_worker import batches as dp_batches
+
+        cfg = EngineConfig(**{**engine, "nvme": (str(tmp_path / "one"),), "betas": tuple(engine["betas"]),
+                              "micro_batches": 2})
+        with lohan.init(get_model_config("tiny", **MODEL), cfg) as e:
+            data = list(dp_batches(STEPS, 4, MODEL["seq_len"], MODEL["vocab_size"]))
+            losses = [e.step(b) for b in data]
+            adapters = [p.detach().cpu() for p in e.lora.params]
+            eval_loss = e.evaluate(data[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert result["losses"] == losses and result["eval"] == eval_loss
+    assert all(torch.equal(a, b) for a, b in zip(result["adapters"], adapters))
+    del single_process
+    # killed: rank 1 before the rename of its 4th commit (rank 0 goes on to commit step 4, then waits for rank 1)
+    kill = tmp_path / "kill"
+    kill.mkdir()
+    engine = engine_kw(str(kill / "dp"), lora_r=4)
+    codes, out = launch(kill, 2, engine, crash={1: "lora.commit.rename:4"})
+    assert codes[1] == -9, out
+    # (rank 0 commits step 4 unless the launcher kills it first: then both resume from their own step 3)
+    assert torch.load(kill / "dp" / "rank0" / "lohan.lora.pt", weights_only=True)["step"] in (3, 4)
+    codes, out = launch(kill, 2, engine, resume=True, tag="resumed")
+    assert codes == [0, 0], out
+    resumed = torch.load(kill / "resumed.pt")
+    assert resumed["start"] == 3 and resumed["losses"] == losses[3:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed["adapters"], adapters))
 
 
 def test_resume_with_other_lora_settings_is_refused(family_dir, make_dirs):
@@ -331,7 +370,8 @@ def _lora_state(work) -> dict[str, torch.Tensor]:
 
 
 def test_killed_lora_run_resumes_bit_identically(tmp_path):
-    """SIGKILL in backward, just before an adapters' commit is renamed in, and before the run state's rename; each
+    """SIGKILL in backward, just before an adapters' commit is renamed in, between its two renames, and before the
+    run state's rename; each
     time resumed with --resume: the metrics, the adapters with their AdamW states, the merged checkpoints and export
     end as the uninterrupted run's, and the base's slab is never written."""
     import sys
@@ -349,7 +389,8 @@ def test_killed_lora_run_resumes_bit_identically(tmp_path):
     assert rc == 0, out
     run = tmp_path / "run"
     resume = False
-    for spec in ("lora.backward:9", "lora.commit.rename:3", "json.rename:lohan.run.json:1"):
+    # (prev_kept: between a commit's two renames, the one before kept and the new one not yet in place)
+    for spec in ("lora.backward:9", "lora.commit.rename:3", "lora.commit.prev_kept:1", "json.rename:lohan.run.json:1"):
         rc, out, _ = kh.run_once(args(run, resume), spec)
         assert rc == -9, (spec, out)  # killed there
         if not resume:

@@ -33,7 +33,11 @@ reloads it and continues bit-identically (the data position is the run's, `.run.
 
 fp16 runs with GradScaler's dynamic loss scale (`step.LossScale`, the full engine's), committed with the adapters.
 
-Not yet: data parallel, LoRA dropout > 0 (the recomputation would need the forward's masks),
+Data parallel (torchrun): every rank keeps a whole base in its own directories and the same adapters; the
+adapters' gradients are summed over the ranks (one flat buffer) before the identical updates; each rank commits
+its own adapters, keeping the commit before, and a resume takes the group's latest common step.
+
+Not yet: LoRA dropout > 0 (the recomputation would need the forward's masks),
 and the planner's pricing of a LoRA step (it prices full fine-tuning's optimizer lanes); they are refused with a
 message where they would be wrong.
 """
@@ -52,6 +56,7 @@ from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from io_engine.durable import fsync_dir
@@ -62,6 +67,7 @@ from lohan.models.lora import LoraAdapters
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.optim import lr_at
+from lohan.runtime.parallel import DataParallel
 from lohan.runtime.params import ParamStreamer
 from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
@@ -93,8 +99,14 @@ class LoraEngine:
         from lohan.runtime.engine import _open_store  # (the full engine's: lock, refusals, open or create)
 
         _refuse(cfg)
-        self.program, self.flops_per_token, self.dp, self.world = program, flops_per_token, None, 1
-        self.device = Device(cfg.device, sim_gpu=cfg.sim_gpu)
+        self.program, self.flops_per_token = program, flops_per_token
+        # data parallel (torchrun): every rank streams a whole base of its own (its rank<r> directories) and keeps
+        # the same adapters; their gradients are summed over the ranks before the update
+        self.dp = DataParallel.detect()
+        self.world = self.dp.world if self.dp else 1
+        base_dirs = tuple(cfg.nvme)
+        cfg = self.dp.rank_config(cfg) if self.dp else cfg
+        self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device, sim_gpu=cfg.sim_gpu)
         stored = stored_compute_dtype(cfg.nvme, cfg.name) if resume and cfg.compute_dtype == "auto" else None
         self.dtype_choice = compute_dtype_choice(cfg.compute_dtype, self.device.type, "exact", stored)
         self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype, slots=1)
@@ -103,14 +115,14 @@ class LoraEngine:
         n = len(program.modules)
         self.bounds: list[tuple[int, ...] | None] = [None] * n
         self.store, self._lock = _open_store(cfg, self.layout, model_meta, init_block, resume, overwrite, progress,
-                                             None, tuple(cfg.nvme))
+                                             self.dp, base_dirs)
         self._closed = False
         try:
             self._build(str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
             self._path = commit_path(cfg.nvme, cfg.name)
             self._fresh()
-            if resume and os.path.exists(self._path):
-                self._load()
+            if resume:
+                self._resume()
         except BaseException:
             self._close()
             raise
@@ -146,7 +158,8 @@ class LoraEngine:
             p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
             kept_p16_fraction=min(1.0, pool_bytes / max(1, total)))
         self.passes = BlockPasses(cfg, self.program, layout, self.device, self.compute_dtype, self.streamer,
-                                  self.activations, None, None, torch.float32, None, None, self.bounds, direct=False)
+                                  self.activations, None, None, torch.float32, None, self.dp, self.bounds,
+                                  direct=False)
 
     # ------------------------------------------------------------------ step
     @property
@@ -171,7 +184,7 @@ class LoraEngine:
             raise RuntimeError("the engine is closed")
         t0, io0, wait0 = time.perf_counter(), self.store.volume.stats(), self.streamer.wait_s
         hash0 = self.streamer.hash_s
-        idx, targets = rank_batch(batch, self.cfg.micro_batches, 1, 0)
+        idx, targets = self._rank_batch(batch)
         idx, targets = self.device.put(idx), self.device.put(targets)
         n = len(self.program.modules)
         # the embedding's backward would compute nothing (no adapter, no gradient to pass on): not visited
@@ -188,6 +201,9 @@ class LoraEngine:
             self._bwd_timer = self.device.timer()
             losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches), scaler)
             loss = self.passes.host_sum(losses)
+            if self.dp:  # the mean over every rank's micro-batches, and the adapters' gradients summed
+                loss = self.dp.sum(loss)
+                self._all_reduce_grads()
             acts_stats = self.activations.stats()
         finally:
             self.streamer.release_all()
@@ -259,8 +275,8 @@ class LoraEngine:
                 x = x.detach().requires_grad_()
                 with self._bwd_timer, torch.enable_grad(), self.device.autocast(self.compute_dtype):
                     out = fn(x)
-                    if i == last:
-                        out = out / m_count
+                    if i == last:  # the mean over every micro-batch of every rank
+                        out = out / (m_count * self.world)
                     target = out * scaler.scale if i == last and scaler is not None else out
                     grads = torch.autograd.grad(target, [x, *adapters],
                                                 grad_outputs=None if i == last else grad_out[m], allow_unused=True)
@@ -278,6 +294,23 @@ class LoraEngine:
             crashpoint("lora.backward")
             self.passes.leave(visits, p, 0)
         return losses
+
+    def _all_reduce_grads(self) -> None:
+        """Data parallel: the adapters' gradients summed over the ranks (one flat host buffer; two ranks' sum is
+        one addition, so it equals one process summing two micro-batches bit for bit)."""
+        params = self.lora.params
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([self.device.fetch(p.grad).reshape(-1) for p in params])
+        self.dp.all_reduce_async(flat).wait()
+        at = 0
+        for p in params:
+            p.grad.copy_(self.device.put(flat[at:at + p.numel()].view(p.shape)))
+            at += p.numel()
+
+    def _rank_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
 
     def _update(self, loss: float, scaler: LossScale | None) -> tuple[float | None, float | None, bool, bool]:
         """fp16: unscale (GradScaler.unscale_'s op and inf check); clip (as `clip_grad_norm_` over PEFT's trainable
@@ -331,6 +364,9 @@ class LoraEngine:
             f.flush()
             os.fsync(f.fileno())
         crashpoint("lora.commit.rename")
+        if os.path.exists(self._path):  # kept: a data-parallel group may resume from the step before (`_resume`)
+            os.replace(self._path, self._path + ".prev")
+            crashpoint("lora.commit.prev_kept")
         os.replace(tmp, self._path)
         fsync_dir(os.path.dirname(self._path) or ".")
         self._note, self._committed = note, self._step
@@ -345,9 +381,31 @@ class LoraEngine:
             self._fresh()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _load(self) -> None:
-        """Resume: the committed adapters and AdamW states, after checking they belong to this run and base."""
-        state = read_commit(self._path, self.store)
+    def _resume(self) -> None:
+        """The commit a resume continues from: the latest of this rank's (the current one, or the one before it,
+        which a kill between the two renames of a commit leaves alone); data parallel, the group's latest step
+        every rank has (a rank killed before its commit of step k makes the group resume at k - 1: the others
+        take their commit before it). None at step 0: the adapters as initialized."""
+        found: dict[int, str] = {}
+        for path in (self._path, self._path + ".prev"):
+            if os.path.exists(path):
+                found.setdefault(int(read_commit(path, self.store)["step"]), path)
+        target = max(found, default=0)
+        if self.dp:
+            steps = [0] * self.world
+            dist.all_gather_object(steps, target, group=self.dp.group)
+            target = min(steps)
+        if target in found:
+            self._load(found[target])
+        elif target:
+            raise StoreCorruptError(f"rank {self.dp.rank if self.dp else 0}: no LoRA commit of step {target} in "
+                                    f"{self.cfg.nvme[0]} (the group resumes there); restore the directories together, "
+                                    "or start over with --overwrite")
+
+    def _load(self, path: str | None = None) -> None:
+        """The adapters and AdamW states committed in `path` (the current commit by default), after checking they
+        belong to this run and base."""
+        state = read_commit(path or self._path, self.store)
         if len(state["adapters"]) != len(self.lora.params):
             raise StoreCorruptError(f"{self._path} is not a LoRA commit of this model ({len(self.lora.params)} "
                                     "adapter matrices); start over with --overwrite")
@@ -387,8 +445,9 @@ class LoraEngine:
     # ---------------------------------------------------------------- access
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` under the committed adapters, forward only (as `Engine.evaluate`)."""
-        idx, targets = rank_batch(batch, self.cfg.micro_batches, 1, 0)
-        return self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+        idx, targets = self._rank_batch(batch)
+        loss = self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+        return self.dp.sum(loss) if self.dp else loss
 
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
         """Block `block`'s base weights (the frozen P16, checksums verified) as `dtype`."""
@@ -492,7 +551,5 @@ def _refuse(cfg: EngineConfig) -> None:
     problems = []
     if cfg.lora_r < 1:
         problems.append("lora_r must be >= 1 for a LoRA run (--lora R)")
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
-        problems.append("data parallel (torchrun) is not supported with LoRA yet: run one process")
     if problems:
         raise ValueError("LoRA run refused:\n  - " + "\n  - ".join(problems))
