@@ -663,11 +663,12 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool) -> Any:
 
 
 def _lora_fit(ctx: _Run, machine: Any, dry_run: bool) -> Any:
-    """`_plan` for a LoRA run (`lohan.plan.lora.lora_plan`); refused, with the plan, where it does not fit."""
+    """`_plan` for a LoRA run (`lohan.plan.lora.lora_plan`; data parallel: one rank's, its slice of the batch on its
+    share of the machine); refused, with the plan, where it does not fit."""
     from lohan.plan.lora import lora_plan
 
     e = ctx.run.engine
-    report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size, ctx.seq_len, e.lora_r,
+    report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size // ctx.world, ctx.seq_len, e.lora_r,
                        e.compute_dtype, int(e.cpu_mem), e.prefetch_depth, machine.notes, ctx.per_epoch)
     if not dry_run and not report.fits:
         ctx.console.print(report.format())
