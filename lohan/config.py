@@ -473,7 +473,8 @@ class EngineConfig:
     lora_r: int = 0
     """LoRA rank (``--lora R``; 0: full fine-tuning). With R > 0 the model's weights are a frozen base, stored once
     as read-only P16 and streamed, and only rank-R adapters (A, B) of the targeted projections are trained, as PEFT's
-    LoRA (`lohan.runtime.lora_engine`). Fixed when the store is created (a resume keeps the adapters' settings)."""
+    LoRA (`lohan.runtime.lora_engine`). Fixed when the store is created: a resume with other LoRA settings is
+    refused."""
 
     lora_alpha: float = 8.0
     """LoRA scaling numerator: the adapters' update is scaled by ``lora_alpha / lora_r`` (PEFT's ``lora_alpha``,
