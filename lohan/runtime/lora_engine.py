@@ -37,9 +37,9 @@ Data parallel (torchrun): every rank keeps a whole base in its own directories a
 adapters' gradients are summed over the ranks (one flat buffer) before the identical updates; each rank commits
 its own adapters, keeping the commit before, and a resume takes the group's latest common step.
 
-Not yet: LoRA dropout > 0 (the recomputation would need the forward's masks),
-and the planner's pricing of a LoRA step (it prices full fine-tuning's optimizer lanes); they are refused with a
-message where they would be wrong.
+The dry run and the pre-flight price a LoRA step with `lohan.plan.lora`. Not yet: LoRA dropout > 0 (the
+recomputation would need the forward's masks; refused by the config), adapters kept in main memory when they do not
+fit the device.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class LoraEngine:
         except BaseException:
             self._close()
             raise
-        self.last_stats: dict[str, Any] | None = None
+        self.last_stats: StepStats | None = None
 
     def _fresh(self) -> None:
         """The adapters as initialized (PEFT's init, seeded), hooked; a new AdamW over them; the counters at 0."""
