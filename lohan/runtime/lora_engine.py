@@ -237,7 +237,7 @@ class LoraEngine:
         io1 = self.store.volume.stats()
         read_s = max((d1["read"]["busy_s"] - d0["read"]["busy_s"] for d0, d1 in zip(io0["devices"], io1["devices"])),
                      default=0.0)
-        tokens, fpt = idx.numel(), self.flops_per_token
+        tokens, fpt = idx.numel() * self.world, self.flops_per_token  # (every rank's)
         return StepStats(
             step=self._step, loss=loss, lr=lr, tokens=tokens, step_s=time.perf_counter() - t0,
             flops=3 * fpt(idx.shape[1]) * tokens if fpt else None,
