@@ -470,6 +470,25 @@ class EngineConfig:
     seed: int = 0
     """Seed of the model's initialization."""
 
+    lora_r: int = 0
+    """LoRA rank (``--lora R``; 0: full fine-tuning). With R > 0 the model's weights are a frozen base, stored once
+    as read-only P16 and streamed, and only rank-R adapters (A, B) of the targeted projections are trained, as PEFT's
+    LoRA (`lohan.runtime.lora_engine`). Fixed when the store is created: a resume with other LoRA settings is
+    refused."""
+
+    lora_alpha: float = 8.0
+    """LoRA scaling numerator: the adapters' update is scaled by ``lora_alpha / lora_r`` (PEFT's ``lora_alpha``,
+    whose default is 8 whatever the rank)."""
+
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's ``lora_dropout``); only 0 for now (recomputation must reproduce the
+    forward's mask)."""
+
+    lora_targets: tuple[str, ...] = ()
+    """Names of the modules that get adapters, matched against each module's name inside a decoder layer as PEFT's
+    ``target_modules`` (the last part, or a dotted suffix: ``q_proj``, ``self_attn.o_proj``); empty: every linear
+    projection of the decoder layers, attention and MLP (PEFT's ``all-linear``), never the embedding or the head."""
+
     prefetch_depth: int = 2
     """Blocks whose parameters are read ahead of the one computing (forward and backward)."""
 
@@ -643,6 +662,26 @@ class EngineConfig:
                                                   ", or 'auto'" if name == "readahead_mem" else ""))
         return problems + self._size_range_problems()
 
+    def _lora_problems(self) -> list[str]:
+        """LoRA's rank, scaling, dropout and targets (`lora_r`...)."""
+        problems: list[str] = []
+        if not _is_int(self.lora_r) or self.lora_r < 0:
+            problems.append(f"lora_r={self.lora_r!r} must be an integer >= 0 (the adapters' rank; 0: full fine-tuning)")
+        if not (_is_finite(self.lora_alpha) and self.lora_alpha > 0):
+            problems.append(f"lora_alpha={self.lora_alpha!r} must be a finite positive number (PEFT's default: 8)")
+        if not (_is_finite(self.lora_dropout) and 0 <= self.lora_dropout < 1):
+            problems.append(f"lora_dropout={self.lora_dropout!r} must be a number in [0, 1)")
+        elif self.lora_dropout != 0:
+            problems.append(f"lora_dropout={self.lora_dropout}: only 0 is supported so far (a block's recomputation "
+                            "in backward must reproduce the forward's dropout mask); use --lora-dropout 0")
+        targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
+        if not isinstance(targets, list | tuple) or not all(isinstance(t, str) and t.strip() for t in targets):
+            problems.append(f"lora_targets={self.lora_targets!r}: give module names such as q_proj,v_proj (or none: "
+                            "every linear projection of the decoder layers)")
+        else:
+            object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets))
+        return problems
+
     def _size_range_problems(self) -> list[str]:
         """Sizes that parse but cannot be (parse_bytes refuses negative ones): zero where it means nothing, a stripe
         the SSD volumes cannot cut."""
@@ -709,7 +748,7 @@ class EngineConfig:
             problems.append(f"eps={self.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
         if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
             problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
-        problems += self._schedule_problems()
+        problems += self._schedule_problems() + self._lora_problems()
         if self.state_format not in STATE_FORMATS:
             problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
         elif self.state_format == "bf16-master" and self.compute_dtype not in ("bf16", "auto"):

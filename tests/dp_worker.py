@@ -39,6 +39,13 @@ def main(spec_path: str) -> None:
             nxt = data[s + 1] if spec.get("next_batch") and s + 1 < spec["steps"] else None
             losses.append(engine.step(data[s], next_batch=nxt))
         metrics = engine.last_stats
+        if hasattr(engine, "lora"):  # a LoRA run (tests/test_lora.py): its adapters are what trains
+            eval_loss = engine.evaluate(data[0])
+            adapters = [p.detach().cpu() for p in engine.lora.params]
+            if dist.get_rank() == 0:
+                torch.save({"losses": losses, "adapters": adapters, "start": start, "eval": eval_loss}, spec["out"])
+            leave_group(True)
+            return
         # what this rank's host pools were budgeted and took (tests/test_memory_model.py)
         scratch = engine.offloader._upcast
         memory = {"plan": dataclasses.asdict(engine.host_memory),

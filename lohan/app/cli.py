@@ -62,6 +62,8 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "min_lr": ("engine", "min_lr"), "decay_ratio": ("engine", "decay_ratio"),
     "save_every": (None, "save_every"), "save_total_limit": (None, "save_total_limit"),
     "state_format": ("engine", "state_format"),
+    "lora": ("engine", "lora_r"), "lora_alpha": ("engine", "lora_alpha"), "lora_dropout": ("engine", "lora_dropout"),
+    "lora_targets": ("engine", "lora_targets"),
 }
 
 # Two ways to say one thing: a flag replaces the config file's other way (the command line overrides the file);
@@ -166,6 +168,14 @@ def _optimization_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--clip-mode", choices=["auto", "speculate", "defer"],
                    help="clipping under overlapped updates: speculate and redo, or defer updates")
     g.add_argument("--seed", type=int, help="initialization and data-order seed")
+    g.add_argument("--lora", type=int, metavar="R",
+                   help="LoRA of rank R: the weights stay frozen (stored once as read-only P16 and streamed), only "
+                        "adapters of the decoder layers' projections train, as PEFT's; fixed when the store is created")
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scaling alpha / R (default 8, PEFT's)")
+    g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (only 0 so far)")
+    g.add_argument("--lora-targets", type=_names, metavar="NAMES",
+                   help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear projection "
+                        "of the decoder layers, attention and MLP)")
 
 
 def _storage_flags(g: argparse._ArgumentGroup) -> None:
@@ -225,6 +235,9 @@ def _output_flags(g: argparse._ArgumentGroup) -> None:
                    help="where the trackers write (default: <metrics dir>/<run name>.logs)")
     g.add_argument("--export", metavar="DIR",
                    help="after training, write the weights as a Hugging Face checkpoint to DIR")
+    g.add_argument("--export-merged", metavar="DIR",
+                   help="a LoRA run: write the base with the adapters merged in as a Hugging Face checkpoint to DIR "
+                        "(instead of --export DIR, which writes the PEFT adapter folder)")
     g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
                         "presets export fp32)")
@@ -321,6 +334,9 @@ SCHEDULE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_st
 FINETUNE_LR = 2e-5
 """Peak learning rate of a local Hugging Face model run without --config (full fine-tuning of a pretrained model:
 the range 1e-5..5e-5 that fine-tuning recipes use; the presets' 3e-4 would wreck pretrained weights)."""
+LORA_LR = 2e-4
+"""Peak learning rate of a LoRA run of a local Hugging Face model without --config: adapters start at zero and
+take the 1e-4..3e-4 that LoRA recipes (PEFT's examples, axolotl, torchtune) use."""
 FINETUNE_WARMUP = 0.03
 """Its warm-up, as a fraction of the run's steps (at least one step)."""
 
@@ -332,10 +348,19 @@ def _finetune_defaults(args: argparse.Namespace, raw: dict, engine: dict) -> Non
     model = getattr(args, "model", None)
     if args.config is not None or not model or not is_model_dir(str(model)):
         return
-    engine.setdefault("lr", FINETUNE_LR)  # (flags and --set, applied before this, win)
+    # (flags and --set, applied before this, win)
+    engine.setdefault("lr", LORA_LR if engine.get("lora_r") else FINETUNE_LR)
     steps = raw.get("steps")
     if raw.get("epochs") is None and _is_count(steps) and engine.get("warmup_ratio") is None:
         engine.setdefault("warmup_steps", max(1, round(FINETUNE_WARMUP * steps)))
+
+
+def _names(text: str) -> list[str]:
+    """--lora-targets: comma-separated names (argparse prints a ValueError's type name, so this raises its own)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give module names such as q_proj,v_proj")
+    return names
 
 
 def _persist_every(text: str) -> int | str:
@@ -467,9 +492,10 @@ def _main(args: argparse.Namespace) -> int:
         if args.steps is not None and args.epochs is not None:
             raise ValueError(f"--steps {args.steps} and --epochs {args.epochs} both say how long to train: pass one "
                              "(--epochs counts passes over the data, --steps optimizer steps)")
-        if args.export_dtype and not args.export:
+        _check_lora_exports(args, run)
+        if args.export_dtype and not (args.export or args.export_merged):
             raise ValueError("--export-dtype sets the dtype of --export DIR: pass --export too")
-        if run.save_every and not args.export and not args.dry_run:
+        if run.save_every and not (args.export or args.export_merged) and not args.dry_run:
             raise ValueError(f"--save-every {run.save_every} writes checkpoints into the export directory: pass "
                              "--export DIR too (checkpoints go to DIR/step-N, the final weights to DIR)")
         if args.resume and args.overwrite:
@@ -508,9 +534,28 @@ def _main(args: argparse.Namespace) -> int:
         return verify_export(Path(args.export), Console(soft_wrap=True, highlight=False))
     if args.verify:
         return verify_store(run)
-    return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware, export=args.export,
-                 overwrite=args.overwrite, export_dtype=args.export_dtype,
-                 config=args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None))
+    return train(run, resume=args.resume, dry_run=args.dry_run, hardware=args.hardware,
+                 export=args.export or args.export_merged, overwrite=args.overwrite, export_dtype=args.export_dtype,
+                 config=args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None),
+                 merged=bool(args.export_merged))
+
+
+def _check_lora_exports(args: argparse.Namespace, run: RunConfig) -> None:
+    """--export (a LoRA run: its PEFT adapter folder) and --export-merged (its merged weights): one per run."""
+    lora = bool(run.engine.lora_r)
+    if args.export_merged and not lora:
+        raise ValueError("--export-merged writes a LoRA run's base with its adapters merged in: add --lora R, or use "
+                         "--export DIR")
+    if args.export_merged and args.export:
+        raise ValueError("--export DIR (the PEFT adapter folder) and --export-merged DIR (the merged weights): pass "
+                         "one; the other can be written afterwards from the same store with --resume --steps N (N the "
+                         "committed step)")
+    if lora and args.export and not run.is_hf:
+        raise ValueError("--export of a LoRA run writes a PEFT adapter folder, for a Hugging Face base; a preset has "
+                         "none: use --export-merged DIR (a GPT-2 checkpoint with the adapters merged in)")
+    if lora and args.export and args.export_dtype:
+        raise ValueError("--export-dtype: a PEFT adapter folder keeps the adapters in fp32, as PEFT does; the dtype "
+                         "applies to --export-merged DIR")
 
 
 if __name__ == "__main__":

@@ -53,17 +53,25 @@ def write_export(out: Path, run: RunConfig, model: Any, whole: Any, dtype: str |
                  run_id: str) -> str:
     """Write the weights `whole` (`Engine.whole`) as a Hugging Face checkpoint into `out`, a new folder: its manifest
     first (``writing``, `ownership.begin_folder`), then the model's files, then the manifest listing each of them with
-    its checksum, all durable (`ownership.seal_folder`). Returns the dtype written."""
+    its checksum, all durable (`ownership.seal_folder`). Returns the dtype written. A LoRA run (`LoraEngine`) writes a
+    PEFT adapter folder (fp32 adapters), or with ``info["merged"]`` the base with its adapters merged in."""
     try:
         begin_folder(out, run_id, info)
-        if model.hf_program is not None:
+        lora = getattr(whole, "lora", None)
+        if lora is not None and not info.get("merged"):
+            from lohan.models.lora import write_peft_adapter
+
+            write_peft_adapter(lora, whole.program.model, os.path.abspath(run.model) if model.hf_program is not None
+                               else run.model, out, whole.cfg.lora_dropout)
+            dtype = "float32"
+        elif model.hf_program is not None:
             from lohan.models.hf import export_hf
 
-            dtype = export_hf(whole, model.hf_program, run.model, out, dtype)
+            dtype = export_hf(whole.merged() if lora is not None else whole, model.hf_program, run.model, out, dtype)
         else:
             from lohan.models.gpt_export import export_gpt2
 
-            export_gpt2(whole, model.config, out)
+            export_gpt2(whole.merged() if lora is not None else whole, model.config, out)
             dtype = "float32"
         seal_folder(out, run_id, {**info, "dtype": dtype})
     except IOEngineError:  # reading the weights from the store: its own message says where
@@ -101,16 +109,17 @@ def tidy(layout: RunLayout, console: Console) -> None:
 
 
 def export_final(console: Console, run: RunConfig, model: Any, engine: Any, layout: RunLayout,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, merged: bool = False) -> None:
     """Export into the sibling ``<out>.partial``, then swap it in, the checkpoints moved along: a kill before the
     swap leaves the previous export at `out`, and the same command redoes it. Checked again first (the run may
-    have taken hours): nothing but this run's is ever removed."""
+    have taken hours): nothing but this run's is ever removed. `merged`: a LoRA run's base with its adapters merged
+    in (``--export-merged``), instead of its PEFT adapter folder."""
     layout.check_export()
     final = layout.export
     tmp = partial_dir(final)
     tidy(layout, console)
-    dtype = write_export(tmp, run, model, engine.whole, dtype, {"step": engine.step_count, "model": run.model,
-                                                                "kind": "export"}, layout.owner.current)
+    info = {"step": engine.step_count, "model": run.model, "kind": "export", **({"merged": True} if merged else {})}
+    dtype = write_export(tmp, run, model, engine.whole, dtype, info, layout.owner.current)
     crashpoint("export.written")
     if final.exists():
         layout.check_export()  # nothing appeared in it while the export was written
@@ -121,6 +130,10 @@ def export_final(console: Console, run: RunConfig, model: Any, engine: Any, layo
         remove_folder(final, layout.owner)  # now the previous export's files only (proven)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+    if getattr(engine, "lora", None) is not None and not merged:
+        console.print(f"exported the step-{engine.step_count} LoRA adapters to {final} (loads with "
+                      "peft.PeftModel.from_pretrained(base, DIR); --export-merged DIR writes the merged weights)")
+        return
     console.print(f"exported the step-{engine.step_count} weights to {final} in {dtype} (loads with transformers "
                   "AutoModelForCausalLM.from_pretrained)")
 
@@ -150,10 +163,11 @@ class Checkpoints:
     `limit` (None: all)."""
 
     def __init__(self, layout: RunLayout, run: RunConfig, model: Any, every: int, limit: int | None,
-                 dtype: str | None) -> None:
+                 dtype: str | None, merged: bool = False) -> None:
         assert layout.export is not None, "checkpoints go into the export directory (--export)"
         self.layout, self.run, self.model = layout, run, model
         self.every, self.limit, self.dtype = every, limit, dtype
+        self.merged = merged  # a LoRA run's: merged weights (--export-merged), else its PEFT adapter folders
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
@@ -178,7 +192,8 @@ class Checkpoints:
                 remove_folder(leftover, owner, "the checkpoint")  # a killed save's or removal's
         try:
             dtype = write_export(tmp, self.run, self.model, engine.whole, self.dtype,
-                                 {"step": step, "model": self.run.model, "kind": "checkpoint"}, owner.current)
+                                 {"step": step, "model": self.run.model, "kind": "checkpoint",
+                                  **({"merged": True} if self.merged else {})}, owner.current)
             crashpoint("checkpoint.written")
             if final.exists():  # this run's (proven): a store started over reaches a step saved before
                 os.replace(final, old)

@@ -396,13 +396,16 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
             dtype: DtypeChoice, fit: Any = None) -> None:
     e = run.engine
     layout = engine.store.layout
-    plan = engine.host_memory
     n_params = engine.layout.param_count  # the whole model (a rank's store holds its shards)
     ranks = f" (rank {engine.dp.rank}'s shards; every rank holds as much)" if engine.dp else ""
     console.print(
         f"[bold]lohan[/bold] {label}: {n_params / 1e6:,.1f}M params, {mcfg.n_layer} layers, "
         f"d_model {mcfg.d_model}, vocab {mcfg.vocab_size} | batch {run.batch_size} x {seq_len} tokens, "
         f"{e.micro_batches} micro-batch(es)")
+    if getattr(engine, "lora", None) is not None:
+        _lora_header(console, engine, dtype)
+        return
+    plan = engine.host_memory
     console.print(
         f"  states on NVMe: {layout.total_bytes / 2**30:.2f} GiB{ranks} in {len(layout.blocks)} blocks x "
         f"{layout.slots} slot(s) over {len(e.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
@@ -438,13 +441,14 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
 
 def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware: str | None = None,
           export: str | None = None, overwrite: bool = False, export_dtype: str | None = None,
-          config: str | os.PathLike | None = None) -> int:
+          config: str | os.PathLike | None = None, merged: bool = False) -> int:
     """Run (or, with `dry_run`, only plan) the fine-tune described by `run`; returns a process exit code.
 
     `resume` continues the store in the NVMe directories (or its interrupted initialization);
     `overwrite` discards it. Without either, a directory that holds a store is refused. SIGTERM stops
     the run like Ctrl-C: the step in flight is abandoned and the last commit stands. `config`: the YAML the
-    run was read from (an input no output may touch: layout.RunLayout).
+    run was read from (an input no output may touch: layout.RunLayout). `merged`: a LoRA run exports its base with
+    the adapters merged in (``--export-merged``), not its PEFT adapter folder.
     """
     try:  # launched by torchrun: one process per rank (lohan/runtime/parallel.py), each on its own GPU from here on
         joined = init_from_env(run.engine.device)
@@ -454,11 +458,11 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     code = 2
     try:
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config, merged)
             return code
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config)
+            code = _train(run, resume, dry_run, hardware, export, overwrite, export_dtype, config, merged)
             return code
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -490,6 +494,7 @@ class _Run:
     fit: Any = None  # the plan's FitReport (`_plan`): the first step's measured lanes are priced with it
     run_plan: RunPlan | None = None  # the plan the engine executes (`_plan`, on this machine), the one priced
     dtype: DtypeChoice | None = None  # the compute dtype `run.engine` was resolved to, and why (`_compute_dtype`)
+    merged: bool = False  # a LoRA run exports its merged weights (--export-merged), not its adapters
 
     @property
     def world(self) -> int:
@@ -502,7 +507,8 @@ class _Run:
 
 
 def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, export: str | None,
-           overwrite: bool, export_dtype: str | None = None, config: str | os.PathLike | None = None) -> int:
+           overwrite: bool, export_dtype: str | None = None, config: str | os.PathLike | None = None,
+           merged: bool = False) -> int:
     """The run driver: pre-flight -> plan -> open the store -> position the data -> the loop -> finish."""
     dp = DataParallel.detect()
     # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
@@ -510,7 +516,9 @@ def _train(run: RunConfig, resume: bool, dry_run: bool, hardware: str | None, ex
     try:
         run, dtype = _compute_dtype(run, resume, hardware, dp)
         ctx = _preflight(run, dry_run, export, export_dtype, config, console, dp)
-        ctx.dtype = dtype
+        ctx.dtype, ctx.merged = dtype, merged
+        if ctx.checkpoints is not None:
+            ctx.checkpoints.merged = merged
         report = ctx.fit = _plan(ctx, hardware, dry_run, resume)
         if dry_run:
             console.print(dtype.describe())
@@ -634,6 +642,8 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool, resume: bool = False) 
                                    checksums=e.checksums, act_compress=e.act_compress))
         if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
             machine = data_parallel_machine(machine, world, dp.local_world)
+        if e.lora_r:  # a frozen base streamed, adapters on the device: its own plan (lohan.plan.lora)
+            return _lora_fit(ctx, machine, dry_run)
         plan = _run_plan(ctx, resume, None if hardware else available_memory(dp.local_world if dp else 1),
                          False if hardware else resolve_device(e.device) == "cpu")
         if not hardware:
@@ -668,6 +678,21 @@ def _run_plan(ctx: _Run, resume: bool, free: int | None, host_device: bool) -> R
     cfg = dp.rank_config(ctx.run.engine) if dp else ctx.run.engine
     shared = StateStore.stored_p16_sharing(list(cfg.nvme), cfg.name) if resume else None
     return plan_engine(ctx.model.program(), cfg, ctx.world, dp.rank if dp else 0, free, host_device, shared)
+
+
+def _lora_fit(ctx: _Run, machine: Any, dry_run: bool) -> Any:
+    """`_plan` for a LoRA run (`lohan.plan.lora.lora_plan`; data parallel: one rank's, its slice of the batch on its
+    share of the machine); refused, with the plan, where it does not fit."""
+    from lohan.plan.lora import lora_plan
+
+    e = ctx.run.engine
+    report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size // ctx.world, ctx.seq_len, e.lora_r,
+                       e.compute_dtype, int(e.cpu_mem), e.prefetch_depth, machine.notes, ctx.per_epoch)
+    if not dry_run and not report.fits:
+        ctx.console.print(report.format())
+        raise Refusal(f"{ctx.run.model} does not fit this machine for LoRA: {'; '.join(report.capacity.reasons)}. "
+                      "Nothing was written")
+    return report
 
 
 class _Interrupted(Exception):
@@ -729,6 +754,32 @@ def _check_store(ctx: _Run, resume: bool, overwrite: bool) -> StoreStatus:
                           f"{status.step} to train on, or --steps {status.step} with --export DIR to export it as "
                           "it is")
     return status
+
+
+def _lora_header(console: Console, engine: Any, dtype: DtypeChoice) -> None:
+    """The header's lines for a LoRA run (`LoraEngine`): the adapters, the read-only base, the memory it streams
+    through, the schedule."""
+    e, lora, layout = engine.cfg, engine.lora, engine.store.layout
+    targets = ", ".join(lora.target_names())
+    console.print(
+        f"  LoRA: rank {lora.r}, alpha {lora.alpha:g} (scaling {lora.scaling:g}), {len(lora.targets)} adapted "
+        f"projections ({targets}), {lora.numel / 1e6:,.3f}M trainable parameters "
+        f"({lora.numel / max(1, layout.param_count):.3%} of the model); the adapters and their AdamW states on the "
+        f"device, committed every step with the run's step ({engine.store.volume.dirs[0]})")
+    console.print(
+        f"  base on NVMe: {_gib(layout.total_bytes)} of read-only {layout.p16_dtype} weights (no master, "
+        f"no moments, one slot, never written after import) in {len(layout.blocks)} blocks over {len(e.nvme)} dir(s), "
+        f"backend {engine.store.volume.backend.name}; streamed through a {_gib(engine.params_pool.budget_bytes)} "
+        f"pool that keeps what it can across passes | device {engine.device.describe()}, {e.compute_dtype}, "
+        f"activations {e.act_policy}" + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none"
+                                         else ""))
+    console.print(f"  {dtype.describe()}")
+    console.print(f"  optimizer: {_schedule_line(e)}")
+
+
+def _gib(n: int) -> str:
+    """Bytes as GiB, or MiB below one GiB (a tiny model's 0.00 GiB says nothing)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch], dict | None]:
@@ -796,7 +847,7 @@ def _loop(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state: dict 
         _train_steps(ctx, engine, batches, data_state, history)
         if export:
             if ctx.main_rank:
-                export_final(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype)
+                export_final(ctx.console, ctx.run, ctx.model, engine, ctx.layout, export_dtype, ctx.merged)
             else:
                 _gather_whole(engine)
     except KeyboardInterrupt as err:
@@ -1170,6 +1221,7 @@ def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named:
                     task = bar.add_task("verify", total=len(store.layout.blocks))
                     problems = store.verify(lambda done, total: bar.update(task, completed=done))
                 gib = store.layout.slot_bytes / 2**30
+                lora = _verify_lora(store, dirs, e.name, problems)
             finally:
                 store.close()
     except (StoreCorruptError, DirectoryInUseError, VolumeConfigError, IOEngineError, ValueError, RuntimeError) as err:
@@ -1183,5 +1235,23 @@ def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named:
         return 1
     where = f" in {dirs[0]}" if named else ""
     console.print(f"{status.describe()}{where}: all {len(store.layout.blocks)} blocks ({gib:.2f} GiB) match their "
-                  "checksums")
+                  f"checksums{lora}")
     return 0
+
+
+def _verify_lora(store: StateStore, dirs: tuple[str, ...], name: str, problems: list[str]) -> str:
+    """A LoRA run's store (its frozen base): its adapters' commit read back and checked against that base (a problem
+    added to `problems` if it is not); what to add to the report ('' for any other store)."""
+    if store.layout.state_format != "frozen":
+        return ""
+    from lohan.runtime.lora_engine import commit_path, read_commit
+
+    path = commit_path(dirs, name)
+    if not os.path.exists(path):
+        return " (a LoRA run's base; no adapters committed yet)"
+    try:
+        state = read_commit(path, store)
+    except StoreCorruptError as err:
+        problems.append(str(err))
+        return ""
+    return f"; the LoRA adapters committed at step {state['step']} ({path}) read back, over this base"

@@ -9,6 +9,7 @@ The planner prices a format by these bytes; the arithmetic of the compressed for
 | ``bf16-moments`` | fp32 | bf16 | bf16 | yes |
 | ``8bit-moments`` | fp32 | 8-bit, block-wise | 8-bit, block-wise | yes |
 | ``bf16-master`` | bf16, stochastically rounded | 8-bit, block-wise | 8-bit, block-wise | no: the master is the P16 |
+| ``frozen`` | none | none | none | yes: the only section (a LoRA run's base, read, never written) |
 
 A step reads the master and both moments and writes them back, with the P16 copy where there is one; the forward
 (and backward) read the P16, unless the update hands it over (`p16_read=False`: the next forward beside the
@@ -95,6 +96,9 @@ def state_format(name: str) -> StateFormat:
         "bf16-moments": StateFormat("bf16-moments", 4, 2, True, update_cost=1.2),
         "8bit-moments": StateFormat("8bit-moments", 4, q8, True, update_cost=12.6),
         "bf16-master": StateFormat("bf16-master", 2, q8, False, update_cost=13.6),
+        # a LoRA run's base weights (`lohan.runtime.lora_engine`): the P16 alone, never updated; not a choice of
+        # `--state-format` (FORMATS), which names the formats of a full fine-tuning's states
+        "frozen": StateFormat("frozen", 0, 0, True, update_cost=0.0),
     }
     if name not in table:
         raise ValueError(f"state format {name!r}: choose one of {', '.join(FORMATS)}")

@@ -858,7 +858,8 @@ def _shard_init(init_block: Callable[[int], list[Tensor]], full: StoreLayout, lo
 def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = None, *, resume: bool = False,
          overwrite: bool = False, progress: Callable[[int, int], None] | None = None, plan: RunPlan | None = None,
          **overrides: Any) -> Engine:
-    """Build an Engine for a preset name, a ModelConfig, or a GPT (meta or initialized).
+    """Build an Engine for a preset name, a ModelConfig, or a GPT (meta or initialized); with `lora_r` > 0, a
+    `LoraEngine` (LoRA adapters over the frozen weights).
 
     The model's states are laid out on the NVMe directories of `config` and initialized block by
     block (an initialized GPT's own weights are used; a preset or config is initialized from
@@ -887,8 +888,14 @@ def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = No
         return [p.detach() for p in tmp.parameters()]
 
     meta = {"kind": "gpt", "config": asdict(mcfg), "seed": None if materialized else cfg.seed}
-    engine = Engine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token, resume=resume,
-                    overwrite=overwrite, progress=progress, plan=plan)
+    if cfg.lora_r:  # --lora R: a frozen base, adapters trained (lohan.runtime.lora_engine)
+        from lohan.runtime.lora_engine import LoraEngine
+
+        engine: Any = LoraEngine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token,
+                                 resume=resume, overwrite=overwrite, progress=progress)
+    else:
+        engine = Engine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token, resume=resume,
+                        overwrite=overwrite, progress=progress, plan=plan)
     if materialized:  # the weights now live in the store; free the caller's copy
         model.to_empty(device="meta")
     return engine

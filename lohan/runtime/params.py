@@ -100,6 +100,9 @@ class ParamStreamer:
         # (a step between durable commits, engine.persist_every): copied from there, never read from the SSDs,
         # whose slots hold an older step
         self.ram_p16: Callable[[int, int], list[tuple[int, torch.Tensor]]] | None = None
+        # a LoRA run's base (`lohan.runtime.lora_engine`): its parameters take no gradient, and its one slot is never
+        # rewritten, so a released block may be kept across steps (`keeps`)
+        self.frozen = False
 
     def _state(self, i: int) -> P16State | None:
         """Block i's buffer's state (None: none in flight or in use)."""
@@ -287,7 +290,8 @@ class ParamStreamer:
             self._draining.append(entry.split())
         self._reap()
         for spec, (module, leaf, _) in zip(layout.params, self._slots[i]):
-            p = nn.Parameter(entry.transfer.tensor[spec.offset:spec.offset + spec.numel].view(spec.shape))
+            p = nn.Parameter(entry.transfer.tensor[spec.offset:spec.offset + spec.numel].view(spec.shape),
+                             requires_grad=not self.frozen)
             module._parameters[leaf] = p
             entry.params.append(p)
         self._blocks[i] = entry

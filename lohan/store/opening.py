@@ -126,6 +126,14 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
     if status.state == "complete" and resume:
         store = StateStore.open(dirs, cfg.backend, cfg.stripe_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
         problem = None
+        if "frozen" in (store.layout.state_format, layout.state_format) and \
+                store.layout.state_format != layout.state_format:
+            store.close()
+            raise ValueError(
+                f"the store in {dirs[0]} holds a LoRA run's frozen base (no optimizer states), and this run fine-tunes "
+                "every weight: resume it with the --lora settings it was started with" if store.layout.state_format
+                == "frozen" else f"the store in {dirs[0]} holds a full fine-tuning's states, and this run asks for "
+                "LoRA (--lora): resume it without --lora, or start the LoRA run in another --nvme directory")
         if store.layout.state_format != layout.state_format:
             store.close()
             raise ValueError(

@@ -100,7 +100,8 @@ def block_views(flat: torch.Tensor, block: BlockLayout) -> list[torch.Tensor]:
     return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in block.params]
 
 
-_MOMENT_DTYPES = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}
+_MOMENT_DTYPES = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8, 0: torch.uint8}
+"""(0: the ``frozen`` format, whose records hold no moments)"""
 
 
 @dataclass
@@ -128,7 +129,12 @@ class UnitViews:
 
     def fill_initial(self, weights: torch.Tensor | None = None) -> None:
         """Moments (and their scales) zero, P16 = master; the master from fp32 `weights` if given (a bf16 master
-        rounds to nearest: no step has drawn rounding noise yet)."""
+        rounds to nearest: no step has drawn rounding noise yet). A ``frozen`` record has no master: `weights`
+        go to its P16, rounded to its dtype."""
+        if self.master.numel() == 0 and self.p16.numel():
+            if weights is not None:
+                self.p16.copy_(weights)
+            return
         if weights is not None:
             self.master.copy_(weights)
         for t in self.state[1:]:
@@ -177,7 +183,7 @@ def unit_sections(layout: StoreLayout, unit: tuple[int, int, int], slot: int,
                 (sec.v_scale, rec + whole.v_scale + 4 * q0, 4 * sec.q)]
     if with_p16 and b.has_p16:
         out.append((sec.p16, rec + whole.p16 + b.p16_itemsize * lo, b.p16_itemsize * n))
-    return out
+    return [s for s in out if s[2]]  # (a ``frozen`` record has no state sections)
 
 
 def _piece_elems(piece: int) -> int:
@@ -357,7 +363,8 @@ class StateStore:
                 if whole[b.index]:
                     with pool.acquire(b.record_bytes) as buf:
                         rec = RecordView(buf.tensor, b, store.p16_dtype)
-                        for view, p in zip(block_views(rec.master, b), params):
+                        # (a ``frozen`` record has no master: its P16 is the weights)
+                        for view, p in zip(block_views(rec.master if rec.master.numel() else rec.p16, b), params):
                             view.copy_(p)
                         rec.fill_initial()
                         volume.write(buf.tensor, layout.record_offset(b.index, 0)).wait()
@@ -688,14 +695,19 @@ class StateStore:
     # ---------------------------------------------------------------- access
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Synchronously read block `block`'s master weights of the current slot as `dtype` (for export/tests);
-        every state section is read, unit by unit, so its checksums can be verified."""
+        every state section is read, unit by unit, so its checksums can be verified. A ``frozen`` record (a LoRA
+        run's base) has no master: its P16, the weights the run computes with, is read."""
         self._check_not_staged("read_params")
         b = self.layout.blocks[block]
+        frozen = state_format_of(b.fmt).master_itemsize == 0
         flat = torch.empty(b.numel, dtype=dtype)
         for lo, hi in unit_bounds(b.numel, self.chunk_elems):
-            views = self._read_unit(block, lo, hi, with_p16=False)
-            self.check_unit(block, lo, "state", tensor_hash(*views.state))
-            flat[lo:hi].copy_(views.master)
+            views = self._read_unit(block, lo, hi, with_p16=frozen)
+            if frozen:
+                self.check_unit(block, lo, "p16", tensor_hash(views.p16))
+            else:
+                self.check_unit(block, lo, "state", tensor_hash(*views.state))
+            flat[lo:hi].copy_(views.p16 if frozen else views.master)
         return [t.clone() for t in block_views(flat, b)]
 
     def _check_not_staged(self, what: str) -> None:

@@ -1,0 +1,173 @@
+"""What a LoRA step costs (issue 41, item 5): the dry run's and the pre-flight's plan for ``--lora R``.
+
+A LoRA run (`lohan.runtime.lora_engine`) keeps the base as read-only P16 on the SSDs and streams it block by block,
+forward, then backward with recomputation; the adapters and their AdamW states stay on the device. Per step, with
+`k` the share of the base the parameter pool keeps across passes (``min(1, cpu_mem / base)``: the slot is never
+rewritten, so a block released stays valid):
+
+    forward:   GPU  FLOP_f                          PCIe up   P16            SSD read (1 - k) P16
+    backward:  GPU  2 FLOP_f (recompute + input     PCIe up   P16            SSD read (1 - k) P16
+               gradients; no weight gradient of the base)  + the block inputs   PCIe down the block inputs (forward)
+
+plus the adapters' own FLOPs (6 per adapter parameter and token). Nothing is written to the SSDs but the adapters'
+commit (a few MB), and no optimizer lane exists: the step is the sum over the two passes of their slowest lane (the
+pipeline's fill left out). The GPU hides the base's reads once a step has at least ``hide_tokens`` tokens.
+
+Memory: main memory holds the parameter pool (``min(cpu_mem, base + a block)``, at least the blocks in flight)
+and the block inputs swapped to it; the device holds the blocks in flight, the adapters with their gradients and
+moments (16 bytes each), and one block's recomputed activations (Korthikanti et al. 2022's s·b·h·(34 + 5·a·s/h)
+bytes per layer in 16-bit) beside the head's logits. Estimates for planning; the engine's own pools are what a run
+measures. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lohan.config import ModelConfig
+from lohan.plan.planner import Hardware
+
+RUNTIME_BYTES = 2**30
+"""The process itself (Python, torch, allocator), counted in main memory."""
+
+
+def adapter_params(mcfg: ModelConfig, r: int) -> int:
+    """LoRA parameters of rank `r` on every projection of a GPT-shaped decoder layer (PEFT's ``all-linear``): r x
+    (in + out) per projection, for q, k, v, o (d x d) and the MLP's up and down (d x m·d)."""
+    d, m = mcfg.d_model, mcfg.mlp_ratio
+    return mcfg.n_layer * r * (4 * 2 * d + 2 * (d + m * d))
+
+
+@dataclass(frozen=True)
+class Reasons:
+    """What does not fit (`FitReport.capacity.reasons`' shape, for the run driver)."""
+
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """The plan of a LoRA run on a machine (module docstring); `format` is what the dry run prints."""
+
+    model: ModelConfig
+    hw: Hardware
+    notes: tuple[str, ...]
+    batch: int
+    seq: int
+    rank: int
+    p16_itemsize: int
+    base_bytes: int
+    adapters: int
+    pool_bytes: int
+    kept: float
+    act_host_bytes: int
+    ram_bytes: int
+    gpu_bytes: dict[str, int]
+    lanes: dict[str, tuple[float, float]] = field(default_factory=dict)
+    epoch_s: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def step_s(self) -> float:
+        """Each pass as long as its slowest lane, the two passes in a row."""
+        return sum(max(v[p] for v in self.lanes.values()) for p in (0, 1))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def ssd_read_bytes(self) -> float:
+        """Bytes the SSDs read per step (the base's P16 not kept, both passes)."""
+        return 2 * (1 - self.kept) * self.base_bytes
+
+    @property
+    def bytes_per_param_step(self) -> float:
+        """SSD bytes moved per parameter per step (reads; nothing of the base is written)."""
+        return self.ssd_read_bytes / max(1, self.model.param_count())
+
+    @property
+    def hide_tokens(self) -> int:
+        """Tokens per step from which the GPU lane is the slowest of each pass (the reads hidden behind compute)."""
+        gpu_per_token = [self.lanes["gpu"][p] / self.tokens for p in (0, 1)]
+        need = max(max(v[p] for k, v in self.lanes.items() if k != "gpu") / gpu_per_token[p] for p in (0, 1))
+        return int(need) + 1
+
+    @property
+    def capacity(self) -> Reasons:
+        hw, out = self.hw, []
+        if hw.ssd_bytes and self.base_bytes > hw.ssd_bytes:
+            out.append(f"SSD: the base needs {self.base_bytes / 1e9:.2f} GB but the SSDs hold {hw.ssd_bytes / 1e9:.2f} GB")
+        if hw.ram and self.ram_bytes > hw.ram:
+            out.append(f"main memory: needs {self.ram_bytes / 1e9:.2f} GB but {hw.ram / 1e9:.2f} GB is usable; lower "
+                       "--cpu-mem (the parameter pool), or swap fewer activations")
+        gpu = sum(self.gpu_bytes.values())
+        if hw.gpu_mem and gpu > hw.gpu_mem:
+            out.append(f"GPU: needs {gpu / 1e9:.2f} GB but it has {hw.gpu_mem / 1e9:.2f} GB; lower --batch-size or "
+                       "--seq-len, or use more micro-batches")
+        return Reasons(tuple(out))
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity.reasons
+
+    def measured_ssd(self, lanes: dict[str, float], step_s: float, mode: str = "optimized") -> None:
+        """(The full fine-tuning's SSD advice has no LoRA counterpart: the base is only read.)"""
+        return None
+
+    def format(self) -> str:
+        gpu = sum(self.gpu_bytes.values())
+        lines = [
+            f"LoRA rank {self.rank}: {self.adapters / 1e6:,.2f}M adapter parameters "
+            f"({self.adapters / max(1, self.model.param_count()):.3%} of {self.model.param_count() / 1e9:.3g}B), "
+            "the base frozen",
+            f"  ssd   {self.base_bytes / 1e9:10.2f} GB of {self.hw.ssd_bytes / 1e9 if self.hw.ssd_bytes else 0:10.2f} GB  "
+            f"the base as read-only P16 ({self.p16_itemsize} B/param, one slot, never written)",
+            f"  cpu   {self.ram_bytes / 1e9:10.2f} GB of {self.hw.ram / 1e9 if self.hw.ram else 0:10.2f} GB  parameter "
+            f"pool {self.pool_bytes / 1e9:.2f} GB (keeps {self.kept:.0%} of the base across passes), block inputs "
+            f"{self.act_host_bytes / 1e9:.2f} GB, process {RUNTIME_BYTES / 1e9:.2f} GB",
+            f"  gpu   {gpu / 1e9:10.2f} GB of {self.hw.gpu_mem / 1e9 if self.hw.gpu_mem else 0:10.2f} GB  "
+            + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in self.gpu_bytes.items()),
+            "  lane     forward  backward",
+            *(f"  {k:<5} {f:10.4g}s {b:9.4g}s" for k, (f, b) in self.lanes.items()),
+            f"predicted step {self.step_s:.4g} s | {self.tokens_per_s:,.3g} tokens/s | SSD reads "
+            f"{self.ssd_read_bytes / 1e9:.3g} GB a step ({self.bytes_per_param_step:.2f} B/param) | the GPU hides the "
+            f"base's reads from {self.hide_tokens:,} tokens a step (this run: {self.tokens:,})",
+            f"rates: {self.hw.describe()}",
+        ]
+        lines += [f"  fits: no: {r}" for r in self.capacity.reasons]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def lora_plan(mcfg: ModelConfig, hw: Hardware, batch: int, seq: int, rank: int, compute_dtype: str = "bf16",
+              cpu_mem: int = 8 << 30, prefetch_depth: int = 2, notes: tuple[str, ...] = (),
+              steps_per_epoch: int | None = None) -> LoraPlan:
+    """The `LoraPlan` of `mcfg` at `batch` x `seq` with rank-`rank` adapters on `hw` (module docstring)."""
+    item = 4 if compute_dtype == "fp32" else 2
+    params = mcfg.param_count()
+    base = params * item
+    biggest = max(mcfg.block_param_count(), mcfg.embed_param_count(), mcfg.head_param_count()) * item
+    pool = max((prefetch_depth + 3) * biggest, min(cpu_mem, base + biggest))
+    kept = min(1.0, pool / base)
+    d, tokens = mcfg.d_model, batch * seq
+    acts = (mcfg.n_layer + 1) * tokens * d * item  # the block inputs, swapped to main memory
+    adapters = adapter_params(mcfg, rank)
+    layer_acts = seq * batch * d * (34 + 5 * mcfg.n_head * seq / d) * item / 2
+    gpu = {"blocks in flight": (prefetch_depth + 2) * biggest, "adapters (weights, grads, AdamW)": 16 * adapters,
+           "one block's activations": int(layer_acts), "logits": tokens * mcfg.vocab_size * 4}
+    flops = mcfg.flops_per_token(seq) * tokens
+    lora_flops = 2 * adapters * tokens
+    ssd = (1 - kept) * base / hw.bw_s2m
+    lanes = {"gpu": ((flops + lora_flops) / hw.thp_g, (2 * flops + 2 * lora_flops) / hw.thp_g),
+             "m2g": (base / hw.bw_g, (base + acts) / hw.bw_g),
+             "g2m": (acts / hw.bw_g, 0.0),
+             "ssd": (ssd, ssd)}
+    plan = LoraPlan(mcfg, hw, notes, batch, seq, rank, item, base, adapters, pool, kept, acts,
+                    pool + acts + RUNTIME_BYTES, gpu, lanes)
+    if steps_per_epoch:
+        plan = LoraPlan(**{**plan.__dict__, "epoch_s": plan.step_s * steps_per_epoch})
+    return plan
