@@ -1,7 +1,8 @@
 """benchmarks/duplex.py end to end on a few MiB, vs_deepspeed.py's pure parts (CPU accounting, keys, dtype,
 rounds, arguments; no DeepSpeed run),
-step_timeline.py's phase windows over synthetic /proc samples, and ago_bench.py's summaries over synthetic step
-records and end to end on the tiny preset."""
+step_timeline.py's phase windows over synthetic /proc samples, ago_bench.py's summaries over synthetic step
+records and end to end on the tiny preset, and lora_bench.py's keys and markdown over synthetic runs (its --smoke run:
+slow)."""
 
 from __future__ import annotations
 
@@ -406,3 +407,75 @@ def test_ago_bench_counts_other_disk_traffic_over_the_measured_steps_not_per_ste
     sm["other_disk_bytes"] = ago_bench._other_disk_bytes([rec(6 * GB, 9 * GB), rec(1 * GB, 8 * GB)])
     assert "2.0 GB of other disk traffic" in ago_bench.check_machine("clipped", "optimized", sm)[0]
     assert ago_bench._other_disk_bytes([rec(1, None)]) is None
+
+
+# ---------------------------------------------------------------- benchmarks/lora_bench.py (LoRA vs full and PEFT)
+import lora_bench  # noqa: E402
+
+
+def _lora_run(system, rnd, times, read=0, write=0, commit=0, pool=None, base=4000, trainable=64):
+    steps = [{"step_s": t, "warmup": k == 0, "loss": 1.0, "read_bytes": read, "write_bytes": write,
+              "commit_bytes": commit} for k, t in enumerate(times)]
+    return {"round": rnd, "system": system, "steps": steps, "peak_rss_steps_bytes": 1 << 30, "param_count": 1000,
+            "trainable": trainable if system != "full" else 1000, "compute_dtype": "fp32", "base_bytes": base,
+            "params_pool_bytes": pool, "cpu_mem": "256MiB"}
+
+
+def _lora_runs(pool=1000):
+    """Two rounds; the first step of every run is warm-up (9.0 s, left out)."""
+    return [run for r in range(2) for run in (
+        _lora_run("lora_stream", r, [9.0, 3.0, 2.0 + 3 * r], read=8000 if r else 9000, write=40, commit=40,
+                  pool=pool),
+        _lora_run("full", r, [9.0, 6.0, 6.0 + r], read=12000, write=12000),
+        _lora_run("lora", r, [9.0, 1.0, 1.0]),
+        _lora_run("peft", r, [9.0, 0.9 + r, 0.9]))]
+
+
+def test_lora_bench_keys_from_the_medians_of_the_measured_steps():
+    summary = lora_bench.summarize(_lora_runs())
+    assert summary["lora_stream"]["measured_steps"] == 4 and summary["lora_stream"]["step_s"] == 3.0
+    assert summary["full"]["step_s"] == 6.0 and summary["peft"]["step_s"] == 0.9
+    k = lora_bench.keys(summary)
+    assert k["lora_vs_full_step"] == {"value": 2.0, "target": None, "met": None}
+    # (median read 8500 + written 40) / 1000 parameters
+    assert k["lora_bytes_per_param_step"]["value"] == pytest.approx(8.54)
+    assert k["lora_bytes_per_param_step"]["met"] is False and "note" not in k["lora_bytes_per_param_step"]
+    assert k["lora_speed_vs_peft_in_ram"]["value"] == pytest.approx(0.9) and k["lora_speed_vs_peft_in_ram"]["met"]
+
+
+def test_lora_bench_bytes_key_is_not_judged_when_the_pool_held_the_base():
+    k = lora_bench.keys(lora_bench.summarize(_lora_runs(pool=4000)))  # a pool as big as the base: nothing streamed
+    assert k["lora_bytes_per_param_step"]["met"] is None and "not streamed" in k["lora_bytes_per_param_step"]["note"]
+
+
+def test_lora_bench_keys_without_a_system_are_none_and_rounds_rotate():
+    summary = lora_bench.summarize([r for r in _lora_runs() if r["system"] != "peft"])
+    assert lora_bench.keys(summary)["lora_speed_vs_peft_in_ram"] == {"value": None, "target": ">= 0.9", "met": None}
+    order = lora_bench.schedule(2)
+    assert [s for r, s in order if r == 0] == list(lora_bench.SYSTEMS)
+    assert [s for r, s in order if r == 1] == [*lora_bench.SYSTEMS[1:], lora_bench.SYSTEMS[0]]
+
+
+def test_lora_bench_markdown_names_the_keys_and_a_target_mismatch():
+    summary = lora_bench.summarize(_lora_runs())
+    rep = {"when": "now", "command": "benchmarks/lora_bench.py", "model": "llama-x", "param_count": 1000, "batch": 4,
+           "seq": 64, "dtype": "fp32", "rank": 4, "alpha": 8.0, "rounds": 2, "warmup": 1, "steps": 2,
+           "cpu_mem": "256MiB", "keys": lora_bench.keys(summary), "systems": summary,
+           "environment": {"hardware": {"cpu_count": 2, "cpu_model": "cpu"}}}
+    md = lora_bench.markdown(rep)
+    assert "| `lora_bytes_per_param_step` | 8.540 | <= 4.5 | NO |" in md
+    assert "| lora_stream | 3.000 |" in md and "trainable parameters equal" in md
+    assert "base reads per step 2.12" in md  # 8500 of a 4000-byte base
+    rep["systems"]["peft"]["trainable"] = 65
+    assert "trainable parameters differ" in lora_bench.markdown(rep)
+
+
+@pytest.mark.slow  # four child processes (~40-50 s on 2 busy cores)
+def test_lora_bench_smoke_run(tmp_path):
+    rc = lora_bench.main(["--smoke", "--scratch", str(tmp_path / "scratch"), "--results", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "lora_bench_smoke.json").read_text())
+    assert set(report["systems"]) == set(lora_bench.SYSTEMS) and set(report["keys"]) == set(lora_bench.TARGETS)
+    losses = {r["system"]: r["steps"][0]["loss"] for r in report["runs"]}
+    assert len(set(losses.values())) == 1  # the same model and first batch everywhere
+    assert not any((tmp_path / "scratch" / "nvme").iterdir())  # every store removed
