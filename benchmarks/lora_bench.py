@@ -1,6 +1,6 @@
 """lohan's LoRA step against its full fine-tuning step and against plain PEFT in RAM (issue 41, item 7).
 
-    .venv/bin/python benchmarks/lora_bench.py                   # 110M Llama, batch 4 x 256, fp32, 2 rounds
+    .venv/bin/python benchmarks/lora_bench.py                   # 110M Llama, batch 2 x 256, fp32, 2 rounds
     .venv/bin/python benchmarks/lora_bench.py --dtype bf16 --tag bf16
     .venv/bin/python benchmarks/lora_bench.py --model-dir DIR --tag 1b  # any local HF Llama directory
     .venv/bin/python benchmarks/lora_bench.py --smoke           # the tiny model, 1 warm-up + 1 step, 1 round
@@ -15,11 +15,15 @@ system once, in an order rotated by the round; a system's figure is the median o
 rounds.
 
 - ``lora_stream``: `init_from_hf` with ``lora_r``, its store on `--nvme`, ``cpu_mem`` = `--cpu-mem` (small by
-  default), so that the parameter pool holds only the blocks in flight and the frozen base is read from the SSDs
-  in forward and again in backward, every step (the report gives the pool's size against the base's bytes and the
-  base reads per step: a pool that still holds the whole base, on a small model, reads 0).
-- ``full``: lohan's full fine-tuning (`Engine`) with the same ``cpu_mem``, every record on `--nvme`
-  (``resident_mem`` 0: none kept in main memory), the same model and data.
+  default; `--stream-set` adds engine settings), so that the parameter pool holds only the blocks in flight and
+  the frozen base is read from the SSDs in forward and again in backward, every step. The pool never holds fewer
+  than (prefetch_depth + 3) of the biggest block (`LoraEngine._build`), so on a small model with a big embedding
+  (the 110M: 4 x 98 MB in fp32 at prefetch_depth 1, for a base of 438 MB) it keeps most or all of the base; the
+  report gives the pool's size against the base's and the base reads per step, and does not judge the bytes key
+  where the pool held the whole base.
+- ``full``: lohan's full fine-tuning (`Engine`), every record on `--nvme` (``resident_mem`` 0: its P16, master
+  weights and moments are read and written every step), ``cpu_mem`` = `--full-cpu-mem` (its pools of records in
+  flight need more than the LoRA pool: 1.21 GiB at 110M), the same model and data.
 - ``lora``: lohan's LoRA at `EngineConfig()`'s defaults (the base stays in main memory where it fits).
 - ``peft``: the HF model in RAM, `peft.get_peft_model` (the same rank, alpha, targets), `torch.optim.AdamW` over
   the adapters, `clip_grad_norm_`; bf16: the base in bf16 and the forward under autocast, the adapters fp32 (as
@@ -74,9 +78,12 @@ def build_lohan(a: argparse.Namespace, work: Path):
     from lohan.runtime.lora_engine import commit_path
 
     lora = a.child != "full"
-    kw: dict[str, Any] = {"lora_r": a.rank, "lora_alpha": a.alpha} if lora else {"resident_mem": 0}
-    if a.child != "lora":  # the streaming pair: the base (and full's records) on the SSDs, not in main memory
-        kw["cpu_mem"] = a.cpu_mem
+    # full: every record on the SSDs (none resident), at the cpu_mem its plan needs (pools of records in flight);
+    # lora_stream: a parameter pool too small to keep the base; lora: the defaults
+    kw: dict[str, Any] = ({"lora_r": a.rank, "lora_alpha": a.alpha} if lora
+                          else {"resident_mem": 0, "cpu_mem": a.full_cpu_mem})
+    if a.child == "lora_stream":
+        kw.update(cpu_mem=a.cpu_mem, **a.stream_set)
     cfg = EngineConfig(nvme=(str(work / "nvme"),), lr=LR, warmup_steps=0, total_steps=None, betas=BETAS, eps=EPS,
                        weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, compute_dtype=a.dtype, **kw)
     eng = init_from_hf(a.model_dir, cfg, overwrite=True)
@@ -175,13 +182,29 @@ def run_child(system: str, rnd: int, model_dir: Path, a: argparse.Namespace) -> 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", system, "--model-dir", str(model_dir),
            "--work", str(work), "--result", str(result), "--batch", str(a.batch), "--seq", str(a.seq),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--seed", str(a.seed), "--threads", str(a.threads),
-           "--dtype", a.dtype, "--rank", str(a.rank), "--alpha", str(a.alpha), "--cpu-mem", a.cpu_mem]
+           "--dtype", a.dtype, "--rank", str(a.rank), "--alpha", str(a.alpha), "--cpu-mem", a.cpu_mem,
+           "--full-cpu-mem", a.full_cpu_mem, "--stream-set", json.dumps(a.stream_set)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0 or not result.exists():
         raise SystemExit(f"error: the {system} child failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}"
                          f"{proc.stderr[-3000:]}")
     print(proc.stdout, end="", flush=True)
     return {"round": rnd, **json.loads(result.read_text())}
+
+
+PATH_FLAGS = ("--nvme", "--scratch", "--model-dir", "--results")
+
+
+def command(argv: list[str]) -> str:
+    """The command line of the report, a path outside the checkout named by its flag's role (NVME, SCRATCH, ...):
+    never the path it had on the machine that ran it (`portable` makes those inside it relative)."""
+    out = ["benchmarks/lora_bench.py"]
+    for i, x in enumerate(argv):
+        flag = argv[i - 1] if i else ""
+        if flag in PATH_FLAGS and not Path(x).resolve().is_relative_to(REPO):
+            x = flag.lstrip("-").replace("-", "_").upper()
+        out.append(x)
+    return " ".join(out)
 
 
 def schedule(rounds: int, systems: tuple[str, ...] = SYSTEMS) -> list[tuple[int, str]]:
@@ -242,7 +265,8 @@ def markdown(rep: dict[str, Any]) -> str:
         return "-" if v is None else format(v, spec)
 
     rows = [f"| {s} | {fmt(r['step_s'])} | {r['measured_steps']} | {fmt(r['read_bytes'] / GiB, '.4f')} | "
-            f"{fmt(r['write_bytes'] / GiB, '.4f')} | {r['trainable']:,} | {fmt(r['peak_rss_steps_bytes'] / GiB, '.2f')} |"
+            f"{fmt(r['write_bytes'] / GiB, '.4f')} | {r['trainable']:,} | "
+            f"{fmt(r['peak_rss_steps_bytes'] / GiB, '.2f')} |"
             for s, r in rep["systems"].items()]
     krows = [f"| `{k}` | {fmt(v['value'])} | {v['target'] or '(reported)'} | "
              f"{'-' if v['met'] is None else ('yes' if v['met'] else 'NO')} | {v.get('note', '')} |"
@@ -251,6 +275,7 @@ def markdown(rep: dict[str, Any]) -> str:
     ls = rep["systems"].get("lora_stream", {})
     pool, base = ls.get("params_pool_bytes"), ls.get("base_bytes")
     reads = ls["read_bytes"] / base if ls and base else None
+    stream_set = f", {json.dumps(rep['stream_set'])}" if rep.get("stream_set") else ""
     return "\n".join([
         f"# lora_bench: lohan LoRA vs full fine-tuning and vs PEFT in RAM ({rep['when']})", "",
         f"`{rep['command']}`", "",
@@ -263,11 +288,12 @@ def markdown(rep: dict[str, Any]) -> str:
         "| key | value | target | met | note |", "|---|---|---|---|---|", *krows, "",
         "The LoRA systems train the same adapters (trainable parameters equal)." if len(set(trainable.values())) == 1
         else f"**The LoRA systems' trainable parameters differ: {trainable}.**", "",
-        f"Streaming runs (lora_stream, full): cpu_mem {rep['cpu_mem']}; the LoRA parameter pool "
+        f"lora_stream: cpu_mem {rep['cpu_mem']}{stream_set}; its parameter pool "
         f"{fmt(pool / GiB if pool else None)} GiB for a base of {fmt(base / GiB if base else None)} GiB; base "
         f"reads per step {fmt(reads, '.2f')} (2: forward and backward each read it; less: the pool kept part of "
-        "it). full keeps no record in main memory (resident_mem 0). lora and peft run at their defaults (the base "
-        "in RAM).", ""])
+        f"it). full: cpu_mem {rep.get('full_cpu_mem')}, no record kept in main memory (resident_mem 0): its P16, "
+        "master weights and moments are read and written every step. lora and peft run at their defaults (the base "
+        "in RAM where it fits).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,11 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run_child(s, r, model_dir, a) for r, s in schedule(a.rounds, a.systems)]
     summary = summarize(runs)
     rep = {"when": dt.datetime.now().isoformat(timespec="seconds"),
-           "command": " ".join(["benchmarks/lora_bench.py", *(argv if argv is not None else sys.argv[1:])]),
+           "command": command(argv if argv is not None else sys.argv[1:]),
            "model": Path(a.model_dir).name if a.model_dir else f"llama-{a.size}",
-           "param_count": next(iter(summary.values()))["param_count"], "batch": a.batch, "seq": a.seq, "dtype": a.dtype,
-           "rank": a.rank, "alpha": a.alpha, "rounds": a.rounds, "warmup": a.warmup, "steps": a.steps,
-           "cpu_mem": a.cpu_mem, "keys": keys(summary), "systems": summary, "runs": runs, "environment": env}
+           "param_count": next(iter(summary.values()))["param_count"], "batch": a.batch, "seq": a.seq,
+           "dtype": a.dtype, "rank": a.rank, "alpha": a.alpha, "rounds": a.rounds, "warmup": a.warmup,
+           "steps": a.steps, "cpu_mem": a.cpu_mem, "stream_set": a.stream_set, "full_cpu_mem": a.full_cpu_mem,
+           "keys": keys(summary), "systems": summary, "runs": runs, "environment": env}
     rep = portable(rep)
     out = Path(a.results) / f"lora_bench{'_' + a.tag if a.tag else ''}"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,16 +330,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", help="a local HF Llama directory (default: make_tiny_hf.py --size SIZE)")
     p.add_argument("--size", choices=tuple(SHAPES), default="110m",
                    help="the model's shape (SHAPES: make_tiny_hf.py's defaults, its --size, or 1b; default 110m)")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--warmup", type=int, default=2, help="steps per run left out of the medians")
+    p.add_argument("--warmup", type=int, default=1, help="steps per run left out of the medians")
     p.add_argument("--steps", type=int, default=3, help="measured steps per run")
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once, rotated")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--cpu-mem", default="256MiB",
-                   help="cpu_mem of the streaming pair (lora_stream, full): small, so the base is read every pass")
+                   help="cpu_mem of lora_stream: small, so that its parameter pool holds the blocks in flight only")
+    p.add_argument("--stream-set", default={}, type=json.loads,
+                   help='more engine settings of lora_stream, as JSON (e.g. \'{"prefetch_depth": 1}\': a smaller '
+                        "pool of blocks in flight, where the default one holds a small model's whole base)")
+    p.add_argument("--full-cpu-mem", default="8GiB",
+                   help="cpu_mem of full (its pools of records in flight; every record is on the SSDs)")
     p.add_argument("--nvme", default=None, help="directory for the stores (default: a scratch directory on disk)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -460,11 +460,13 @@ def test_lora_bench_markdown_names_the_keys_and_a_target_mismatch():
     summary = lora_bench.summarize(_lora_runs())
     rep = {"when": "now", "command": "benchmarks/lora_bench.py", "model": "llama-x", "param_count": 1000, "batch": 4,
            "seq": 64, "dtype": "fp32", "rank": 4, "alpha": 8.0, "rounds": 2, "warmup": 1, "steps": 2,
-           "cpu_mem": "256MiB", "keys": lora_bench.keys(summary), "systems": summary,
+           "cpu_mem": "256MiB", "stream_set": {"prefetch_depth": 1}, "full_cpu_mem": "8GiB",
+           "keys": lora_bench.keys(summary), "systems": summary,
            "environment": {"hardware": {"cpu_count": 2, "cpu_model": "cpu"}}}
     md = lora_bench.markdown(rep)
     assert "| `lora_bytes_per_param_step` | 8.540 | <= 4.5 | NO |" in md
     assert "| lora_stream | 3.000 |" in md and "trainable parameters equal" in md
+    assert "full: cpu_mem 8GiB" in md and "cpu_mem 256MiB, {\"prefetch_depth\": 1}" in md
     assert "base reads per step 2.12" in md  # 8500 of a 4000-byte base
     rep["systems"]["peft"]["trainable"] = 65
     assert "trainable parameters differ" in lora_bench.markdown(rep)
@@ -479,3 +481,8 @@ def test_lora_bench_smoke_run(tmp_path):
     losses = {r["system"]: r["steps"][0]["loss"] for r in report["runs"]}
     assert len(set(losses.values())) == 1  # the same model and first batch everywhere
     assert not any((tmp_path / "scratch" / "nvme").iterdir())  # every store removed
+
+
+def test_lora_bench_command_names_paths_outside_the_checkout_by_their_role():
+    cmd = lora_bench.command(["--nvme", "/mnt/ssd0/x", "--tag", "t", "--results", "benchmarks/results"])
+    assert cmd == "benchmarks/lora_bench.py --nvme NVME --tag t --results benchmarks/results"
