@@ -60,12 +60,9 @@ def test_a_speculated_step_held_in_ram_that_clips_is_replayed_at_its_coefficient
     assert "clips (coefficient" in caplog.text and "replaying 1 step(s)" in caplog.text
 
 
-def test_a_replay_runs_each_held_step_as_it_ended_and_none_replays_again(make_dirs, caplog):
-    """Held steps that clipped or were skipped are replayed as they ended (at their coefficient, skipped), so a
-    replay never triggers another: one replay per step that failed in place, and PyTorch's bits."""
-    mcfg = tiny_cfg()
-    ecfg = config(make_dirs(1), persist_every=STEPS, max_grad_norm=1.0, clip_mode="speculate")
-    data, poison = list(batches(STEPS)), {3, 5}
+def run_poisoned(mcfg, ecfg, data, poison):
+    """The engine on `data`, the steps in `poison` made not finite by their batch, not by the call (the replayed
+    steps run inside the failed step's call): losses, metrics, final weights."""
     bad = [data[s][0] for s in poison]
     losses, metrics = [], []
     with lohan.init(mcfg, ecfg) as engine:
@@ -75,7 +72,16 @@ def test_a_replay_runs_each_held_step_as_it_ended_and_none_replays_again(make_di
         for batch in data:
             losses.append(engine.step(batch))
             metrics.append(engine.last_stats.to_dict())
-        params = engine.state_dict_fp32()
+        return losses, metrics, engine.state_dict_fp32()
+
+
+def test_a_replay_runs_each_held_step_as_it_ended_and_none_replays_again(make_dirs, caplog):
+    """Held steps that clipped or were skipped are replayed as they ended (at their coefficient, skipped), so a
+    replay never triggers another: one replay per step that failed in place, and PyTorch's bits."""
+    mcfg = tiny_cfg()
+    ecfg = config(make_dirs(1), persist_every=STEPS, max_grad_norm=1.0, clip_mode="speculate")
+    data, poison = list(batches(STEPS)), {3, 5}
+    losses, metrics, params = run_poisoned(mcfg, ecfg, data, poison)
     ref_losses, _, ref_params = reference(mcfg, ecfg, data, poison)
     assert [str(x) for x in losses] == [str(x) for x in ref_losses]
     failed = [s for s, m in enumerate(metrics) if s and (m["skipped"] or m["clip_coef"] < 1)]  # (step 0 reads SSDs)
@@ -90,17 +96,7 @@ def test_a_non_finite_step_that_updated_ram_in_place_is_replayed_and_skipped(mak
     mcfg = tiny_cfg()
     ecfg = config(make_dirs(1), persist_every=4, max_grad_norm=0.0, clip_mode="speculate")
     data, poison = list(batches(STEPS)), {4, 6}
-    bad = [data[s][0] for s in poison]
-    losses, metrics = [], []
-    with lohan.init(mcfg, ecfg) as engine:
-        real = engine.program.run
-        # by the batch, not by the call: the replayed steps run inside the failed step's call
-        engine.program.run = lambda i, x, t: (real(i, x, t) * math.nan if i == 0 and any(torch.equal(x.cpu(), b)
-                                              for b in bad) else real(i, x, t))
-        for batch in data:
-            losses.append(engine.step(batch))
-            metrics.append(engine.last_stats.to_dict())
-        params = engine.state_dict_fp32()
+    losses, metrics, params = run_poisoned(mcfg, ecfg, data, poison)
     ref_losses, ref_norms, ref_params = reference(mcfg, ecfg, data, poison)
     assert [str(x) for x in losses] == [str(x) for x in ref_losses]
     assert [m["skipped"] for m in metrics] == [s in poison for s in range(STEPS)]
