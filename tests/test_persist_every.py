@@ -346,3 +346,37 @@ def test_a_second_signal_stops_at_once():
             signal.raise_signal(signal.SIGINT)  # ... the second is not
             held = False
     assert held and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_a_step_that_then_replays_is_raised_after_the_replay(make_dirs, caplog):
+    """Ctrl-C during a held step that turns out not finite: the replay the step needs runs first (an interrupt
+    must not leave it halfway), then the interrupt is raised; nothing is lost."""
+    mcfg = tiny_cfg()
+    ecfg = config(make_dirs(1), persist_every=STEPS, max_grad_norm=0.0, clip_mode="speculate")
+    data = list(batches(STEPS))
+    with lohan.init(mcfg, ecfg) as engine:
+        for batch in data[:3]:
+            engine.step(batch)
+        real_run, cls = engine.program.run, engine.offloader._pass.__class__
+        real_update, calls = cls._update, []
+
+        def interrupted(self, rb, grad):
+            calls.append(rb.unit)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return real_update(self, rb, grad)
+        engine.program.run = lambda i, x, t: (real_run(i, x, t) * math.nan if i == 0 and torch.equal(x.cpu(), data[3][0])
+                                              else real_run(i, x, t))
+        cls._update = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                engine.step(data[3])
+        finally:
+            cls._update = real_update
+        assert "replaying 3 step(s)" in caplog.text and engine.step_count == 4 and engine.last_stats.skipped
+        engine.persist()
+        for batch in data[4:]:
+            engine.step(batch)
+        engine.program.run = real_run
+        params = engine.state_dict_fp32()
+    same_weights(params, reference(mcfg, ecfg, data, {3})[2])

@@ -413,7 +413,7 @@ class Engine:
         replay = None
         try:
             # a stop halfway through an update in place of RAM-only states would lose them
-            with finish_before_interrupts(run.plan.in_place or run.plan.known is not None):
+            with finish_before_interrupts(run.plan.in_place or run.plan.known is not None) as held_signals:
                 loss = self._train(run)
                 # measured before the commit too, to be committed with it (`committed_stats`): the time of the
                 # commit itself is in `last_stats` only
@@ -424,7 +424,7 @@ class Engine:
                 self._refine_cpu_rate(self.last_stats)
                 self._observe_persist(self.last_stats)
         except _InPlaceLost as lost:
-            replay = (self._held.take(), lost.coef)
+            replay = (self._held.take(), lost.coef, held_signals)
             self._abort(run)
             self._drop_volatile()  # (whatever the rollback found updated: the replay starts at the durable commit)
         except BaseException:
@@ -626,7 +626,7 @@ class Engine:
         if fatal is not None:
             raise fatal
 
-    def _replay(self, held: list, coef: Tensor | None, batch: tuple[Tensor, Tensor],
+    def _replay(self, held: list, coef: Tensor | None, signals: list[int], batch: tuple[Tensor, Tensor],
                 next_batch: tuple[Tensor, Tensor] | None) -> float:
         """A step that updated RAM-only states in place turned out not finite, or clipped after a speculated update
         (`StepPlan.in_place`): the rollback went back to the last durable commit; the steps since are run again from
@@ -638,8 +638,8 @@ class Engine:
                     "from their batches, then running it again", self.store.step + len(held) + 1, what,
                     self.store.step, len(held))
         # each replayed step runs as it ended (skipped, clipped at its coefficient): none replays again; and the
-        # replay is part of this call, which an interrupt must not leave halfway
-        with finish_before_interrupts(True):
+        # replay is part of this call, which an interrupt (one the failed step held too) must not leave halfway
+        with finish_before_interrupts(True, pending=signals):
             for b, nb, outcome in [*held, (batch, next_batch, "skip" if coef is None else coef)]:
                 self._replayed = outcome
                 try:

@@ -69,14 +69,15 @@ def _copy(batch: Batch) -> Batch:
 
 
 @contextlib.contextmanager
-def finish_before_interrupts(active: bool) -> Iterator[None]:
+def finish_before_interrupts(active: bool, pending: list[int] | None = None) -> Iterator[list[int]]:
     """Hold Ctrl-C and SIGTERM until the block ends (then deliver the first one as its handler would have), where
     `active` and in the main thread (the only one signal handlers run in); a second signal meanwhile is delivered
-    at once."""
+    at once. Yields the signals held so far: where the block raises, none is delivered, and a caller that goes on
+    with the same work (a replay) passes them on as `pending`, delivered when its own block ends."""
+    caught: list[int] = list(pending or [])
     if not active or threading.current_thread() is not threading.main_thread():
-        yield
+        yield caught
         return
-    caught: list[int] = []
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def restore() -> None:
@@ -96,7 +97,7 @@ def finish_before_interrupts(active: bool) -> Iterator[None]:
     for sig in previous:
         signal.signal(sig, hold)
     try:
-        yield
+        yield caught
     finally:
         restore()
     if caught:
