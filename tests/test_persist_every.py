@@ -305,6 +305,25 @@ def test_the_header_says_what_a_kill_loses_in_steps_and_time(tmp_path, capsys):
     assert re.search(r"a kill loses at most 3 steps, about [0-9.]+ (s|minutes)", line), line
 
 
+def interrupted_step(engine, batch) -> None:
+    """`engine.step(batch)` with Ctrl-C sent mid-pass, from the optimizer's thread at its second update (the handler
+    runs on the main one); the step must raise KeyboardInterrupt."""
+    cls = engine.offloader._pass.__class__
+    real, calls = cls._update, []
+
+    def interrupted(self, rb, grad):
+        calls.append(rb.unit)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return real(self, rb, grad)
+    cls._update = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step(batch)
+    finally:
+        cls._update = real
+
+
 def test_ctrl_c_during_a_step_that_updates_ram_in_place_waits_for_its_commit(make_dirs, caplog):
     """Ctrl-C while a step updates RAM-only states in place: the step finishes and commits first, then the interrupt
     is raised, so the driver's persist loses nothing; the run goes on the same bits as PyTorch."""
@@ -314,20 +333,7 @@ def test_ctrl_c_during_a_step_that_updates_ram_in_place_waits_for_its_commit(mak
     with lohan.init(mcfg, ecfg) as engine:
         for batch in data[:5]:
             engine.step(batch)
-        cls = engine.offloader._pass.__class__
-        real, calls = cls._update, []
-
-        def interrupted(self, rb, grad):
-            calls.append(rb.unit)
-            if len(calls) == 2:  # mid-pass, on the optimizer's thread: the handler runs on the main one
-                signal.raise_signal(signal.SIGINT)
-            return real(self, rb, grad)
-        cls._update = interrupted
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                engine.step(data[5])
-        finally:
-            cls._update = real
+        interrupted_step(engine, data[5])
         assert "SIGINT: finishing the step first" in caplog.text
         assert (engine.step_count, engine.committed_step) == (6, 4)
         engine.persist()
@@ -357,22 +363,10 @@ def test_ctrl_c_during_a_step_that_then_replays_is_raised_after_the_replay(make_
     with lohan.init(mcfg, ecfg) as engine:
         for batch in data[:3]:
             engine.step(batch)
-        real_run, cls = engine.program.run, engine.offloader._pass.__class__
-        real_update, calls = cls._update, []
-
-        def interrupted(self, rb, grad):
-            calls.append(rb.unit)
-            if len(calls) == 2:
-                signal.raise_signal(signal.SIGINT)
-            return real_update(self, rb, grad)
+        real_run = engine.program.run
         engine.program.run = lambda i, x, t: (real_run(i, x, t) * math.nan if i == 0 and torch.equal(x.cpu(), data[3][0])
                                               else real_run(i, x, t))
-        cls._update = interrupted
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                engine.step(data[3])
-        finally:
-            cls._update = real_update
+        interrupted_step(engine, data[3])
         assert "replaying 3 step(s)" in caplog.text and engine.step_count == 4 and engine.last_stats.skipped
         engine.persist()
         for batch in data[4:]:
