@@ -28,6 +28,11 @@ regimes of the optimized step's waits for P16, forward and backward, over the st
 Without the timing model (a lohan whose EngineConfig has no ``sim_gpu``) the device's compute is the CPU's own
 and the report says so (``timed_device: false``): its numbers are then not a GPU box's.
 
+``--device-compute modeled`` (``sim_gpu`` ``compute=modeled``) skips the device's arithmetic and its copies' bytes:
+each op takes only its modeled time. Run for real (``real``), the emulated GPU's math and memcpy take the same two
+cores as AdamW, hashing and the I/O threads, a contention a GPU box does not have; modeled, only the host's own work
+(dispatch, the optimizer, hashing, I/O) runs. The report says which (``device_compute``).
+
     python benchmarks/lane_bench.py --quick --nvme /mnt/scratch/lanes   # results/lane_bench_quick.{json,md}
 """
 
@@ -75,6 +80,7 @@ class Regime:
     resident_mem: int | str
     state_format: str = "exact"
     persist_every: int | str = 1
+    compute: str = "real"  # the device's arithmetic: run for real, or only its modeled time (--device-compute)
 
     @property
     def rate_key(self) -> str:
@@ -84,7 +90,13 @@ class Regime:
 
     @property
     def sim_gpu(self) -> str:
-        return f"tflops={self.tflops:.6g},h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"
+        return sim_spec(self.tflops, self.compute)
+
+
+def sim_spec(tflops: float, compute: str) -> str:
+    """The modeled GPU: `tflops`, PCIe both ways, and whether its arithmetic runs (``compute=modeled``: no)."""
+    return f"tflops={tflops:.6g},h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s" + (
+        "" if compute == "real" else f",compute={compute}")
 
 
 def default_nvme() -> str:
@@ -115,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--cpu-mem", default="4GiB")
+    p.add_argument("--device-compute", choices=("real", "modeled"), default="real",
+                   help="the emulated GPU's arithmetic: run on this CPU (real: bit-exact, but it takes the cores the "
+                        "CPU lanes need) or skipped, only its modeled time passing (modeled: a GPU box's host)")
     p.add_argument("--out", default=None, help="JSON path (default results/lane_bench[_quick].json)")
     a = p.parse_args(argv)
     if a.quick:
@@ -171,8 +186,8 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     in_ram = persist_every != 1
     cfg = EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
                        device="sim", mode="optimized" if in_ram else "serial", resident_mem="all", name=STORE_NAME,
-                       max_grad_norm=0.0, state_format=state_format, persist_every=persist_every, **({"sim_gpu": f"tflops=1000,h2d={PCIE / 1e9:g}GB/s,d2h={PCIE / 1e9:g}GB/s"}
-                          if timed_device() else {}))
+                       max_grad_norm=0.0, state_format=state_format, persist_every=persist_every,
+                       **({"sim_gpu": sim_spec(1000, args.device_compute)} if timed_device() else {}))
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, CALIBRATION_STEPS + 1, seed=1)
     with lohan.init(mcfg, cfg, overwrite=True) as engine:
         cpu = []
@@ -210,7 +225,8 @@ def choose_regimes(args: argparse.Namespace, mcfg: Any, cpu_rates: dict[str, flo
     out = []
     for name in args.regimes:
         fmt, resident, gpu_x, ssd_x, persist = SHAPES[name]
-        regime = Regime(name, 1.0, FIXED_SSD_GBPS if ssd_x is None else 1.0, resident, fmt, persist)
+        regime = Regime(name, 1.0, FIXED_SSD_GBPS if ssd_x is None else 1.0, resident, fmt, persist,
+                        args.device_compute)
         for _ in range(4):
             got = predicted(args, mcfg, regime, cpu_rates, "optimized")
             ssd = regime.ssd_gbps if ssd_x is None else regime.ssd_gbps * got["ssd"] / (ssd_x * got["cpu"])
@@ -361,8 +377,13 @@ def markdown(report: dict) -> str:
         "Lanes are `engine.last_stats.lanes` (medians of the measured steps) and `planner.predict_lanes` for the "
         "same run; the error counts lanes >= 10% of the step. `deferred`: the share of measured steps whose update "
         "ran after backward beside the next forward (clip_mode auto's choice; the others updated during backward). "
-        "Not modeled: kernel efficiency, the caching allocator, "
-        "the real GPU's launch overheads; the CPU's compute of the model still runs (short sequences keep it small)."]
+        "Not modeled: kernel efficiency, the caching allocator, the real GPU's launch overheads. "
+        + ("The device's arithmetic was skipped (`--device-compute modeled`): its ops took only their modeled time "
+           "and its copies moved no bytes, as a GPU's take no host core; the host still ran every op's dispatch, "
+           "the optimizer, hashing and I/O for real (losses not meaningful)."
+           if report.get("device_compute") == "modeled" else
+           "The CPU's compute of the model still ran for real (`--device-compute real`; short sequences keep it "
+           "small), on the cores the CPU lanes also need.")]
     return "\n".join(lines) + "\n"
 
 
@@ -398,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = headline(results)
     report = {**keys, "targets_met": targets_met(keys), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": command(argv if argv is not None else sys.argv[1:]),
-              "emulated": True, "timed_device": timed_device(), "cpu_update_params_per_s": cpu_rates,
+              "emulated": True, "timed_device": timed_device(), "device_compute": args.device_compute,
+              "cpu_update_params_per_s": cpu_rates,
               "cpu_adam_params_per_s_alone": alone,
               "model": {"name": mcfg.name, "n_layer": mcfg.n_layer, "d_model": mcfg.d_model,
                         "vocab_size": mcfg.vocab_size, "params": mcfg.param_count(), "batch": args.batch_size,

@@ -306,3 +306,53 @@ def test_on_a_cpu_device_the_optimizer_stays_unpriced(make_dirs):
         for k in range(2):
             engine.step(data[k], next_batch=data[k + 1])
         assert engine.activations.profile.hardware.cpu_adam_params_per_s == 0
+
+
+# ------------------------------------------------------------------------------------------------ compute=modeled
+def test_compute_modeled_is_parsed_named_and_refused_when_misspelt():
+    assert parse_sim_gpu("rtx4090").arithmetic and parse_sim_gpu("rtx4090,compute=real").arithmetic
+    spec = parse_sim_gpu("rtx4090,compute=modeled")
+    assert not spec.arithmetic and spec.flops == HARDWARE_PRESETS["rtx4090"].flops
+    assert spec.describe().endswith("arithmetic skipped (compute=modeled): losses are not real")
+    with pytest.raises(ValueError, match="compute is real or modeled"):
+        parse_sim_gpu("rtx4090,compute=fake")
+
+
+def test_compute_modeled_takes_the_modeled_time_without_the_arithmetic():
+    """The op's shape and modeled time, zeros for its result; in-place ops and copies move no bytes; a pool buffer
+    downloaded into holds zeros, not its old bytes (never NaN poison, which would read as a non-finite step)."""
+    d = Device("sim", sim_gpu=SimGpu("slow", flops=1e9, h2d=1e8, d2h=1e8, mem_bw=1e12, arithmetic=False))
+    try:
+        a = d.put(torch.ones(200, 2000))
+        b = d.put(torch.ones(2000, 200))
+        before = d.lane_busy()["gpu"]
+        c = a @ b
+        assert tuple(c.shape) == (200, 200) and float(d.fetch(c.abs().sum())) == 0.0
+        assert d.lane_busy()["gpu"] - before >= 2 * 200 * 2000 * 200 / 1e9
+        c.add_(1.0)  # skipped: still zeros
+        assert float(d.fetch(c.sum())) == 0.0
+        host = torch.full((200, 200), float("nan"))
+        up = d.to_device(torch.full((200, 200), 7.0))
+        d.wait(up.event)
+        assert float(d.fetch(up.tensor.sum())) == 0.0  # the upload moved no bytes
+        ev = d.to_host(c, host)
+        ev.synchronize()
+        assert torch.equal(host, torch.zeros(200, 200))
+    finally:
+        d.close()
+
+
+def test_an_engine_with_compute_modeled_steps_finite_and_updates_every_step(make_dirs):
+    """Zeros through the model: each step is finite (no step skipped), the optimizer updates, the lanes are busy."""
+    mcfg = eq.tiny_cfg()
+    ecfg = eq.engine_config(make_dirs(1), mode="optimized", device="sim",
+                            sim_gpu="tflops=0.02,h2d=2,d2h=2,compute=modeled")
+    data = list(eq.batches(3, 4, 32, 256))
+    losses, skipped = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        for b in data:
+            losses.append(engine.step(b))
+            skipped.append(engine.last_stats.skipped)
+        busy = engine.device.lane_busy()
+    assert not any(skipped) and all(torch.isfinite(torch.tensor(x)) for x in losses), (losses, skipped)
+    assert busy["gpu"] > 0 and busy["m2g"] > 0 and busy["g2m"] > 0, busy

@@ -347,6 +347,38 @@ _EXTRA_FLOPS: dict[Any, Callable[..., float]] = {
 }
 
 
+_REAL = object()  # _modeled_result: this op must run for real
+
+
+def _to_meta(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+
+
+def _zeros_from_meta(t: Tensor) -> Tensor:
+    return torch.zeros(t.size(), dtype=t.dtype) if t.is_contiguous() else \
+        torch.empty_strided(t.size(), t.stride(), dtype=t.dtype).zero_()
+
+
+def _modeled_result(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op's result without its arithmetic (compute=modeled): what it writes in place is left as it was, a new
+    result is zeros of the shape, strides and dtype its meta kernel gives; `_REAL` where there is no meta kernel
+    (the op then runs for real)."""
+    writes = _schema_writes(func)
+    if writes:
+        outs = [args[k] if k < len(args) else kwargs.get(func._schema.arguments[k].name) for k in writes]
+        returns = len(func._schema.returns)
+        if returns == 0:
+            return None
+        if returns == len(outs) and all(isinstance(t, Tensor) for t in outs):
+            return outs[0] if returns == 1 else tuple(outs)
+        return _REAL
+    try:
+        meta = func(*_map(Tensor, _to_meta, args), **_map(Tensor, _to_meta, kwargs))
+    except (NotImplementedError, RuntimeError):
+        return _REAL
+    return _map(Tensor, _zeros_from_meta, meta)
+
+
 def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _leaves(tree, []) if isinstance(t, Tensor))
 
@@ -369,6 +401,9 @@ class SimDevice:
         self._clock = threading.Lock()
         self._free_at = 0.0  # when the modeled compute stream has finished what was issued on it
         self._gpu_busy = 0.0
+        # compute=modeled (SimGpu.arithmetic False): ops yield zeros of their shape, copies move no bytes
+        self.modeled_only = timing is not None and not timing.arithmetic
+        self._zeros: dict[torch.dtype, Tensor] = {}
         _HOST.install()
 
     # -- time
@@ -435,9 +470,20 @@ class SimDevice:
         return SimTensor(inner, self, _Memory(writer))
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> SimTensor:
+        if self.modeled_only:  # nothing writes it (every write is skipped): the shared zeros, never NaN
+            return self.wrap(self._zeros_of(shape, dtype))
         inner = torch.empty(shape, dtype=dtype)
         _poison(inner)  # uninitialized device memory: whatever reads it before a write reads NaN
         return self.wrap(inner)
+
+    def _zeros_of(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+        """A view of `shape` into one shared zero buffer per dtype (compute=modeled: no op writes device memory, so
+        every buffer the device would have filled may be the same zeros, at no memset or allocation)."""
+        n = max(1, int(torch.Size(shape).numel()))
+        buf = self._zeros.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._zeros[dtype] = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel())), dtype=dtype)
+        return buf[:n].view(shape) if len(shape) else buf[0]
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         leaves = _leaves((args, kwargs), [])
@@ -452,7 +498,11 @@ class SimDevice:
             self.syncs += 1
         inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
         t0 = time.monotonic()
-        out = func(*inner_args, **inner_kwargs)
+        out = _REAL
+        if self.modeled_only and func not in _SYNCS and not _is_view(func):
+            out = _modeled_result(func, inner_args, inner_kwargs)
+        if out is _REAL:
+            out = func(*inner_args, **inner_kwargs)
         self._charge(t0, time.monotonic(), self._op_seconds(func, inner_args, inner_kwargs, out))
         self._pay(0.0 if func in _SYNCS else RUN_AHEAD)
         if func in _SYNCS or not isinstance(out, Tensor | tuple | list):
@@ -499,7 +549,8 @@ class SimDevice:
                 self._check_readers(dst, "copy_ overwrites")
                 if isinstance(src, SimTensor) and not self.compute_stream.sees(src._mem.writer):
                     raise StreamOrderError("copy_ reads a device tensor before the copy that writes it completed")
-                dst._inner.copy_(src._inner if isinstance(src, SimTensor) else src, **kwargs)
+                if not self.modeled_only:
+                    dst._inner.copy_(src._inner if isinstance(src, SimTensor) else src, **kwargs)
                 dst._mem.writer = (self.compute_stream, self.compute_stream.count)
                 return dst
             self.syncs += 1  # device -> host, synchronously: the host waits for the device
@@ -514,6 +565,10 @@ class SimDevice:
             if target is not None and target != SIM_DEVICE:  # .cpu(), .to("cpu"): to the host, synchronously
                 self.syncs += 1
                 return func(src._inner, *args[1:], **kwargs)
+            if self.modeled_only:  # a cast on the device: its result's shape, no arithmetic
+                out = _modeled_result(func, (src._inner, *args[1:]), _to_host_kwargs(kwargs))
+                if out is not _REAL:
+                    return self.wrap(out)
             return self.wrap(func(src._inner, *args[1:], **_to_host_kwargs(kwargs)))
         inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
         return _map(Tensor, self.wrap, func(*inner_args, **inner_kwargs))
@@ -556,7 +611,10 @@ class SimDevice:
         (`Device.wait`)."""
         if isinstance(host, SimTensor):
             raise DeviceMixError("h2d of a tensor that is already on the device")
-        inner = torch.empty(host.shape, dtype=host.dtype)
+        if self.modeled_only:  # no bytes move (nothing reads them as numbers)
+            inner = self._zeros_of(host.shape, host.dtype)
+        else:
+            inner = torch.empty(host.shape, dtype=host.dtype)
         if self.timing is None:  # a timed device leaves it unpoisoned (the module's docstring, Time)
             _poison(inner)
         stream = self.upload_stream
@@ -572,7 +630,8 @@ class SimDevice:
         def job() -> None:
             if after is not None:  # the engine stalls until the other engine's copy is done, as a GPU's would
                 after._done.wait()
-            inner.copy_(src)
+            if not self.modeled_only:
+                inner.copy_(src)
 
         self._upload.submit(job, ev, _nbytes(src))
         return out, ev
@@ -594,7 +653,9 @@ class SimDevice:
         dev._mem.readers.append(ev)
         _HOST.track(out, ev, "write")
         self.copies["d2h"] += 1
-        self._download.submit(lambda: out.copy_(src), ev, _nbytes(src))
+        # compute=modeled: the host finds zeros (a pool buffer given back holds NaN poison, which would make the step
+        # look non-finite); a GPU's DMA writes host memory without a core, a memset is the least this box can do
+        self._download.submit(out.zero_ if self.modeled_only else lambda: out.copy_(src), ev, _nbytes(src))
         return ev
 
     def copy_after_compute(self) -> None:
