@@ -9,6 +9,7 @@ import json
 import math
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -45,6 +46,46 @@ def test_clipping_off_steps_held_in_ram_update_them_in_place_during_backward(mak
     metrics = check(tiny_cfg(), ecfg, lookahead=lookahead)
     assert [m["deferred"] for m in metrics] == [False] * STEPS
     assert [m["durable"] for m in metrics] == [(s + 1) % 3 == 0 for s in range(STEPS)]
+    # with the next batch known, the blocks still to update once backward ends go in forward order and the next
+    # forward follows them (the last step has no next batch)
+    assert [m["next_forward_overlapped"] for m in metrics] == [
+        lookahead and not m["durable"] and s + 1 < STEPS for s, m in enumerate(metrics)]
+
+
+def test_once_backward_ends_the_blocks_left_update_in_forward_order_and_the_next_forward_follows(make_dirs,
+                                                                                                 monkeypatch):
+    """A slow optimizer (each block's update held 30 ms) is still updating when backward ends: the blocks it has not
+    begun go in forward order, each handed to the next step's forward as it is done, so that forward starts at
+    block 0 while the pass still runs instead of after the whole pass. The same bits as PyTorch."""
+    from lohan.runtime import offload, params
+
+    events = []
+    update, acquire = offload.UpdatePass._update, params.ParamStreamer.acquire
+
+    def slow_update(self, rb, grad):
+        time.sleep(0.03)
+        events.append(("update", rb.unit[0], rb.unit[1], time.perf_counter()))
+        return update(self, rb, grad)
+
+    def logged_acquire(self, i, slot):
+        events.append(("acquire", i, slot, time.perf_counter()))
+        return acquire(self, i, slot)
+
+    monkeypatch.setattr(offload.UpdatePass, "_update", slow_update)
+    monkeypatch.setattr(params.ParamStreamer, "acquire", logged_acquire)
+    ecfg = config(make_dirs(1), persist_every=3, max_grad_norm=0.0, clip_mode="speculate")
+    metrics = check(tiny_cfg(), ecfg, lookahead=True)
+    assert metrics[0]["next_forward_overlapped"] and not metrics[0]["durable"]
+    # step 1's updates: backward order while gradients come, then forward order for the rest
+    n = len({e[1] for e in events if e[0] == "update"})
+    first = [e[1] for e in events if e[0] == "update" and e[2] == 0][:n]
+    j = first.index(0)  # where the tail in forward order begins
+    assert first[:j] == sorted(first[:j], reverse=True) and first[j:] == sorted(first[j:]), first
+    assert n - j >= 2, first  # blocks were left to the tail and reordered (backward order ends at block 0)
+    # the next forward acquired block 0 before the pass's last update
+    last_update = [e[3] for e in events if e[0] == "update"][n - 1]
+    t_block0 = [e[3] for e in events if e[0] == "acquire" and e[1] == 0]
+    assert t_block0[1] < last_update, (t_block0, last_update)
 
 
 def test_a_speculated_step_held_in_ram_that_clips_is_replayed_at_its_coefficient(make_dirs, caplog):

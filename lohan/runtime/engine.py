@@ -537,6 +537,8 @@ class Engine:
             self.offloader.begin_redo(plan.update, plan.hyper, order, plan.read_slot, plan.write_slot,
                                       settled.coef_t, provide=self.streamer.offer if follow else None,
                                       persist=plan.durable)
+        elif plan.tail_follows:  # the rest of the pass in forward order, the next forward following it
+            follow = self.offloader.follow(self._expect_tail) is not None
         fwd_t = None
         if follow:
             acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
@@ -544,6 +546,13 @@ class Engine:
         self.offloader.finish()
         self.streamer.end_handover()
         run.next_fwd_s = fwd_t.seconds() if fwd_t else 0.0
+
+    def _expect_tail(self, blocks: list[int]) -> Provide:
+        """`GradOffloader.follow`'s callback (on the worker, at a block boundary): the next forward waits for
+        `blocks`' new P16 from the pass; the blocks updated before it kept theirs (`handover`) or are read from
+        their resident records, updated already."""
+        self.streamer.expect(blocks, lambda: self.offloader.failure)
+        return self.streamer.offer
 
     def _conclude(self, run: StepRun, loss: float, note: dict) -> None:
         """Commit the step, or (not finite) its skip, with `note` (what it measured); fp16: the loss scale's update

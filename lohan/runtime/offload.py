@@ -197,6 +197,12 @@ class UpdatePass:
         # before this pass's first WRITE (`_settle_tail`)
         self.before: Callable[[], None] | None = None
         self.settled = False
+        # the tail in forward order (`follow`): what the engine asked for, under this lock, and the answer
+        self._follow_lock = threading.Lock()
+        self._follow: Callable[[list[int]], Provide] | None = None
+        self._followed = threading.Event()
+        self._follow_blocks: list[int] | None = None
+        self._units_done = False
 
     # ----------------------------------------------------------------- the pass
     def run(self) -> None:
@@ -224,23 +230,26 @@ class UpdatePass:
         grad: AlignedBuffer | StashedGrad | None = None
         current = None
         try:
-            for k, unit in enumerate(self.units):
-                if unit[0] != current:  # the block's first unit: wait for its gradients
+            for k in range(len(self.units)):
+                if self.units[k][0] != current:  # the block's first unit: wait for its gradients
                     if grad is not None:
                         self._done_with(current, grad)
                         grad = None
+                    self._answer_follow(k)  # (may reorder units k, k+1, ...)
                     if self.ago.read_ahead:  # reads need no gradient: use the wait to fetch further ahead
                         self._read_ahead(k)
-                    grad, current = self._take_grad(unit[0]), unit[0]
+                    grad, current = self._take_grad(self.units[k][0]), self.units[k][0]
                     if grad is None:
                         return False
-                rb = self._read(k, unit, prefetch)
+                rb = self._read(k, self.units[k], prefetch)
                 if not self._update(rb, grad):
                     return False
                 self._emit(rb, reads_pending=self._reads_pending(k))
+            self._answer_follow(len(self.units))  # every unit updated: nothing left to follow
         finally:
             if grad is not None:
                 self._done_with(current, grad)
+            self._answer_follow(None)  # (stopped early: the engine must not run a forward beside a failed pass)
         while self.ago.behind.held:
             self.release_held(smallest=False)
         while self.ago.behind.held_res:
@@ -299,6 +308,43 @@ class UpdatePass:
             adamw_chunk_(p32, g, m, v, p16, self.update, self.hyper, params, lo)
         ago.adam_s += time.perf_counter() - t0
         return True
+
+    # ----------------------------------------------------------------- the tail in forward order
+    def follow(self, expect: Callable[[list[int]], Provide]) -> list[int] | None:
+        """After backward (every gradient handed over): update the blocks not yet begun in forward order, so the
+        next step's forward can follow them instead of waiting for the whole pass (the last block of backward order,
+        block 0, is the first the forward needs). At the pass's next block boundary, `expect(blocks)` (on the worker)
+        announces the blocks still to come and returns where their new P16 goes from then on. Returns those blocks
+        ([]: the pass had finished), or None where the rest cannot be reordered (a record not resident: its READ is
+        in flight in this order); the caller then waits for the pass before the next forward reads anything."""
+        with self._follow_lock:
+            if self._units_done:
+                return []
+            self._follow = expect
+        self._followed.wait()
+        return self._follow_blocks
+
+    def _answer_follow(self, k: int | None) -> None:
+        """At a block boundary (units k.. not begun; len(units): all done; None: the pass stopped): answer a
+        pending `follow`, reordering units k.. by block."""
+        with self._follow_lock:
+            if k is None or k >= len(self.units):
+                self._units_done = True
+            if self._follow is None or self._followed.is_set():
+                return
+            rest = self.units[k:] if k is not None else []
+            blocks = list(dict.fromkeys(u[0] for u in rest))
+            if k is None:
+                self._follow_blocks = None
+            elif not rest:
+                self._follow_blocks = []
+            elif any(i not in self.ago.resident_records for i in blocks) or self.gate.deferred:
+                self._follow_blocks = None
+            else:
+                self.units[k:] = sorted(rest)
+                self.provide = self._follow(sorted(blocks))
+                self._follow_blocks = sorted(blocks)
+            self._followed.set()
 
     def _let_go(self) -> bool:
         """A discarded pass: give back each block's gradient once it arrives, until an abort; False (discarded)."""
@@ -682,6 +728,12 @@ class GradOffloader:
     def backward_done(self) -> None:
         if self._pass is not None:
             self._pass.backward_done.set()
+
+    def follow(self, expect: Callable[[list[int]], Provide]) -> list[int] | None:
+        """`UpdatePass.follow` on the running pass (after `backward_done`)."""
+        if self._pass is None or self._thread is None:
+            return []
+        return self._pass.follow(expect)
 
     def finish(self) -> None:
         """Wait until every block is updated and written (not yet committed)."""

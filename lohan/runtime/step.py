@@ -75,6 +75,8 @@ class StepPlan:
     #                         turns out not finite (the engine replays from the last durable commit instead)
     skip: bool = False      # known not finite (a replayed failure): its optimizer pass discards every gradient
     known: Tensor | None = None  # the coefficient a replayed step that clipped is known to take (its gate's)
+    tail_follows: bool = False  # updates during backward in RAM, the next batch known: the blocks still to update
+    #                             once backward ends go in forward order, the next forward beside them
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
@@ -106,7 +108,7 @@ class StepPlan:
             lazy=follow and cfg.write_behind and one_process and cfg.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
             durable=durable, next_idx=next_idx, in_place=hold and not deferred and not replayed, skip=skip,
-            known=known)
+            known=known, tail_follows=not durable and not deferred and not replayed and next_idx is not None)
 
 
 def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bool = False) -> ClipGate:
