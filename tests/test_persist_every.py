@@ -52,12 +52,18 @@ def test_clipping_off_steps_held_in_ram_update_them_in_place_during_backward(mak
         lookahead and not m["durable"] and s + 1 < STEPS for s, m in enumerate(metrics)]
 
 
+@pytest.mark.parametrize("handover", [True, False])
 def test_once_backward_ends_the_blocks_left_update_in_forward_order_and_the_next_forward_follows(make_dirs,
-                                                                                                 monkeypatch):
+                                                                                                 monkeypatch, handover):
     """A slow optimizer (each block's update held 30 ms) is still updating when backward ends: the blocks it has not
     begun go in forward order, each handed to the next step's forward as it is done, so that forward starts at
-    block 0 while the pass still runs instead of after the whole pass. The same bits as PyTorch."""
+    block 0 while the pass still runs instead of after the whole pass. The blocks updated during backward reach that
+    forward kept from the hand-over, or (`handover` False: no room) from their records, this step's update. The same
+    bits as PyTorch."""
     from lohan.runtime import offload, params
+
+    if not handover:
+        monkeypatch.setattr(params.ParamStreamer, "handover", lambda self, old, new: None)
 
     events = []
     update, acquire = offload.UpdatePass._update, params.ParamStreamer.acquire

@@ -290,7 +290,7 @@ def test_an_interval_with_records_updated_in_chunks_on_the_simulated_device(sim,
     persist.test_an_interval_with_a_record_updated_in_chunks_trains_the_same_bits_as_pytorch(make_dirs, 1.5, 3)
 
 
-@pytest.mark.parametrize("case", ["clips", "not finite", "tail follows"])
+@pytest.mark.parametrize("case", ["clips", "not finite", "tail follows", "tail follows, no hand-over"])
 def test_steps_held_in_ram_updated_in_place_and_replayed_on_the_simulated_device(sim, make_dirs, caplog, monkeypatch,
                                                                                  case):
     """In-place updates during backward of RAM-only states, the P16 handed over to the next forward, the blocks left
@@ -298,9 +298,9 @@ def test_steps_held_in_ram_updated_in_place_and_replayed_on_the_simulated_device
     (speculated) or is not finite: the same bits, every copy ordered."""
     if case == "clips":
         persist.test_a_speculated_step_held_in_ram_that_clips_is_replayed_at_its_coefficient(make_dirs, caplog)
-    elif case == "tail follows":
+    elif case.startswith("tail follows"):
         persist.test_once_backward_ends_the_blocks_left_update_in_forward_order_and_the_next_forward_follows(
-            make_dirs, monkeypatch)
+            make_dirs, monkeypatch, handover=case == "tail follows")
     else:
         persist.test_a_non_finite_step_that_updated_ram_in_place_is_replayed_and_skipped(make_dirs, caplog)
 

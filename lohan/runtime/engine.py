@@ -253,6 +253,7 @@ class Engine:
         self._held: HeldSteps = HeldSteps()
         self._replayed: Outcome = None
         self.streamer.ram_p16 = self._ram_p16
+        self._ram_update: int | None = None  # `_ram_p16`: the update a following forward reads (None: the commit's)
 
     # ------------------------------------------------------------ durability
     @property
@@ -268,7 +269,8 @@ class Engine:
         (first element, P16) of each of its units (one, or one per chunk of a block updated in chunks)."""
         res = self.offloader.resident_records
         rbs = res.of_block(block)
-        applied = self.store.commit_state.applied
+        # the last commit's update; the step's own while the next forward follows its tail (`_finish_updates`)
+        applied = self.store.commit_state.applied if self._ram_update is None else self._ram_update
         if not rbs or not self.store.in_ram(slot) or not all(res.holds(rb.unit, slot, applied) for rb in rbs):
             raise RuntimeError(f"block {block}'s parameters of RAM slot {slot} are not in memory (a discarded update "
                                "lost them); resume from the last durable step")
@@ -541,7 +543,12 @@ class Engine:
             follow = self.offloader.follow(self._expect_tail) is not None
         fwd_t = None
         if follow:
-            acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
+            # (blocks updated before the tail, not handed over, are read from their records: this update's)
+            self._ram_update = plan.update if plan.tail_follows else None
+            try:
+                acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
+            finally:
+                self._ram_update = None
             self._next.keep(plan.next_idx, acts)
         self.offloader.finish()
         self.streamer.end_handover()
