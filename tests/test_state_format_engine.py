@@ -119,6 +119,20 @@ def test_chunked_blocks_and_a_refused_chunking(make_dirs, monkeypatch):
         lohan.init(tiny_cfg(), _fmt_config(make_dirs(1, "q8"), "8bit-moments", opt_chunk_bytes=4096 * 10))
 
 
+def test_the_dry_run_refuses_a_chunking_that_splits_8bit_blocks_in_the_engines_words(tmp_path, capsys):
+    """The plan (`RunPlan.refusal`) holds the engine's refusal of such a chunking, so the dry run says it too (it
+    priced the run as fitting), and the run stops at its pre-flight with the same line."""
+    from lohan.app.cli import main
+
+    args = ["--model", "tiny", "--data", "synthetic", "--state-format", "8bit-moments", "--compute-dtype", "fp32",
+            "--set", "engine.opt_chunk_bytes=40KiB", "--nvme", str(tmp_path / "nvme"), "--steps", "1"]
+    main([*args, "--dry-run"])
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "would split an 8-bit quantization block" in out, out
+    assert main(args) == 2
+    assert "error: block 1 (block0) is updated in chunks" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("fmt", ["8bit-moments", "bf16-master"])
 def test_a_resumed_run_is_the_straight_run(make_dirs, fmt):
     """The rounding noise is a hash of (seed, block, step, element): a resume draws what the straight run drew."""

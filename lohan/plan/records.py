@@ -250,3 +250,15 @@ def layout_of(numels: list[int] | tuple[int, ...], p16_dtype: str, slots: int = 
         blocks.append(b)
         offset += b.record_bytes
     return StoreLayout(tuple(blocks), p16_dtype, slots)
+
+
+def chunk_refusal(blocks: list, chunk_elems: int) -> str | None:
+    """Why records of `blocks` (`BlockLayout`s) cannot be updated in chunks of `chunk_elems` elements: a chunk would
+    split an 8-bit moment's quantization block; None where every cut is allowed (`BlockLayout.cut_ok`)."""
+    for b in blocks:
+        bad = [lo for lo in range(chunk_elems, b.numel, chunk_elems) if not b.cut_ok(lo)]
+        if bad:
+            return (f"block {b.index} ({b.name}) is updated in chunks of {chunk_elems} elements, and the chunk at "
+                    f"element {bad[0]} would split an 8-bit quantization block (a parameter starts off a multiple of "
+                    f"{QBLOCK} elements); raise engine.opt_chunk_bytes so the block is updated whole")
+    return None

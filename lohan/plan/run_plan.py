@@ -29,6 +29,7 @@ from lohan.plan.pools import (
     memory_refusal,
     plan_host_memory,
 )
+from lohan.plan.records import chunk_refusal
 
 __all__ = ["RunPlan", "plan_run"]
 
@@ -66,7 +67,8 @@ class RunPlan:
     persist_refusal: str | None
     """Why the durability interval cannot exceed 1 (`durability.eligible`); None: it can."""
     refusal: str | None
-    """The engine's refusal (`MemoryPlanError`'s message) where the pools exceed cpu_mem; None: they fit."""
+    """The engine's refusal (`MemoryPlanError`'s message): the pools exceed cpu_mem, or its optimizer chunks would
+    split an 8-bit quantization block (`records.chunk_refusal`); None: the plan runs."""
 
     @property
     def chunk_elems(self) -> int:
@@ -86,7 +88,7 @@ class RunPlan:
         return {"params": h.params, "grads": h.grads + h.grad_stash, "records": h.records + h.resident + h.readahead}
 
     def check(self) -> None:
-        """Raise the engine's refusal, if any: the pools do not fit cpu_mem."""
+        """Raise the engine's refusal, if any: the pools do not fit cpu_mem, or the chunks split 8-bit blocks."""
         if self.refusal is not None:
             raise MemoryPlanError(self.refusal)
 
@@ -112,4 +114,4 @@ def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: in
         resident_params=whole * resident // mine, readahead_params=whole * int(host.readahead // at_rest) // mine,
         persist_refusal=durability.eligible(len(host.resident_blocks) == len(local.blocks), cfg.slots, world == 1,
                                             stash, in_place=cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16"),
-        refusal=memory_refusal(host, cfg))
+        refusal=chunk_refusal(local.blocks, host.chunk_elems) or memory_refusal(host, cfg))

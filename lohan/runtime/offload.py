@@ -83,6 +83,7 @@ from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool size
     plan_resident,
     record_pool_bytes,
 )
+from lohan.plan.records import chunk_refusal
 from lohan.runtime.format_adamw import adamw_unit_
 from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
@@ -616,13 +617,9 @@ class GradOffloader:
         self.stash = stash  # where gradients are kept for a redo (clipping); cleared by `release_kept`
         self.seed = seed  # bf16-master's stochastic rounding: its noise is a hash of (seed, block, step, element)
         self.origins = origins or [0] * len(layout.blocks)  # data parallel: each shard's first element in its block
-        for b in layout.blocks:  # 8-bit moments: a chunk must not split a quantization block
-            bad = [lo for _, lo, _ in self.units(b.index) if not b.cut_ok(lo)]
-            if bad:
-                raise ValueError(
-                    f"block {b.index} ({b.name}) is updated in chunks of {self.chunk_elems} elements, and the chunk "
-                    f"at element {bad[0]} would split an 8-bit quantization block (a parameter starts off a "
-                    f"multiple of 256 elements); raise engine.opt_chunk_bytes so the block is updated whole")
+        refused = chunk_refusal(layout.blocks, self.chunk_elems)  # 8-bit moments: no chunk splits a quantization block
+        if refused is not None:
+            raise ValueError(refused)
         self.read_ahead = mode == "optimized"  # READs beyond the next unit while the pool has room
         self.buffers = Ledger()  # record buffers per state, and the transitions made (records.py)
         # a block updated in chunks keeps one buffer per chunk (`ResidentRecords`)
