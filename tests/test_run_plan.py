@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 
 import psutil
 import pytest
@@ -197,6 +198,8 @@ def test_a_dry_run_prices_max_inflight_blocks_and_mode_as_the_run_refuses_them(m
     assert main(base + ["--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "cpu_mem=3.00 MiB is too small for this model" in out
+    # the cpu row judges the need against cpu_mem too, not only against the machine's RAM (which holds it)
+    assert re.search(r"^  cpu .* over cpu_mem \(", out, re.M), out
     said = next(line.strip()[2:] for line in out.splitlines() if "cpu_mem=3.00 MiB is too small" in line)
     assert main(base) == 2
     err = capsys.readouterr().out

@@ -1043,11 +1043,15 @@ class Capacity:
     record is resident)."""
     persist_note: str = ""
     """Why ``persist_every`` is 1 where the run asked for more or ``auto``."""
+    over_cpu_mem: bool = False
+    """The engine's pools exceed ``cpu_mem`` (its refusal is the first reason), though the machine's RAM may not."""
 
     def format(self) -> str:
         def row(tier: str, need: int, parts: Mapping[str, int]) -> str:
             limit = self.limits[tier]
             verdict = "not checked (size unknown)" if not limit else "ok" if need <= limit else "TOO BIG"
+            if tier == "cpu" and self.over_cpu_mem and need <= limit:  # RAM would hold it, cpu_mem does not
+                verdict = "over cpu_mem"
             detail = ", ".join(f"{k} {_gb(v)}" for k, v in parts.items())
             return f"  {tier:<4}{_gb(need):>12} of {_gb(limit):>11}  {verdict:<8} ({detail})"
         lines = [f"{self.design}: {self.model}, batch {self.batch} x seq {self.seq} on {self.hardware}",
@@ -1318,7 +1322,8 @@ def plan_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, run: Run
     judged = _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,
                     {**parts, "activations": plan.cpu_bytes}, states, plan.ssd_bytes)
     if run.refusal is not None:  # the engine would refuse its pools: the same words
-        judged = dataclasses.replace(judged, fits=False, reasons=(run.refusal, *judged.reasons))
+        judged = dataclasses.replace(judged, fits=False, reasons=(run.refusal, *judged.reasons),
+                                     over_cpu_mem=run.over_cpu_mem)
     return dataclasses.replace(judged, persist_every=every, persist_note=why_not)
 
 

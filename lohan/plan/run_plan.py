@@ -69,6 +69,8 @@ class RunPlan:
     refusal: str | None
     """The engine's refusal (`MemoryPlanError`'s message): the pools exceed cpu_mem, or its optimizer chunks would
     split an 8-bit quantization block (`records.chunk_refusal`); None: the plan runs."""
+    over_cpu_mem: bool = False
+    """The pools exceed cpu_mem (the fit report's cpu row says so, whatever the machine's RAM)."""
 
     @property
     def chunk_elems(self) -> int:
@@ -101,6 +103,7 @@ def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: in
     itemsize where the engine's differs from `pools.grad_dtype`'s rule. Never raises for a plan over cpu_mem: the
     refusal is in the plan (:meth:`RunPlan.check`)."""
     host = plan_host_memory(geometry, cfg, world, free, grad_size, check=False, host_device=host_device)
+    over = memory_refusal(host, cfg)
     stash = keeps_all_grads(cfg) or host.has_stash
     local, whole = geometry.store, geometry.layout.param_count
     mine = max(1, local.param_count)
@@ -114,4 +117,4 @@ def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: in
         resident_params=whole * resident // mine, readahead_params=whole * int(host.readahead // at_rest) // mine,
         persist_refusal=durability.eligible(len(host.resident_blocks) == len(local.blocks), cfg.slots, world == 1,
                                             stash, in_place=cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16"),
-        refusal=chunk_refusal(local.blocks, host.chunk_elems) or memory_refusal(host, cfg))
+        refusal=chunk_refusal(local.blocks, host.chunk_elems) or over, over_cpu_mem=over is not None)
