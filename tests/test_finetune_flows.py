@@ -237,6 +237,24 @@ def test_store_creation_reports_progress_in_a_log_file(tmp_path, capsys):
     assert "GiB) in" in lines[-1]
 
 
+@pytest.mark.parametrize("extra", [(), ("--lora", "4"), ("--state-format", "8bit-moments")])
+def test_store_creations_progress_counts_what_it_writes(tmp_path, monkeypatch, extra):
+    """The progress line's total is one slot of the run's state format (a LoRA run: its frozen base, 2 bytes a
+    parameter in bf16), not a full fine-tuning record: a 13b LoRA said 167 GiB for a 26 GB store."""
+    from lohan.app import train
+
+    totals = []
+    real = train._InitLog.__init__
+    monkeypatch.setattr(train._InitLog, "__init__",
+                        lambda self, console, state_bytes, every=5.0: (totals.append(state_bytes),
+                                                                       real(self, console, state_bytes, every))[1])
+    assert main(args(tmp_path, "--steps", "1", "--compute-dtype", "bf16", *extra)) == 0
+    slab = sum(p.stat().st_size for p in (tmp_path / "nvme").glob("*.slab"))
+    slots = 1 if extra[:1] == ("--lora",) else 2
+    # (the tiny model's blocks are a few KiB, so the slab's 4 KiB alignment pads them by up to a third)
+    assert totals and 0.6 < totals[0] * slots / slab < 1.1, (totals, slab)
+
+
 def test_a_full_disk_during_training_says_so_and_what_stands(tmp_path, monkeypatch, capsys):
     import errno
 

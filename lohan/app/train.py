@@ -1086,7 +1086,7 @@ def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: Eng
     with Progress(TextColumn("initializing states on NVMe"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("blocks"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("init", total=model.config.n_layer + 2)
-        states = model.config.param_count() * (12 + (4 if engine_cfg.compute_dtype == "fp32" else 2))
+        states = _store_bytes(model.config.param_count(), engine_cfg)
         log_line = None if console.is_terminal else _InitLog(console, states)
 
         def progress(done: int, total: int) -> None:
@@ -1100,6 +1100,15 @@ def _open_engine(console: Console, run: RunConfig, model: Model, engine_cfg: Eng
             return init_from_hf(run.model, engine_cfg, resume=resume, overwrite=not resume, progress=progress,
                                 n_layer=run.model_overrides.get("n_layer"), plan=plan)
         return init(model.config, engine_cfg, resume=resume, overwrite=not resume, progress=progress, plan=plan)
+
+
+def _store_bytes(params: int, cfg: EngineConfig) -> int:
+    """What store creation writes, about: one slot of the state format at rest (a LoRA run: its frozen base), for
+    the progress line's total."""
+    from lohan.plan.formats import state_format
+
+    p16 = 4 if cfg.compute_dtype == "fp32" else 2
+    return round(params * state_format("frozen" if cfg.lora_r > 0 else cfg.state_format).at_rest(p16))
 
 
 class _InitLog:
