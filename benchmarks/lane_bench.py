@@ -28,10 +28,12 @@ regimes of the optimized step's waits for P16, forward and backward, over the st
 Without the timing model (a lohan whose EngineConfig has no ``sim_gpu``) the device's compute is the CPU's own
 and the report says so (``timed_device: false``): its numbers are then not a GPU box's.
 
-``--device-compute modeled`` (``sim_gpu`` ``compute=modeled``) skips the device's arithmetic and its copies' bytes:
-each op takes only its modeled time. Run for real (``real``), the emulated GPU's math and memcpy take the same two
-cores as AdamW, hashing and the I/O threads, a contention a GPU box does not have; modeled, only the host's own work
-(dispatch, the optimizer, hashing, I/O) runs. The report says which (``device_compute``).
+``--device-compute modeled`` (the default; ``sim_gpu`` ``compute=modeled``) skips the device's arithmetic and its
+copies' bytes: each op takes only its modeled time. Run for real (``real``), the emulated GPU's math and memcpy take
+the same two cores as AdamW, hashing and the I/O threads, a contention a GPU box does not have (there they run on
+the GPU and its copy engines); modeled, only the host's own work (dispatch, the optimizer, hashing, I/O) runs.
+Exactness is the equivalence suite's job (the simulated device computing for real). The report says which
+(``device_compute``).
 
     python benchmarks/lane_bench.py --quick --nvme /mnt/scratch/lanes   # results/lane_bench_quick.{json,md}
 """
@@ -127,9 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--cpu-mem", default="4GiB")
-    p.add_argument("--device-compute", choices=("real", "modeled"), default="real",
-                   help="the emulated GPU's arithmetic: run on this CPU (real: bit-exact, but it takes the cores the "
-                        "CPU lanes need) or skipped, only its modeled time passing (modeled: a GPU box's host)")
+    p.add_argument("--device-compute", choices=("real", "modeled"), default="modeled",
+                   help="the emulated GPU's arithmetic: skipped, only its modeled time passing (modeled, the default: "
+                        "a GPU box's host, whose cores the GPU's math does not take), or run on this CPU (real: "
+                        "bit-exact, on the cores the CPU lanes need)")
     p.add_argument("--out", default=None, help="JSON path (default results/lane_bench[_quick].json)")
     a = p.parse_args(argv)
     if a.quick:
