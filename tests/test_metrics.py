@@ -10,21 +10,9 @@ import math
 import pytest
 from rich.console import Console
 
-from lohan.app.metrics import (
-    GB,
-    GIB,
-    IDLE_LANES,
-    MetricsWriter,
-    RunSummary,
-    StepMetrics,
-    format_step_line,
-    format_summary,
-    load_metrics,
-    overlap_percent,
-    progress_bar,
-    report_step,
-)
+from lohan.app.metrics import GB, GIB, IDLE_LANES, MetricsWriter, StepMetrics, load_metrics, overlap_percent
 from lohan.app.ownership import ForeignFileError
+from lohan.app.report import RunSummary, format_step_line, format_summary, progress_bar, report_step
 
 
 def _m(step: int = 1, **overrides) -> StepMetrics:
@@ -298,7 +286,7 @@ def test_progress_bar_prints_step_lines_when_not_a_terminal():
 
 
 def test_log_lines_fit_120_columns_and_carry_elapsed_and_eta():
-    from lohan.app.metrics import LOG_LINE_WIDTH, format_eval_line, format_log_line
+    from lohan.app.report import LOG_LINE_WIDTH, format_eval_line, format_log_line
 
     m = _m(step=123_456, loss=10.12345)
     line = format_log_line(m, 1_000_000, elapsed_s=3_600 * 99 + 59, eta_s=3_600 * 99)
@@ -313,7 +301,7 @@ def test_log_lines_fit_120_columns_and_carry_elapsed_and_eta():
 
 
 def test_log_every_defaults_and_which_steps_get_a_line():
-    from lohan.app.metrics import default_log_every, should_log
+    from lohan.app.report import default_log_every, should_log
 
     assert default_log_every(10_000, terminal=True) == 1
     assert default_log_every(150, terminal=False) == 1

@@ -41,9 +41,9 @@ from lohan.store.dirlock import LOCK_NAME
 from lohan.store.files import is_run_file, run_files
 
 PLOT_TAG = "lohan metrics plot"
-"""The PNG ``Software`` text of the metrics plot (metrics.plot_metrics)."""
+"""The PNG ``Software`` text of the metrics plot (plot.plot_metrics)."""
 PLOT_RUN_KEY = "lohan run id"
-"""The PNG text key of the run that drew the plot (metrics.plot_metrics)."""
+"""The PNG text key of the run that drew the plot (plot.plot_metrics)."""
 
 
 class OutputError(OSError):

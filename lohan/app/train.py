@@ -37,18 +37,10 @@ from lohan.app.fit import (
     plan_report,
 )
 from lohan.app.layout import OutputError, RunLayout, default_metrics, plot_owner
-from lohan.app.metrics import (
-    MetricsWriter,
-    StepMetrics,
-    default_log_every,
-    format_summary,
-    load_metrics,
-    plot_metrics,
-    progress_bar,
-    report_step,
-    should_log,
-)
+from lohan.app.metrics import MetricsWriter, StepMetrics, load_metrics
 from lohan.app.ownership import Owner, metrics_owner
+from lohan.app.plot import plot_metrics
+from lohan.app.report import default_log_every, format_summary, progress_bar, report_step, should_log
 from lohan.app.tracking import Trackers, flat_params, missing_packages
 from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
 from lohan.crashpoints import crashpoint
