@@ -9,6 +9,7 @@ and adapters bit-exact.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 
@@ -111,6 +112,70 @@ def test_lora_is_bit_exact_with_peft(family_dir, make_dirs, family, kw):
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in got.items() if "lora_B" in n)  # it trained
+
+
+@pytest.mark.parametrize("kw", [{}, {"micro_batches": 2, "max_grad_norm": 1e-3}])
+def test_no_block_is_recomputed_when_the_activations_fit(family_dir, make_dirs, kw):
+    """On the CPU with the whole base in the parameter pool and the step's activations in main memory, the forward's
+    graphs are kept for backward as a PEFT run keeps them: after the first step (which probes block 1 once to
+    measure them) each decoder block runs once per micro-batch, as many times as in the PEFT run; still its bits."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), **kw)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=ecfg.max_grad_norm)
+        decoder = engine.program.modules[1:-1]
+        runs = collections.Counter()
+        hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: runs.update([i])) for i, m in enumerate(decoder)]
+        losses, counts = [], []
+        for b in data:
+            runs.clear()
+            losses.append(engine.step(b))
+            counts.append(dict(runs))
+        for h in hooks:
+            h.remove()
+        got = engine.lora.peft_state_dict(engine.program.model)
+        assert engine.last_stats.activations["swap"] == [] and engine.graphs.keep
+    assert counts[1:] == [{i: ecfg.micro_batches for i in range(len(decoder))}] * (STEPS - 1)
+    assert losses == want_losses
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_blocks_are_recomputed_when_the_activations_do_not_fit(family_dir, make_dirs):
+    """With no main memory left for activations (act_mem 0), the graphs are not kept: backward recomputes every
+    decoder block (their inputs in the SSD tier), and the step is the same."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), act_mem=0)
+    data = list(batches(2))
+    with init_from_hf(path, ecfg) as engine:
+        want_losses, _ = peft_reference(path, engine, ecfg, data)
+        decoder = engine.program.modules[1:-1]
+        runs = collections.Counter()
+        for i, m in enumerate(decoder):
+            m.register_forward_pre_hook(lambda mod, args, i=i: runs.update([i]))
+        losses = [engine.step(data[0])]
+        runs.clear()  # (the first step profiles block 1 for the activation plan)
+        losses.append(engine.step(data[1]))
+        assert not engine.graphs.keep and "recomputed" in engine.graphs.why
+    assert runs == {i: 2 for i in range(len(decoder))}
+    assert losses == want_losses
+
+
+def test_the_activation_plan_of_a_lora_step_prices_no_optimizer(family_dir, make_dirs, monkeypatch):
+    """Where blocks are recomputed (a separate device: here the simulated one), Algorithm 1 plans on a LoRA step's
+    profile: no optimizer record read or written, no CPU update, no gradient of the base sent to the host, a backward
+    of one forward's FLOPs plus the recomputation (not the full fine-tuning's two)."""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+    ecfg = lora_config(make_dirs(1))
+    with init_from_hf(family_dir("llama"), ecfg) as engine:
+        engine.step(next(iter(batches(1))))
+        assert not engine.graphs.keep and engine.activations.plan is not None
+        profile, est = engine.activations.profile, engine.activations.plan.estimate
+    assert profile.frozen and profile.states_written == 0
+    assert est.traffic["ssd_write"] == est.alpha_bytes and est.lanes_b["cpu"] == 0
+    assert est.traffic["g2m"] == est.a_g2m  # the swapped activations only
+    assert est.lanes_b["gpu"] == pytest.approx((profile.flop_f + est.flop_r) / profile.hardware.thp_g
+                                               + est.dequant_s)
 
 
 def test_lora_fp16_scales_the_loss_as_grad_scaler(family_dir, make_dirs):

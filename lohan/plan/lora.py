@@ -143,6 +143,22 @@ class LoraPlan:
         return "\n".join(lines)
 
 
+def keeps_graphs(eligible: bool, block_bytes: int, n_blocks: int, micro_batches: int,
+                 mem_avail: int) -> tuple[bool, str]:
+    """Whether a LoRA step keeps its forward's graphs instead of recomputing its blocks in backward
+    (`lohan.runtime.lora_graphs`), and why: where it is `eligible` (a host device, the planner's policy, the whole
+    base in the parameter pool) and every decoder block's graph (`block_bytes` a micro-batch, measured) fits the
+    main memory left for activations. A LoRA step has no optimizer traffic and reads the base only, so once both fit
+    nothing is gained by recomputing: the recompute costs a forward of every block (a third of the step's FLOPs)."""
+    if not eligible:
+        return False, "recomputed: not a host device holding the whole base under the planner's policy"
+    need = block_bytes * n_blocks * micro_batches
+    if need > mem_avail:
+        return False, (f"recomputed: the step's graphs would take {need / 1e9:.3g} GB, main memory leaves "
+                       f"{mem_avail / 1e9:.3g} GB for activations")
+    return True, f"graphs kept: {need / 1e9:.3g} GB of activations, no block recomputed"
+
+
 def lora_plan(mcfg: ModelConfig, hw: Hardware, batch: int, seq: int, rank: int, compute_dtype: str = "bf16",
               cpu_mem: int = 8 << 30, prefetch_depth: int = 2, notes: tuple[str, ...] = (),
               steps_per_epoch: int | None = None) -> LoraPlan:

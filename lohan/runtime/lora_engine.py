@@ -12,7 +12,10 @@ base (its identity and checksums are committed with them).
 *Streaming.* The blocks are the full fine-tuning's ([embed, layer 0..L-1, head]) and are streamed by the same
 `ParamStreamer` (prefetch `prefetch_depth` ahead, copy to the device beside the previous block's compute),
 forward then backward with recomputation, with the same activation plan (`ActivationManager`: block inputs and
-swapped ops on the device, in RAM or on the SSDs; int8 records). As the slot is never rewritten, a released block
+swapped ops on the device, in RAM or on the SSDs; int8 records), made on a LoRA step's profile (`LoraActivations`:
+no optimizer traffic, no weight gradient). On a host device whose memory holds the whole base and the step's
+activations, nothing is recomputed: the forward keeps its graphs for backward as a PEFT run does
+(`lohan.runtime.lora_graphs`). As the slot is never rewritten, a released block
 is *kept* in the parameter pool across forward, backward and the next step while the pool has room (`cpu_mem`):
 a base that fits it is read from the SSDs once. The backward skips the embedding (it has no adapter and takes no
 gradient); the head's backward only carries the gradient down.
@@ -59,14 +62,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from io_engine.base import align_up
 from io_engine.durable import fsync_dir
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram
 from lohan.models.lora import LoraAdapters
 from lohan.plan.pools import optimizer_chunk_elems
-from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, compute_dtype_choice
+from lohan.runtime.lora_graphs import GraphKeeper, Graphs, LoraActivations
 from lohan.runtime.optim import lr_at
 from lohan.runtime.parallel import DataParallel
 from lohan.runtime.params import ParamStreamer
@@ -146,14 +150,16 @@ class LoraEngine:
         """The parameter pool (the whole base where `cpu_mem` holds it, so it is read once; at least the blocks in
         flight), the streamer, the activation manager and the block passes."""
         cfg, layout = self.cfg, self.layout
-        biggest = max(b.p16_bytes for b in layout.blocks)
+        biggest = align_up(max(b.p16_bytes for b in layout.blocks))
         in_flight = (cfg.prefetch_depth + 3) * biggest  # the block computing, the tied owner, the prefetched ones
-        pool_bytes = max(in_flight, min(int(cfg.cpu_mem), sum(b.p16_bytes for b in layout.blocks) + biggest))
+        # (buffers are aligned: the whole base takes its blocks' aligned sizes)
+        whole = sum(align_up(b.p16_bytes) for b in layout.blocks)
+        pool_bytes = max(in_flight, min(int(cfg.cpu_mem), whole + biggest))
         self.params_pool = self.store.volume.buffer_pool(pool_bytes, pin=self.device.is_cuda)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, self.program.modules, layout)
         self.streamer.frozen = self.streamer.keeps = True
         total = sum(b.p16_bytes for b in layout.blocks)
-        self.activations = ActivationManager(
+        self.activations = LoraActivations(
             cfg, self.program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=pool_bytes, model_label=label, param_count=layout.param_count,
             p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
@@ -161,6 +167,8 @@ class LoraEngine:
         self.passes = BlockPasses(cfg, self.program, layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, None, None, torch.float32, None, self.dp, self.bounds,
                                   direct=False)
+        self.graphs = GraphKeeper(cfg, self.program, self.device, self.compute_dtype, self.streamer, self.passes,
+                                  self.activations)
 
     # ------------------------------------------------------------------ step
     @property
@@ -198,14 +206,18 @@ class LoraEngine:
                                                          growth_tracker=self._scale.get("growth_tracker", 0)),
                                self.device.put)
         try:
-            acts, fwd_timer = self.passes.forward(visits, 0, idx)
+            graphs: Graphs = {}
+            if self.graphs.decide(idx, self.lora.params):  # PEFT's way where everything fits: no block recomputed (`lora_graphs`)
+                acts, graphs, fwd_timer = self.graphs.forward(visits, idx)
+            else:
+                acts, fwd_timer = self.passes.forward(visits, 0, idx)
             self._bwd_timer = self.device.timer()
-            losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches), scaler)
+            losses = self._backward(visits, acts, graphs, targets.chunk(self.cfg.micro_batches), scaler)
             loss = self.passes.host_sum(losses)
             if self.dp:  # the mean over every rank's micro-batches, and the adapters' gradients summed
                 loss = self.dp.sum(loss)
                 self._all_reduce_grads()
-            acts_stats = self.activations.stats()
+            acts_stats = self.graphs.stats() if self.graphs.keep else self.activations.stats()
         finally:
             self.streamer.release_all()
             self.activations.end_step()
@@ -250,12 +262,12 @@ class LoraEngine:
             activations=acts, next_forward_overlapped=False, deferred=False, grad_norm=norm, clip_coef=coef,
             skipped=skipped)
 
-    def _backward(self, visits: list[int], acts: Acts, tgt_mb: tuple[Tensor, ...],
+    def _backward(self, visits: list[int], acts: Acts, graphs: Graphs, tgt_mb: tuple[Tensor, ...],
                   scaler: LossScale | None) -> list[Tensor]:
-        """Blocks n-1..1, each recomputed with grad per micro-batch; autograd is asked for the block input's
-        gradient and the block's adapters' (summed into their `.grad` as autograd sums a leaf's, micro-batch after
-        micro-batch; fp16: of the loss x scale, as GradScaler.scale). Returns the micro-batches' losses (on the
-        device, unscaled)."""
+        """Blocks n-1..1, each recomputed with grad per micro-batch (or its forward's graph taken from `graphs`);
+        autograd is asked for the block input's gradient and the block's adapters' (summed into their `.grad` as
+        autograd sums a leaf's, micro-batch after micro-batch; fp16: of the loss x scale, as GradScaler.scale).
+        Returns the micro-batches' losses (on the device, unscaled)."""
         m_count, last = self.cfg.micro_batches, len(self.program.modules) - 1
         grad_out: list[Tensor | None] = [None] * m_count
         losses: list[Tensor] = []
@@ -266,14 +278,18 @@ class LoraEngine:
             for o, _ in self.program.external_params(i):  # a tied head: its owner's weight must be resident
                 self.streamer.acquire(o, 0)
             adapters = self.lora.block_params(i)
-            inner = i in acts_mgr.inner
-            acts_mgr.prefetch(i - 1)
+            inner = i in acts_mgr.inner and not graphs
+            if inner:
+                acts_mgr.prefetch(i - 1)
             for m in range(m_count):
+                kept = graphs.pop((i, m), None)
                 if inner:
                     x, fn = acts_mgr.backward_block(i, m)
+                elif kept is not None:  # its forward's own graph: nothing to recompute
+                    x, fn = kept[0], lambda _, out=kept[1]: out
                 else:
                     x, fn = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
-                x = x.detach().requires_grad_()
+                x = x if kept is not None else x.detach().requires_grad_()
                 with self._bwd_timer, torch.enable_grad(), self.device.autocast(self.compute_dtype):
                     out = fn(x)
                     if i == last:  # the mean over every micro-batch of every rank
@@ -291,7 +307,8 @@ class LoraEngine:
                 if inner:
                     del x, out, grads
                     acts_mgr.release(i, m)
-            acts_mgr.stage(i - 1)
+            if inner:
+                acts_mgr.stage(i - 1)
             crashpoint("lora.backward")
             self.passes.leave(visits, p, 0)
         return losses
