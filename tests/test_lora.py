@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,10 @@ import torch
 from lohan.models import hf
 from lohan.models.gpt import lm_loss
 from lohan.runtime.hf_engine import init_from_hf
+from lohan.runtime.lora_commit import read_record
 from lohan.runtime.lora_engine import LoraEngine
 from lohan.runtime.optim import lr_factor
+from lohan.store.integrity import StoreCorruptError
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -310,14 +313,14 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     assert result["losses"] == losses and result["eval"] == eval_loss
     assert all(torch.equal(a, b) for a, b in zip(result["adapters"], adapters))
     del single_process
-    # killed: rank 1 before the rename of its 4th commit (rank 0 goes on to commit step 4, then waits for rank 1)
+    # killed: rank 1 halfway through writing its 4th commit (rank 0 goes on to commit step 4, then waits for rank 1)
     kill = tmp_path / "kill"
     kill.mkdir()
     engine = engine_kw(str(kill / "dp"), lora_r=4)
-    codes, out = launch(kill, 2, engine, crash={1: "lora.commit.rename:4"})
+    codes, out = launch(kill, 2, engine, crash={1: "lora.commit.write:4"})
     assert codes[1] == -9, out
     # (rank 0 commits step 4 unless the launcher kills it first: then both resume from their own step 3)
-    assert torch.load(kill / "dp" / "rank0" / "lohan.lora.pt", weights_only=True)["step"] in (3, 4)
+    assert _committed(kill / "dp" / "rank0")["step"] in (3, 4)
     codes, out = launch(kill, 2, engine, resume=True, tag="resumed")
     assert codes == [0, 0], out
     resumed = torch.load(kill / "resumed.pt")
@@ -425,9 +428,20 @@ def test_cli_lora_refusals(family_dir, tmp_path, capsys):
     assert "matches no linear projection" in capsys.readouterr().out
 
 
+def _committed(nvme) -> dict:
+    """The latest whole commit in a run's directory (`lohan.runtime.lora_commit`: of its two slots)."""
+    states = []
+    for slot in ("lohan.lora.0", "lohan.lora.1"):
+        try:
+            states.append(read_record(str(nvme / slot)))
+        except (OSError, StoreCorruptError):
+            pass
+    return max(states, key=lambda s: s["step"])
+
+
 def _lora_state(work) -> dict[str, torch.Tensor]:
-    """The committed adapters and AdamW states of a run (`<name>.lora.pt`), by position."""
-    state = torch.load(work / "nvme" / "lohan.lora.pt", weights_only=True)
+    """The committed adapters and AdamW states of a run, by position."""
+    state = _committed(work / "nvme")
     out = {f"adapter{k}": t for k, t in enumerate(state["adapters"])}
     for k, s in state["optimizer"]["state"].items():
         out.update({f"opt{k}.{n}": t for n, t in s.items()})
@@ -435,9 +449,8 @@ def _lora_state(work) -> dict[str, torch.Tensor]:
 
 
 def test_killed_lora_run_resumes_bit_identically(tmp_path):
-    """SIGKILL in backward, just before an adapters' commit is renamed in, between its two renames, and before the
-    run state's rename; each
-    time resumed with --resume: the metrics, the adapters with their AdamW states, the merged checkpoints and export
+    """SIGKILL in backward, halfway through writing an adapters' commit (twice: the slot left torn), and before the
+    run state's rename; each time resumed with --resume: the metrics, the adapters with their AdamW states, the merged checkpoints and export
     end as the uninterrupted run's, and the base's slab is never written."""
     import sys
 
@@ -454,8 +467,7 @@ def test_killed_lora_run_resumes_bit_identically(tmp_path):
     assert rc == 0, out
     run = tmp_path / "run"
     resume = False
-    # (prev_kept: between a commit's two renames, the one before kept and the new one not yet in place)
-    for spec in ("lora.backward:9", "lora.commit.rename:3", "lora.commit.prev_kept:1", "json.rename:lohan.run.json:1"):
+    for spec in ("lora.backward:9", "lora.commit.write:3", "lora.commit.write:1", "json.rename:lohan.run.json:1"):
         rc, out, _ = kh.run_once(args(run, resume), spec)
         assert rc == -9, (spec, out)  # killed there
         if not resume:
@@ -551,27 +563,54 @@ def test_dry_run_plans_lora(tmp_path, capsys):
 
 
 def test_verify_reads_the_adapters_commit_back(tmp_path, capsys):
-    """--verify on a LoRA run's store: the base's blocks and the adapters' commit, checked against that base; a
-    damaged commit is reported (exit 1)."""
+    """--verify on a LoRA run's store: the base's blocks and the adapters' latest commit, checked against that base;
+    a damaged slot stands for a torn one (the commit before it is read back), both damaged are reported (exit 1)."""
     from lohan.app.cli import main
 
     nv = tmp_path / "nvme"
-    assert main(["--model", "tiny", "--lora", "4", "--steps", "1", "--seq-len", "64", "--batch-size", "4",
+    assert main(["--model", "tiny", "--lora", "4", "--steps", "2", "--seq-len", "64", "--batch-size", "4",
                  "--compute-dtype", "fp32", "--backend", "threads", "--nvme", str(nv), "--metrics",
                  str(tmp_path / "m.jsonl")]) == 0
     capsys.readouterr()
     assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 0
-    assert "the LoRA adapters committed at step 1" in capsys.readouterr().out
-    commit = nv / "lohan.lora.pt"
-    commit.write_bytes(commit.read_bytes()[:100])
-    assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 1
-    assert "lohan.lora.pt (the LoRA adapters' commit) cannot be read" in capsys.readouterr().out
+    assert "the LoRA adapters committed at step 2" in capsys.readouterr().out
+    for slot, step in (("lohan.lora.0", 1), ("lohan.lora.1", None)):
+        commit = nv / slot
+        raw = bytearray(commit.read_bytes())
+        raw[-1] ^= 1
+        commit.write_bytes(bytes(raw))
+        out = (main(["--model", "tiny", "--nvme", str(nv), "--verify"]), capsys.readouterr().out)
+        if step:
+            assert out[0] == 0 and f"the LoRA adapters committed at step {step}" in out[1], out
+        else:
+            assert out[0] == 1 and "are both incomplete or damaged" in out[1], out
+
+
+def test_a_step_commits_with_one_fsync(family_dir, make_dirs, monkeypatch):
+    """A LoRA step's commit costs one fsync (its slot written in place; the directory's only when a slot is created:
+    the first two steps), and a whole commit reads back as the engine holds it."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    dirs = make_dirs(1)
+    with init_from_hf(family_dir("llama"), lora_config(dirs, total_steps=4)) as engine:
+        counts = []
+        for b in batches(4):
+            synced.clear()
+            engine.step(b)
+            counts.append(len(synced))
+        state = _committed(Path(dirs[0]))
+        assert state["step"] == 4
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(engine.lora.params, state["adapters"]))
+        opt = engine.optimizer.state_dict()["state"]
+        assert all(torch.equal(opt[k][n].cpu(), t) for k, s in state["optimizer"]["state"].items() for n, t in s.items())
+    assert counts == [2, 2, 1, 1]
 
 
 def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_dirs, monkeypatch):
-    """A step whose commit fails (here its rename) leaves the engine at the last commit: the next step runs as if
+    """A step whose commit fails (here its fsync) leaves the engine at the last commit: the next step runs as if
     the failed one had never been, and the run goes on bit-identically to one without the failure."""
-    import lohan.runtime.lora_engine as le
+    import lohan.runtime.lora_commit as le
 
     path = family_dir("llama")
     data = list(batches(STEPS))
@@ -580,14 +619,14 @@ def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_
         want_state = engine.lora.peft_state_dict(engine.program.model)
     with init_from_hf(path, lora_config(make_dirs(1, "b"))) as engine:
         got = [engine.step(data[0])]
-        real = le.os.replace
+        real = le.os.fsync
 
-        def fail(src, dst):
+        def fail(fd):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(le.os, "replace", fail)
+        monkeypatch.setattr(le.os, "fsync", fail)
         with pytest.raises(OSError):
             engine.step(data[1])
-        monkeypatch.setattr(le.os, "replace", real)
+        monkeypatch.setattr(le.os, "fsync", real)
         assert engine.step_count == engine.committed_step == 1
         got.append(engine.step(data[2]))
         state = engine.lora.peft_state_dict(engine.program.model)

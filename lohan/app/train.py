@@ -1244,14 +1244,14 @@ def _verify_lora(store: StateStore, dirs: tuple[str, ...], name: str, problems: 
     added to `problems` if it is not); what to add to the report ('' for any other store)."""
     if store.layout.state_format != "frozen":
         return ""
-    from lohan.runtime.lora_engine import commit_path, read_commit
+    from lohan.runtime.lora_commit import latest_commit
 
-    path = commit_path(dirs, name)
-    if not os.path.exists(path):
-        return " (a LoRA run's base; no adapters committed yet)"
     try:
-        state = read_commit(path, store)
+        latest = latest_commit(dirs, name, store)
     except StoreCorruptError as err:
         problems.append(str(err))
         return ""
+    if latest is None:
+        return " (a LoRA run's base; no adapters committed yet)"
+    path, state = latest
     return f"; the LoRA adapters committed at step {state['step']} ({path}) read back, over this base"

@@ -30,9 +30,11 @@ on the same tensors in the same order — update them: bit-exact with PEFT + `to
 No CPU AdamW over the base, no gradient offloading, no optimizer traffic to the SSDs.
 
 *Crash consistency.* After every step the adapters, their AdamW states, the step count and the settings are
-written to ``<name>.lora.pt`` beside the store's records through a temporary file, fsynced and renamed (with its
-directory fsynced): the commit of a LoRA step. A kill at any moment leaves the last committed step; `--resume`
-reloads it and continues bit-identically (the data position is the run's, `.run.json`, keyed by the step).
+written beside the store's records into the slot of the step (`lohan.runtime.lora_commit`: two slot files
+written alternately in place, each record checksummed, one fsync a step): the commit of a LoRA step. A kill at any
+moment leaves the last committed step (a slot torn by it is known by its checksum, and the other one holds the
+step before); `--resume` reloads it and continues bit-identically (the data position is the run's, `.run.json`,
+keyed by the step).
 
 fp16 runs with GradScaler's dynamic loss scale (`step.LossScale`, the full engine's), committed with the adapters.
 
@@ -51,9 +53,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,13 +64,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from io_engine.base import align_up
-from io_engine.durable import fsync_dir
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram
 from lohan.models.lora import LoraAdapters
 from lohan.plan.pools import optimizer_chunk_elems
 from lohan.runtime.device import Device, compute_dtype_choice
+from lohan.runtime.lora_commit import base_identity, commits, latest_commit, read_commit, write_commit
 from lohan.runtime.lora_graphs import GraphKeeper, Graphs, LoraActivations
 from lohan.runtime.optim import lr_at
 from lohan.runtime.parallel import DataParallel
@@ -78,13 +79,9 @@ from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import stored_compute_dtype
-from lohan.store.states import DTYPES, StateStore, plan_layout
+from lohan.store.states import DTYPES, plan_layout
 
 log = logging.getLogger(__name__)
-
-FORMAT = 1
-"""Version of the ``<name>.lora.pt`` commit."""
-
 
 def lora_settings(cfg: EngineConfig) -> dict[str, Any]:
     """What fixes a LoRA run's adapters (committed with them; a resume must ask for the same)."""
@@ -124,7 +121,6 @@ class LoraEngine:
         self._closed = False
         try:
             self._build(str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
-            self._path = commit_path(cfg.nvme, cfg.name)
             self._fresh()
             if resume:
                 self._resume()
@@ -365,67 +361,49 @@ class LoraEngine:
         return norm, coef, False, False
 
     # ---------------------------------------------------------------- commit
-    def _base_identity(self) -> dict[str, Any]:
-        return base_identity(self.store)
-
     def _commit(self, note: dict[str, Any]) -> None:
         """The step's commit: adapters, AdamW states, step count and what the step measured (`note`,
-        `committed_stats`) in one file, atomically and durably."""
-        state = {"format": FORMAT, "step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
-                 "scale": dict(self._scale),
-                 "lora": lora_settings(self.cfg), "base": repr(self._base_identity()),
-                 "adapters": [p.detach().cpu() for p in self.lora.params],
-                 "optimizer": _to_cpu(self.optimizer.state_dict())}
-        tmp = self._path + ".tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        crashpoint("lora.commit.rename")
-        if os.path.exists(self._path):  # kept: a data-parallel group may resume from the step before (`_resume`)
-            os.replace(self._path, self._path + ".prev")
-            crashpoint("lora.commit.prev_kept")
-        os.replace(tmp, self._path)
-        fsync_dir(os.path.dirname(self._path) or ".")
+        `committed_stats`) in the slot of its step, durably (`lohan.runtime.lora_commit`: one fsync)."""
+        state = {"step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
+                 "scale": dict(self._scale), "lora": lora_settings(self.cfg), "base": repr(base_identity(self.store)),
+                 "adapters": list(self.lora.params), "optimizer": self.optimizer.state_dict()}
+        write_commit(self.cfg.nvme, self.cfg.name, state)
         self._note, self._committed = note, self._step
 
     def _restore(self) -> None:
         """After a step failed between its update and its commit (a full disk, an interrupt): the adapters, AdamW
         states and counters of the last commit, or the initial ones before the first, so that memory and the commit
         agree again."""
-        if os.path.exists(self._path):
-            self._load()
+        latest = latest_commit(self.cfg.nvme, self.cfg.name, self.store)
+        if latest is not None:
+            self._load(*latest)
         else:
             self._fresh()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _resume(self) -> None:
-        """The commit a resume continues from: the latest of this rank's (the current one, or the one before it,
-        which a kill between the two renames of a commit leaves alone); data parallel, the group's latest step
-        every rank has (a rank killed before its commit of step k makes the group resume at k - 1: the others
-        take their commit before it). None at step 0: the adapters as initialized."""
-        found: dict[int, str] = {}
-        for path in (self._path, self._path + ".prev"):
-            if os.path.exists(path):
-                found.setdefault(int(read_commit(path, self.store)["step"]), path)
+        """The commit a resume continues from: the latest of this rank's (the other slot holds the one before it,
+        which a kill while a slot is written leaves whole); data parallel, the group's latest step every rank has
+        (a rank killed before its commit of step k makes the group resume at k - 1: the others take their commit
+        before it). None at step 0: the adapters as initialized."""
+        found = commits(self.cfg.nvme, self.cfg.name, self.store)
         target = max(found, default=0)
         if self.dp:
             steps = [0] * self.world
             dist.all_gather_object(steps, target, group=self.dp.group)
             target = min(steps)
         if target in found:
-            self._load(found[target])
+            self._load(found[target], read_commit(found[target], self.store))
         elif target:
             raise StoreCorruptError(f"rank {self.dp.rank if self.dp else 0}: no LoRA commit of step {target} in "
                                     f"{self.cfg.nvme[0]} (the group resumes there); restore the directories together, "
                                     "or start over with --overwrite")
 
-    def _load(self, path: str | None = None) -> None:
-        """The adapters and AdamW states committed in `path` (the current commit by default), after checking they
-        belong to this run and base."""
-        state = read_commit(path or self._path, self.store)
+    def _load(self, path: str, state: dict[str, Any]) -> None:
+        """The adapters and AdamW states committed in `state` (read from `path`), after checking they belong to this
+        run and base."""
         if len(state["adapters"]) != len(self.lora.params):
-            raise StoreCorruptError(f"{self._path} is not a LoRA commit of this model ({len(self.lora.params)} "
+            raise StoreCorruptError(f"{path} is not a LoRA commit of this model ({len(self.lora.params)} "
                                     "adapter matrices); start over with --overwrite")
         if state["lora"] != lora_settings(self.cfg):
             raise ValueError(f"the run in {self.cfg.nvme[0]} trains LoRA adapters with {state['lora']} and this run "
@@ -433,7 +411,7 @@ class LoraEngine:
         with torch.no_grad():
             for p, t in zip(self.lora.params, state["adapters"]):
                 if p.shape != t.shape:
-                    raise StoreCorruptError(f"{self._path}: an adapter of shape {tuple(t.shape)} where this model "
+                    raise StoreCorruptError(f"{path}: an adapter of shape {tuple(t.shape)} where this model "
                                             f"has {tuple(p.shape)}; start over with --overwrite")
                 p.copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])  # (moves the states to the parameters' device)
@@ -507,33 +485,6 @@ class LoraEngine:
         self.close()
 
 
-def base_identity(store: StateStore) -> dict[str, Any]:
-    """What ties a LoRA run's adapters to the base they were trained on: its volume and its records' checksums."""
-    return {"volume_id": store.volume.volume_id, "sums": store.sums}
-
-
-def commit_path(dirs: Sequence[str], name: str) -> str:
-    """Where a LoRA run's adapters are committed (beside the store's records)."""
-    return os.path.join(dirs[0], f"{name}.lora.pt")
-
-
-def read_commit(path: str, store: StateStore) -> dict[str, Any]:
-    """The LoRA commit at `path`, checked: readable, of this format, committed over `store`'s base.
-    StoreCorruptError (saying what to do) otherwise."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise StoreCorruptError(f"{path} (the LoRA adapters' commit) cannot be read: {e}. Restore it from a backup, "
-                                "or start over with --overwrite") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("adapters"), list):
-        raise StoreCorruptError(f"{path} is not a LoRA commit lohan wrote (format {FORMAT}); start over with "
-                                "--overwrite")
-    if state.get("base") != repr(base_identity(store)):
-        raise StoreCorruptError(f"{path} was committed over another base store than the one beside it; start over "
-                                "with --overwrite")
-    return state
-
-
 class _Merged:
     """The weights PEFT's ``merge_and_unload`` gives (each adapted weight plus its update B @ A x scaling, in fp32),
     with what `lohan.models.hf.export_hf` and `export_gpt2` read: ``.store.layout``, ``.store.read_params(i)``
@@ -551,17 +502,6 @@ class _Merged:
                 j = names.index(f"{t.path}.weight")
                 params[j] = params[j] + lora.delta(k).cpu()  # (PEFT: base_layer.weight.data += delta_weight)
         return [p.to(dtype) for p in params]
-
-
-def _to_cpu(obj: Any) -> Any:
-    """An optimizer state dict with its tensors on the CPU (what the commit stores)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _refuse(cfg: EngineConfig) -> None:
