@@ -562,6 +562,17 @@ def test_dry_run_plans_lora(tmp_path, capsys):
     assert not (tmp_path / "n").exists()
 
 
+def test_dry_run_prices_the_adapters_of_a_grouped_query_model(tmp_path, capsys):
+    """The dry run of a Hugging Face model prices its adapters on its own projections: Llama-3.1-70B (config.json
+    only) at rank 16 has PEFT's 207,093,760 adapter parameters (k and v are 8192 -> 1024)."""
+    from lohan.app.cli import main
+
+    folder = str(Path(__file__).resolve().parent.parent / "configs" / "hf" / "llama-3.1-70b")
+    assert main(["--model", folder, "--lora", "16", "--dry-run", "--batch-size", "1", "--seq-len", "1024",
+                 "--cpu-mem", "48GiB", "--hardware", "rtx4090,1xP5510,64GB", "--nvme", str(tmp_path / "n")]) == 0
+    assert "LoRA rank 16: 207.09M adapter parameters" in capsys.readouterr().out
+
+
 def test_verify_reads_the_adapters_commit_back(tmp_path, capsys):
     """--verify on a LoRA run's store: the base's blocks and the adapters' latest commit, checked against that base;
     a damaged slot stands for a torn one (the commit before it is read back), both damaged are reported (exit 1)."""

@@ -81,6 +81,12 @@ def find_targets(modules: Sequence[nn.Module], targets: Sequence[str] = ()) -> l
     return found
 
 
+def projections(modules: Sequence[nn.Module], targets: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """The (in, out) widths of every projection `find_targets` adapts: what a plan prices the adapters by
+    (`lohan.plan.lora.adapter_params`). ValueError as `find_targets`."""
+    return [(t.in_features, t.out_features) for t in find_targets(modules, targets)]
+
+
 class LoraAdapters:
     """The adapters of a block program, their hooks and their names (module docstring)."""
 
