@@ -19,6 +19,7 @@ import torch
 
 from lohan.models import hf
 from lohan.models.gpt import lm_loss
+from lohan.models.lora import lora_dropout, mask_seed
 from lohan.runtime.hf_engine import init_from_hf
 from lohan.runtime.lora_commit import read_record
 from lohan.runtime.lora_engine import LoraEngine
@@ -58,9 +59,12 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
     if low is not None:
         model = model.to(low)
     targets = engine.lora.target_names()
-    pcfg = peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                           bias="none", task_type="CAUSAL_LM")
+    pcfg = peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha, lora_dropout=ecfg.lora_dropout,
+                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
     pmodel = peft.get_peft_model(model, pcfg)
+    at = {"step": 0, "mb": 0}  # the dropout masks' step and micro-batch
+    if ecfg.lora_dropout:
+        _draw_masks_as_lohan(pmodel, engine, ecfg, at)
     init = engine.lora.peft_state_dict(engine.program.model)
     peft.set_peft_model_state_dict(pmodel, init)
     trainable = [p for p in pmodel.parameters() if p.requires_grad]
@@ -71,9 +75,9 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
     scaler = torch.amp.GradScaler("cpu", init_scale=ecfg.loss_scale, growth_interval=ecfg.loss_scale_growth_interval,
                                   enabled=low == torch.float16)
     losses, m = [], ecfg.micro_batches
-    for idx, tgt in data:
+    for at["step"], (idx, tgt) in enumerate(data):
         total = 0.0
-        for x, y in zip(idx.chunk(m), tgt.chunk(m)):
+        for at["mb"], (x, y) in enumerate(zip(idx.chunk(m), tgt.chunk(m))):
             with torch.autocast("cpu", low or torch.bfloat16, enabled=low is not None):
                 logits = pmodel(input_ids=x).logits
             loss = lm_loss(logits.float(), y) / m
@@ -90,6 +94,68 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return losses, peft.get_peft_model_state_dict(pmodel)
+
+
+class _LohanMasks(torch.nn.Module):
+    """PEFT's dropout module of one target (an `nn.Dropout`) with its masks drawn by lohan's rule
+    (`lohan.models.lora.lora_dropout`: `nn.Dropout`'s ops, from a generator seeded per step, micro-batch, block and
+    target instead of the global one, whose order PEFT's and lohan's block-by-block passes do not share)."""
+
+    def __init__(self, p: float, seed: int, block: int, k: int, at: dict) -> None:
+        super().__init__()
+        self.p, self.seed, self.block, self.k, self.at = p, seed, block, k, at
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        return lora_dropout(x, self.p, mask_seed(self.seed, self.at["step"], self.at["mb"], self.block, self.k))
+
+
+def _draw_masks_as_lohan(pmodel, engine: LoraEngine, ecfg, at: dict) -> None:
+    root = pmodel.base_model.model
+    for j, name in enumerate(engine.lora.module_names(engine.program.model)):
+        layer = root.get_submodule(name)
+        assert isinstance(layer.lora_dropout["default"], torch.nn.Dropout)
+        t = engine.lora.targets[j]
+        layer.lora_dropout["default"] = _LohanMasks(ecfg.lora_dropout, ecfg.seed, t.block, engine.lora.index[j], at)
+
+
+def test_lora_dropout_is_nn_dropout_drawn_from_its_own_generator():
+    """`lora_dropout` computes what `nn.Dropout` (PEFT's ``lora_dropout``) computes from the global generator seeded
+    alike: the same mask, scale and product, bit for bit."""
+    x = torch.randn(4, 16, 32)
+    for p in (0.1, 0.5):
+        torch.manual_seed(1234)
+        want = torch.nn.Dropout(p).train()(x)
+        assert torch.equal(lora_dropout(x, p, 1234), want)
+    assert mask_seed(0, 1, 0, 2, 3) != mask_seed(0, 1, 1, 2, 3) != mask_seed(0, 2, 1, 2, 3)
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # the CPU keeps the forward's graphs
+    {"act_policy": "interblock", "micro_batches": 2, "max_grad_norm": 1e-3},  # every block recomputed
+    {"act_policy": "swap-all"},  # the swapped ops replayed, the rest recomputed
+])
+def test_lora_dropout_is_bit_exact_with_peft(family_dir, make_dirs, kw):
+    """--lora-dropout 0.1 against PEFT (its lora_dropout, masks drawn by lohan's rule: `_LohanMasks`), fp32: a block
+    recomputed in backward draws its forward's masks again, so the losses and adapters are PEFT's bits; evaluation
+    runs without dropout, as PEFT's model.eval()."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), lora_dropout=0.1, **kw)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        assert engine.graphs.decide(data[0][0], engine.lora.params) == (kw == {})
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=ecfg.max_grad_norm)
+        losses = [engine.step(b) for b in data]
+        got = engine.lora.peft_state_dict(engine.program.model)
+        evaluated = engine.evaluate(data[0])
+        engine.lora.dropout = 0.0
+        assert engine.evaluate(data[0]) == evaluated  # (evaluation draws no mask)
+    assert losses == want_losses
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    ecfg0 = lora_config(make_dirs(1, "nodrop"), **kw)
+    with init_from_hf(path, ecfg0) as engine:
+        assert [engine.step(b) for b in data][1:] != losses[1:]  # (the masks made a difference)
 
 
 @pytest.mark.parametrize("family,kw", [
@@ -262,7 +328,7 @@ def test_base_is_p16_only_and_never_written(family_dir, make_dirs):
 
 
 # fp16: the first step overflows at this scale, the next ones at the halved scale do not; the scale is committed
-@pytest.mark.parametrize("kw", [{}, {"compute_dtype": "fp16", "loss_scale": 2.0**20}])
+@pytest.mark.parametrize("kw", [{}, {"compute_dtype": "fp16", "loss_scale": 2.0**20}, {"lora_dropout": 0.1}])
 def test_resume_is_bit_identical(family_dir, make_dirs, kw):
     path = family_dir("qwen3")
     data = list(batches(STEPS))
@@ -422,8 +488,8 @@ def test_cli_lora_refusals(family_dir, tmp_path, capsys):
     assert "use --export-merged DIR" in capsys.readouterr().err
     assert main(["--model", "tiny", "--export-merged", str(tmp_path / "c"), "--nvme", str(tmp_path / "n")]) == 2
     assert "add --lora R" in capsys.readouterr().err
-    assert main(_cli(path, tmp_path, "--lora-dropout", "0.1")) == 2
-    assert "only 0 is supported" in capsys.readouterr().err
+    assert main(_cli(path, tmp_path, "--lora-dropout", "1")) == 2
+    assert "lora_dropout=1.0 must be a number in [0, 1)" in capsys.readouterr().err
     assert main(_cli(path, tmp_path, "--lora-targets", "nope")) == 2
     assert "matches no linear projection" in capsys.readouterr().out
 

@@ -36,15 +36,18 @@ moment leaves the last committed step (a slot torn by it is known by its checksu
 step before); `--resume` reloads it and continues bit-identically (the data position is the run's, `.run.json`,
 keyed by the step).
 
+LoRA dropout (``lora_dropout`` > 0): PEFT's, each mask drawn from a generator seeded by (seed, step, micro-batch,
+block, target) (`lohan.models.lora.mask_seed`), so a recomputed block draws its forward's masks again and a resumed
+run those of the run it continues; off in `evaluate`.
+
 fp16 runs with GradScaler's dynamic loss scale (`step.LossScale`, the full engine's), committed with the adapters.
 
 Data parallel (torchrun): every rank keeps a whole base in its own directories and the same adapters; the
 adapters' gradients are summed over the ranks (one flat buffer) before the identical updates; each rank commits
 its own adapters, keeping the commit before, and a resume takes the group's latest common step.
 
-The dry run and the pre-flight price a LoRA step with `lohan.plan.lora`. Not yet: LoRA dropout > 0 (the
-recomputation would need the forward's masks; refused by the config), adapters kept in main memory when they do not
-fit the device.
+The dry run and the pre-flight price a LoRA step with `lohan.plan.lora`. Not yet: adapters kept in main memory
+when they do not fit the device.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class LoraEngine:
             self.lora.detach()
         cfg = self.cfg
         self.lora = LoraAdapters(self.program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
-                                 self.device.put)
+                                 self.device.put, cfg.lora_dropout)
         self.lora.attach()
         self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
@@ -165,6 +168,12 @@ class LoraEngine:
                                   direct=False)
         self.graphs = GraphKeeper(cfg, self.program, self.device, self.compute_dtype, self.streamer, self.passes,
                                   self.activations)
+        # dropout: the masks are drawn for the micro-batch each block runs on (`LoraAdapters.micro_batch`)
+        self.activations.micro_batch = self.graphs.micro_batch = self._micro_batch
+
+    def _micro_batch(self, m: int) -> None:
+        """Block runs from now on are on micro-batch `m` of this rank (of the step's over every rank: masks)."""
+        self.lora.micro_batch = (self.dp.rank if self.dp else 0) * self.cfg.micro_batches + m
 
     # ------------------------------------------------------------------ step
     @property
@@ -192,6 +201,7 @@ class LoraEngine:
         idx, targets = self._rank_batch(batch)
         idx, targets = self.device.put(idx), self.device.put(targets)
         n = len(self.program.modules)
+        self.lora.step, self.lora.training = self._step, True  # (what the dropout masks are drawn for)
         # the embedding's backward would compute nothing (no adapter, no gradient to pass on): not visited
         visits = list(range(n - 1)) + list(range(n - 1, 0, -1))
         self.optimizer.zero_grad(set_to_none=True)
@@ -286,6 +296,7 @@ class LoraEngine:
                 else:
                     x, fn = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
                 x = x if kept is not None else x.detach().requires_grad_()
+                self._micro_batch(m)  # (a recomputation draws its forward's dropout masks)
                 with self._bwd_timer, torch.enable_grad(), self.device.autocast(self.compute_dtype):
                     out = fn(x)
                     if i == last:  # the mean over every micro-batch of every rank
@@ -442,7 +453,11 @@ class LoraEngine:
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` under the committed adapters, forward only (as `Engine.evaluate`)."""
         idx, targets = self._rank_batch(batch)
-        loss = self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+        self.lora.training = False  # no dropout (PEFT's model.eval())
+        try:
+            loss = self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+        finally:
+            self.lora.training = True
         return self.dp.sum(loss) if self.dp else loss
 
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:

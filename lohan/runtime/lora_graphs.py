@@ -26,6 +26,7 @@ no optimizer records read or written, no CPU update, no weight gradient).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram
 from lohan.plan.lora import keeps_graphs
+from lohan.plan.planner import Plan
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, Timer
 from lohan.runtime.params import ParamStreamer
@@ -56,6 +58,7 @@ class GraphKeeper:
         self.keep = False
         self.block_bytes = 0  # what one block's graph saves, one micro-batch (0: not measured)
         self.why = ""
+        self.micro_batch: Callable[[int], None] = lambda m: None  # told which micro-batch a block runs on (dropout)
 
     def holds_base(self) -> bool:
         """Whether the parameter pool has room for every block's buffer at once."""
@@ -90,6 +93,7 @@ class GraphKeeper:
             seen[s.data_ptr()] = s.nbytes()
             return t
 
+        self.micro_batch(0)
         try:
             with torch.no_grad(), self.device.autocast(self.compute_dtype):
                 self.streamer.acquire(0, 0)
@@ -122,6 +126,7 @@ class GraphKeeper:
                     acts[i][m] = None
                     if i > 0:
                         x = x.detach().requires_grad_()
+                    self.micro_batch(m)
                     out = self.program.run(i, x, None)
                     if i > 0:
                         graphs[(i, m)] = (x, out)
@@ -146,6 +151,17 @@ class LoraActivations(ActivationManager):
     written, no CPU update) and no weight gradient (`Profile.frozen`), the base's P16 kept as the pool keeps it.
     (`ActivationManager` prices a full fine-tuning's step in the config's state format: for a LoRA run it saw an
     SSD lane of 14 bytes a parameter that does not exist, and recomputed what it could have swapped.)"""
+
+    micro_batch: Callable[[int], None] = staticmethod(lambda m: None)
+    """Told which micro-batch a block runs on (the dropout masks are drawn for it)."""
+
+    def prepare(self, x: Tensor, batch: int, seq: int) -> Plan:
+        self.micro_batch(0)  # (the profile runs block 1 on the first micro-batch)
+        return super().prepare(x, batch, seq)
+
+    def forward_block(self, i: int, m: int, x: Tensor) -> Tensor:
+        self.micro_batch(m)
+        return super().forward_block(i, m, x)
 
     def _optimizer_fields(self, param_count: int) -> dict[str, Any]:
         return {"resident_params": 0, "readahead_params": 0,
