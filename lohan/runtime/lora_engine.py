@@ -222,7 +222,7 @@ class LoraEngine:
             loss = self.passes.host_sum(losses)
             if self.dp:  # the mean over every rank's micro-batches, and the adapters' gradients summed
                 loss = self.dp.sum(loss)
-                self._all_reduce_grads()
+                sum_over_ranks(self.lora.params, self.dp, self.device)
             acts_stats = self.graphs.stats() if self.graphs.keep else self.activations.stats()
         finally:
             self.streamer.release_all()
@@ -319,20 +319,6 @@ class LoraEngine:
             crashpoint("lora.backward")
             self.passes.leave(visits, p, 0)
         return losses
-
-    def _all_reduce_grads(self) -> None:
-        """Data parallel: the adapters' gradients summed over the ranks (one flat host buffer; two ranks' sum is
-        one addition, so it equals one process summing two micro-batches bit for bit)."""
-        params = self.lora.params
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([self.device.fetch(p.grad).reshape(-1) for p in params])
-        self.dp.all_reduce_async(flat).wait()
-        at = 0
-        for p in params:
-            p.grad.copy_(self.device.put(flat[at:at + p.numel()].view(p.shape)))
-            at += p.numel()
 
     def _rank_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
@@ -517,6 +503,20 @@ class _Merged:
                 j = names.index(f"{t.path}.weight")
                 params[j] = params[j] + lora.delta(k).cpu()  # (PEFT: base_layer.weight.data += delta_weight)
         return [p.to(dtype) for p in params]
+
+
+def sum_over_ranks(params: list[torch.nn.Parameter], dp: DataParallel, device: Device) -> None:
+    """Data parallel: the adapters' gradients summed over the ranks (one flat host buffer; two ranks' sum is one
+    addition, so it equals one process summing two micro-batches bit for bit)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([device.fetch(p.grad).reshape(-1) for p in params])
+    dp.all_reduce_async(flat).wait()
+    at = 0
+    for p in params:
+        p.grad.copy_(device.put(flat[at:at + p.numel()].view(p.shape)))
+        at += p.numel()
 
 
 def _refuse(cfg: EngineConfig) -> None:
