@@ -352,11 +352,11 @@ def test_resume_is_bit_identical(family_dir, make_dirs, kw):
 def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     """Data parallel (two gloo ranks, as torchrun starts them): each streams its own base and sums the adapters'
     gradients with the other; losses, the evaluation and the adapters equal one process's with two micro-batches,
-    bit for bit. Then rank 1 is killed before its commit of step 4 while rank 0 committed it: the group resumes
+    bit for bit, with dropout (rank r's micro-batch draws the masks of the process's micro-batch r). Then rank 1 is killed before its commit of step 4 while rank 0 committed it: the group resumes
     at step 3 (rank 0 from the commit it kept) and ends as the uninterrupted run."""
     from tests.test_parallel import MODEL, STEPS, engine_kw, launch, single_process
 
-    engine = engine_kw(str(tmp_path / "dp"), lora_r=4)
+    engine = engine_kw(str(tmp_path / "dp"), lora_r=4, lora_dropout=0.1)
     codes, out = launch(tmp_path, 2, engine)
     assert codes == [0, 0], out
     result = torch.load(tmp_path / "run.pt")
@@ -382,7 +382,7 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     # killed: rank 1 halfway through writing its 4th commit (rank 0 goes on to commit step 4, then waits for rank 1)
     kill = tmp_path / "kill"
     kill.mkdir()
-    engine = engine_kw(str(kill / "dp"), lora_r=4)
+    engine = engine_kw(str(kill / "dp"), lora_r=4, lora_dropout=0.1)
     codes, out = launch(kill, 2, engine, crash={1: "lora.commit.write:4"})
     assert codes[1] == -9, out
     # (rank 0 commits step 4 unless the launcher kills it first: then both resume from their own step 3)
