@@ -31,7 +31,7 @@ rounds.
 
 Keys: ``lora_vs_full_step`` = full step / lora_stream step (reported); ``lora_bytes_per_param_step`` = what the
 lora_stream run reads from and writes to the SSDs per measured step (the engine's ``last_stats.ssd_read_bytes``
-and ``ssd_write_bytes``, plus its per-step adapter commit, ``<name>.lora.pt``) / the model's parameter count
+and ``ssd_write_bytes``, plus its per-step adapter commit, ``<name>.lora.<step % 2>``) / the model's parameter count
 (target <= 4.5: a bf16 base read twice is 4 B a parameter; an fp32 run stores its base in fp32, 8 B);
 ``lora_speed_vs_peft_in_ram`` = peft step / lora step (target >= 0.9). Report:
 `benchmarks/results/lora_bench[_<tag>].{json,md}`.
@@ -75,7 +75,7 @@ def build_lohan(a: argparse.Namespace, work: Path):
     sys.path.insert(0, str(REPO))
     from lohan.config import EngineConfig
     from lohan.runtime.hf_engine import init_from_hf
-    from lohan.runtime.lora_engine import commit_path
+    from lohan.runtime.lora_commit import commit_paths
 
     lora = a.child != "full"
     # full: every record on the SSDs (none resident), at the cpu_mem its plan needs (pools of records in flight);
@@ -93,7 +93,7 @@ def build_lohan(a: argparse.Namespace, work: Path):
         loss = eng.step((idx, targets), next_batch=nxt)
         s = eng.last_stats
         # the LoRA engine's stats count the SSD reads only; its per-step commit of the adapters is written too
-        commit = os.path.getsize(commit_path(eng.cfg.nvme, eng.cfg.name)) if lora else 0
+        commit = os.path.getsize(commit_paths(eng.cfg.nvme, eng.cfg.name)[eng.step_count % 2]) if lora else 0
         return {"loss": loss, "read_bytes": s.ssd_read_bytes, "write_bytes": s.ssd_write_bytes + commit,
                 "commit_bytes": commit, "lanes": dict(s.lanes)}
 

@@ -3,7 +3,8 @@
 For a model and a hardware description ("rtx4090,12xP5510,256GB"): the bytes each tier needs
 (GPU, main memory, SSD) and whether they fit, the activation plan (Algorithm 1 on the analytic
 profile, with its predicted step time), the largest batch, the largest preset the machine trains,
-and the same check for a design that keeps activations in main memory (ZeRO-Infinity style).
+and the same check for a design that keeps activations in main memory (ZeRO-Infinity style); with ``--lora R``,
+the plan of a LoRA run instead (`lohan.plan.lora`: the base read-only, no optimizer traffic).
 Nothing is run or allocated; it is arithmetic on DESIGN.md §4.4's cost model.
 
 The model is a preset, or a local Hugging Face model folder, of which only config.json is read (no weights:
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from lohan.config import PRESETS, ModelConfig, get_model_config, is_model_dir
 from lohan.plan.compute_dtype import choose
@@ -33,8 +35,13 @@ from lohan.plan.planner import (
 
 def model_config(model: str) -> ModelConfig:
     """A preset's config, or the planning config of a Hugging Face folder's config.json (ValueError: neither)."""
+    return _model(model)[0]
+
+
+def _model(model: str) -> tuple[ModelConfig, Any]:
+    """`model_config`, with a Hugging Face folder's block program (on the meta device; None for a preset)."""
     if model in PRESETS:
-        return get_model_config(model)
+        return get_model_config(model), None
     if not is_model_dir(model):
         found = f" ({model} is a folder without config.json)" if os.path.isdir(model) else ""
         raise ValueError(f"--model {model!r}: give a preset ({', '.join(PRESETS)}) or a Hugging Face model folder "
@@ -45,7 +52,32 @@ def model_config(model: str) -> ModelConfig:
         program = load_hf_skeleton(model)
     except (OSError, NotImplementedError) as e:
         raise ValueError(f"--model {model}: {e}") from None
-    return program.planning_config(os.path.basename(os.path.normpath(model)))
+    return program.planning_config(os.path.basename(os.path.normpath(model))), program
+
+
+def lora_report(model: str, hardware: str, rank: int, targets: tuple[str, ...] = (), seq: int | None = None,
+                batch: int = 1, compute_dtype: str = "auto", prefetch_depth: int = 2) -> str:
+    """The capacity report of a LoRA run (``--lora R``; `lohan.plan.lora`): the base's bytes on the SSDs and read per
+    step, main and GPU memory, the predicted step and the tokens from which the GPU hides the reads; the parameter
+    pool takes what the machine's RAM leaves. The adapters are priced on the model's own projections (a Hugging Face
+    folder's: grouped-query k and v are narrower), the `targets` alone if given."""
+    from lohan.plan.lora import lora_plan
+
+    choice = choose(compute_dtype, "cuda", ())
+    cfg, program = _model(model)
+    seq = seq or cfg.seq_len
+    if seq > cfg.seq_len:
+        cfg = cfg.with_overrides(seq_len=seq)
+    widths = None
+    if program is not None or targets:
+        from lohan.models.gpt import build_model
+        from lohan.models.lora import projections
+
+        modules = program.modules if program is not None else build_model(cfg, device="meta").block_modules()
+        widths = projections(modules, targets)
+    plan = lora_plan(cfg, parse_hardware(hardware), batch, seq, rank, choice.dtype, None, prefetch_depth,
+                     projections=widths)
+    return "\n".join([choice.describe(), plan.format()])
 
 
 def report(model: str, hardware: str, seq: int | None = None, batch: int = 1, compute_dtype: str = "auto",
@@ -103,10 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--no-compare", action="store_true", help="skip the activations-in-RAM comparison")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="price a LoRA run of rank R instead of full fine-tuning (the base frozen, read-only)")
+    p.add_argument("--lora-targets", default="", metavar="NAMES",
+                   help="with --lora: the projections adapted, comma-separated (default: all of them)")
     args = p.parse_args(argv)
     try:
-        print(report(args.model, args.hardware, args.seq, args.batch, args.compute_dtype, args.micro_batches,
-                     args.prefetch_depth, not args.no_compare))
+        if args.lora < 0:
+            raise ValueError(f"--lora {args.lora}: give a rank >= 1 (0: full fine-tuning)")
+        if args.lora:
+            targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+            print(lora_report(args.model, args.hardware, args.lora, targets, args.seq, args.batch,
+                              args.compute_dtype, args.prefetch_depth))
+        else:
+            print(report(args.model, args.hardware, args.seq, args.batch, args.compute_dtype, args.micro_batches,
+                         args.prefetch_depth, not args.no_compare))
     except ValueError as e:
         p.error(str(e))
     return 0

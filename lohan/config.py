@@ -481,8 +481,8 @@ class EngineConfig:
     whose default is 8 whatever the rank)."""
 
     lora_dropout: float = 0.0
-    """Dropout on the adapters' input (PEFT's ``lora_dropout``); only 0 for now (recomputation must reproduce the
-    forward's mask)."""
+    """Dropout on the adapters' input (PEFT's ``lora_dropout``), in [0, 1); its masks are drawn per (seed, step,
+    micro-batch, block, target), so a recomputed block draws its forward's again (`lohan.models.lora.mask_seed`)."""
 
     lora_targets: tuple[str, ...] = ()
     """Names of the modules that get adapters, matched against each module's name inside a decoder layer as PEFT's
@@ -671,9 +671,6 @@ class EngineConfig:
             problems.append(f"lora_alpha={self.lora_alpha!r} must be a finite positive number (PEFT's default: 8)")
         if not (_is_finite(self.lora_dropout) and 0 <= self.lora_dropout < 1):
             problems.append(f"lora_dropout={self.lora_dropout!r} must be a number in [0, 1)")
-        elif self.lora_dropout != 0:
-            problems.append(f"lora_dropout={self.lora_dropout}: only 0 is supported so far (a block's recomputation "
-                            "in backward must reproduce the forward's dropout mask); use --lora-dropout 0")
         targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
         if not isinstance(targets, list | tuple) or not all(isinstance(t, str) and t.strip() for t in targets):
             problems.append(f"lora_targets={self.lora_targets!r}: give module names such as q_proj,v_proj (or none: "

@@ -78,3 +78,33 @@ def test_the_report_gives_the_ssd_need_of_each_state_format():
     assert states[-1] == pytest.approx(states[0] * state_format("bf16-master").at_rest() / 14, rel=1e-3)
     moved = [float(r[4]) for r in rows]
     assert moved == sorted(moved, reverse=True)  # fewer bytes at rest, fewer bytes moved per step
+
+
+def test_lora_is_priced_on_the_models_own_projections(capsys):
+    """--lora R: the plan of a LoRA run (the base read-only: SSD reads, memory, predicted step); the adapters priced
+    on the model's own projections: Llama-3.1-70B's k and v are 8192 -> 1024 (grouped-query attention), so rank 16
+    over every projection is PEFT's 207,093,760 parameters, not the 4 d x d attention of a GPT block."""
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parent.parent / "configs" / "hf" / "llama-3.1-70b")
+    assert main(["--model", folder, "--hardware", "rtx4090,1xP5510,64GB", "--lora", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 16: 207.09M adapter parameters" in out
+    assert "predicted step" in out and "SSD reads" in out and "B/param" in out and "parameter pool" in out
+    assert main(["--model", folder, "--hardware", "rtx4090,1xP5510,64GB", "--lora", "16",
+                 "--lora-targets", "q_proj,v_proj"]) == 0
+    assert f"{80 * 16 * (2 * 8192 + 8192 + 1024) / 1e6:,.2f}M adapter parameters" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--model", folder, "--lora", "16", "--lora-targets", "nope"])
+    assert e.value.code == 2 and "matches no linear projection" in capsys.readouterr().err
+
+
+def test_lora_on_a_preset_prices_its_own_adapters():
+    """A preset's adapters are those of its GPT blocks (q, k, v fused), counted exactly."""
+    from lohan.capacity import lora_report
+    from lohan.config import get_model_config
+    from lohan.models.gpt import build_model
+    from lohan.models.lora import LoraAdapters
+
+    real = LoraAdapters(build_model(get_model_config("350m"), device="meta").block_modules(), 8, 16.0).numel
+    assert f"LoRA rank 8: {real / 1e6:,.2f}M adapter parameters" in lora_report("350m", "rtx4090,1xP5510,64GB", 8)

@@ -9,17 +9,22 @@ and adapters bit-exact.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from lohan.models import hf
 from lohan.models.gpt import lm_loss
+from lohan.models.lora import lora_dropout, mask_seed
 from lohan.runtime.hf_engine import init_from_hf
+from lohan.runtime.lora_commit import read_record
 from lohan.runtime.lora_engine import LoraEngine
 from lohan.runtime.optim import lr_factor
+from lohan.store.integrity import StoreCorruptError
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -54,9 +59,12 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
     if low is not None:
         model = model.to(low)
     targets = engine.lora.target_names()
-    pcfg = peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                           bias="none", task_type="CAUSAL_LM")
+    pcfg = peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha, lora_dropout=ecfg.lora_dropout,
+                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
     pmodel = peft.get_peft_model(model, pcfg)
+    at = {"step": 0, "mb": 0}  # the dropout masks' step and micro-batch
+    if ecfg.lora_dropout:
+        _draw_masks_as_lohan(pmodel, engine, ecfg, at)
     init = engine.lora.peft_state_dict(engine.program.model)
     peft.set_peft_model_state_dict(pmodel, init)
     trainable = [p for p in pmodel.parameters() if p.requires_grad]
@@ -67,9 +75,9 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
     scaler = torch.amp.GradScaler("cpu", init_scale=ecfg.loss_scale, growth_interval=ecfg.loss_scale_growth_interval,
                                   enabled=low == torch.float16)
     losses, m = [], ecfg.micro_batches
-    for idx, tgt in data:
+    for at["step"], (idx, tgt) in enumerate(data):
         total = 0.0
-        for x, y in zip(idx.chunk(m), tgt.chunk(m)):
+        for at["mb"], (x, y) in enumerate(zip(idx.chunk(m), tgt.chunk(m))):
             with torch.autocast("cpu", low or torch.bfloat16, enabled=low is not None):
                 logits = pmodel(input_ids=x).logits
             loss = lm_loss(logits.float(), y) / m
@@ -86,6 +94,68 @@ def peft_reference(path: str, engine: LoraEngine, ecfg, data, clip: float = 0.0,
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return losses, peft.get_peft_model_state_dict(pmodel)
+
+
+class _LohanMasks(torch.nn.Module):
+    """PEFT's dropout module of one target (an `nn.Dropout`) with its masks drawn by lohan's rule
+    (`lohan.models.lora.lora_dropout`: `nn.Dropout`'s ops, from a generator seeded per step, micro-batch, block and
+    target instead of the global one, whose order PEFT's and lohan's block-by-block passes do not share)."""
+
+    def __init__(self, p: float, seed: int, block: int, k: int, at: dict) -> None:
+        super().__init__()
+        self.p, self.seed, self.block, self.k, self.at = p, seed, block, k, at
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        return lora_dropout(x, self.p, mask_seed(self.seed, self.at["step"], self.at["mb"], self.block, self.k))
+
+
+def _draw_masks_as_lohan(pmodel, engine: LoraEngine, ecfg, at: dict) -> None:
+    root = pmodel.base_model.model
+    for j, name in enumerate(engine.lora.module_names(engine.program.model)):
+        layer = root.get_submodule(name)
+        assert isinstance(layer.lora_dropout["default"], torch.nn.Dropout)
+        t = engine.lora.targets[j]
+        layer.lora_dropout["default"] = _LohanMasks(ecfg.lora_dropout, ecfg.seed, t.block, engine.lora.index[j], at)
+
+
+def test_lora_dropout_is_nn_dropout_drawn_from_its_own_generator():
+    """`lora_dropout` computes what `nn.Dropout` (PEFT's ``lora_dropout``) computes from the global generator seeded
+    alike: the same mask, scale and product, bit for bit."""
+    x = torch.randn(4, 16, 32)
+    for p in (0.1, 0.5):
+        torch.manual_seed(1234)
+        want = torch.nn.Dropout(p).train()(x)
+        assert torch.equal(lora_dropout(x, p, 1234), want)
+    assert mask_seed(0, 1, 0, 2, 3) != mask_seed(0, 1, 1, 2, 3) != mask_seed(0, 2, 1, 2, 3)
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # the CPU keeps the forward's graphs
+    {"act_policy": "interblock", "micro_batches": 2, "max_grad_norm": 1e-3},  # every block recomputed
+    {"act_policy": "swap-all"},  # the swapped ops replayed, the rest recomputed
+])
+def test_lora_dropout_is_bit_exact_with_peft(family_dir, make_dirs, kw):
+    """--lora-dropout 0.1 against PEFT (its lora_dropout, masks drawn by lohan's rule: `_LohanMasks`), fp32: a block
+    recomputed in backward draws its forward's masks again, so the losses and adapters are PEFT's bits; evaluation
+    runs without dropout, as PEFT's model.eval()."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), lora_dropout=0.1, **kw)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        assert engine.graphs.decide(data[0][0], engine.lora.params) == (kw == {})
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=ecfg.max_grad_norm)
+        losses = [engine.step(b) for b in data]
+        got = engine.lora.peft_state_dict(engine.program.model)
+        evaluated = engine.evaluate(data[0])
+        engine.lora.dropout = 0.0
+        assert engine.evaluate(data[0]) == evaluated  # (evaluation draws no mask)
+    assert losses == want_losses
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    ecfg0 = lora_config(make_dirs(1, "nodrop"), **kw)
+    with init_from_hf(path, ecfg0) as engine:
+        assert [engine.step(b) for b in data][1:] != losses[1:]  # (the masks made a difference)
 
 
 @pytest.mark.parametrize("family,kw", [
@@ -111,6 +181,70 @@ def test_lora_is_bit_exact_with_peft(family_dir, make_dirs, family, kw):
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in got.items() if "lora_B" in n)  # it trained
+
+
+@pytest.mark.parametrize("kw", [{}, {"micro_batches": 2, "max_grad_norm": 1e-3}])
+def test_no_block_is_recomputed_when_the_activations_fit(family_dir, make_dirs, kw):
+    """On the CPU with the whole base in the parameter pool and the step's activations in main memory, the forward's
+    graphs are kept for backward as a PEFT run keeps them: after the first step (which probes block 1 once to
+    measure them) each decoder block runs once per micro-batch, as many times as in the PEFT run; still its bits."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), **kw)
+    data = list(batches(STEPS))
+    with init_from_hf(path, ecfg) as engine:
+        want_losses, want = peft_reference(path, engine, ecfg, data, clip=ecfg.max_grad_norm)
+        decoder = engine.program.modules[1:-1]
+        runs = collections.Counter()
+        hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: runs.update([i])) for i, m in enumerate(decoder)]
+        losses, counts = [], []
+        for b in data:
+            runs.clear()
+            losses.append(engine.step(b))
+            counts.append(dict(runs))
+        for h in hooks:
+            h.remove()
+        got = engine.lora.peft_state_dict(engine.program.model)
+        assert engine.last_stats.activations["swap"] == [] and engine.graphs.keep
+    assert counts[1:] == [{i: ecfg.micro_batches for i in range(len(decoder))}] * (STEPS - 1)
+    assert losses == want_losses
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_blocks_are_recomputed_when_the_activations_do_not_fit(family_dir, make_dirs):
+    """With no main memory left for activations (act_mem 0), the graphs are not kept: backward recomputes every
+    decoder block (their inputs in the SSD tier), and the step is the same."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1), act_mem=0)
+    data = list(batches(2))
+    with init_from_hf(path, ecfg) as engine:
+        want_losses, _ = peft_reference(path, engine, ecfg, data)
+        decoder = engine.program.modules[1:-1]
+        runs = collections.Counter()
+        for i, m in enumerate(decoder):
+            m.register_forward_pre_hook(lambda mod, args, i=i: runs.update([i]))
+        losses = [engine.step(data[0])]
+        runs.clear()  # (the first step profiles block 1 for the activation plan)
+        losses.append(engine.step(data[1]))
+        assert not engine.graphs.keep and "recomputed" in engine.graphs.why
+    assert runs == {i: 2 for i in range(len(decoder))}
+    assert losses == want_losses
+
+
+def test_the_activation_plan_of_a_lora_step_prices_no_optimizer(family_dir, make_dirs, monkeypatch):
+    """Where blocks are recomputed (a separate device: here the simulated one), Algorithm 1 plans on a LoRA step's
+    profile: no optimizer record read or written, no CPU update, no gradient of the base sent to the host, a backward
+    of one forward's FLOPs plus the recomputation (not the full fine-tuning's two)."""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+    ecfg = lora_config(make_dirs(1))
+    with init_from_hf(family_dir("llama"), ecfg) as engine:
+        engine.step(next(iter(batches(1))))
+        assert not engine.graphs.keep and engine.activations.plan is not None
+        profile, est = engine.activations.profile, engine.activations.plan.estimate
+    assert profile.frozen and profile.states_written == 0
+    assert est.traffic["ssd_write"] == est.alpha_bytes and est.lanes_b["cpu"] == 0
+    assert est.traffic["g2m"] == est.a_g2m  # the swapped activations only
+    assert est.lanes_b["gpu"] == pytest.approx((profile.flop_f + est.flop_r) / profile.hardware.thp_g
+                                               + est.dequant_s)
 
 
 def test_lora_fp16_scales_the_loss_as_grad_scaler(family_dir, make_dirs):
@@ -194,7 +328,7 @@ def test_base_is_p16_only_and_never_written(family_dir, make_dirs):
 
 
 # fp16: the first step overflows at this scale, the next ones at the halved scale do not; the scale is committed
-@pytest.mark.parametrize("kw", [{}, {"compute_dtype": "fp16", "loss_scale": 2.0**20}])
+@pytest.mark.parametrize("kw", [{}, {"compute_dtype": "fp16", "loss_scale": 2.0**20}, {"lora_dropout": 0.1}])
 def test_resume_is_bit_identical(family_dir, make_dirs, kw):
     path = family_dir("qwen3")
     data = list(batches(STEPS))
@@ -218,11 +352,11 @@ def test_resume_is_bit_identical(family_dir, make_dirs, kw):
 def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     """Data parallel (two gloo ranks, as torchrun starts them): each streams its own base and sums the adapters'
     gradients with the other; losses, the evaluation and the adapters equal one process's with two micro-batches,
-    bit for bit. Then rank 1 is killed before its commit of step 4 while rank 0 committed it: the group resumes
+    bit for bit, with dropout (rank r's micro-batch draws the masks of the process's micro-batch r). Then rank 1 is killed before its commit of step 4 while rank 0 committed it: the group resumes
     at step 3 (rank 0 from the commit it kept) and ends as the uninterrupted run."""
     from tests.test_parallel import MODEL, STEPS, engine_kw, launch, single_process
 
-    engine = engine_kw(str(tmp_path / "dp"), lora_r=4)
+    engine = engine_kw(str(tmp_path / "dp"), lora_r=4, lora_dropout=0.1)
     codes, out = launch(tmp_path, 2, engine)
     assert codes == [0, 0], out
     result = torch.load(tmp_path / "run.pt")
@@ -245,14 +379,14 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     assert result["losses"] == losses and result["eval"] == eval_loss
     assert all(torch.equal(a, b) for a, b in zip(result["adapters"], adapters))
     del single_process
-    # killed: rank 1 before the rename of its 4th commit (rank 0 goes on to commit step 4, then waits for rank 1)
+    # killed: rank 1 halfway through writing its 4th commit (rank 0 goes on to commit step 4, then waits for rank 1)
     kill = tmp_path / "kill"
     kill.mkdir()
-    engine = engine_kw(str(kill / "dp"), lora_r=4)
-    codes, out = launch(kill, 2, engine, crash={1: "lora.commit.rename:4"})
+    engine = engine_kw(str(kill / "dp"), lora_r=4, lora_dropout=0.1)
+    codes, out = launch(kill, 2, engine, crash={1: "lora.commit.write:4"})
     assert codes[1] == -9, out
     # (rank 0 commits step 4 unless the launcher kills it first: then both resume from their own step 3)
-    assert torch.load(kill / "dp" / "rank0" / "lohan.lora.pt", weights_only=True)["step"] in (3, 4)
+    assert _committed(kill / "dp" / "rank0")["step"] in (3, 4)
     codes, out = launch(kill, 2, engine, resume=True, tag="resumed")
     assert codes == [0, 0], out
     resumed = torch.load(kill / "resumed.pt")
@@ -354,15 +488,26 @@ def test_cli_lora_refusals(family_dir, tmp_path, capsys):
     assert "use --export-merged DIR" in capsys.readouterr().err
     assert main(["--model", "tiny", "--export-merged", str(tmp_path / "c"), "--nvme", str(tmp_path / "n")]) == 2
     assert "add --lora R" in capsys.readouterr().err
-    assert main(_cli(path, tmp_path, "--lora-dropout", "0.1")) == 2
-    assert "only 0 is supported" in capsys.readouterr().err
+    assert main(_cli(path, tmp_path, "--lora-dropout", "1")) == 2
+    assert "lora_dropout=1.0 must be a number in [0, 1)" in capsys.readouterr().err
     assert main(_cli(path, tmp_path, "--lora-targets", "nope")) == 2
     assert "matches no linear projection" in capsys.readouterr().out
 
 
+def _committed(nvme) -> dict:
+    """The latest whole commit in a run's directory (`lohan.runtime.lora_commit`: of its two slots)."""
+    states = []
+    for slot in ("lohan.lora.0", "lohan.lora.1"):
+        try:
+            states.append(read_record(str(nvme / slot)))
+        except (OSError, StoreCorruptError):
+            pass
+    return max(states, key=lambda s: s["step"])
+
+
 def _lora_state(work) -> dict[str, torch.Tensor]:
-    """The committed adapters and AdamW states of a run (`<name>.lora.pt`), by position."""
-    state = torch.load(work / "nvme" / "lohan.lora.pt", weights_only=True)
+    """The committed adapters and AdamW states of a run, by position."""
+    state = _committed(work / "nvme")
     out = {f"adapter{k}": t for k, t in enumerate(state["adapters"])}
     for k, s in state["optimizer"]["state"].items():
         out.update({f"opt{k}.{n}": t for n, t in s.items()})
@@ -370,9 +515,8 @@ def _lora_state(work) -> dict[str, torch.Tensor]:
 
 
 def test_killed_lora_run_resumes_bit_identically(tmp_path):
-    """SIGKILL in backward, just before an adapters' commit is renamed in, between its two renames, and before the
-    run state's rename; each
-    time resumed with --resume: the metrics, the adapters with their AdamW states, the merged checkpoints and export
+    """SIGKILL in backward, halfway through writing an adapters' commit (twice: the slot left torn), and before the
+    run state's rename; each time resumed with --resume: the metrics, the adapters with their AdamW states, the merged checkpoints and export
     end as the uninterrupted run's, and the base's slab is never written."""
     import sys
 
@@ -389,8 +533,7 @@ def test_killed_lora_run_resumes_bit_identically(tmp_path):
     assert rc == 0, out
     run = tmp_path / "run"
     resume = False
-    # (prev_kept: between a commit's two renames, the one before kept and the new one not yet in place)
-    for spec in ("lora.backward:9", "lora.commit.rename:3", "lora.commit.prev_kept:1", "json.rename:lohan.run.json:1"):
+    for spec in ("lora.backward:9", "lora.commit.write:3", "lora.commit.write:1", "json.rename:lohan.run.json:1"):
         rc, out, _ = kh.run_once(args(run, resume), spec)
         assert rc == -9, (spec, out)  # killed there
         if not resume:
@@ -485,28 +628,66 @@ def test_dry_run_plans_lora(tmp_path, capsys):
     assert not (tmp_path / "n").exists()
 
 
+def test_dry_run_prices_the_adapters_of_a_grouped_query_model(tmp_path, capsys):
+    """The dry run of a Hugging Face model prices its adapters on its own projections: Llama-3.1-70B (config.json
+    only) at rank 16 has PEFT's 207,093,760 adapter parameters (k and v are 8192 -> 1024)."""
+    from lohan.app.cli import main
+
+    folder = str(Path(__file__).resolve().parent.parent / "configs" / "hf" / "llama-3.1-70b")
+    assert main(["--model", folder, "--lora", "16", "--dry-run", "--batch-size", "1", "--seq-len", "1024",
+                 "--cpu-mem", "48GiB", "--hardware", "rtx4090,1xP5510,64GB", "--nvme", str(tmp_path / "n")]) == 0
+    assert "LoRA rank 16: 207.09M adapter parameters" in capsys.readouterr().out
+
+
 def test_verify_reads_the_adapters_commit_back(tmp_path, capsys):
-    """--verify on a LoRA run's store: the base's blocks and the adapters' commit, checked against that base; a
-    damaged commit is reported (exit 1)."""
+    """--verify on a LoRA run's store: the base's blocks and the adapters' latest commit, checked against that base;
+    a damaged slot stands for a torn one (the commit before it is read back), both damaged are reported (exit 1)."""
     from lohan.app.cli import main
 
     nv = tmp_path / "nvme"
-    assert main(["--model", "tiny", "--lora", "4", "--steps", "1", "--seq-len", "64", "--batch-size", "4",
+    assert main(["--model", "tiny", "--lora", "4", "--steps", "2", "--seq-len", "64", "--batch-size", "4",
                  "--compute-dtype", "fp32", "--backend", "threads", "--nvme", str(nv), "--metrics",
                  str(tmp_path / "m.jsonl")]) == 0
     capsys.readouterr()
     assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 0
-    assert "the LoRA adapters committed at step 1" in capsys.readouterr().out
-    commit = nv / "lohan.lora.pt"
-    commit.write_bytes(commit.read_bytes()[:100])
-    assert main(["--model", "tiny", "--nvme", str(nv), "--verify"]) == 1
-    assert "lohan.lora.pt (the LoRA adapters' commit) cannot be read" in capsys.readouterr().out
+    assert "the LoRA adapters committed at step 2" in capsys.readouterr().out
+    for slot, step in (("lohan.lora.0", 1), ("lohan.lora.1", None)):
+        commit = nv / slot
+        raw = bytearray(commit.read_bytes())
+        raw[-1] ^= 1
+        commit.write_bytes(bytes(raw))
+        out = (main(["--model", "tiny", "--nvme", str(nv), "--verify"]), capsys.readouterr().out)
+        if step:
+            assert out[0] == 0 and f"the LoRA adapters committed at step {step}" in out[1], out
+        else:
+            assert out[0] == 1 and "are both incomplete or damaged" in out[1], out
+
+
+def test_a_step_commits_with_one_fsync(family_dir, make_dirs, monkeypatch):
+    """A LoRA step's commit costs one fsync (its slot written in place; the directory's only when a slot is created:
+    the first two steps), and a whole commit reads back as the engine holds it."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    dirs = make_dirs(1)
+    with init_from_hf(family_dir("llama"), lora_config(dirs, total_steps=4)) as engine:
+        counts = []
+        for b in batches(4):
+            synced.clear()
+            engine.step(b)
+            counts.append(len(synced))
+        state = _committed(Path(dirs[0]))
+        assert state["step"] == 4
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(engine.lora.params, state["adapters"]))
+        opt = engine.optimizer.state_dict()["state"]
+        assert all(torch.equal(opt[k][n].cpu(), t) for k, s in state["optimizer"]["state"].items() for n, t in s.items())
+    assert counts == [2, 2, 1, 1]
 
 
 def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_dirs, monkeypatch):
-    """A step whose commit fails (here its rename) leaves the engine at the last commit: the next step runs as if
+    """A step whose commit fails (here its fsync) leaves the engine at the last commit: the next step runs as if
     the failed one had never been, and the run goes on bit-identically to one without the failure."""
-    import lohan.runtime.lora_engine as le
+    import lohan.runtime.lora_commit as le
 
     path = family_dir("llama")
     data = list(batches(STEPS))
@@ -515,14 +696,14 @@ def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_
         want_state = engine.lora.peft_state_dict(engine.program.model)
     with init_from_hf(path, lora_config(make_dirs(1, "b"))) as engine:
         got = [engine.step(data[0])]
-        real = le.os.replace
+        real = le.os.fsync
 
-        def fail(src, dst):
+        def fail(fd):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(le.os, "replace", fail)
+        monkeypatch.setattr(le.os, "fsync", fail)
         with pytest.raises(OSError):
             engine.step(data[1])
-        monkeypatch.setattr(le.os, "replace", real)
+        monkeypatch.setattr(le.os, "fsync", real)
         assert engine.step_count == engine.committed_step == 1
         got.append(engine.step(data[2]))
         state = engine.lora.peft_state_dict(engine.program.model)

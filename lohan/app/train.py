@@ -675,11 +675,16 @@ def _run_plan(ctx: _Run, resume: bool, free: int | None, host_device: bool) -> R
 def _lora_fit(ctx: _Run, machine: Any, dry_run: bool) -> Any:
     """`_plan` for a LoRA run (`lohan.plan.lora.lora_plan`; data parallel: one rank's, its slice of the batch on its
     share of the machine); refused, with the plan, where it does not fit."""
+    from lohan.models.lora import projections
     from lohan.plan.lora import lora_plan
 
     e = ctx.run.engine
+    try:  # the adapters priced on the model's own projections (grouped-query k and v are narrower)
+        widths = projections(ctx.model.program().modules, e.lora_targets)
+    except ValueError:  # (targets that match nothing: the engine refuses them, saying what there is)
+        widths = None
     report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size // ctx.world, ctx.seq_len, e.lora_r,
-                       e.compute_dtype, int(e.cpu_mem), e.prefetch_depth, machine.notes, ctx.per_epoch)
+                       e.compute_dtype, int(e.cpu_mem), e.prefetch_depth, machine.notes, ctx.per_epoch, widths)
     if not dry_run and not report.fits:
         ctx.console.print(report.format())
         raise Refusal(f"{ctx.run.model} does not fit this machine for LoRA: {'; '.join(report.capacity.reasons)}. "
@@ -1245,14 +1250,14 @@ def _verify_lora(store: StateStore, dirs: tuple[str, ...], name: str, problems: 
     added to `problems` if it is not); what to add to the report ('' for any other store)."""
     if store.layout.state_format != "frozen":
         return ""
-    from lohan.runtime.lora_engine import commit_path, read_commit
+    from lohan.runtime.lora_commit import latest_commit
 
-    path = commit_path(dirs, name)
-    if not os.path.exists(path):
-        return " (a LoRA run's base; no adapters committed yet)"
     try:
-        state = read_commit(path, store)
+        latest = latest_commit(dirs, name, store)
     except StoreCorruptError as err:
         problems.append(str(err))
         return ""
+    if latest is None:
+        return " (a LoRA run's base; no adapters committed yet)"
+    path, state = latest
     return f"; the LoRA adapters committed at step {state['step']} ({path}) read back, over this base"

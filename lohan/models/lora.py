@@ -6,7 +6,8 @@ matrices, A [r, in] and B [out, r], and a forward hook that turns its output `y`
     y + B(A(x)) * (alpha / r)          (then cast back to y's dtype)
 
 with the very ops of `peft.tuners.lora.Linear.forward` (the input cast to the adapters' dtype, `F.linear` twice,
-the scaling as a Python float, one addition), so a model with these hooks computes PEFT's bits. The hooks leave the
+the scaling as a Python float, one addition; `lora_dropout` on the input first when ``lora_dropout`` > 0), so a model
+with these hooks computes PEFT's bits. The hooks leave the
 module tree alone (STYLE.md 10: reversible hooks, never forked model code): the blocks' parameters, which the store
 lays out and the streamer swaps, stay the base weights under their own names, and the adapters are parameters of
 their own (`LoraAdapters.params`), never seen by `named_parameters()` of a block.
@@ -15,10 +16,17 @@ Initialization is PEFT's (`init_lora_weights=True`): A kaiming-uniform with a = 
 starts as the base. Each A is drawn from a generator of its own, seeded from (seed, block, index of the target in
 the block), so a module's draw depends on nothing else. PEFT draws from the global generator in module order:
 an exactness test copies the initial adapters across (`peft_state_dict`).
+
+Dropout (``lora_dropout`` > 0, in training): each mask is drawn from a generator of its own, seeded from (seed, step,
+micro-batch, block, target; `mask_seed`), which the engine sets (`LoraAdapters.step`, `.micro_batch`): a block
+recomputed in backward draws its forward's masks again (no RNG state to carry from one to the other), and a resumed
+run the masks of the run it continues. PEFT draws from the global generator: an exactness test draws its masks by
+the same rule (`lora_dropout`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -81,24 +89,37 @@ def find_targets(modules: Sequence[nn.Module], targets: Sequence[str] = ()) -> l
     return found
 
 
+def projections(modules: Sequence[nn.Module], targets: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """The (in, out) widths of every projection `find_targets` adapts: what a plan prices the adapters by
+    (`lohan.plan.lora.adapter_params`). ValueError as `find_targets`."""
+    return [(t.in_features, t.out_features) for t in find_targets(modules, targets)]
+
+
 class LoraAdapters:
     """The adapters of a block program, their hooks and their names (module docstring)."""
 
     def __init__(self, modules: Sequence[nn.Module], r: int, alpha: float, targets: Sequence[str] = (),
-                 seed: int = 0, put: Callable[[Tensor], Tensor] = lambda t: t) -> None:
-        """`put` moves a new CPU tensor to the compute device (`Device.put`)."""
+                 seed: int = 0, put: Callable[[Tensor], Tensor] = lambda t: t, dropout: float = 0.0) -> None:
+        """`put` moves a new CPU tensor to the compute device (`Device.put`); `dropout`: PEFT's ``lora_dropout``
+        (`lora_dropout`: its masks drawn by (seed, `step`, `micro_batch`, block, target), which the engine sets)."""
         if r < 1:
             raise ValueError(f"LoRA rank {r}: give a rank >= 1")
-        self.r, self.alpha = int(r), float(alpha)
+        if not 0 <= dropout < 1:
+            raise ValueError(f"LoRA dropout {dropout}: give a probability in [0, 1)")
+        self.r, self.alpha, self.dropout, self.seed = int(r), float(alpha), float(dropout), int(seed)
+        self.training = True  # dropout on (False: evaluation, as PEFT's model.eval())
+        self.step = self.micro_batch = 0  # what a dropout mask is drawn for
         self.scaling = self.alpha / self.r  # PEFT: lora_alpha / r (not rsLoRA)
         self.targets = find_targets(modules, targets)
         self.modules = list(modules)
         self.A: list[nn.Parameter] = []
         self.B: list[nn.Parameter] = []
+        self.index: list[int] = []  # each target's place among its block's targets
         per_block: dict[int, int] = {}
         for t in self.targets:
             k = per_block.get(t.block, 0)
             per_block[t.block] = k + 1
+            self.index.append(k)
             a = torch.empty(self.r, t.in_features, dtype=torch.float32)
             gen = torch.Generator().manual_seed(_seed_of(seed, t.block, k))
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # PEFT's reset_lora_parameters
@@ -128,9 +149,21 @@ class LoraAdapters:
         """Hook every target (once): its output gains the adapter's term."""
         if self._hooks:
             return
-        for t, a, b in zip(self.targets, self.A, self.B):
+        for j, (t, a, b) in enumerate(zip(self.targets, self.A, self.B)):
             module = self.modules[t.block].get_submodule(t.path)
-            self._hooks.append(module.register_forward_hook(_hook(a, b, self.scaling)))
+            self._hooks.append(module.register_forward_hook(_hook(a, b, self.scaling, self._dropper(j))))
+
+    def _dropper(self, j: int) -> Callable[[Tensor, torch.dtype], Tensor | None]:
+        """Target j's dropout: its input cast to the adapters' dtype with PEFT's ``lora_dropout`` applied (PEFT casts,
+        then drops), or None where there is none (p = 0, or evaluation)."""
+        block, k = self.targets[j].block, self.index[j]
+
+        def drop(x: Tensor, dtype: torch.dtype) -> Tensor | None:
+            if not (self.dropout and self.training):
+                return None
+            x = x.to(dtype) if x.dtype != dtype else x
+            return lora_dropout(x, self.dropout, mask_seed(self.seed, self.step, self.micro_batch, block, k))
+        return drop
 
     def detach(self) -> None:
         for h in self._hooks:
@@ -169,12 +202,33 @@ def _seed_of(seed: int, block: int, k: int) -> int:
     return (int(seed) * 1_000_003 + block * 4099 + k) % (1 << 63)
 
 
-def _hook(a: nn.Parameter, b: nn.Parameter, scaling: float):
-    """The forward hook of one target: peft.tuners.lora.Linear.forward's vanilla-LoRA path, op for op."""
+def mask_seed(seed: int, step: int, micro_batch: int, block: int, k: int) -> int:
+    """The seed of a dropout mask: one per (run seed, step, micro-batch of the step over every rank, block, target in
+    the block), so a block's recomputation in backward draws its forward's masks again, and a resumed run the
+    masks of the run it continues."""
+    key = f"{int(seed)},{int(step)},{int(micro_batch)},{int(block)},{int(k)}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def lora_dropout(x: Tensor, p: float, seed: int) -> Tensor:
+    """PEFT's ``lora_dropout`` (`nn.Dropout(p)` in training, the CPU kernel's ops: a Bernoulli(1 - p) mask divided
+    by 1 - p, times x), its mask drawn from a generator of its own seeded with `seed` (`mask_seed`)."""
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=gen)
+    noise.div_(1 - p)
+    return x * noise
+
+
+def _hook(a: nn.Parameter, b: nn.Parameter, scaling: float, drop: Callable[[Tensor, torch.dtype], Tensor | None]):
+    """The forward hook of one target: peft.tuners.lora.Linear.forward's vanilla-LoRA path, op for op (`drop`:
+    its dropout)."""
     def hook(module: nn.Module, args: tuple, result: Tensor) -> Tensor:
         x = args[0]
         result_dtype = result.dtype
         dev = result.device.type
+        dropped = drop(x, a.dtype)
+        if dropped is not None:
+            x = dropped
         if torch.is_autocast_enabled(dev):
             # autocast runs both linears in its lower precision: cast here, as it would, but never through its
             # cache of leaf casts, which makes a no-grad forward and the recomputation with grad issue different op
@@ -186,7 +240,7 @@ def _hook(a: nn.Parameter, b: nn.Parameter, scaling: float):
         else:
             if x.dtype != a.dtype:  # PEFT's _cast_input_dtype
                 x = x.to(dtype=a.dtype)
-            h = F.linear(F.linear(x, a), b)  # lora_B(lora_A(dropout(x))), dropout 0
+            h = F.linear(F.linear(x, a), b)  # lora_B(lora_A(dropout(x)))
         result = result + h * scaling
         return result.to(result_dtype)
     return hook

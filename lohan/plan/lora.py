@@ -22,20 +22,27 @@ measures. Torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lohan.config import ModelConfig
 from lohan.plan.planner import Hardware
+from lohan.plan.pools import ram_budget
 
 RUNTIME_BYTES = 2**30
 """The process itself (Python, torch, allocator), counted in main memory."""
 
 
-def adapter_params(mcfg: ModelConfig, r: int) -> int:
-    """LoRA parameters of rank `r` on every projection of a GPT-shaped decoder layer (PEFT's ``all-linear``): r x
-    (in + out) per projection, for q, k, v, o (d x d) and the MLP's up and down (d x m·d)."""
-    d, m = mcfg.d_model, mcfg.mlp_ratio
-    return mcfg.n_layer * r * (4 * 2 * d + 2 * (d + m * d))
+def adapter_params(mcfg: ModelConfig, r: int, projections: Sequence[tuple[int, int]] | None = None) -> int:
+    """LoRA parameters of rank `r`: r x (in + out) for each adapted projection. `projections`: the (in, out) widths
+    of every adapted projection of the model (`lohan.models.lora.projections`: a Hugging Face model's own, e.g. the
+    narrower k and v of grouped-query attention, and only the targets asked for); None: those of the in-house GPT
+    block of `mcfg` (the presets), q, k and v fused (d -> 3d), the output projection (d -> d), the MLP's two
+    (d -> m·d -> d)."""
+    if projections is not None:
+        return r * sum(i + o for i, o in projections)
+    d, md = mcfg.d_model, mcfg.mlp_ratio * mcfg.d_model
+    return mcfg.n_layer * r * ((d + 3 * d) + (d + d) + 2 * (d + md))
 
 
 @dataclass(frozen=True)
@@ -143,19 +150,39 @@ class LoraPlan:
         return "\n".join(lines)
 
 
+def keeps_graphs(eligible: bool, block_bytes: int, n_blocks: int, micro_batches: int,
+                 mem_avail: int) -> tuple[bool, str]:
+    """Whether a LoRA step keeps its forward's graphs instead of recomputing its blocks in backward
+    (`lohan.runtime.lora_graphs`), and why: where it is `eligible` (a host device, the planner's policy, the whole
+    base in the parameter pool) and every decoder block's graph (`block_bytes` a micro-batch, measured) fits the
+    main memory left for activations. A LoRA step has no optimizer traffic and reads the base only, so once both fit
+    nothing is gained by recomputing: the recompute costs a forward of every block (a third of the step's FLOPs)."""
+    if not eligible:
+        return False, "recomputed: not a host device holding the whole base under the planner's policy"
+    need = block_bytes * n_blocks * micro_batches
+    if need > mem_avail:
+        return False, (f"recomputed: the step's graphs would take {need / 1e9:.3g} GB, main memory leaves "
+                       f"{mem_avail / 1e9:.3g} GB for activations")
+    return True, f"graphs kept: {need / 1e9:.3g} GB of activations, no block recomputed"
+
+
 def lora_plan(mcfg: ModelConfig, hw: Hardware, batch: int, seq: int, rank: int, compute_dtype: str = "bf16",
-              cpu_mem: int = 8 << 30, prefetch_depth: int = 2, notes: tuple[str, ...] = (),
-              steps_per_epoch: int | None = None) -> LoraPlan:
-    """The `LoraPlan` of `mcfg` at `batch` x `seq` with rank-`rank` adapters on `hw` (module docstring)."""
+              cpu_mem: int | None = 8 << 30, prefetch_depth: int = 2, notes: tuple[str, ...] = (),
+              steps_per_epoch: int | None = None, projections: Sequence[tuple[int, int]] | None = None) -> LoraPlan:
+    """The `LoraPlan` of `mcfg` at `batch` x `seq` with rank-`rank` adapters on `projections` (`adapter_params`) on
+    `hw` (module docstring). `cpu_mem` None: what `hw`'s main memory leaves beside the activations and the process
+    (`pools.ram_budget`)."""
     item = 4 if compute_dtype == "fp32" else 2
     params = mcfg.param_count()
     base = params * item
     biggest = max(mcfg.block_param_count(), mcfg.embed_param_count(), mcfg.head_param_count()) * item
-    pool = max((prefetch_depth + 3) * biggest, min(cpu_mem, base + biggest))
-    kept = min(1.0, pool / base)
     d, tokens = mcfg.d_model, batch * seq
     acts = (mcfg.n_layer + 1) * tokens * d * item  # the block inputs, swapped to main memory
-    adapters = adapter_params(mcfg, rank)
+    if cpu_mem is None:
+        cpu_mem = max(0, ram_budget(hw.ram) - acts - RUNTIME_BYTES) if hw.ram else base + biggest
+    pool = max((prefetch_depth + 3) * biggest, min(cpu_mem, base + biggest))
+    kept = min(1.0, pool / base)
+    adapters = adapter_params(mcfg, rank, projections)
     layer_acts = seq * batch * d * (34 + 5 * mcfg.n_head * seq / d) * item / 2
     gpu = {"blocks in flight": (prefetch_depth + 2) * biggest, "adapters (weights, grads, AdamW)": 16 * adapters,
            "one block's activations": int(layer_acts), "logits": tokens * mcfg.vocab_size * 4}

@@ -43,6 +43,9 @@ The lanes, each a resource that works in parallel with the others (the time one 
   updated and the P16 copy made). Active gradient offloading (DESIGN §4.3) runs the optimizer of block i
   while the GPU runs backward of block i-1, so it is one more lane of the backward phase. A rate of 0
   (a measured profile that does not know it) leaves the lane out: it reads 0.
+- A LoRA step (``Profile.frozen``): the base takes no gradient, so backward's ``gpu`` lane is
+  ``(flop_f + FLOP_r) / thp_g`` and ``g2m`` carries no G16; its optimizer fields are zero (``record_bytes`` 0, no
+  separate P16, ``update_cost`` 0): no record is read or written and the ``cpu`` lane is empty.
 
 Each phase is a pipeline over the ``n_blocks`` identical blocks: block i is on the SSD, then the link,
 then the GPU (then, in backward, the link, the CPU and the SSD again) while its neighbours are on the
@@ -303,6 +306,10 @@ class Profile:
     act_compress: str = "none"
     """``int8``: records that leave the device are compressed (``EngineConfig.act_compress``): the transfer lanes
     and the tiers count ``bytes_int8``, and the ``gpu`` lane pays their quantization (module docstring)."""
+    frozen: bool = False
+    """A LoRA step's (`lohan.runtime.lora_engine`): the weights take no gradient, so backward computes the inputs'
+    gradients only (``flop_f`` instead of ``2 flop_f``, plus the recomputation) and sends no G16 to the host. Its
+    optimizer fields are zero: ``record_bytes`` 0, no separate P16, ``update_cost`` 0."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -542,7 +549,9 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     p16_read = p16 * (1 - profile.kept_p16_params / max(1, profile.param_count))
     lanes_f = {"gpu": profile.flop_f / hw.thp_g + quant, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
                "ssd": p16_read / hw.bw_s2m + alpha / hw.bw_m2s}
-    lanes_b = {"gpu": (2 * profile.flop_f + flop_r) / hw.thp_g + dequant, "g2m": p16 / hw.bw_g,
+    grads = 0 if profile.frozen else p16  # G16 to the host (none: frozen weights)
+    lanes_b = {"gpu": ((1 if profile.frozen else 2) * profile.flop_f + flop_r) / hw.thp_g + dequant,
+               "g2m": grads / hw.bw_g,
                "m2g": (p16 + a_g2m) / hw.bw_g, "ssd": (p16_read + opt_read + alpha) / hw.bw_s2m + states / hw.bw_m2s,
                "cpu": cpu}
     (slow_f, fill_f), (slow_b, fill_b) = _pipeline(lanes_f, n), _pipeline(lanes_b, n)
@@ -555,7 +564,7 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     t_serial = sum(_pipeline(serial_f, n)) + _phase(serial_b, n) + _phase(serial_opt, n)
     lanes_serial = {k: serial_f.get(k, 0.0) + serial_b.get(k, 0.0) + serial_opt.get(k, 0.0) for k in LANES_B}
     t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_f + t_b)
-    traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + p16),
+    traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + grads),
                "ssd_read": float(2 * p16_read + opt_read + alpha), "ssd_write": float(states + alpha),
                "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,

@@ -12,7 +12,10 @@ base (its identity and checksums are committed with them).
 *Streaming.* The blocks are the full fine-tuning's ([embed, layer 0..L-1, head]) and are streamed by the same
 `ParamStreamer` (prefetch `prefetch_depth` ahead, copy to the device beside the previous block's compute),
 forward then backward with recomputation, with the same activation plan (`ActivationManager`: block inputs and
-swapped ops on the device, in RAM or on the SSDs; int8 records). As the slot is never rewritten, a released block
+swapped ops on the device, in RAM or on the SSDs; int8 records), made on a LoRA step's profile (`LoraActivations`:
+no optimizer traffic, no weight gradient). On a host device whose memory holds the whole base and the step's
+activations, nothing is recomputed: the forward keeps its graphs for backward as a PEFT run does
+(`lohan.runtime.lora_graphs`). As the slot is never rewritten, a released block
 is *kept* in the parameter pool across forward, backward and the next step while the pool has room (`cpu_mem`):
 a base that fits it is read from the SSDs once. The backward skips the embedding (it has no adapter and takes no
 gradient); the head's backward only carries the gradient down.
@@ -27,9 +30,15 @@ on the same tensors in the same order — update them: bit-exact with PEFT + `to
 No CPU AdamW over the base, no gradient offloading, no optimizer traffic to the SSDs.
 
 *Crash consistency.* After every step the adapters, their AdamW states, the step count and the settings are
-written to ``<name>.lora.pt`` beside the store's records through a temporary file, fsynced and renamed (with its
-directory fsynced): the commit of a LoRA step. A kill at any moment leaves the last committed step; `--resume`
-reloads it and continues bit-identically (the data position is the run's, `.run.json`, keyed by the step).
+written beside the store's records into the slot of the step (`lohan.runtime.lora_commit`: two slot files
+written alternately in place, each record checksummed, one fsync a step): the commit of a LoRA step. A kill at any
+moment leaves the last committed step (a slot torn by it is known by its checksum, and the other one holds the
+step before); `--resume` reloads it and continues bit-identically (the data position is the run's, `.run.json`,
+keyed by the step).
+
+LoRA dropout (``lora_dropout`` > 0): PEFT's, each mask drawn from a generator seeded by (seed, step, micro-batch,
+block, target) (`lohan.models.lora.mask_seed`), so a recomputed block draws its forward's masks again and a resumed
+run those of the run it continues; off in `evaluate`.
 
 fp16 runs with GradScaler's dynamic loss scale (`step.LossScale`, the full engine's), committed with the adapters.
 
@@ -37,9 +46,8 @@ Data parallel (torchrun): every rank keeps a whole base in its own directories a
 adapters' gradients are summed over the ranks (one flat buffer) before the identical updates; each rank commits
 its own adapters, keeping the commit before, and a resume takes the group's latest common step.
 
-The dry run and the pre-flight price a LoRA step with `lohan.plan.lora`. Not yet: LoRA dropout > 0 (the
-recomputation would need the forward's masks; refused by the config), adapters kept in main memory when they do not
-fit the device.
+The dry run and the pre-flight price a LoRA step with `lohan.plan.lora`. Not yet: adapters kept in main memory
+when they do not fit the device.
 """
 
 from __future__ import annotations
@@ -48,9 +56,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,14 +66,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from io_engine.durable import fsync_dir
+from io_engine.base import align_up
 from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram
 from lohan.models.lora import LoraAdapters
 from lohan.plan.pools import optimizer_chunk_elems
-from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, compute_dtype_choice
+from lohan.runtime.lora_commit import base_identity, commits, latest_commit, read_commit, write_commit
+from lohan.runtime.lora_graphs import GraphKeeper, Graphs, LoraActivations
 from lohan.runtime.optim import lr_at
 from lohan.runtime.parallel import DataParallel
 from lohan.runtime.params import ParamStreamer
@@ -74,13 +82,9 @@ from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import stored_compute_dtype
-from lohan.store.states import DTYPES, StateStore, plan_layout
+from lohan.store.states import DTYPES, plan_layout
 
 log = logging.getLogger(__name__)
-
-FORMAT = 1
-"""Version of the ``<name>.lora.pt`` commit."""
-
 
 def lora_settings(cfg: EngineConfig) -> dict[str, Any]:
     """What fixes a LoRA run's adapters (committed with them; a resume must ask for the same)."""
@@ -120,7 +124,6 @@ class LoraEngine:
         self._closed = False
         try:
             self._build(str(model_meta.get("config", {}).get("name", model_meta.get("kind", "model"))))
-            self._path = commit_path(cfg.nvme, cfg.name)
             self._fresh()
             if resume:
                 self._resume()
@@ -135,7 +138,7 @@ class LoraEngine:
             self.lora.detach()
         cfg = self.cfg
         self.lora = LoraAdapters(self.program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
-                                 self.device.put)
+                                 self.device.put, cfg.lora_dropout)
         self.lora.attach()
         self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
@@ -146,14 +149,16 @@ class LoraEngine:
         """The parameter pool (the whole base where `cpu_mem` holds it, so it is read once; at least the blocks in
         flight), the streamer, the activation manager and the block passes."""
         cfg, layout = self.cfg, self.layout
-        biggest = max(b.p16_bytes for b in layout.blocks)
+        biggest = align_up(max(b.p16_bytes for b in layout.blocks))
         in_flight = (cfg.prefetch_depth + 3) * biggest  # the block computing, the tied owner, the prefetched ones
-        pool_bytes = max(in_flight, min(int(cfg.cpu_mem), sum(b.p16_bytes for b in layout.blocks) + biggest))
+        # (buffers are aligned: the whole base takes its blocks' aligned sizes)
+        whole = sum(align_up(b.p16_bytes) for b in layout.blocks)
+        pool_bytes = max(in_flight, min(int(cfg.cpu_mem), whole + biggest))
         self.params_pool = self.store.volume.buffer_pool(pool_bytes, pin=self.device.is_cuda)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, self.program.modules, layout)
         self.streamer.frozen = self.streamer.keeps = True
         total = sum(b.p16_bytes for b in layout.blocks)
-        self.activations = ActivationManager(
+        self.activations = LoraActivations(
             cfg, self.program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=pool_bytes, model_label=label, param_count=layout.param_count,
             p16_itemsize=self.store.p16_dtype.itemsize, flops_per_token=self.flops_per_token,
@@ -161,6 +166,14 @@ class LoraEngine:
         self.passes = BlockPasses(cfg, self.program, layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, None, None, torch.float32, None, self.dp, self.bounds,
                                   direct=False)
+        self.graphs = GraphKeeper(cfg, self.program, self.device, self.compute_dtype, self.streamer, self.passes,
+                                  self.activations)
+        # dropout: the masks are drawn for the micro-batch each block runs on (`LoraAdapters.micro_batch`)
+        self.activations.micro_batch = self.graphs.micro_batch = self._micro_batch
+
+    def _micro_batch(self, m: int) -> None:
+        """Block runs from now on are on micro-batch `m` of this rank (of the step's over every rank: masks)."""
+        self.lora.micro_batch = (self.dp.rank if self.dp else 0) * self.cfg.micro_batches + m
 
     # ------------------------------------------------------------------ step
     @property
@@ -188,6 +201,7 @@ class LoraEngine:
         idx, targets = self._rank_batch(batch)
         idx, targets = self.device.put(idx), self.device.put(targets)
         n = len(self.program.modules)
+        self.lora.step, self.lora.training = self._step, True  # (what the dropout masks are drawn for)
         # the embedding's backward would compute nothing (no adapter, no gradient to pass on): not visited
         visits = list(range(n - 1)) + list(range(n - 1, 0, -1))
         self.optimizer.zero_grad(set_to_none=True)
@@ -198,14 +212,18 @@ class LoraEngine:
                                                          growth_tracker=self._scale.get("growth_tracker", 0)),
                                self.device.put)
         try:
-            acts, fwd_timer = self.passes.forward(visits, 0, idx)
+            graphs: Graphs = {}
+            if self.graphs.decide(idx, self.lora.params):  # PEFT's way where everything fits: no block recomputed (`lora_graphs`)
+                acts, graphs, fwd_timer = self.graphs.forward(visits, idx)
+            else:
+                acts, fwd_timer = self.passes.forward(visits, 0, idx)
             self._bwd_timer = self.device.timer()
-            losses = self._backward(visits, acts, targets.chunk(self.cfg.micro_batches), scaler)
+            losses = self._backward(visits, acts, graphs, targets.chunk(self.cfg.micro_batches), scaler)
             loss = self.passes.host_sum(losses)
             if self.dp:  # the mean over every rank's micro-batches, and the adapters' gradients summed
                 loss = self.dp.sum(loss)
-                self._all_reduce_grads()
-            acts_stats = self.activations.stats()
+                sum_over_ranks(self.lora.params, self.dp, self.device)
+            acts_stats = self.graphs.stats() if self.graphs.keep else self.activations.stats()
         finally:
             self.streamer.release_all()
             self.activations.end_step()
@@ -250,12 +268,12 @@ class LoraEngine:
             activations=acts, next_forward_overlapped=False, deferred=False, grad_norm=norm, clip_coef=coef,
             skipped=skipped)
 
-    def _backward(self, visits: list[int], acts: Acts, tgt_mb: tuple[Tensor, ...],
+    def _backward(self, visits: list[int], acts: Acts, graphs: Graphs, tgt_mb: tuple[Tensor, ...],
                   scaler: LossScale | None) -> list[Tensor]:
-        """Blocks n-1..1, each recomputed with grad per micro-batch; autograd is asked for the block input's
-        gradient and the block's adapters' (summed into their `.grad` as autograd sums a leaf's, micro-batch after
-        micro-batch; fp16: of the loss x scale, as GradScaler.scale). Returns the micro-batches' losses (on the
-        device, unscaled)."""
+        """Blocks n-1..1, each recomputed with grad per micro-batch (or its forward's graph taken from `graphs`);
+        autograd is asked for the block input's gradient and the block's adapters' (summed into their `.grad` as
+        autograd sums a leaf's, micro-batch after micro-batch; fp16: of the loss x scale, as GradScaler.scale).
+        Returns the micro-batches' losses (on the device, unscaled)."""
         m_count, last = self.cfg.micro_batches, len(self.program.modules) - 1
         grad_out: list[Tensor | None] = [None] * m_count
         losses: list[Tensor] = []
@@ -266,14 +284,19 @@ class LoraEngine:
             for o, _ in self.program.external_params(i):  # a tied head: its owner's weight must be resident
                 self.streamer.acquire(o, 0)
             adapters = self.lora.block_params(i)
-            inner = i in acts_mgr.inner
-            acts_mgr.prefetch(i - 1)
+            inner = i in acts_mgr.inner and not graphs
+            if inner:
+                acts_mgr.prefetch(i - 1)
             for m in range(m_count):
+                kept = graphs.pop((i, m), None)
                 if inner:
                     x, fn = acts_mgr.backward_block(i, m)
+                elif kept is not None:  # its forward's own graph: nothing to recompute
+                    x, fn = kept[0], lambda _, out=kept[1]: out
                 else:
                     x, fn = acts[i][m], lambda z, i=i, m=m: self.program.run(i, z, tgt_mb[m] if i == last else None)
-                x = x.detach().requires_grad_()
+                x = x if kept is not None else x.detach().requires_grad_()
+                self._micro_batch(m)  # (a recomputation draws its forward's dropout masks)
                 with self._bwd_timer, torch.enable_grad(), self.device.autocast(self.compute_dtype):
                     out = fn(x)
                     if i == last:  # the mean over every micro-batch of every rank
@@ -291,24 +314,11 @@ class LoraEngine:
                 if inner:
                     del x, out, grads
                     acts_mgr.release(i, m)
-            acts_mgr.stage(i - 1)
+            if inner:
+                acts_mgr.stage(i - 1)
             crashpoint("lora.backward")
             self.passes.leave(visits, p, 0)
         return losses
-
-    def _all_reduce_grads(self) -> None:
-        """Data parallel: the adapters' gradients summed over the ranks (one flat host buffer; two ranks' sum is
-        one addition, so it equals one process summing two micro-batches bit for bit)."""
-        params = self.lora.params
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([self.device.fetch(p.grad).reshape(-1) for p in params])
-        self.dp.all_reduce_async(flat).wait()
-        at = 0
-        for p in params:
-            p.grad.copy_(self.device.put(flat[at:at + p.numel()].view(p.shape)))
-            at += p.numel()
 
     def _rank_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
@@ -348,67 +358,49 @@ class LoraEngine:
         return norm, coef, False, False
 
     # ---------------------------------------------------------------- commit
-    def _base_identity(self) -> dict[str, Any]:
-        return base_identity(self.store)
-
     def _commit(self, note: dict[str, Any]) -> None:
         """The step's commit: adapters, AdamW states, step count and what the step measured (`note`,
-        `committed_stats`) in one file, atomically and durably."""
-        state = {"format": FORMAT, "step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
-                 "scale": dict(self._scale),
-                 "lora": lora_settings(self.cfg), "base": repr(self._base_identity()),
-                 "adapters": [p.detach().cpu() for p in self.lora.params],
-                 "optimizer": _to_cpu(self.optimizer.state_dict())}
-        tmp = self._path + ".tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        crashpoint("lora.commit.rename")
-        if os.path.exists(self._path):  # kept: a data-parallel group may resume from the step before (`_resume`)
-            os.replace(self._path, self._path + ".prev")
-            crashpoint("lora.commit.prev_kept")
-        os.replace(tmp, self._path)
-        fsync_dir(os.path.dirname(self._path) or ".")
+        `committed_stats`) in the slot of its step, durably (`lohan.runtime.lora_commit`: one fsync)."""
+        state = {"step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
+                 "scale": dict(self._scale), "lora": lora_settings(self.cfg), "base": repr(base_identity(self.store)),
+                 "adapters": list(self.lora.params), "optimizer": self.optimizer.state_dict()}
+        write_commit(self.cfg.nvme, self.cfg.name, state)
         self._note, self._committed = note, self._step
 
     def _restore(self) -> None:
         """After a step failed between its update and its commit (a full disk, an interrupt): the adapters, AdamW
         states and counters of the last commit, or the initial ones before the first, so that memory and the commit
         agree again."""
-        if os.path.exists(self._path):
-            self._load()
+        latest = latest_commit(self.cfg.nvme, self.cfg.name, self.store)
+        if latest is not None:
+            self._load(*latest)
         else:
             self._fresh()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _resume(self) -> None:
-        """The commit a resume continues from: the latest of this rank's (the current one, or the one before it,
-        which a kill between the two renames of a commit leaves alone); data parallel, the group's latest step
-        every rank has (a rank killed before its commit of step k makes the group resume at k - 1: the others
-        take their commit before it). None at step 0: the adapters as initialized."""
-        found: dict[int, str] = {}
-        for path in (self._path, self._path + ".prev"):
-            if os.path.exists(path):
-                found.setdefault(int(read_commit(path, self.store)["step"]), path)
+        """The commit a resume continues from: the latest of this rank's (the other slot holds the one before it,
+        which a kill while a slot is written leaves whole); data parallel, the group's latest step every rank has
+        (a rank killed before its commit of step k makes the group resume at k - 1: the others take their commit
+        before it). None at step 0: the adapters as initialized."""
+        found = commits(self.cfg.nvme, self.cfg.name, self.store)
         target = max(found, default=0)
         if self.dp:
             steps = [0] * self.world
             dist.all_gather_object(steps, target, group=self.dp.group)
             target = min(steps)
         if target in found:
-            self._load(found[target])
+            self._load(found[target], read_commit(found[target], self.store))
         elif target:
             raise StoreCorruptError(f"rank {self.dp.rank if self.dp else 0}: no LoRA commit of step {target} in "
                                     f"{self.cfg.nvme[0]} (the group resumes there); restore the directories together, "
                                     "or start over with --overwrite")
 
-    def _load(self, path: str | None = None) -> None:
-        """The adapters and AdamW states committed in `path` (the current commit by default), after checking they
-        belong to this run and base."""
-        state = read_commit(path or self._path, self.store)
+    def _load(self, path: str, state: dict[str, Any]) -> None:
+        """The adapters and AdamW states committed in `state` (read from `path`), after checking they belong to this
+        run and base."""
         if len(state["adapters"]) != len(self.lora.params):
-            raise StoreCorruptError(f"{self._path} is not a LoRA commit of this model ({len(self.lora.params)} "
+            raise StoreCorruptError(f"{path} is not a LoRA commit of this model ({len(self.lora.params)} "
                                     "adapter matrices); start over with --overwrite")
         if state["lora"] != lora_settings(self.cfg):
             raise ValueError(f"the run in {self.cfg.nvme[0]} trains LoRA adapters with {state['lora']} and this run "
@@ -416,7 +408,7 @@ class LoraEngine:
         with torch.no_grad():
             for p, t in zip(self.lora.params, state["adapters"]):
                 if p.shape != t.shape:
-                    raise StoreCorruptError(f"{self._path}: an adapter of shape {tuple(t.shape)} where this model "
+                    raise StoreCorruptError(f"{path}: an adapter of shape {tuple(t.shape)} where this model "
                                             f"has {tuple(p.shape)}; start over with --overwrite")
                 p.copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])  # (moves the states to the parameters' device)
@@ -447,7 +439,11 @@ class LoraEngine:
     def evaluate(self, batch: tuple[Tensor, Tensor]) -> float:
         """Mean loss of `batch` under the committed adapters, forward only (as `Engine.evaluate`)."""
         idx, targets = self._rank_batch(batch)
-        loss = self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+        self.lora.training = False  # no dropout (PEFT's model.eval())
+        try:
+            loss = self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
+        finally:
+            self.lora.training = True
         return self.dp.sum(loss) if self.dp else loss
 
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
@@ -490,33 +486,6 @@ class LoraEngine:
         self.close()
 
 
-def base_identity(store: StateStore) -> dict[str, Any]:
-    """What ties a LoRA run's adapters to the base they were trained on: its volume and its records' checksums."""
-    return {"volume_id": store.volume.volume_id, "sums": store.sums}
-
-
-def commit_path(dirs: Sequence[str], name: str) -> str:
-    """Where a LoRA run's adapters are committed (beside the store's records)."""
-    return os.path.join(dirs[0], f"{name}.lora.pt")
-
-
-def read_commit(path: str, store: StateStore) -> dict[str, Any]:
-    """The LoRA commit at `path`, checked: readable, of this format, committed over `store`'s base.
-    StoreCorruptError (saying what to do) otherwise."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise StoreCorruptError(f"{path} (the LoRA adapters' commit) cannot be read: {e}. Restore it from a backup, "
-                                "or start over with --overwrite") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("adapters"), list):
-        raise StoreCorruptError(f"{path} is not a LoRA commit lohan wrote (format {FORMAT}); start over with "
-                                "--overwrite")
-    if state.get("base") != repr(base_identity(store)):
-        raise StoreCorruptError(f"{path} was committed over another base store than the one beside it; start over "
-                                "with --overwrite")
-    return state
-
-
 class _Merged:
     """The weights PEFT's ``merge_and_unload`` gives (each adapted weight plus its update B @ A x scaling, in fp32),
     with what `lohan.models.hf.export_hf` and `export_gpt2` read: ``.store.layout``, ``.store.read_params(i)``
@@ -536,15 +505,18 @@ class _Merged:
         return [p.to(dtype) for p in params]
 
 
-def _to_cpu(obj: Any) -> Any:
-    """An optimizer state dict with its tensors on the CPU (what the commit stores)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+def sum_over_ranks(params: list[torch.nn.Parameter], dp: DataParallel, device: Device) -> None:
+    """Data parallel: the adapters' gradients summed over the ranks (one flat host buffer; two ranks' sum is one
+    addition, so it equals one process summing two micro-batches bit for bit)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([device.fetch(p.grad).reshape(-1) for p in params])
+    dp.all_reduce_async(flat).wait()
+    at = 0
+    for p in params:
+        p.grad.copy_(device.put(flat[at:at + p.numel()].view(p.shape)))
+        at += p.numel()
 
 
 def _refuse(cfg: EngineConfig) -> None:

@@ -13,11 +13,12 @@ VOLUME_SUFFIXES = (".slab", ".volume.json")
 """An io_engine volume's files in each directory: the striped slab and its manifest."""
 VOLUMES = ("", "-act", "-grad", "-probe")
 """The run's volumes: the states store, swapped activations (the SSD tier), the gradient stash, the SSD probe."""
-RECORDS = (".store.json", ".commit.json", ".init.json", ".run.json", ".profile.json", ".dp.json", ".lora.pt",
-           ".lora.pt.prev")
+RECORDS = (".store.json", ".commit.json", ".init.json", ".run.json", ".profile.json", ".dp.json", ".lora.0",
+           ".lora.1", ".lora.pt", ".lora.pt.prev")
 """The store's description, its commit record, its initialization log, the run's state (data position, schedule),
 the activation profile, a data-parallel group's commit record, and a LoRA run's adapters with their AdamW states
-(`lohan.runtime.lora_engine`, committed every step) and their commit before."""
+(`lohan.runtime.lora_commit`, committed every step into two alternate slots; format 1's commit and the one before
+it)."""
 SUFFIXES = tuple(v + s for v in VOLUMES for s in VOLUME_SUFFIXES) + RECORDS
 """Every file of a run; JSON records are written through `<file>.tmp` (integrity.write_json_atomic)."""
 
