@@ -50,7 +50,7 @@ from lohan.app.metrics import (
 )
 from lohan.app.ownership import Owner, metrics_owner
 from lohan.app.tracking import Trackers, flat_params, missing_packages
-from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
+from lohan.config import MAX_STEPS, SCHEDULE_FIELDS, EngineConfig, ModelConfig, RunConfig
 from lohan.crashpoints import crashpoint
 from lohan.data import (
     IGNORE_INDEX,
@@ -246,13 +246,15 @@ def _durable_state(prev: dict | None, durable: int) -> dict | None:
 
 
 LR_WARN = 0.1  # an AdamW peak lr above this is a typo, not a choice (the header says so)
-SCHEDULE_FIELDS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
-                   "decay_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
+RESUMABLE_SETTINGS = (*SCHEDULE_FIELDS, "max_grad_norm")
+"""The settings a resume may change, saved with the run state by their flat names (as before the config had
+sections, so every saved state compares): the schedule section and the clipping norm."""
 
 
 def _schedule(e: EngineConfig) -> dict[str, Any]:
     """The optimizer settings a resume may change (saved with the run state; a change is said, not refused)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(e, k)) for k in SCHEDULE_FIELDS)}
+    settings = e.settings()
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, settings[k]) for k in RESUMABLE_SETTINGS)}
 
 
 def _schedule_changes(saved: dict | None, e: EngineConfig) -> str:
@@ -260,7 +262,7 @@ def _schedule_changes(saved: dict | None, e: EngineConfig) -> str:
     if not saved:
         return ""
     now = _schedule(e)
-    return ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE_FIELDS if k in saved and saved[k] != now[k])
+    return ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in RESUMABLE_SETTINGS if k in saved and saved[k] != now[k])
 
 
 def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: dict | None) -> None:

@@ -128,7 +128,7 @@ from pathlib import Path
 from typing import Any
 
 from io_engine import durable
-from lohan.config import PRESETS, ModelConfig, parse_bytes
+from lohan.config import ACT_COMPRESSIONS, ACT_POLICIES, PRESETS, ModelConfig, parse_bytes
 from lohan.plan import durability, formats, pools, vocab
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 from lohan.plan.run_plan import RunPlan, plan_run
@@ -144,7 +144,7 @@ __all__ = [
     "CUBLAS_WORKSPACE_BYTES", "CUBLAS_STREAMS", "FRAGMENTATION",
 ]
 
-POLICIES = ("plan", "interblock", "swap-all", "recompute-all")
+POLICIES = ACT_POLICIES
 LANES = ("gpu", "g2m", "m2g", "ssd")
 """The forward lanes; backward has these and ``cpu`` (:data:`LANES_B`)."""
 LANES_B = (*LANES, "cpu")
@@ -322,7 +322,7 @@ class Profile:
             problems.append(f"readahead_params={self.readahead_params} must be in [0, param_count - resident_params]")
         if any(op.flops < 0 or op.bytes < 0 or (op.bytes_int8 or 0) < 0 for op in self.ops) or self.input_bytes < 0:
             problems.append("op flops/bytes and input_bytes must be >= 0")
-        if self.act_compress not in ("none", "int8"):
+        if self.act_compress not in ACT_COMPRESSIONS:
             problems.append(f"act_compress={self.act_compress!r} must be none or int8")
         if problems:
             raise ValueError(f"invalid profile {self.model!r}: " + "; ".join(problems))
