@@ -885,6 +885,10 @@ class EngineConfig:
         """Store a setting's validated form (bytes for a size, a tuple for a list) in its section."""
         object.__setattr__(getattr(self, FLAT_KEYS[name]), name, value)
 
+    def get(self, name: str) -> Any:
+        """A setting by its flat name (``"cpu_mem"``), from its section."""
+        return getattr(getattr(self, FLAT_KEYS[name]), name)
+
     def settings(self) -> dict[str, Any]:
         """Every setting by its flat name (what a YAML's ``engine:`` may hold; trackers log these keys)."""
         return {name: getattr(getattr(self, section), name) for name, section in FLAT_KEYS.items()}
@@ -900,41 +904,42 @@ class EngineConfig:
     def _placement_problems(self) -> list[str]:
         """Where states and activations go: the SSD directories, memory budgets and sizes (normalized to
         bytes), the activation policy, the SSD emulation."""
+        store, mem, act = self.store, self.memory, self.activations
         problems: list[str] = []
         # `--set engine.nvme=5` or a YAML mapping must be a message, not a TypeError from tuple()
-        nvme = (self.nvme,) if isinstance(self.nvme, str | os.PathLike) else tuple(self.nvme) if isinstance(
-            self.nvme, list | tuple) else None
+        nvme = (store.nvme,) if isinstance(store.nvme, str | os.PathLike) else tuple(store.nvme) if isinstance(
+            store.nvme, list | tuple) else None
         if nvme is None or not all(isinstance(d, str | os.PathLike) and os.fspath(d) for d in nvme):
-            problems.append(f"nvme={self.nvme!r}: give one directory path or a list of them, e.g. [/mnt/nvme0/lohan]")
+            problems.append(f"nvme={store.nvme!r}: give one directory path or a list of them, e.g. [/mnt/nvme0/lohan]")
             nvme = ()
         elif not nvme:
             problems.append("nvme: give at least one directory")
         nvme = tuple(os.fspath(d) for d in nvme)
         self._normalize("nvme", nvme)
-        problem = store_name_problem(self.name)
+        problem = store_name_problem(store.name)
         if problem:
             problems.append(problem)
         for name in ("act_mem", "gpu_mem"):
-            if getattr(self, name) is not None:
+            if self.get(name) is not None:
                 try:
-                    self._normalize(name, parse_bytes(getattr(self, name)))
+                    self._normalize(name, parse_bytes(self.get(name)))
                 except ValueError as e:
                     problems.append(f"{name}: {e}")
-        if not isinstance(self.act_policy, str) or (self.act_policy not in ACT_POLICIES
-                                                     and not self.act_policy.startswith("ops:")):
-            problems.append(f"act_policy={self.act_policy!r}: choose one of {', '.join(ACT_POLICIES)}, or "
+        if not isinstance(act.act_policy, str) or (act.act_policy not in ACT_POLICIES
+                                                     and not act.act_policy.startswith("ops:")):
+            problems.append(f"act_policy={act.act_policy!r}: choose one of {', '.join(ACT_POLICIES)}, or "
                             "'ops:NAME,NAME' to swap exactly those ops of every block")
-        if self.act_compress not in ACT_COMPRESSIONS:
-            problems.append(f"act_compress={self.act_compress!r}: choose none (records as they are) or int8 "
+        if act.act_compress not in ACT_COMPRESSIONS:
+            problems.append(f"act_compress={act.act_compress!r}: choose none (records as they are) or int8 "
                             "(int8 codes and a scale per row on the CPU and SSD tiers)")
-        if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
-                                                      and self.emulate_ssd_gbps > 0):
-            problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
-        for name in ("cpu_mem", "stripe_bytes", "opt_chunk_bytes") + (() if self.resident_mem in ("all", "auto")
+        if store.emulate_ssd_gbps is not None and not (isinstance(store.emulate_ssd_gbps, int | float)
+                                                      and store.emulate_ssd_gbps > 0):
+            problems.append(f"emulate_ssd_gbps={store.emulate_ssd_gbps!r} must be a positive number or None")
+        for name in ("cpu_mem", "stripe_bytes", "opt_chunk_bytes") + (() if mem.resident_mem in ("all", "auto")
                                                                     else ("resident_mem",)) + (
-                () if self.readahead_mem == "auto" else ("readahead_mem",)):
+                () if mem.readahead_mem == "auto" else ("readahead_mem",)):
             try:
-                self._normalize(name, parse_bytes(getattr(self, name)))
+                self._normalize(name, parse_bytes(self.get(name)))
             except ValueError as e:
                 problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else
                                                   ", or 'auto'" if name == "readahead_mem" else ""))
@@ -942,19 +947,20 @@ class EngineConfig:
 
     def _lora_problems(self) -> list[str]:
         """LoRA's rank, scaling, dropout and targets (`lora_r`...)."""
+        lora = self.lora
         problems: list[str] = []
-        if not _is_int(self.lora_r) or self.lora_r < 0:
-            problems.append(f"lora_r={self.lora_r!r} must be an integer >= 0 (the adapters' rank; 0: full fine-tuning)")
-        if not (_is_finite(self.lora_alpha) and self.lora_alpha > 0):
-            problems.append(f"lora_alpha={self.lora_alpha!r} must be a finite positive number (PEFT's default: 8)")
-        if not (_is_finite(self.lora_dropout) and 0 <= self.lora_dropout < 1):
-            problems.append(f"lora_dropout={self.lora_dropout!r} must be a number in [0, 1)")
-        elif self.lora_dropout != 0:
-            problems.append(f"lora_dropout={self.lora_dropout}: only 0 is supported so far (a block's recomputation "
+        if not _is_int(lora.lora_r) or lora.lora_r < 0:
+            problems.append(f"lora_r={lora.lora_r!r} must be an integer >= 0 (the adapters' rank; 0: full fine-tuning)")
+        if not (_is_finite(lora.lora_alpha) and lora.lora_alpha > 0):
+            problems.append(f"lora_alpha={lora.lora_alpha!r} must be a finite positive number (PEFT's default: 8)")
+        if not (_is_finite(lora.lora_dropout) and 0 <= lora.lora_dropout < 1):
+            problems.append(f"lora_dropout={lora.lora_dropout!r} must be a number in [0, 1)")
+        elif lora.lora_dropout != 0:
+            problems.append(f"lora_dropout={lora.lora_dropout}: only 0 is supported so far (a block's recomputation "
                             "in backward must reproduce the forward's dropout mask); use --lora-dropout 0")
-        targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
+        targets = (lora.lora_targets,) if isinstance(lora.lora_targets, str) else lora.lora_targets
         if not isinstance(targets, list | tuple) or not all(isinstance(t, str) and t.strip() for t in targets):
-            problems.append(f"lora_targets={self.lora_targets!r}: give module names such as q_proj,v_proj (or none: "
+            problems.append(f"lora_targets={lora.lora_targets!r}: give module names such as q_proj,v_proj (or none: "
                             "every linear projection of the decoder layers)")
         else:
             self._normalize("lora_targets", tuple(t.strip() for t in targets))
@@ -963,129 +969,134 @@ class EngineConfig:
     def _size_range_problems(self) -> list[str]:
         """Sizes that parse but cannot be (parse_bytes refuses negative ones): zero where it means nothing, a stripe
         the SSD volumes cannot cut."""
+        store, mem = self.store, self.memory
         problems = []
-        if _is_int(self.gpu_mem) and self.gpu_mem == 0:
+        if _is_int(mem.gpu_mem) and mem.gpu_mem == 0:
             problems.append("gpu_mem=0: give the device memory the run must fit in, e.g. 24GiB, or leave it unset "
                             "(the device's own)")
-        if _is_int(self.opt_chunk_bytes) and self.opt_chunk_bytes == 0:
+        if _is_int(mem.opt_chunk_bytes) and mem.opt_chunk_bytes == 0:
             problems.append("opt_chunk_bytes=0: give the largest piece of a record the optimizer updates at once, "
                             "e.g. 512MiB")
         # io_engine.align.ALIGN (this layer imports nothing): every transfer is O_DIRECT, in 4 KiB units
-        if _is_int(self.stripe_bytes) and (self.stripe_bytes == 0 or self.stripe_bytes % 4096):
-            problems.append(f"stripe_bytes={self.stripe_bytes}: the stripe unit over the SSD directories must be a "
+        if _is_int(store.stripe_bytes) and (store.stripe_bytes == 0 or store.stripe_bytes % 4096):
+            problems.append(f"stripe_bytes={store.stripe_bytes}: the stripe unit over the SSD directories must be a "
                             "positive multiple of 4 KiB (4096 bytes, the unit of direct I/O), e.g. 1MiB")
         return problems
 
     def _execution_problems(self) -> list[str]:
         """How a step runs: the named choices, the counts, the switches, resident records, the slots."""
+        store, mem, ex = self.store, self.memory, self.execution
         problems: list[str] = []
         choices = {"mode": MODES, "compute_dtype": COMPUTE_DTYPES, "backend": BACKENDS, "device": DEVICES}
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                problems.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+            if self.get(name) not in allowed:
+                problems.append(f"{name}={self.get(name)!r}: choose one of {', '.join(allowed)}")
         for name in ("micro_batches", "prefetch_depth", "max_inflight_blocks"):
-            value = getattr(self, name)
+            value = self.get(name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
         for name in (f.name for cls in ENGINE_SECTIONS.values() for f in dataclasses.fields(cls)
                      if f.type in ("bool", bool)):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
-        if self.resident_mem not in (0, "auto") and not self.resident_records:
-            problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
-        if not (self.persist_every == "auto" or (_is_int(self.persist_every) and self.persist_every >= 1)):
-            problems.append(f"persist_every={self.persist_every!r} must be an integer >= 1 (steps between durable "
+            if not isinstance(self.get(name), bool):
+                problems.append(f"{name}={self.get(name)!r} must be true or false")
+        if mem.resident_mem not in (0, "auto") and not mem.resident_records:
+            problems.append(f"resident_mem={mem.resident_mem} needs resident_records=true")
+        if not (ex.persist_every == "auto" or (_is_int(ex.persist_every) and ex.persist_every >= 1)):
+            problems.append(f"persist_every={ex.persist_every!r} must be an integer >= 1 (steps between durable "
                             "commits) or 'auto'")
-        if self.slots not in SLOTS:
-            problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
+        if store.slots not in SLOTS:
+            problems.append(f"slots={store.slots!r} must be 1 (in place) or 2 (alternate slots)")
         # the spec's names and rates are read against the planner's GPU presets, a layer above this one:
         # `lohan.runtime.simgpu.parse_sim_gpu` checks them when the device is made (and the CLI before the run)
-        if self.sim_gpu is not None and not (isinstance(self.sim_gpu, str) and self.sim_gpu.strip()):
-            problems.append(f"sim_gpu={self.sim_gpu!r}: name a GPU (e.g. rtx4090) or give rates "
+        if ex.sim_gpu is not None and not (isinstance(ex.sim_gpu, str) and ex.sim_gpu.strip()):
+            problems.append(f"sim_gpu={ex.sim_gpu!r}: name a GPU (e.g. rtx4090) or give rates "
                             "(e.g. tflops=150,h2d=25GB/s), or leave it unset")
-        elif self.sim_gpu is not None and self.device in ("cpu", "cuda"):
-            problems.append(f"sim_gpu={self.sim_gpu!r} models a GPU's timing on the simulated device: it needs "
-                            f"device sim, not {self.device} (--device sim)")
+        elif ex.sim_gpu is not None and ex.device in ("cpu", "cuda"):
+            problems.append(f"sim_gpu={ex.sim_gpu!r} models a GPU's timing on the simulated device: it needs "
+                            f"device sim, not {ex.device} (--device sim)")
         return problems
 
     def _optimizer_problems(self) -> list[str]:
         """AdamW and its schedule: warm-up, total steps, lr, betas, eps, weight decay and its exclusions."""
+        store, ex, sch = self.store, self.execution, self.schedule
         problems: list[str] = []
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
-            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
-            problems.append(f"total_steps={self.total_steps!r} must be a positive integer or None")
+        if not _is_int(sch.warmup_steps) or sch.warmup_steps < 0:
+            problems.append(f"warmup_steps={sch.warmup_steps!r} must be an integer >= 0")
+        if sch.total_steps is not None and (not _is_int(sch.total_steps) or sch.total_steps < 1):
+            problems.append(f"total_steps={sch.total_steps!r} must be a positive integer or None")
         # NaN fails every comparison and inf passes `> 0`: both would train on garbage, so ask for finite numbers
-        if not (_is_finite(self.lr) and self.lr > 0):
-            problems.append(f"lr={self.lr!r} must be a finite positive number, e.g. 3.0e-4")
-        b = tuple(self.betas) if isinstance(self.betas, list | tuple) else (self.betas,)
+        if not (_is_finite(sch.lr) and sch.lr > 0):
+            problems.append(f"lr={sch.lr!r} must be a finite positive number, e.g. 3.0e-4")
+        b = tuple(sch.betas) if isinstance(sch.betas, list | tuple) else (sch.betas,)
         self._normalize("betas", b)
         if len(b) != 2 or not all(isinstance(x, int | float) and 0 <= x < 1 for x in b):
-            problems.append(f"betas={self.betas!r} must be two numbers in [0, 1)")
-        if not (_is_finite(self.eps) and self.eps > 0):
-            problems.append(f"eps={self.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
-        if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
-            problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
+            problems.append(f"betas={sch.betas!r} must be two numbers in [0, 1)")
+        if not (_is_finite(sch.eps) and sch.eps > 0):
+            problems.append(f"eps={sch.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
+        if not (_is_finite(sch.weight_decay) and sch.weight_decay >= 0):
+            problems.append(f"weight_decay={sch.weight_decay!r} must be a finite number >= 0")
         problems += self._schedule_problems() + self._lora_problems()
-        if self.state_format not in STATE_FORMATS:
-            problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
-        elif self.state_format == "bf16-master" and self.compute_dtype not in ("bf16", "auto"):
+        if store.state_format not in STATE_FORMATS:
+            problems.append(f"state_format={store.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
+        elif store.state_format == "bf16-master" and ex.compute_dtype not in ("bf16", "auto"):
             problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
-                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--compute-dtype bf16)")
-        if isinstance(self.no_decay, str | list):
-            self._normalize("no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
-                               else tuple(self.no_decay))
-        bad = [k for k in self.no_decay if k not in NO_DECAY_KINDS] if isinstance(self.no_decay, tuple) else [0]
+                            f"it needs compute_dtype bf16, not {ex.compute_dtype} (--compute-dtype bf16)")
+        if isinstance(sch.no_decay, str | list):
+            self._normalize("no_decay", (sch.no_decay,) if isinstance(sch.no_decay, str)
+                               else tuple(sch.no_decay))
+        bad = [k for k in sch.no_decay if k not in NO_DECAY_KINDS] if isinstance(sch.no_decay, tuple) else [0]
         if bad:
-            problems.append(f"no_decay={self.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
+            problems.append(f"no_decay={sch.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
                             "[bias, norm]")
         return problems
 
     def _schedule_problems(self) -> list[str]:
         """The lr schedule's shape: the scheduler, the warm-up as a share, the floor, the WSD decay share."""
+        sch = self.schedule
         problems: list[str] = []
-        if self.lr_scheduler not in SCHEDULERS:
-            problems.append(f"lr_scheduler={self.lr_scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-        if self.warmup_ratio is not None:
-            if not (_is_finite(self.warmup_ratio) and 0 <= self.warmup_ratio <= 1):
-                problems.append(f"warmup_ratio={self.warmup_ratio!r} must be a number in [0, 1], e.g. 0.03")
-            elif self.warmup_steps:
-                problems.append(f"warmup_steps={self.warmup_steps!r} and warmup_ratio={self.warmup_ratio!r} both set the "
+        if sch.lr_scheduler not in SCHEDULERS:
+            problems.append(f"lr_scheduler={sch.lr_scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+        if sch.warmup_ratio is not None:
+            if not (_is_finite(sch.warmup_ratio) and 0 <= sch.warmup_ratio <= 1):
+                problems.append(f"warmup_ratio={sch.warmup_ratio!r} must be a number in [0, 1], e.g. 0.03")
+            elif sch.warmup_steps:
+                problems.append(f"warmup_steps={sch.warmup_steps!r} and warmup_ratio={sch.warmup_ratio!r} both set the "
                                 "warm-up: give one (--warmup-steps N, or --warmup-ratio R for a share of the steps)")
-        if self.min_lr is not None and self.min_lr_ratio is not None:
-            problems.append(f"min_lr={self.min_lr!r} and min_lr_ratio={self.min_lr_ratio!r} both set where the decay "
+        if sch.min_lr is not None and sch.min_lr_ratio is not None:
+            problems.append(f"min_lr={sch.min_lr!r} and min_lr_ratio={sch.min_lr_ratio!r} both set where the decay "
                             "ends: give one (--min-lr as a learning rate, or --min-lr-ratio as a share of --lr)")
-        elif self.min_lr is not None:
-            if not (_is_finite(self.min_lr) and self.min_lr >= 0):
-                problems.append(f"min_lr={self.min_lr!r} must be a finite number >= 0 (in YAML write 1.0e-5)")
-            elif _is_finite(self.lr) and self.min_lr > self.lr:
-                problems.append(f"min_lr={self.min_lr:g} is above the peak lr={self.lr:g}: the decay ends below "
+        elif sch.min_lr is not None:
+            if not (_is_finite(sch.min_lr) and sch.min_lr >= 0):
+                problems.append(f"min_lr={sch.min_lr!r} must be a finite number >= 0 (in YAML write 1.0e-5)")
+            elif _is_finite(sch.lr) and sch.min_lr > sch.lr:
+                problems.append(f"min_lr={sch.min_lr:g} is above the peak lr={sch.lr:g}: the decay ends below "
                                 "where it starts; lower --min-lr or raise --lr")
-        elif self.min_lr_ratio is None:
+        elif sch.min_lr_ratio is None:
             self._normalize("min_lr_ratio", 0.1)
-        elif not (_is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
-            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if not (_is_finite(self.decay_ratio) and 0 < self.decay_ratio <= 1):
-            problems.append(f"decay_ratio={self.decay_ratio!r} must be a number in (0, 1], e.g. 0.1 (the last 10% of "
+        elif not (_is_finite(sch.min_lr_ratio) and 0 <= sch.min_lr_ratio <= 1):
+            problems.append(f"min_lr_ratio={sch.min_lr_ratio!r} must be in [0, 1]")
+        if not (_is_finite(sch.decay_ratio) and 0 < sch.decay_ratio <= 1):
+            problems.append(f"decay_ratio={sch.decay_ratio!r} must be a number in (0, 1], e.g. 0.1 (the last 10% of "
                             "the steps decay)")
         return problems
 
     def _stability_problems(self) -> list[str]:
         """Clipping, the fp16 loss scale and the limit on non-finite steps in a row."""
+        store, stab = self.store, self.stability
         problems: list[str] = []
-        if not (_is_finite(self.max_grad_norm) and self.max_grad_norm >= 0):
-            problems.append(f"max_grad_norm={self.max_grad_norm!r} must be a finite number >= 0 (0: no clipping)")
-        if self.clip_mode not in CLIP_MODES:
-            problems.append(f"clip_mode={self.clip_mode!r}: choose one of auto, speculate, defer")
-        elif self.clip_mode == "speculate" and self.slots == 1 and self.max_grad_norm:
+        if not (_is_finite(stab.max_grad_norm) and stab.max_grad_norm >= 0):
+            problems.append(f"max_grad_norm={stab.max_grad_norm!r} must be a finite number >= 0 (0: no clipping)")
+        if stab.clip_mode not in CLIP_MODES:
+            problems.append(f"clip_mode={stab.clip_mode!r}: choose one of auto, speculate, defer")
+        elif stab.clip_mode == "speculate" and store.slots == 1 and stab.max_grad_norm:
             problems.append("clip_mode=speculate needs slots=2 (a wrong guess is undone from the previous slot, "
                             "which slots=1 overwrites); use clip_mode=defer or auto")
-        if not (_is_finite(self.loss_scale) and self.loss_scale > 0):
-            problems.append(f"loss_scale={self.loss_scale!r} must be a positive number, e.g. 65536")
-        if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1):
-            problems.append(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be an integer >= 1")
-        if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
-            problems.append(f"max_bad_steps={self.max_bad_steps!r} must be an integer >= 1")
+        if not (_is_finite(stab.loss_scale) and stab.loss_scale > 0):
+            problems.append(f"loss_scale={stab.loss_scale!r} must be a positive number, e.g. 65536")
+        if not (isinstance(stab.loss_scale_growth_interval, int) and stab.loss_scale_growth_interval >= 1):
+            problems.append(f"loss_scale_growth_interval={stab.loss_scale_growth_interval!r} must be an integer >= 1")
+        if not (isinstance(stab.max_bad_steps, int) and stab.max_bad_steps >= 1):
+            problems.append(f"max_bad_steps={stab.max_bad_steps!r} must be an integer >= 1")
         return problems
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
@@ -1325,7 +1336,7 @@ class RunConfig:
                 object.__setattr__(self, "engine", EngineConfig(**self.engine))
             except (TypeError, ValueError) as e:
                 problems.append(f"engine: {e}")
-        m = getattr(self.engine, "micro_batches", None)
+        m = self.engine.execution.micro_batches if isinstance(self.engine, EngineConfig) else None
         if _is_int(self.batch_size) and self.batch_size >= 1 and _is_int(m) and m >= 1 and self.batch_size % m:
             # every micro-batch has the same shape; refusing here beats a failure at the first step
             fits = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]

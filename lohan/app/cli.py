@@ -433,14 +433,15 @@ def _main(args: argparse.Namespace) -> int:
             resolve_device,  # imports torch: last, once everything else is known to be valid
         )
 
-        device = resolve_device(run.engine.device)
-        if run.engine.sim_gpu is not None:
+        ex = run.engine.execution
+        device = resolve_device(ex.device)
+        if ex.sim_gpu is not None:
             from lohan.runtime.simgpu import parse_sim_gpu
 
             if device != "sim":
-                raise ValueError(f"--sim-gpu {run.engine.sim_gpu} models a GPU's timing on the simulated device, "
+                raise ValueError(f"--sim-gpu {ex.sim_gpu} models a GPU's timing on the simulated device, "
                                  f"but the device is {device}: add --device sim")
-            parse_sim_gpu(run.engine.sim_gpu)
+            parse_sim_gpu(ex.sim_gpu)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -471,7 +472,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def _check_lora_exports(args: argparse.Namespace, run: RunConfig) -> None:
     """--export (a LoRA run: its PEFT adapter folder) and --export-merged (its merged weights): one per run."""
-    lora = bool(run.engine.lora_r)
+    lora = bool(run.engine.lora.lora_r)
     if args.export_merged and not lora:
         raise ValueError("--export-merged writes a LoRA run's base with its adapters merged in: add --lora R, or use "
                          "--export DIR")
