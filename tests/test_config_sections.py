@@ -65,6 +65,8 @@ def test_yaml_sections_and_set_keys_in_both_spellings(tmp_path):
     for key in ("engine.cpu_mem", "engine.memory.cpu_mem"):  # --set overrides the file, in either spelling
         assert _load("--config", str(own), "--set", f"{key}=3GiB").engine.memory.cpu_mem == 3 << 30
     assert _load("--config", str(own), "--set", "engine.execution.mode=serial").engine.execution.mode == "serial"
+    both = _load("--config", str(own), "--set", "engine.memory={cpu_mem: 1GiB, prefetch_depth: 3}").engine.memory
+    assert (both.cpu_mem, both.prefetch_depth) == (1 << 30, 3)
 
 
 @pytest.mark.parametrize("engine, message", [

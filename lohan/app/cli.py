@@ -150,8 +150,8 @@ def _is_union(tp: Any) -> bool:
 def _run_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable; "
-                        "--help-config lists the keys)")
+                   help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (or with its "
+                        "section, engine.memory.max_inflight_blocks=4; repeatable; --help-config lists the keys)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run whose states are in the NVMe directories (from its last committed step, "
                         "or where its initialization stopped)")
@@ -251,7 +251,9 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
                              f"--set '{key}=\"...\"'") from None
         value = _number(value)
         parts = key.split(".")
-        if parts[0] == "engine" and len(parts) == 2:
+        if parts[0] == "engine" and len(parts) == 2 and parts[1] in ENGINE_SECTIONS:  # a section's mapping
+            engine.update(flat_engine_settings({parts[1]: value}, f"--set {key}: engine"))
+        elif parts[0] == "engine" and len(parts) == 2:
             engine[parts[1]] = value
         elif parts[0] == "engine" and len(parts) == 3 and parts[1] in ENGINE_SECTIONS:
             engine.update(flat_engine_settings({parts[1]: {parts[2]: value}}, f"--set {key}: engine"))

@@ -339,7 +339,8 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
 def _schedule_line(e: EngineConfig) -> str:
     """What the optimizer does, as the run will do it (the header: a schedule is easy to inherit by mistake)."""
     sch, stab = e.schedule, e.stability
-    clip = f"clipped at global norm {stab.max_grad_norm:g} ({stab.clip_mode})" if stab.max_grad_norm > 0 else "not clipped"
+    clip = (f"clipped at global norm {stab.max_grad_norm:g} ({stab.clip_mode})" if stab.max_grad_norm > 0
+            else "not clipped")
     share = f" ({sch.warmup_ratio:g} of {sch.total_steps})" if sch.warmup_ratio is not None else ""
     warm = f"warm-up {sch.warmup} step(s){share}, " if sch.warmup else "no warm-up, "
     return (f"AdamW lr {sch.lr:g}, {warm}{_decay_text(e)}, weight decay {sch.weight_decay:g}, betas ({sch.betas[0]:g}, "
@@ -898,7 +899,8 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     writer_cm = MetricsWriter(ctx.layout.metrics, run_id, through=start) if ctx.main_rank \
         else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
-    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.store.name, flat_params(run), run_id=run_id)
+    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.store.name, flat_params(run),
+                           run_id=run_id)
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
         if writer is not None and writer.last_step is not None and report_to:
