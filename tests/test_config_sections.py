@@ -194,3 +194,24 @@ def f(cfg: ModelConfig, e: EngineConfig, run):
     found = [(r.receiver, r.name) for r in reads.flat_reads(source)]
     assert found == [("e", "cpu_mem"), ("run.engine", "mode"), ("self.cfg", "lr"), ("x", "slots")]
     assert "e.memory.cpu_mem" in reads.rewrite(source) and "x.store.slots" in reads.rewrite(source)
+
+
+def test_no_choice_list_is_written_out_of_the_config():
+    """Each list of choices is written once, as a Literal type in lohan/config.py: a tuple or list of the same
+    names elsewhere in lohan/ (or three or more of them) would drift from it."""
+    import ast
+
+    choices = [set(getattr(C, n)) for n in ("MODES", "COMPUTE_DTYPES", "STATE_FORMATS", "SCHEDULERS", "CLIP_MODES",
+                                            "BACKENDS", "DEVICES", "ACT_COMPRESSIONS", "ACT_POLICIES", "DATA_FORMATS",
+                                            "NO_DECAY_KINDS")]
+    found = []
+    for path in sorted((REPO / "lohan").rglob("*.py")):
+        if path.name == "config.py" and path.parent.name == "lohan":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(node.elts) >= 2 and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                names = {e.value for e in node.elts}
+                if any(names == c or (len(names) >= 3 and names <= c) for c in choices):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {sorted(names)}")
+    assert not found, "choice lists written out (use lohan.config's):\n" + "\n".join(found)
