@@ -6,6 +6,10 @@ This module deliberately does not import torch: configs are parsed, validated, p
 The presets are one table ``name -> dims`` (:data:`PRESETS`). Paper sizes come from the LoHan paper,
 Table IV (seq 1024, vocab 50257); the small ones are for CPU boxes and tests. Tests shrink a real
 architecture instead of inventing one: ``get_model_config("13b", n_layer=2, d_model=64, n_head=4)``.
+
+`EngineConfig` is made of typed sections (`ENGINE_SECTIONS`: store, memory, execution, schedule, stability, lora,
+activations); a choice is a ``Literal`` type, written once, whose values the tuples below (`MODES`...) are. A
+field declared with `setting` also has a command-line flag, which `lohan.app.cli` builds from the field.
 """
 
 from __future__ import annotations
@@ -1100,7 +1104,7 @@ class EngineConfig:
         return problems
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """A copy with some fields replaced (re-validated)."""
+        """A copy with some settings replaced (by flat name, ``mode="serial"``, or whole sections), re-validated."""
         return dataclasses.replace(self, **overrides)
 
 
