@@ -772,7 +772,7 @@ class ActivationConfig:
 
     act_policy: str = setting(
         "plan", group="memory and storage",
-        help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
+        help=f"activations: {' | '.join(ACT_POLICIES)} | ops:NAME,...")
     """Which activations leave the device between forward and backward (DESIGN.md §4.4):
     ``plan`` (the traffic-aware planner, Algorithm 1, on a profile measured at the first step),
     ``interblock`` (block inputs only, the rest recomputed; ZeRO-Infinity style), ``swap-all``
