@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from lohan.config import PRESETS, ModelConfig, get_model_config, is_model_dir
+from lohan.config import COMPUTE_DTYPES, PRESETS, ModelConfig, get_model_config, is_model_dir
 from lohan.plan.compute_dtype import choose
 from lohan.plan.formats import FORMATS, state_format
 from lohan.plan.planner import (
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU, SSD count x model and RAM, e.g. 'rtx4090,12xP5510,256GB'")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (the paper uses 1024)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--compute-dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="auto",
                    help="auto: what a run on the machine picks (bf16 on its GPU)")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--prefetch-depth", type=int, default=2)

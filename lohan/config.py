@@ -6,6 +6,10 @@ This module deliberately does not import torch: configs are parsed, validated, p
 The presets are one table ``name -> dims`` (:data:`PRESETS`). Paper sizes come from the LoHan paper,
 Table IV (seq 1024, vocab 50257); the small ones are for CPU boxes and tests. Tests shrink a real
 architecture instead of inventing one: ``get_model_config("13b", n_layer=2, d_model=64, n_head=4)``.
+
+`EngineConfig` is made of typed sections (`ENGINE_SECTIONS`: store, memory, execution, schedule, stability, lora,
+activations); a choice is a ``Literal`` type, written once, whose values the tuples below (`MODES`...) are. A
+field declared with `setting` also has a command-line flag, which `lohan.app.cli` builds from the field.
 """
 
 from __future__ import annotations
@@ -14,15 +18,11 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 __all__ = ["MAX_LAYERS", "MAX_PARAMS", "ModelConfig", "PRESETS", "get_model_config"]
-
-STATE_FORMATS = ("exact", "bf16-moments", "8bit-moments", "bf16-master")
-"""The optimizer-state formats (`EngineConfig.state_format`; their bytes in `lohan.plan.formats`)."""
-
 
 def _is_int(value: object) -> bool:
     # bool is a subclass of int; `n_layer=True` is a bug, not a 1-layer model.
@@ -340,156 +340,138 @@ def steps_share(ratio: float, steps: int) -> int:
     return math.ceil(ratio * steps - 1e-9)
 
 
-NO_DECAY_KINDS = ("bias", "norm", "embedding")
-SCHEDULERS = ("cosine", "linear", "constant", "wsd")
-"""The learning-rate schedules (`EngineConfig.lr_scheduler`)."""
-COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
-"""`EngineConfig.compute_dtype`'s values; past `lohan.plan.compute_dtype.choose` every layer sees one of the last
-three."""
+Mode = Literal["serial", "naive", "optimized"]
+"""Gradient offloading modes (`ExecutionConfig.mode`)."""
+ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
+"""`ExecutionConfig.compute_dtype`'s values; past `lohan.plan.compute_dtype.choose` every layer sees one of the
+last three."""
+StateFormat = Literal["exact", "bf16-moments", "8bit-moments", "bf16-master"]
+"""The optimizer-state formats (`StoreConfig.state_format`; their bytes in `lohan.plan.formats`)."""
+Scheduler = Literal["cosine", "linear", "constant", "wsd"]
+"""The learning-rate schedules (`ScheduleConfig.lr_scheduler`)."""
+ClipMode = Literal["auto", "speculate", "defer"]
+Backend = Literal["auto", "aio", "threads"]
+Device = Literal["auto", "cpu", "cuda", "sim"]
+ActCompress = Literal["none", "int8"]
+Slots = Literal[1, 2]
+NoDecayKind = Literal["bias", "norm", "embedding"]
+
+# Each choice list is written once, as the type above; these are its values.
+MODES: tuple[str, ...] = get_args(Mode)
+COMPUTE_DTYPES: tuple[str, ...] = get_args(ComputeDtype)
+STATE_FORMATS: tuple[str, ...] = get_args(StateFormat)
+SCHEDULERS: tuple[str, ...] = get_args(Scheduler)
+CLIP_MODES: tuple[str, ...] = get_args(ClipMode)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+DEVICES: tuple[str, ...] = get_args(Device)
+ACT_COMPRESSIONS: tuple[str, ...] = get_args(ActCompress)
+SLOTS: tuple[int, ...] = get_args(Slots)
+NO_DECAY_KINDS: tuple[str, ...] = get_args(NoDecayKind)
+ACT_POLICIES = ("plan", "interblock", "swap-all", "recompute-all")
+"""`ActivationConfig.act_policy`'s named policies; ``ops:NAME,...`` names the ops to swap instead."""
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs: where states live, memory budgets, offloading mode, optimizer.
+class Flag:
+    """The command-line flag of a config field (`setting`): `lohan.app.cli` builds it from the field's name, type
+    (choices from a ``Literal``), default and this, so a flag is declared once, at its field."""
 
-    Sizes accept strings such as ``"8GiB"`` and are stored as bytes.
+    help: str
+    """One line for ``--help`` (the field's docstring is the long form, for ``--help-config``)."""
+    group: str
+    """The ``--help`` section it is listed in."""
+    flag: str | None = None
+    """The flag's name without ``--`` when it is not the field's (``lora`` for ``lora_r``)."""
+    metavar: str | tuple[str, ...] | None = None
+    parse: str | None = None
+    """A parser of `lohan.app.cli` for a value the type does not say how to read (``names``: comma-separated;
+    ``count-or-auto``: an integer >= 1 or auto)."""
+
+
+def setting(default: Any, *, help: str, group: str, flag: str | None = None,
+            metavar: str | tuple[str, ...] | None = None, parse: str | None = None) -> Any:
+    """A config field with a command-line flag (see `Flag`)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, group, flag, metavar, parse)})
+
+
+FINETUNE_LR = 2e-5
+"""Peak learning rate of a local Hugging Face model run without --config (full fine-tuning of a pretrained model:
+the range 1e-5..5e-5 that fine-tuning recipes use; the presets' 3e-4 would wreck pretrained weights)."""
+LORA_LR = 2e-4
+"""Peak learning rate of a LoRA run of a local Hugging Face model without --config: adapters start at zero and
+take the 1e-4..3e-4 that LoRA recipes (PEFT's examples, axolotl, torchtune) use."""
+FINETUNE_WARMUP = 0.03
+"""Its warm-up, as a fraction of the run's steps (at least one step)."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where and how the model states are stored: the SSD directories, the store's name and layout
+    (fixed when the store is created: ``slots``, ``checksums``, ``state_format``) and the I/O settings.
+
+    Part of :class:`EngineConfig` (``engine.store``), which validates it.
     """
 
-    nvme: tuple[str, ...] = ("./runs/nvme",)
+    nvme: tuple[str, ...] = setting(
+        ("./runs/nvme",), group="memory and storage", metavar="DIR",
+        help="one directory per SSD (striped)")
     """One directory per SSD; the store is striped over all of them."""
 
-    cpu_mem: int | str = "8GiB"
-    """Main-memory budget for every buffer the engine owns (parameter prefetch, optimizer working
-    set, gradients). Must hold at least three times the largest block's optimizer record."""
+    name: str = "lohan"
+    """Store name: file stem of the slab files and records in the NVMe directories (``<nvme>/<name>.slab``, ...).
+    A file name, not a path: letters, digits, ``_`` and ``-`` (`store_name_problem`)."""
 
-    mode: str = "optimized"
-    """Active gradient offloading mode: ``serial`` (optimizer after backward, ZeRO-Infinity style),
-    ``naive`` (per block READ -> ADAM -> WRITE during backward) or ``optimized`` (READ of block i-1
-    issued before WRITE of block i, paper Fig. 3b)."""
+    slots: Slots = setting(
+        2, group="memory and storage",
+        help="2: crash-consistent alternate slots; 1: in place")
+    """2: a step's states go to the alternate slot and become current with an atomic commit record
+    (crash-consistent, 2x SSD space). 1: in place (needs periodic checkpoints to survive a crash)."""
 
-    compute_dtype: str = "auto"
-    """``bf16``: bf16 parameters on the device under autocast, fp32 master weights and Adam states.
-    ``fp32``: everything fp32 (bit-exact with a plain PyTorch fp32 loop). ``fp16``: with dynamic loss scaling.
-    ``auto``: bf16 on a GPU and on a CPU with native bf16 (AMX or AVX-512 bf16), fp32 on other CPUs, where bf16
-    runs ~10x slower; bf16 for ``state_format`` bf16-master; a resume keeps the store's. The engine and the run
-    resolve it once (`lohan.plan.compute_dtype.choose`) and the header says which and why."""
+    checksums: bool = True
+    """Hash every record section the store writes (XXH3-64, committed with the step) and verify every read,
+    so bytes damaged on the SSDs stop the run instead of training on. Fixed when the store is created."""
 
-    state_format: str = "exact"
+    state_format: StateFormat = setting(
+        "exact", group="memory and storage",
+        help="optimizer states on the SSDs: exact (fp32, 14 B/param), bf16-moments (10), 8bit-moments "
+             "(8), bf16-master (4; stochastic rounding, needs --compute-dtype bf16); fixed at creation")
     """How the optimizer states are stored (README "Smaller states"; fixed when the store is created):
     ``exact`` (fp32 master, m, v and the P16 copy: bit-exact with PyTorch's AdamW, 14 bytes per parameter),
     ``bf16-moments`` (m and v in bf16: 10), ``8bit-moments`` (m and v 8-bit block-wise, as bitsandbytes' and
     torchao's 8-bit Adam: 8.03) or ``bf16-master`` (bf16 weights updated with stochastic rounding, seeded by
     ``seed``, no separate P16, 8-bit moments: 4.03; needs compute_dtype bf16, which ``auto`` picks for it)."""
 
-    micro_batches: int = 1
-    """Gradient accumulation: each batch is split into this many micro-batches."""
+    backend: Backend = setting("auto", group="memory and storage", help="NVMe I/O backend")
+    """io_engine backend: ``auto``, ``aio`` or ``threads``."""
 
-    lr: float = 3e-4
-    """Peak learning rate."""
+    stripe_bytes: int | str = "1MiB"
+    """Stripe unit over the SSD directories (each volume's striping; the optimizer's unit is `opt_chunk_bytes`)."""
 
-    lr_scheduler: str = "cosine"
-    """The lr after the warm-up (`lohan.runtime.optim.lr_factor`), down to the floor (``min_lr`` or ``lr *
-    min_lr_ratio``) at ``total_steps``: ``cosine`` (half a cosine), ``linear`` (a straight line; with
-    ``min_lr_ratio: 0`` it is the Hugging Face Trainer's ``linear``), ``constant`` (the peak lr throughout, no
-    floor), or ``wsd`` (warm-up, stable, decay: the peak lr until the last ``decay_ratio`` of ``total_steps``,
-    then a 1-sqrt decay to the floor, the cooldown Hägele et al. 2024, "Scaling Laws and Compute-Optimal
-    Training Beyond Fixed Training Durations", found best)."""
+    emulate_ssd_gbps: float | None = None
+    """Pace every NVMe directory to this many GB/s (reads and writes share it), to emulate slower
+    or fewer SSDs on a fast disk in benchmarks and ablations. Results measured so are emulated."""
 
-    warmup_steps: int = 0
-    """Linear warmup from lr/warmup_steps to lr over this many steps."""
 
-    warmup_ratio: float | None = None
-    """The warm-up as a share of ``total_steps``, in [0, 1]: ``ceil(warmup_ratio * total_steps)`` steps (as the
-    Hugging Face Trainer counts it). Exclusive with a nonzero ``warmup_steps``; None: ``warmup_steps`` decides."""
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Main and device memory: the budgets and how the engine's host pools use them.
 
-    total_steps: int | None = None
-    """Length of the schedule (including warmup); None keeps the lr constant after warmup (the command line
-    sets it to the run's steps)."""
+    Part of :class:`EngineConfig` (``engine.memory``), which validates it.
+    """
 
-    min_lr_ratio: float | None = None
-    """The decay ends at lr * min_lr_ratio at total_steps. None: 0.1, unless ``min_lr`` gives the floor
-    (the two are exclusive; after validation it is None only when ``min_lr`` is set)."""
+    cpu_mem: int | str = setting(
+        "8GiB", group="memory and storage",
+        help="main-memory budget of the engine, e.g. 8GiB")
+    """Main-memory budget for every buffer the engine owns (parameter prefetch, optimizer working
+    set, gradients). Must hold at least three times the largest block's optimizer record."""
 
-    min_lr: float | None = None
-    """The decay's floor as a learning rate (the Hugging Face name), in [0, lr]; exclusive with
-    ``min_lr_ratio``."""
+    gpu_mem: int | str | None = setting(
+        None, group="memory and storage",
+        help="device memory the plan must fit in, e.g. 24GiB (default: the device's)")
+    """Device memory the run must fit in (the planner checks it before anything is written);
+    None: the device's own (main memory when the device is the CPU)."""
 
-    decay_ratio: float = 0.1
-    """``wsd`` only: the share of ``total_steps``, in (0, 1], that the final decay takes
-    (``ceil(decay_ratio * total_steps)`` steps, at most those after the warm-up); 0.1 as in MiniCPM's WSD."""
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
-
-    eps: float = 1e-8
-    """Adam epsilon."""
-
-    weight_decay: float = 0.01
-    """Decoupled (AdamW) weight decay, applied to every parameter except those `no_decay` names."""
-
-    no_decay: tuple[str, ...] = ("bias", "norm")
-    """Parameters AdamW does not decay, by kind: ``bias`` (every bias), ``norm`` (weights of LayerNorm /
-    RMSNorm modules), ``embedding`` (token and position embeddings, and a head tied to them). The
-    Hugging Face Trainer's default is ``bias`` and ``norm``; ``[]`` decays everything."""
-
-    max_grad_norm: float = 1.0
-    """Clip the gradients to this global L2 norm before the update, exactly as
-    `torch.nn.utils.clip_grad_norm_` (0 turns clipping off). Under active gradient offloading the norm is
-    only known at the end of backward: see `clip_mode`."""
-
-    clip_mode: str = "auto"
-    """How updates overlap backward when clipping (every choice gives the same bits). ``speculate``: update each
-    block with coefficient 1 as its gradients arrive and redo the step's optimizer pass from the previous slot
-    (kept gradients, exact coefficient) when the step's norm says clipping applies: best when steps rarely clip,
-    a clipped step costs a second pass. ``defer``: read ahead during backward (up to ``readahead_mem``) and update
-    once the norm is known, in forward order with the next step's forward beside it: best when most steps clip
-    (early fine-tuning). ``auto``: choose per step (`runtime/clip_schedule.py`): speculate when the chance that
-    the step clips, estimated from the recent norms, times a redo's cost is below what deferring costs, both
-    measured as the run goes (the cost model's figures until then); data parallel ranks speculate after an
-    unclipped step and defer after a clipped one. With ``slots=1`` only ``defer`` is possible.
-
-    With clipping off (``max_grad_norm`` 0) nothing is redone, and the choice is where the update runs: under
-    backward (``speculate``), or after it beside the next step's forward (``defer``; one process, two slots, not
-    serial mode; the step's gradients are kept meanwhile). ``auto`` plans room for them only where they all fit
-    in what cpu_mem leaves, and then defers where that measures faster (a CPU device whose cores the optimizer
-    shares: the update fills the forward's idle time); elsewhere it updates under backward."""
-
-    loss_scale: float = 65536.0
-    """fp16 only: the initial dynamic loss scale (`torch.amp.GradScaler`'s ``init_scale``). The loss is
-    multiplied by it before backward and the gradients divided by it after; a step whose gradients overflow
-    is skipped (the previous slot stands) and the scale halved; after ``loss_scale_growth_interval`` steps
-    without overflow it doubles."""
-
-    loss_scale_growth_interval: int = 2000
-    """fp16 only: steps without overflow before the loss scale doubles (GradScaler's ``growth_interval``)."""
-
-    max_bad_steps: int = 8
-    """A step whose loss or gradients are not finite is never committed (the previous states stand, its
-    batch is skipped); after this many such steps in a row the run stops."""
-
-    seed: int = 0
-    """Seed of the model's initialization."""
-
-    lora_r: int = 0
-    """LoRA rank (``--lora R``; 0: full fine-tuning). With R > 0 the model's weights are a frozen base, stored once
-    as read-only P16 and streamed, and only rank-R adapters (A, B) of the targeted projections are trained, as PEFT's
-    LoRA (`lohan.runtime.lora_engine`). Fixed when the store is created: a resume with other LoRA settings is
-    refused."""
-
-    lora_alpha: float = 8.0
-    """LoRA scaling numerator: the adapters' update is scaled by ``lora_alpha / lora_r`` (PEFT's ``lora_alpha``,
-    whose default is 8 whatever the rank)."""
-
-    lora_dropout: float = 0.0
-    """Dropout on the adapters' input (PEFT's ``lora_dropout``), in [0, 1); its masks are drawn per (seed, step,
-    micro-batch, block, target), so a recomputed block draws its forward's again (`lohan.models.lora.mask_seed`)."""
-
-    lora_targets: tuple[str, ...] = ()
-    """Names of the modules that get adapters, matched against each module's name inside a decoder layer as PEFT's
-    ``target_modules`` (the last part, or a dotted suffix: ``q_proj``, ``self_attn.o_proj``); empty: every linear
-    projection of the decoder layers, attention and MLP (PEFT's ``all-linear``), never the embedding or the head."""
-
-    prefetch_depth: int = 2
+    prefetch_depth: int = setting(2, group="memory and storage", help="blocks of parameters read ahead")
     """Blocks whose parameters are read ahead of the one computing (forward and backward)."""
 
     max_inflight_blocks: int = 3
@@ -499,26 +481,6 @@ class EngineConfig:
     """Largest piece of a block's optimizer record (P32, m, v, P16) the CPU optimizer works on at once.
     Blocks with bigger records (a 175B layer's is 25 GB) are updated in chunks, so the optimizer's
     memory is ``max_inflight_blocks`` chunks, not whole records."""
-
-    write_behind: bool = True
-    """When a step's optimizer pass runs after backward with the next step's forward beside it (a deferred
-    update, two slots, one process), hold each updated record's WRITE back until the READs that forward
-    waits for are done, and let the writes still held at the end, and the step's commit, complete during
-    the next step's backward (where the SSDs are otherwise idle once its read-ahead is done). A step is then
-    durable once the next step's backward has begun, or at `flush()` / `close()`; a crash in between
-    resumes from the step before. False: every step is committed before `step` returns."""
-
-    persist_every: int | str = "auto"
-    """The durability interval: every this many steps the optimizer records are written to the SSDs and committed;
-    the steps between commit nothing there and keep their states in RAM. Only where every record stays resident
-    (``resident_records``, enough memory), two slots and one process: records streamed from the SSDs are written
-    every step anyway (a slot must hold one step's records, all of them). A kill resumes from the last durable step
-    and replays the steps after it (bit-identical); Ctrl-C, SIGTERM, ``close``, evaluations, exports and
-    checkpoints persist first. A step that is not durable defers its update until the gradient norm is known (its
-    states have no copy on the SSDs to redo or skip from). ``auto``: 1 while any record streams; with every record
-    resident, the least interval that keeps the persist writes under ~10% of the run's time
-    (`lohan.plan.planner.persist_interval`, from the first step's profile). An integer N > 1 where records stream
-    is lowered to 1 (said in the header: the same config runs on machines with less memory)."""
 
     resident_records: bool = True
     """Keep the optimizer records (P32, m, v, P16) of some blocks in the record pool from one step to the next,
@@ -557,237 +519,152 @@ class EngineConfig:
     Process-wide, and set when the engine is built; False leaves the allocator as it is. No effect where
     the C library is not glibc."""
 
-    slots: int = 2
-    """2: a step's states go to the alternate slot and become current with an atomic commit record
-    (crash-consistent, 2x SSD space). 1: in place (needs periodic checkpoints to survive a crash)."""
 
-    checksums: bool = True
-    """Hash every record section the store writes (XXH3-64, committed with the step) and verify every read,
-    so bytes damaged on the SSDs stop the run instead of training on. Fixed when the store is created."""
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How a step runs: the offloading mode, the precision, the device, gradient accumulation,
+    the seed and when steps become durable.
 
-    backend: str = "auto"
-    """io_engine backend: ``auto``, ``aio`` or ``threads``."""
+    Part of :class:`EngineConfig` (``engine.execution``), which validates it.
+    """
 
-    stripe_bytes: int | str = "1MiB"
-    """Stripe unit over the SSD directories (each volume's striping; the optimizer's unit is `opt_chunk_bytes`)."""
+    mode: Mode = setting("optimized", group="memory and storage", help="gradient offloading mode")
+    """Active gradient offloading mode: ``serial`` (optimizer after backward, ZeRO-Infinity style),
+    ``naive`` (per block READ -> ADAM -> WRITE during backward) or ``optimized`` (READ of block i-1
+    issued before WRITE of block i, paper Fig. 3b)."""
 
-    device: str = "auto"
+    compute_dtype: ComputeDtype = setting(
+        "auto", group="model",
+        help="device compute precision. auto: bf16 on a GPU and on a CPU with native bf16 (AMX or "
+             "AVX-512 bf16), fp32 on other CPUs, where bf16 runs ~10x slower (the header says which and "
+             "why); fp16 uses dynamic loss scaling")
+    """``bf16``: bf16 parameters on the device under autocast, fp32 master weights and Adam states.
+    ``fp32``: everything fp32 (bit-exact with a plain PyTorch fp32 loop). ``fp16``: with dynamic loss scaling.
+    ``auto``: bf16 on a GPU and on a CPU with native bf16 (AMX or AVX-512 bf16), fp32 on other CPUs, where bf16
+    runs ~10x slower; bf16 for ``state_format`` bf16-master; a resume keeps the store's. The engine and the run
+    resolve it once (`lohan.plan.compute_dtype.choose`) and the header says which and why."""
+
+    micro_batches: int = setting(1, group="data", help="gradient accumulation: micro-batches per step")
+    """Gradient accumulation: each batch is split into this many micro-batches."""
+
+    device: Device = setting(
+        "auto", group="model",
+        help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
     """``auto`` (CUDA when available), ``cpu``, ``cuda``, or ``sim``: the CPU simulating a separate device, whose
     tensors do not mix with host buffers and whose copies complete late (lohan/runtime/simdevice.py; for tests)."""
 
-    sim_gpu: str | None = None
+    sim_gpu: str | None = setting(
+        None, group="model", metavar="SPEC",
+        help="with --device sim: run at a modeled GPU's pace, e.g. rtx4090, h100 or "
+             "tflops=150,h2d=25GB/s,d2h=25GB/s,hbm=1000GB/s (default: LOHAN_SIM_GPU, else order only)")
     """A GPU the simulated device models the timing of; only with device ``sim`` (README "The simulated device"):
     a name of the planner's GPU presets (``rtx4090``, ``h100``, ...) and/or ``key=value`` rates over it
     (``tflops=150,h2d=25GB/s,d2h=25GB/s,hbm=1000GB/s``; lohan/runtime/simgpu.py). None: ``LOHAN_SIM_GPU`` when
     set, else the simulated device checks order only, not time."""
 
-    name: str = "lohan"
-    """Store name: file stem of the slab files and records in the NVMe directories (``<nvme>/<name>.slab``, ...).
-    A file name, not a path: letters, digits, ``_`` and ``-`` (`store_name_problem`)."""
+    seed: int = setting(0, group="optimization", help="initialization and data-order seed")
+    """Seed of the model's initialization."""
 
-    act_policy: str = "plan"
-    """Which activations leave the device between forward and backward (DESIGN.md §4.4):
-    ``plan`` (the traffic-aware planner, Algorithm 1, on a profile measured at the first step),
-    ``interblock`` (block inputs only, the rest recomputed; ZeRO-Infinity style), ``swap-all``
-    (every op's outputs; G10 style) or ``recompute-all`` (block inputs stay on the device)."""
+    write_behind: bool = True
+    """When a step's optimizer pass runs after backward with the next step's forward beside it (a deferred
+    update, two slots, one process), hold each updated record's WRITE back until the READs that forward
+    waits for are done, and let the writes still held at the end, and the step's commit, complete during
+    the next step's backward (where the SSDs are otherwise idle once its read-ahead is done). A step is then
+    durable once the next step's backward has begun, or at `flush()` / `close()`; a crash in between
+    resumes from the step before. False: every step is committed before `step` returns."""
 
-    act_mem: int | str | None = None
-    """Main memory for swapped activations; what does not fit goes on to the SSDs. None: what
-    ``cpu_mem`` and the machine's free memory leave after the engine's own pools."""
+    persist_every: int | str = setting(
+        "auto", group="memory and storage", metavar="N|auto", parse="count-or-auto",
+        help="durability interval: write and commit the records every N steps (between, a step commits "
+             "nothing to the SSDs and a kill replays it); only with every record resident; auto (default): "
+             "the least N that keeps the writes under ~10%% of the run's time")
+    """The durability interval: every this many steps the optimizer records are written to the SSDs and committed;
+    the steps between commit nothing there and keep their states in RAM. Only where every record stays resident
+    (``resident_records``, enough memory), two slots and one process: records streamed from the SSDs are written
+    every step anyway (a slot must hold one step's records, all of them). A kill resumes from the last durable step
+    and replays the steps after it (bit-identical); Ctrl-C, SIGTERM, ``close``, evaluations, exports and
+    checkpoints persist first. A step that is not durable defers its update until the gradient norm is known (its
+    states have no copy on the SSDs to redo or skip from). ``auto``: 1 while any record streams; with every record
+    resident, the least interval that keeps the persist writes under ~10% of the run's time
+    (`lohan.plan.planner.persist_interval`, from the first step's profile). An integer N > 1 where records stream
+    is lowered to 1 (said in the header: the same config runs on machines with less memory)."""
 
-    act_compress: str = "none"
-    """``int8``: activation records leaving the device for main memory or the SSDs carry their floating tensors as
-    int8 codes with an fp32 scale per row (symmetric, PyAO's scheme; quantized on the device before the copy,
-    dequantized there just before use): ~1/4 of the bytes of fp32, ~1/2 of bf16, lossy. ``none``: as they are."""
 
-    profile_from: str | None = None
-    """A saved profile (JSON) to plan from instead of measuring one at the first step."""
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """AdamW's hyper-parameters and the learning-rate schedule: the settings a resume may change (the
+    run state saves them and the header says what changed) and that a preset other than the default config's
+    does not take from that config.
 
-    gpu_mem: int | str | None = None
-    """Device memory the run must fit in (the planner checks it before anything is written);
-    None: the device's own (main memory when the device is the CPU)."""
+    Part of :class:`EngineConfig` (``engine.schedule``), which validates it.
+    """
 
-    emulate_ssd_gbps: float | None = None
-    """Pace every NVMe directory to this many GB/s (reads and writes share it), to emulate slower
-    or fewer SSDs on a fast disk in benchmarks and ablations. Results measured so are emulated."""
+    lr: float = setting(
+        3e-4, group="optimization",
+        help="peak learning rate (a local Hugging Face model without --config: "
+             f"{FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
+    """Peak learning rate."""
 
-    def __post_init__(self) -> None:
-        # every problem is reported at once, in field order within each group
-        problems = (self._placement_problems() + self._execution_problems() + self._optimizer_problems()
-                    + self._stability_problems())
-        if problems:
-            raise ValueError("invalid engine config:\n  - " + "\n  - ".join(problems))
+    lr_scheduler: Scheduler = setting(
+        "cosine", group="optimization",
+        help="after the warm-up: cosine or linear decay, constant, or wsd (stable, then a 1-sqrt decay over "
+             "the last --decay-ratio of the steps)")
+    """The lr after the warm-up (`lohan.runtime.optim.lr_factor`), down to the floor (``min_lr`` or ``lr *
+    min_lr_ratio``) at ``total_steps``: ``cosine`` (half a cosine), ``linear`` (a straight line; with
+    ``min_lr_ratio: 0`` it is the Hugging Face Trainer's ``linear``), ``constant`` (the peak lr throughout, no
+    floor), or ``wsd`` (warm-up, stable, decay: the peak lr until the last ``decay_ratio`` of ``total_steps``,
+    then a 1-sqrt decay to the floor, the cooldown Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+    Training Beyond Fixed Training Durations", found best)."""
 
-    def _placement_problems(self) -> list[str]:
-        """Where states and activations go: the SSD directories, memory budgets and sizes (normalized to
-        bytes), the activation policy, the SSD emulation."""
-        problems: list[str] = []
-        # `--set engine.nvme=5` or a YAML mapping must be a message, not a TypeError from tuple()
-        nvme = (self.nvme,) if isinstance(self.nvme, str | os.PathLike) else tuple(self.nvme) if isinstance(
-            self.nvme, list | tuple) else None
-        if nvme is None or not all(isinstance(d, str | os.PathLike) and os.fspath(d) for d in nvme):
-            problems.append(f"nvme={self.nvme!r}: give one directory path or a list of them, e.g. [/mnt/nvme0/lohan]")
-            nvme = ()
-        elif not nvme:
-            problems.append("nvme: give at least one directory")
-        nvme = tuple(os.fspath(d) for d in nvme)
-        object.__setattr__(self, "nvme", nvme)
-        problem = store_name_problem(self.name)
-        if problem:
-            problems.append(problem)
-        for name in ("act_mem", "gpu_mem"):
-            if getattr(self, name) is not None:
-                try:
-                    object.__setattr__(self, name, parse_bytes(getattr(self, name)))
-                except ValueError as e:
-                    problems.append(f"{name}: {e}")
-        policies = ("plan", "interblock", "swap-all", "recompute-all")
-        if not isinstance(self.act_policy, str) or (self.act_policy not in policies
-                                                     and not self.act_policy.startswith("ops:")):
-            problems.append(f"act_policy={self.act_policy!r}: choose one of {', '.join(policies)}, or "
-                            "'ops:NAME,NAME' to swap exactly those ops of every block")
-        if self.act_compress not in ("none", "int8"):
-            problems.append(f"act_compress={self.act_compress!r}: choose none (records as they are) or int8 "
-                            "(int8 codes and a scale per row on the CPU and SSD tiers)")
-        if self.emulate_ssd_gbps is not None and not (isinstance(self.emulate_ssd_gbps, int | float)
-                                                      and self.emulate_ssd_gbps > 0):
-            problems.append(f"emulate_ssd_gbps={self.emulate_ssd_gbps!r} must be a positive number or None")
-        for name in ("cpu_mem", "stripe_bytes", "opt_chunk_bytes") + (() if self.resident_mem in ("all", "auto")
-                                                                    else ("resident_mem",)) + (
-                () if self.readahead_mem == "auto" else ("readahead_mem",)):
-            try:
-                object.__setattr__(self, name, parse_bytes(getattr(self, name)))
-            except ValueError as e:
-                problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else
-                                                  ", or 'auto'" if name == "readahead_mem" else ""))
-        return problems + self._size_range_problems()
+    warmup_steps: int = setting(
+        0, group="optimization",
+        help="linear warmup steps (a local Hugging Face model without "
+             f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
+    """Linear warmup from lr/warmup_steps to lr over this many steps."""
 
-    def _lora_problems(self) -> list[str]:
-        """LoRA's rank, scaling, dropout and targets (`lora_r`...)."""
-        problems: list[str] = []
-        if not _is_int(self.lora_r) or self.lora_r < 0:
-            problems.append(f"lora_r={self.lora_r!r} must be an integer >= 0 (the adapters' rank; 0: full fine-tuning)")
-        if not (_is_finite(self.lora_alpha) and self.lora_alpha > 0):
-            problems.append(f"lora_alpha={self.lora_alpha!r} must be a finite positive number (PEFT's default: 8)")
-        if not (_is_finite(self.lora_dropout) and 0 <= self.lora_dropout < 1):
-            problems.append(f"lora_dropout={self.lora_dropout!r} must be a number in [0, 1)")
-        targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
-        if not isinstance(targets, list | tuple) or not all(isinstance(t, str) and t.strip() for t in targets):
-            problems.append(f"lora_targets={self.lora_targets!r}: give module names such as q_proj,v_proj (or none: "
-                            "every linear projection of the decoder layers)")
-        else:
-            object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets))
-        return problems
+    warmup_ratio: float | None = setting(
+        None, group="optimization", metavar="R",
+        help="warm-up: a share of the steps (or --warmup-steps)")
+    """The warm-up as a share of ``total_steps``, in [0, 1]: ``ceil(warmup_ratio * total_steps)`` steps (as the
+    Hugging Face Trainer counts it). Exclusive with a nonzero ``warmup_steps``; None: ``warmup_steps`` decides."""
 
-    def _size_range_problems(self) -> list[str]:
-        """Sizes that parse but cannot be (parse_bytes refuses negative ones): zero where it means nothing, a stripe
-        the SSD volumes cannot cut."""
-        problems = []
-        if _is_int(self.gpu_mem) and self.gpu_mem == 0:
-            problems.append("gpu_mem=0: give the device memory the run must fit in, e.g. 24GiB, or leave it unset "
-                            "(the device's own)")
-        if _is_int(self.opt_chunk_bytes) and self.opt_chunk_bytes == 0:
-            problems.append("opt_chunk_bytes=0: give the largest piece of a record the optimizer updates at once, "
-                            "e.g. 512MiB")
-        # io_engine.align.ALIGN (this layer imports nothing): every transfer is O_DIRECT, in 4 KiB units
-        if _is_int(self.stripe_bytes) and (self.stripe_bytes == 0 or self.stripe_bytes % 4096):
-            problems.append(f"stripe_bytes={self.stripe_bytes}: the stripe unit over the SSD directories must be a "
-                            "positive multiple of 4 KiB (4096 bytes, the unit of direct I/O), e.g. 1MiB")
-        return problems
+    total_steps: int | None = setting(
+        None, group="optimization",
+        help="length of the schedule (default: the run's steps)")
+    """Length of the schedule (including warmup); None keeps the lr constant after warmup (the command line
+    sets it to the run's steps)."""
 
-    def _execution_problems(self) -> list[str]:
-        """How a step runs: the named choices, the counts, the switches, resident records, the slots."""
-        problems: list[str] = []
-        choices = {"mode": ("serial", "naive", "optimized"), "compute_dtype": COMPUTE_DTYPES,
-                   "backend": ("auto", "aio", "threads"), "device": ("auto", "cpu", "cuda", "sim")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                problems.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
-        for name in ("micro_batches", "prefetch_depth", "max_inflight_blocks"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                problems.append(f"{name}={value!r} must be an integer >= 1")
-        for name in (f.name for f in dataclasses.fields(self) if f.type in ("bool", bool)):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
-        if self.resident_mem not in (0, "auto") and not self.resident_records:
-            problems.append(f"resident_mem={self.resident_mem} needs resident_records=true")
-        if not (self.persist_every == "auto" or (_is_int(self.persist_every) and self.persist_every >= 1)):
-            problems.append(f"persist_every={self.persist_every!r} must be an integer >= 1 (steps between durable "
-                            "commits) or 'auto'")
-        if self.slots not in (1, 2):
-            problems.append(f"slots={self.slots!r} must be 1 (in place) or 2 (alternate slots)")
-        # the spec's names and rates are read against the planner's GPU presets, a layer above this one:
-        # `lohan.runtime.simgpu.parse_sim_gpu` checks them when the device is made (and the CLI before the run)
-        if self.sim_gpu is not None and not (isinstance(self.sim_gpu, str) and self.sim_gpu.strip()):
-            problems.append(f"sim_gpu={self.sim_gpu!r}: name a GPU (e.g. rtx4090) or give rates "
-                            "(e.g. tflops=150,h2d=25GB/s), or leave it unset")
-        elif self.sim_gpu is not None and self.device in ("cpu", "cuda"):
-            problems.append(f"sim_gpu={self.sim_gpu!r} models a GPU's timing on the simulated device: it needs "
-                            f"device sim, not {self.device} (--device sim)")
-        return problems
+    min_lr_ratio: float | None = setting(None, group="optimization", help="the decay ends at lr x this")
+    """The decay ends at lr * min_lr_ratio at total_steps. None: 0.1, unless ``min_lr`` gives the floor
+    (the two are exclusive; after validation it is None only when ``min_lr`` is set)."""
 
-    def _optimizer_problems(self) -> list[str]:
-        """AdamW and its schedule: warm-up, total steps, lr, betas, eps, weight decay and its exclusions."""
-        problems: list[str] = []
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
-            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
-            problems.append(f"total_steps={self.total_steps!r} must be a positive integer or None")
-        # NaN fails every comparison and inf passes `> 0`: both would train on garbage, so ask for finite numbers
-        if not (_is_finite(self.lr) and self.lr > 0):
-            problems.append(f"lr={self.lr!r} must be a finite positive number, e.g. 3.0e-4")
-        b = tuple(self.betas) if isinstance(self.betas, list | tuple) else (self.betas,)
-        object.__setattr__(self, "betas", b)
-        if len(b) != 2 or not all(isinstance(x, int | float) and 0 <= x < 1 for x in b):
-            problems.append(f"betas={self.betas!r} must be two numbers in [0, 1)")
-        if not (_is_finite(self.eps) and self.eps > 0):
-            problems.append(f"eps={self.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
-        if not (_is_finite(self.weight_decay) and self.weight_decay >= 0):
-            problems.append(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
-        problems += self._schedule_problems() + self._lora_problems()
-        if self.state_format not in STATE_FORMATS:
-            problems.append(f"state_format={self.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
-        elif self.state_format == "bf16-master" and self.compute_dtype not in ("bf16", "auto"):
-            problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
-                            f"it needs compute_dtype bf16, not {self.compute_dtype} (--compute-dtype bf16)")
-        if isinstance(self.no_decay, str | list):
-            object.__setattr__(self, "no_decay", (self.no_decay,) if isinstance(self.no_decay, str)
-                               else tuple(self.no_decay))
-        bad = [k for k in self.no_decay if k not in NO_DECAY_KINDS] if isinstance(self.no_decay, tuple) else [0]
-        if bad:
-            problems.append(f"no_decay={self.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
-                            "[bias, norm]")
-        return problems
+    min_lr: float | None = setting(
+        None, group="optimization",
+        help="the decay ends at this lr (instead of --min-lr-ratio)")
+    """The decay's floor as a learning rate (the Hugging Face name), in [0, lr]; exclusive with
+    ``min_lr_ratio``."""
 
-    def _schedule_problems(self) -> list[str]:
-        """The lr schedule's shape: the scheduler, the warm-up as a share, the floor, the WSD decay share."""
-        problems: list[str] = []
-        if self.lr_scheduler not in SCHEDULERS:
-            problems.append(f"lr_scheduler={self.lr_scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-        if self.warmup_ratio is not None:
-            if not (_is_finite(self.warmup_ratio) and 0 <= self.warmup_ratio <= 1):
-                problems.append(f"warmup_ratio={self.warmup_ratio!r} must be a number in [0, 1], e.g. 0.03")
-            elif self.warmup_steps:
-                problems.append(f"warmup_steps={self.warmup_steps!r} and warmup_ratio={self.warmup_ratio!r} both set the "
-                                "warm-up: give one (--warmup-steps N, or --warmup-ratio R for a share of the steps)")
-        if self.min_lr is not None and self.min_lr_ratio is not None:
-            problems.append(f"min_lr={self.min_lr!r} and min_lr_ratio={self.min_lr_ratio!r} both set where the decay "
-                            "ends: give one (--min-lr as a learning rate, or --min-lr-ratio as a share of --lr)")
-        elif self.min_lr is not None:
-            if not (_is_finite(self.min_lr) and self.min_lr >= 0):
-                problems.append(f"min_lr={self.min_lr!r} must be a finite number >= 0 (in YAML write 1.0e-5)")
-            elif _is_finite(self.lr) and self.min_lr > self.lr:
-                problems.append(f"min_lr={self.min_lr:g} is above the peak lr={self.lr:g}: the decay ends below "
-                                "where it starts; lower --min-lr or raise --lr")
-        elif self.min_lr_ratio is None:
-            object.__setattr__(self, "min_lr_ratio", 0.1)
-        elif not (_is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
-            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if not (_is_finite(self.decay_ratio) and 0 < self.decay_ratio <= 1):
-            problems.append(f"decay_ratio={self.decay_ratio!r} must be a number in (0, 1], e.g. 0.1 (the last 10% of "
-                            "the steps decay)")
-        return problems
+    decay_ratio: float = setting(
+        0.1, group="optimization", metavar="R",
+        help="wsd: the final decay's share of the steps")
+    """``wsd`` only: the share of ``total_steps``, in (0, 1], that the final decay takes
+    (``ceil(decay_ratio * total_steps)`` steps, at most those after the warm-up); 0.1 as in MiniCPM's WSD."""
+
+    weight_decay: float = setting(0.01, group="optimization", help="AdamW decoupled weight decay")
+    """Decoupled (AdamW) weight decay, applied to every parameter except those `no_decay` names."""
+
+    betas: tuple[float, float] = setting(
+        (0.9, 0.999), group="optimization", metavar=("B1", "B2"),
+        help="Adam betas")
+    """Adam betas."""
+
+    eps: float = setting(1e-8, group="optimization", help="Adam epsilon")
+    """Adam epsilon."""
+
+    no_decay: tuple[NoDecayKind, ...] = ("bias", "norm")
+    """Parameters AdamW does not decay, by kind: ``bias`` (every bias), ``norm`` (weights of LayerNorm /
+    RMSNorm modules), ``embedding`` (token and position embeddings, and a head tied to them). The
+    Hugging Face Trainer's default is ``bias`` and ``norm``; ``[]`` decays everything."""
 
     @property
     def warmup(self) -> int:
@@ -801,30 +678,460 @@ class EngineConfig:
         """Where the decay ends, as a share of ``lr`` (from ``min_lr`` or ``min_lr_ratio``)."""
         return self.min_lr / self.lr if self.min_lr is not None else self.min_lr_ratio
 
+
+@dataclass(frozen=True)
+class StabilityConfig:
+    """Gradient clipping, the fp16 loss scale and the limit on non-finite steps in a row.
+
+    Part of :class:`EngineConfig` (``engine.stability``), which validates it.
+    """
+
+    max_grad_norm: float = setting(
+        1.0, group="optimization", metavar="NORM",
+        help="clip gradients to this global L2 norm (0 turns clipping off)")
+    """Clip the gradients to this global L2 norm before the update, exactly as
+    `torch.nn.utils.clip_grad_norm_` (0 turns clipping off). Under active gradient offloading the norm is
+    only known at the end of backward: see `clip_mode`."""
+
+    clip_mode: ClipMode = setting(
+        "auto", group="optimization",
+        help="clipping under overlapped updates: speculate and redo, or defer updates")
+    """How updates overlap backward when clipping (every choice gives the same bits). ``speculate``: update each
+    block with coefficient 1 as its gradients arrive and redo the step's optimizer pass from the previous slot
+    (kept gradients, exact coefficient) when the step's norm says clipping applies: best when steps rarely clip,
+    a clipped step costs a second pass. ``defer``: read ahead during backward (up to ``readahead_mem``) and update
+    once the norm is known, in forward order with the next step's forward beside it: best when most steps clip
+    (early fine-tuning). ``auto``: choose per step (`runtime/clip_schedule.py`): speculate when the chance that
+    the step clips, estimated from the recent norms, times a redo's cost is below what deferring costs, both
+    measured as the run goes (the cost model's figures until then); data parallel ranks speculate after an
+    unclipped step and defer after a clipped one. With ``slots=1`` only ``defer`` is possible.
+
+    With clipping off (``max_grad_norm`` 0) nothing is redone, and the choice is where the update runs: under
+    backward (``speculate``), or after it beside the next step's forward (``defer``; one process, two slots, not
+    serial mode; the step's gradients are kept meanwhile). ``auto`` plans room for them only where they all fit
+    in what cpu_mem leaves, and then defers where that measures faster (a CPU device whose cores the optimizer
+    shares: the update fills the forward's idle time); elsewhere it updates under backward."""
+
+    loss_scale: float = 65536.0
+    """fp16 only: the initial dynamic loss scale (`torch.amp.GradScaler`'s ``init_scale``). The loss is
+    multiplied by it before backward and the gradients divided by it after; a step whose gradients overflow
+    is skipped (the previous slot stands) and the scale halved; after ``loss_scale_growth_interval`` steps
+    without overflow it doubles."""
+
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: steps without overflow before the loss scale doubles (GradScaler's ``growth_interval``)."""
+
+    max_bad_steps: int = 8
+    """A step whose loss or gradients are not finite is never committed (the previous states stand, its
+    batch is skipped); after this many such steps in a row the run stops."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA: the adapters' rank, scaling, dropout and targets (rank 0: full fine-tuning).
+
+    Part of :class:`EngineConfig` (``engine.lora``), which validates it.
+    """
+
+    lora_r: int = setting(
+        0, group="optimization", flag="lora", metavar="R",
+        help="LoRA of rank R: the weights stay frozen (stored once as read-only P16 and streamed), only "
+             "adapters of the decoder layers' projections train, as PEFT's; fixed when the store is created")
+    """LoRA rank (``--lora R``; 0: full fine-tuning). With R > 0 the model's weights are a frozen base, stored once
+    as read-only P16 and streamed, and only rank-R adapters (A, B) of the targeted projections are trained, as PEFT's
+    LoRA (`lohan.runtime.lora_engine`). Fixed when the store is created: a resume with other LoRA settings is
+    refused."""
+
+    lora_alpha: float = setting(
+        8.0, group="optimization", metavar="A",
+        help="LoRA scaling alpha / R (default 8, PEFT's)")
+    """LoRA scaling numerator: the adapters' update is scaled by ``lora_alpha / lora_r`` (PEFT's ``lora_alpha``,
+    whose default is 8 whatever the rank)."""
+
+    lora_dropout: float = setting(
+        0.0, group="optimization", metavar="P",
+        help="dropout on the adapters' input (only 0 so far)")
+    """Dropout on the adapters' input (PEFT's ``lora_dropout``), in [0, 1); its masks are drawn per (seed, step,
+    micro-batch, block, target), so a recomputed block draws its forward's again (`lohan.models.lora.mask_seed`)."""
+
+    lora_targets: tuple[str, ...] = setting(
+        (), group="optimization", metavar="NAMES", parse="names",
+        help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear projection "
+             "of the decoder layers, attention and MLP)")
+    """Names of the modules that get adapters, matched against each module's name inside a decoder layer as PEFT's
+    ``target_modules`` (the last part, or a dotted suffix: ``q_proj``, ``self_attn.o_proj``); empty: every linear
+    projection of the decoder layers, attention and MLP (PEFT's ``all-linear``), never the embedding or the head."""
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    """Which activations leave the device between forward and backward, where they wait, and how.
+
+    Part of :class:`EngineConfig` (``engine.activations``), which validates it.
+    """
+
+    act_policy: str = setting(
+        "plan", group="memory and storage",
+        help=f"activations: {' | '.join(ACT_POLICIES)} | ops:NAME,...")
+    """Which activations leave the device between forward and backward (DESIGN.md §4.4):
+    ``plan`` (the traffic-aware planner, Algorithm 1, on a profile measured at the first step),
+    ``interblock`` (block inputs only, the rest recomputed; ZeRO-Infinity style), ``swap-all``
+    (every op's outputs; G10 style) or ``recompute-all`` (block inputs stay on the device)."""
+
+    act_mem: int | str | None = setting(
+        None, group="memory and storage",
+        help="main memory for swapped activations (the rest goes to the SSDs)")
+    """Main memory for swapped activations; what does not fit goes on to the SSDs. None: what
+    ``cpu_mem`` and the machine's free memory leave after the engine's own pools."""
+
+    act_compress: ActCompress = setting(
+        "none", group="memory and storage",
+        help="int8: swapped activations travel and wait as int8 codes with a scale per row (lossy)")
+    """``int8``: activation records leaving the device for main memory or the SSDs carry their floating tensors as
+    int8 codes with an fp32 scale per row (symmetric, PyAO's scheme; quantized on the device before the copy,
+    dequantized there just before use): ~1/4 of the bytes of fp32, ~1/2 of bf16, lossy. ``none``: as they are."""
+
+    profile_from: str | None = None
+    """A saved profile (JSON) to plan from instead of measuring one at the first step."""
+
+
+ENGINE_SECTIONS: dict[str, type] = {
+    "store": StoreConfig, "memory": MemoryConfig, "execution": ExecutionConfig, "schedule": ScheduleConfig,
+    "stability": StabilityConfig, "lora": LoraConfig, "activations": ActivationConfig}
+"""`EngineConfig`'s sections: name -> class (``engine.<name>.<field>`` in a YAML or ``--set``)."""
+
+FLAT_KEYS: dict[str, str] = {f.name: section for section, cls in ENGINE_SECTIONS.items()
+                             for f in dataclasses.fields(cls)}
+"""Each engine setting's name -> its section. Setting names are unique across the sections, so a YAML, ``--set``
+and ``EngineConfig(...)`` may give them without the section (``engine.cpu_mem`` for ``engine.memory.cpu_mem``,
+as every config written before the sections does), and `EngineConfig` has a read-only alias of each."""
+
+SCHEDULE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ScheduleConfig))
+"""The schedule section's settings (see `ScheduleConfig`)."""
+
+
+def flat_engine_settings(engine: Any, where: str = "engine") -> dict[str, Any]:
+    """A YAML's ``engine:`` mapping with its sections opened: ``{memory: {cpu_mem: 2GiB}, lr: 1.0e-3}`` ->
+    ``{cpu_mem: 2GiB, lr: 1.0e-3}``. Unknown names are kept for the caller to report; a setting given both in its
+    section and by its flat name is refused (which one would win is not obvious)."""
+    if engine is None:
+        return {}
+    if not isinstance(engine, Mapping):
+        raise ValueError(f"{where}: give a mapping of engine settings (key: value lines), not {engine!r}")
+    flat = {k: v for k, v in engine.items() if k not in ENGINE_SECTIONS}
+    for section in (s for s in ENGINE_SECTIONS if s in engine):
+        given = engine[section]
+        if isinstance(given, ENGINE_SECTIONS[section]):
+            given = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
+        if not isinstance(given, Mapping):
+            raise ValueError(f"{where}.{section}: give a mapping of its settings ({', '.join(_names(section))}), "
+                             f"not {given!r}")
+        for key, value in given.items():
+            if FLAT_KEYS.get(key) != section:
+                raise ValueError(f"{where}.{section}.{key}: unknown setting of engine.{section} (valid: "
+                                 f"{', '.join(_names(section))})")
+            if key in flat:
+                raise ValueError(f"{where}: {key} is given twice, as {where}.{key} and {where}.{section}.{key}; "
+                                 "keep one")
+            flat[key] = value
+    return flat
+
+
+def _names(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(ENGINE_SECTIONS[section])]
+
+
+@dataclass(frozen=True, init=False)
+class EngineConfig:
+    """How the engine runs, in sections: where states live (`store`), memory budgets (`memory`), how a step runs
+    (`execution`), the optimizer's schedule (`schedule`), clipping and loss scaling (`stability`), LoRA (`lora`),
+    activations (`activations`).
+
+    Built from sections (``EngineConfig(memory=MemoryConfig(cpu_mem="8GiB"))``, or mappings of them) and/or flat
+    settings (``EngineConfig(cpu_mem="8GiB", mode="serial")``; a flat setting overrides its section's value, so
+    ``dataclasses.replace(cfg, mode="serial")`` and `with_overrides` work). Validated as a whole (some checks
+    span sections) with every problem reported at once; sizes accept strings such as ``"8GiB"`` and are stored as
+    bytes. Read settings through their section (``cfg.memory.cpu_mem``); the flat names (``cfg.cpu_mem``) are
+    read-only aliases kept for code written before the sections.
+    """
+
+    store: StoreConfig
+    """The SSD directories, the store's name and layout, the I/O backend."""
+    memory: MemoryConfig
+    """Main and device memory budgets, the host pools' sizes."""
+    execution: ExecutionConfig
+    """Offloading mode, precision, device, accumulation, seed, durability."""
+    schedule: ScheduleConfig
+    """AdamW and the learning-rate schedule."""
+    stability: StabilityConfig
+    """Clipping, the fp16 loss scale, non-finite steps."""
+    lora: LoraConfig
+    """LoRA adapters (rank 0: full fine-tuning)."""
+    activations: ActivationConfig
+    """Activation offloading."""
+
+    def __init__(self, **settings: Any) -> None:
+        unknown = [k for k in settings if k not in ENGINE_SECTIONS and k not in FLAT_KEYS]
+        if unknown:
+            raise TypeError(f"EngineConfig got unknown setting(s) {', '.join(map(repr, unknown))}; the settings "
+                            f"are the sections ({', '.join(ENGINE_SECTIONS)}) and their fields (lohan --help-config)")
+        for section, cls in ENGINE_SECTIONS.items():
+            flat = {k: v for k, v in settings.items() if FLAT_KEYS.get(k) == section}
+            given = settings.get(section)
+            if isinstance(given, cls):  # (a copy: validation normalizes this config's sections in place)
+                part = dataclasses.replace(given, **flat)
+            else:  # a mapping of the section's settings (checked there), or none
+                part = cls(**flat_engine_settings({section: {} if given is None else given, **flat}))
+            object.__setattr__(self, section, part)
+        self.__post_init__()
+
+    def _normalize(self, name: str, value: Any) -> None:
+        """Store a setting's validated form (bytes for a size, a tuple for a list) in its section."""
+        object.__setattr__(getattr(self, FLAT_KEYS[name]), name, value)
+
+    def get(self, name: str) -> Any:
+        """A setting by its flat name (``"cpu_mem"``), from its section."""
+        return getattr(getattr(self, FLAT_KEYS[name]), name)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by its flat name (what a YAML's ``engine:`` may hold; trackers log these keys)."""
+        return {name: getattr(getattr(self, section), name) for name, section in FLAT_KEYS.items()}
+
+
+    def __post_init__(self) -> None:
+        # every problem is reported at once, in field order within each group
+        problems = (self._placement_problems() + self._execution_problems() + self._optimizer_problems()
+                    + self._stability_problems())
+        if problems:
+            raise ValueError("invalid engine config:\n  - " + "\n  - ".join(problems))
+
+    def _placement_problems(self) -> list[str]:
+        """Where states and activations go: the SSD directories, memory budgets and sizes (normalized to
+        bytes), the activation policy, the SSD emulation."""
+        store, mem, act = self.store, self.memory, self.activations
+        problems: list[str] = []
+        # `--set engine.nvme=5` or a YAML mapping must be a message, not a TypeError from tuple()
+        nvme = (store.nvme,) if isinstance(store.nvme, str | os.PathLike) else tuple(store.nvme) if isinstance(
+            store.nvme, list | tuple) else None
+        if nvme is None or not all(isinstance(d, str | os.PathLike) and os.fspath(d) for d in nvme):
+            problems.append(f"nvme={store.nvme!r}: give one directory path or a list of them, e.g. [/mnt/nvme0/lohan]")
+            nvme = ()
+        elif not nvme:
+            problems.append("nvme: give at least one directory")
+        nvme = tuple(os.fspath(d) for d in nvme)
+        self._normalize("nvme", nvme)
+        problem = store_name_problem(store.name)
+        if problem:
+            problems.append(problem)
+        for name in ("act_mem", "gpu_mem"):
+            if self.get(name) is not None:
+                try:
+                    self._normalize(name, parse_bytes(self.get(name)))
+                except ValueError as e:
+                    problems.append(f"{name}: {e}")
+        if not isinstance(act.act_policy, str) or (act.act_policy not in ACT_POLICIES
+                                                     and not act.act_policy.startswith("ops:")):
+            problems.append(f"act_policy={act.act_policy!r}: choose one of {', '.join(ACT_POLICIES)}, or "
+                            "'ops:NAME,NAME' to swap exactly those ops of every block")
+        if act.act_compress not in ACT_COMPRESSIONS:
+            problems.append(f"act_compress={act.act_compress!r}: choose none (records as they are) or int8 "
+                            "(int8 codes and a scale per row on the CPU and SSD tiers)")
+        if store.emulate_ssd_gbps is not None and not (isinstance(store.emulate_ssd_gbps, int | float)
+                                                      and store.emulate_ssd_gbps > 0):
+            problems.append(f"emulate_ssd_gbps={store.emulate_ssd_gbps!r} must be a positive number or None")
+        for name in ("cpu_mem", "stripe_bytes", "opt_chunk_bytes") + (() if mem.resident_mem in ("all", "auto")
+                                                                    else ("resident_mem",)) + (
+                () if mem.readahead_mem == "auto" else ("readahead_mem",)):
+            try:
+                self._normalize(name, parse_bytes(self.get(name)))
+            except ValueError as e:
+                problems.append(f"{name}: {e}" + (", 'auto' or 'all'" if name == "resident_mem" else
+                                                  ", or 'auto'" if name == "readahead_mem" else ""))
+        return problems + self._size_range_problems()
+
+    def _lora_problems(self) -> list[str]:
+        """LoRA's rank, scaling, dropout and targets (`lora_r`...)."""
+        lora = self.lora
+        problems: list[str] = []
+        if not _is_int(lora.lora_r) or lora.lora_r < 0:
+            problems.append(f"lora_r={lora.lora_r!r} must be an integer >= 0 (the adapters' rank; 0: full fine-tuning)")
+        if not (_is_finite(lora.lora_alpha) and lora.lora_alpha > 0):
+            problems.append(f"lora_alpha={lora.lora_alpha!r} must be a finite positive number (PEFT's default: 8)")
+        if not (_is_finite(lora.lora_dropout) and 0 <= lora.lora_dropout < 1):
+            problems.append(f"lora_dropout={lora.lora_dropout!r} must be a number in [0, 1)")
+        targets = (lora.lora_targets,) if isinstance(lora.lora_targets, str) else lora.lora_targets
+        if not isinstance(targets, list | tuple) or not all(isinstance(t, str) and t.strip() for t in targets):
+            problems.append(f"lora_targets={lora.lora_targets!r}: give module names such as q_proj,v_proj (or none: "
+                            "every linear projection of the decoder layers)")
+        else:
+            self._normalize("lora_targets", tuple(t.strip() for t in targets))
+        return problems
+
+    def _size_range_problems(self) -> list[str]:
+        """Sizes that parse but cannot be (parse_bytes refuses negative ones): zero where it means nothing, a stripe
+        the SSD volumes cannot cut."""
+        store, mem = self.store, self.memory
+        problems = []
+        if _is_int(mem.gpu_mem) and mem.gpu_mem == 0:
+            problems.append("gpu_mem=0: give the device memory the run must fit in, e.g. 24GiB, or leave it unset "
+                            "(the device's own)")
+        if _is_int(mem.opt_chunk_bytes) and mem.opt_chunk_bytes == 0:
+            problems.append("opt_chunk_bytes=0: give the largest piece of a record the optimizer updates at once, "
+                            "e.g. 512MiB")
+        # io_engine.align.ALIGN (this layer imports nothing): every transfer is O_DIRECT, in 4 KiB units
+        if _is_int(store.stripe_bytes) and (store.stripe_bytes == 0 or store.stripe_bytes % 4096):
+            problems.append(f"stripe_bytes={store.stripe_bytes}: the stripe unit over the SSD directories must be a "
+                            "positive multiple of 4 KiB (4096 bytes, the unit of direct I/O), e.g. 1MiB")
+        return problems
+
+    def _execution_problems(self) -> list[str]:
+        """How a step runs: the named choices, the counts, the switches, resident records, the slots."""
+        store, mem, ex = self.store, self.memory, self.execution
+        problems: list[str] = []
+        choices = {"mode": MODES, "compute_dtype": COMPUTE_DTYPES, "backend": BACKENDS, "device": DEVICES}
+        for name, allowed in choices.items():
+            if self.get(name) not in allowed:
+                problems.append(f"{name}={self.get(name)!r}: choose one of {', '.join(allowed)}")
+        for name in ("micro_batches", "prefetch_depth", "max_inflight_blocks"):
+            value = self.get(name)
+            if not _is_int(value) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        for name in (f.name for cls in ENGINE_SECTIONS.values() for f in dataclasses.fields(cls)
+                     if f.type in ("bool", bool)):
+            if not isinstance(self.get(name), bool):
+                problems.append(f"{name}={self.get(name)!r} must be true or false")
+        if mem.resident_mem not in (0, "auto") and not mem.resident_records:
+            problems.append(f"resident_mem={mem.resident_mem} needs resident_records=true")
+        if not (ex.persist_every == "auto" or (_is_int(ex.persist_every) and ex.persist_every >= 1)):
+            problems.append(f"persist_every={ex.persist_every!r} must be an integer >= 1 (steps between durable "
+                            "commits) or 'auto'")
+        if store.slots not in SLOTS:
+            problems.append(f"slots={store.slots!r} must be 1 (in place) or 2 (alternate slots)")
+        # the spec's names and rates are read against the planner's GPU presets, a layer above this one:
+        # `lohan.runtime.simgpu.parse_sim_gpu` checks them when the device is made (and the CLI before the run)
+        if ex.sim_gpu is not None and not (isinstance(ex.sim_gpu, str) and ex.sim_gpu.strip()):
+            problems.append(f"sim_gpu={ex.sim_gpu!r}: name a GPU (e.g. rtx4090) or give rates "
+                            "(e.g. tflops=150,h2d=25GB/s), or leave it unset")
+        elif ex.sim_gpu is not None and ex.device in ("cpu", "cuda"):
+            problems.append(f"sim_gpu={ex.sim_gpu!r} models a GPU's timing on the simulated device: it needs "
+                            f"device sim, not {ex.device} (--device sim)")
+        return problems
+
+    def _optimizer_problems(self) -> list[str]:
+        """AdamW and its schedule: warm-up, total steps, lr, betas, eps, weight decay and its exclusions."""
+        store, ex, sch = self.store, self.execution, self.schedule
+        problems: list[str] = []
+        if not _is_int(sch.warmup_steps) or sch.warmup_steps < 0:
+            problems.append(f"warmup_steps={sch.warmup_steps!r} must be an integer >= 0")
+        if sch.total_steps is not None and (not _is_int(sch.total_steps) or sch.total_steps < 1):
+            problems.append(f"total_steps={sch.total_steps!r} must be a positive integer or None")
+        # NaN fails every comparison and inf passes `> 0`: both would train on garbage, so ask for finite numbers
+        if not (_is_finite(sch.lr) and sch.lr > 0):
+            problems.append(f"lr={sch.lr!r} must be a finite positive number, e.g. 3.0e-4")
+        b = tuple(sch.betas) if isinstance(sch.betas, list | tuple) else (sch.betas,)
+        self._normalize("betas", b)
+        if len(b) != 2 or not all(isinstance(x, int | float) and 0 <= x < 1 for x in b):
+            problems.append(f"betas={sch.betas!r} must be two numbers in [0, 1)")
+        if not (_is_finite(sch.eps) and sch.eps > 0):
+            problems.append(f"eps={sch.eps!r} must be positive (YAML reads 1e-8 as a string; write 1.0e-8)")
+        if not (_is_finite(sch.weight_decay) and sch.weight_decay >= 0):
+            problems.append(f"weight_decay={sch.weight_decay!r} must be a finite number >= 0")
+        problems += self._schedule_problems() + self._lora_problems()
+        if store.state_format not in STATE_FORMATS:
+            problems.append(f"state_format={store.state_format!r}: choose one of {', '.join(STATE_FORMATS)}")
+        elif store.state_format == "bf16-master" and ex.compute_dtype not in ("bf16", "auto"):
+            problems.append(f"state_format=bf16-master keeps bf16 weights only, which the compute reads as they are: "
+                            f"it needs compute_dtype bf16, not {ex.compute_dtype} (--compute-dtype bf16)")
+        if isinstance(sch.no_decay, str | list):
+            self._normalize("no_decay", (sch.no_decay,) if isinstance(sch.no_decay, str)
+                               else tuple(sch.no_decay))
+        bad = [k for k in sch.no_decay if k not in NO_DECAY_KINDS] if isinstance(sch.no_decay, tuple) else [0]
+        if bad:
+            problems.append(f"no_decay={sch.no_decay!r}: list kinds among {', '.join(NO_DECAY_KINDS)}, e.g. "
+                            "[bias, norm]")
+        return problems
+
+    def _schedule_problems(self) -> list[str]:
+        """The lr schedule's shape: the scheduler, the warm-up as a share, the floor, the WSD decay share."""
+        sch = self.schedule
+        problems: list[str] = []
+        if sch.lr_scheduler not in SCHEDULERS:
+            problems.append(f"lr_scheduler={sch.lr_scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+        if sch.warmup_ratio is not None:
+            if not (_is_finite(sch.warmup_ratio) and 0 <= sch.warmup_ratio <= 1):
+                problems.append(f"warmup_ratio={sch.warmup_ratio!r} must be a number in [0, 1], e.g. 0.03")
+            elif sch.warmup_steps:
+                problems.append(f"warmup_steps={sch.warmup_steps!r} and warmup_ratio={sch.warmup_ratio!r} both set the "
+                                "warm-up: give one (--warmup-steps N, or --warmup-ratio R for a share of the steps)")
+        if sch.min_lr is not None and sch.min_lr_ratio is not None:
+            problems.append(f"min_lr={sch.min_lr!r} and min_lr_ratio={sch.min_lr_ratio!r} both set where the decay "
+                            "ends: give one (--min-lr as a learning rate, or --min-lr-ratio as a share of --lr)")
+        elif sch.min_lr is not None:
+            if not (_is_finite(sch.min_lr) and sch.min_lr >= 0):
+                problems.append(f"min_lr={sch.min_lr!r} must be a finite number >= 0 (in YAML write 1.0e-5)")
+            elif _is_finite(sch.lr) and sch.min_lr > sch.lr:
+                problems.append(f"min_lr={sch.min_lr:g} is above the peak lr={sch.lr:g}: the decay ends below "
+                                "where it starts; lower --min-lr or raise --lr")
+        elif sch.min_lr_ratio is None:
+            self._normalize("min_lr_ratio", 0.1)
+        elif not (_is_finite(sch.min_lr_ratio) and 0 <= sch.min_lr_ratio <= 1):
+            problems.append(f"min_lr_ratio={sch.min_lr_ratio!r} must be in [0, 1]")
+        if not (_is_finite(sch.decay_ratio) and 0 < sch.decay_ratio <= 1):
+            problems.append(f"decay_ratio={sch.decay_ratio!r} must be a number in (0, 1], e.g. 0.1 (the last 10% of "
+                            "the steps decay)")
+        return problems
+
     def _stability_problems(self) -> list[str]:
         """Clipping, the fp16 loss scale and the limit on non-finite steps in a row."""
+        store, stab = self.store, self.stability
         problems: list[str] = []
-        if not (_is_finite(self.max_grad_norm) and self.max_grad_norm >= 0):
-            problems.append(f"max_grad_norm={self.max_grad_norm!r} must be a finite number >= 0 (0: no clipping)")
-        if self.clip_mode not in ("auto", "speculate", "defer"):
-            problems.append(f"clip_mode={self.clip_mode!r}: choose one of auto, speculate, defer")
-        elif self.clip_mode == "speculate" and self.slots == 1 and self.max_grad_norm:
+        if not (_is_finite(stab.max_grad_norm) and stab.max_grad_norm >= 0):
+            problems.append(f"max_grad_norm={stab.max_grad_norm!r} must be a finite number >= 0 (0: no clipping)")
+        if stab.clip_mode not in CLIP_MODES:
+            problems.append(f"clip_mode={stab.clip_mode!r}: choose one of auto, speculate, defer")
+        elif stab.clip_mode == "speculate" and store.slots == 1 and stab.max_grad_norm:
             problems.append("clip_mode=speculate needs slots=2 (a wrong guess is undone from the previous slot, "
                             "which slots=1 overwrites); use clip_mode=defer or auto")
-        if not (_is_finite(self.loss_scale) and self.loss_scale > 0):
-            problems.append(f"loss_scale={self.loss_scale!r} must be a positive number, e.g. 65536")
-        if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1):
-            problems.append(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be an integer >= 1")
-        if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
-            problems.append(f"max_bad_steps={self.max_bad_steps!r} must be an integer >= 1")
+        if not (_is_finite(stab.loss_scale) and stab.loss_scale > 0):
+            problems.append(f"loss_scale={stab.loss_scale!r} must be a positive number, e.g. 65536")
+        if not (isinstance(stab.loss_scale_growth_interval, int) and stab.loss_scale_growth_interval >= 1):
+            problems.append(f"loss_scale_growth_interval={stab.loss_scale_growth_interval!r} must be an integer >= 1")
+        if not (isinstance(stab.max_bad_steps, int) and stab.max_bad_steps >= 1):
+            problems.append(f"max_bad_steps={stab.max_bad_steps!r} must be an integer >= 1")
         return problems
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """A copy with some fields replaced (re-validated)."""
+        """A copy with some settings replaced (by flat name, ``mode="serial"``, or whole sections), re-validated."""
         return dataclasses.replace(self, **overrides)
 
 
-DATA_FORMATS = ("auto", "text", "prompt-response", "messages", "alpaca", "sharegpt")
+_DERIVED = {"warmup": "schedule", "floor_ratio": "schedule"}
+"""`ScheduleConfig`'s derived values, aliased on `EngineConfig` like the settings."""
+
+
+class _Alias:
+    """A read-only alias on `EngineConfig` of a section's setting (code in lohan/ reads the section). On the class
+    it is the setting's default, as a plain dataclass field's class attribute is (``EngineConfig.lr``)."""
+
+    def __init__(self, section: str, name: str) -> None:
+        self.section, self.name = section, name
+        self.__doc__ = f"Read-only alias of ``{section}.{name}``."
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return getattr(ENGINE_SECTIONS[self.section], self.name)
+        return getattr(getattr(obj, self.section), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {self.name!r}")
+
+
+for _name, _section in {**FLAT_KEYS, **_DERIVED}.items():
+    setattr(EngineConfig, _name, _Alias(_section, _name))
+
+
+DataFormat = Literal["auto", "text", "prompt-response", "messages", "alpaca", "sharegpt"]
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 """How the records of ``data`` are read (``RunConfig.data_format``; lohan.data.formats maps each onto the examples
 lohan trains)."""
 
@@ -864,14 +1171,21 @@ class RunConfig:
     Loaded from YAML (``configs/*.yaml``) and command-line overrides by :mod:`lohan.app.cli`.
     """
 
-    model: str = "tiny"
+    model: str = setting(
+        "tiny", group="model",
+        help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face model directory")
     """A preset name (see :data:`PRESETS`), or a local Hugging Face model directory (config.json +
     safetensors; any decoder-only ``*ForCausalLM`` of the standard layout, see :mod:`lohan.models.hf`)."""
 
     model_overrides: dict = dataclasses.field(default_factory=dict)
     """Fields of the preset to replace, e.g. ``{vocab_size: 256, seq_len: 256}``."""
 
-    data: str = "data/corpus.txt"
+    data: str = setting(
+        "data/corpus.txt", group="data", metavar="PATH",
+        help="training data: a .txt file (plain text), a file of records (.jsonl, .json, .parquet, .arrow, "
+             ".csv: text, prompt/response, chat messages, Alpaca or ShareGPT records), a folder written by "
+             "datasets' save_to_disk, or 'synthetic'; records are tokenized once into the token cache "
+             "($LOHAN_DATA_CACHE, default: the datasets cache)")
     """A local ``.txt`` file (plain text), a file of records (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``,
     ``.csv``: text, prompt/response with the loss on the response, chat ``messages`` rendered with the model's chat
     template with the loss on the assistant turns, Alpaca or ShareGPT records; see ``data_format``), a folder
@@ -879,63 +1193,101 @@ class RunConfig:
     Hugging Face model uses its own tokenizer. Records are tokenized once into the token cache
     (``$LOHAN_DATA_CACHE``; lohan/data/token_cache.py)."""
 
-    data_format: str = "auto"
+    data_format: DataFormat = setting(
+        "auto", group="data",
+        help="how records are read (auto: by their columns: messages, conversations -> sharegpt, "
+             "instruction+output -> alpaca, prompt+response, text); also for --eval-data")
     """How records are read: ``auto`` (by each record's keys), ``text``, ``prompt-response``, ``messages``,
     ``alpaca`` (instruction + input as the prompt, in Stanford Alpaca's template; output as the response) or
     ``sharegpt`` (``conversations`` of human/gpt/system turns, read as chat messages). Also for ``eval_data``."""
 
-    text_field: str | None = None
+    text_field: str | None = setting(
+        None, group="data", metavar="NAME",
+        help="the column holding the text of text records, if not 'text'")
     """The column (key) holding the text of ``text`` records, when it is not ``text``. Also for ``eval_data``."""
 
-    split: str | None = None
+    split: str | None = setting(
+        None, group="data", metavar="NAME",
+        help="the split of a saved DatasetDict folder given as --data (default train)")
     """The split of ``data`` when it is a ``DatasetDict.save_to_disk`` folder (default ``train``)."""
 
-    steps: int = 200
+    steps: int = setting(
+        200, group="optimization",
+        help="optimizer steps to run (in total, when resuming)")
     """Optimizer steps to run (the total, counting steps of the run being resumed)."""
 
-    epochs: int | None = None
+    epochs: int | None = setting(
+        None, group="optimization",
+        help="passes over the data (instead of --steps)")
     """If set, run this many passes over the data instead of ``steps``."""
 
-    batch_size: int = 8
+    batch_size: int = setting(
+        8, group="data",
+        help="sequences per optimizer step")
     """Sequences per optimizer step (split into ``engine.micro_batches``)."""
 
-    seq_len: int | None = None
+    seq_len: int | None = setting(
+        None, group="model",
+        help="tokens per sequence (default: the model's)")
     """Tokens per sequence; defaults to the model's ``seq_len``."""
 
-    metrics: str | None = None
+    metrics: str | None = setting(
+        None, group="output",
+        help="JSONL metrics file, one record per step (default: <nvme>/<name>.metrics.jsonl)")
     """JSONL file receiving one record per step (default: ``<first nvme dir>/<engine.name>.metrics.jsonl``)."""
 
-    log_every: int | None = None
+    log_every: int | None = setting(
+        None, group="output", metavar="N",
+        help="a log line every N steps (and the first, the last and evaluating ones); default: every step "
+             "on a terminal, about 200 lines over the run in a log file")
     """Steps between log lines (the first, the last and evaluating steps always get one); None: every step on a
     terminal, about 200 lines over the run in a log file."""
 
-    report_to: tuple[str, ...] | str = ()
+    report_to: tuple[str, ...] | str = setting(
+        (), group="output", metavar="TRACKERS",
+        help="also send each step's metrics and the run's settings to tensorboard, wandb and/or mlflow "
+             "(comma-separated; 'all'; default none). wandb runs offline unless WANDB_MODE says otherwise; "
+             "mlflow writes a local store unless MLFLOW_TRACKING_URI is set")
     """Experiment trackers that receive each step's record and the run's settings: ``tensorboard``, ``wandb``,
     ``mlflow`` (comma-separated in a string), ``all`` or ``none`` (the default). See :mod:`lohan.app.tracking`."""
 
-    logging_dir: str | None = None
+    logging_dir: str | None = setting(
+        None, group="output", metavar="DIR",
+        help="where the trackers write (default: <metrics dir>/<run name>.logs)")
     """Where the trackers write (``tensorboard/``, ``wandb/``, ``mlflow/`` inside it); default
     ``<the metrics file's directory>/<engine.name>.logs``."""
 
-    eval_data: str | None = None
+    eval_data: str | None = setting(
+        None, group="data", metavar="PATH",
+        help="evaluate on this data (forward only): anything --data takes")
     """A file or saved dataset to evaluate on (anything ``data`` takes, read the same way, with the model's
     tokenizer)."""
 
-    eval_split: str | None = None
+    eval_split: str | None = setting(
+        None, group="data", metavar="NAME",
+        help="the split of a saved DatasetDict folder given as --eval-data (default train)")
     """The split of ``eval_data`` when it is a ``DatasetDict.save_to_disk`` folder (default ``train``)."""
 
-    eval_fraction: float | None = None
+    eval_fraction: float | None = setting(
+        None, group="data", metavar="F",
+        help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
     """Hold out this share of the data's packed sequences, in (0, 0.5], for evaluation (seeded by
     ``engine.seed``; the held-out sequences are not trained on). Exclusive with ``eval_data``."""
 
-    eval_every: int | None = None
+    eval_every: int | None = setting(
+        None, group="data", metavar="N",
+        help="evaluate every N steps and at the end (default: only at the end)")
     """Evaluate every this many steps, and at the end; None: only at the end (with an eval set)."""
 
-    save_every: int | None = None
+    save_every: int | None = setting(
+        None, group="output", metavar="N",
+        help="every N steps, also write a Hugging Face checkpoint to DIR/step-N (needs --export DIR)")
     """Every this many optimizer steps, write the weights as a Hugging Face checkpoint into ``<export>/step-N``
     (the same files as the export at the end, `lohan.app.export`); needs an export directory (``--export``)."""
 
-    save_total_limit: int | None = None
+    save_total_limit: int | None = setting(
+        None, group="output", metavar="K",
+        help="keep only the last K DIR/step-N checkpoints (default: all)")
     """Keep only the last this many ``step-N`` checkpoints (lohan's own; older ones are deleted after each save);
     None keeps them all. Needs ``save_every``."""
 
@@ -985,7 +1337,7 @@ class RunConfig:
                 object.__setattr__(self, "engine", EngineConfig(**self.engine))
             except (TypeError, ValueError) as e:
                 problems.append(f"engine: {e}")
-        m = getattr(self.engine, "micro_batches", None)
+        m = self.engine.execution.micro_batches if isinstance(self.engine, EngineConfig) else None
         if _is_int(self.batch_size) and self.batch_size >= 1 and _is_int(m) and m >= 1 and self.batch_size % m:
             # every micro-batch has the same shape; refusing here beats a failure at the first step
             fits = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]

@@ -29,42 +29,48 @@ import re
 import signal
 import sys
 import traceback
+import types
+import typing
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import yaml
 
-from lohan.config import DATA_FORMATS, PRESETS, EngineConfig, RunConfig, is_model_dir, unitless_size_problems
-from lohan.plan.formats import FORMATS
+from lohan.config import (
+    COMPUTE_DTYPES,
+    ENGINE_SECTIONS,
+    FINETUNE_LR,
+    FINETUNE_WARMUP,
+    FLAT_KEYS,
+    LORA_LR,
+    PRESETS,
+    SCHEDULE_FIELDS,
+    EngineConfig,
+    Flag,
+    RunConfig,
+    flat_engine_settings,
+    is_model_dir,
+    unitless_size_problems,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # lohan/app/cli.py -> the repository
 
-# flag -> (section, field); section None = RunConfig, "engine" = EngineConfig
+__all__ = ["FINETUNE_LR", "FINETUNE_WARMUP", "LORA_LR", "build_parser", "load_run_config", "main"]
+
+
+def config_flags() -> list[tuple[str | None, dataclasses.Field, Any]]:
+    """(section, field, type) of every config field with a command-line flag (`lohan.config.setting`): RunConfig's
+    (section None), then the engine sections' ("engine": the flat name is the key in the engine's settings)."""
+    out = []
+    for section, cls in [(None, RunConfig), *(("engine", c) for c in ENGINE_SECTIONS.values())]:
+        hints = typing.get_type_hints(cls)
+        out += [(section, f, hints[f.name]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+    return out
+
+
+# flag's dest -> (section, field); section None = RunConfig, "engine" = EngineConfig (by the setting's flat name)
 _FLAGS: dict[str, tuple[str | None, str]] = {
-    "model": (None, "model"), "data": (None, "data"), "steps": (None, "steps"), "epochs": (None, "epochs"),
-    "batch_size": (None, "batch_size"), "seq_len": (None, "seq_len"), "metrics": (None, "metrics"),
-    "nvme": ("engine", "nvme"), "cpu_mem": ("engine", "cpu_mem"), "mode": ("engine", "mode"),
-    "compute_dtype": ("engine", "compute_dtype"), "micro_batches": ("engine", "micro_batches"),
-    "lr": ("engine", "lr"), "warmup_steps": ("engine", "warmup_steps"), "seed": ("engine", "seed"),
-    "backend": ("engine", "backend"), "device": ("engine", "device"), "sim_gpu": ("engine", "sim_gpu"),
-    "prefetch_depth": ("engine", "prefetch_depth"), "gpu_mem": ("engine", "gpu_mem"),
-    "weight_decay": ("engine", "weight_decay"), "total_steps": ("engine", "total_steps"),
-    "min_lr_ratio": ("engine", "min_lr_ratio"), "eps": ("engine", "eps"), "betas": ("engine", "betas"),
-    "act_policy": ("engine", "act_policy"), "act_mem": ("engine", "act_mem"), "slots": ("engine", "slots"),
-    "persist_every": ("engine", "persist_every"),
-    "act_compress": ("engine", "act_compress"),
-    "max_grad_norm": ("engine", "max_grad_norm"), "clip_mode": ("engine", "clip_mode"),
-    "log_every": (None, "log_every"), "report_to": (None, "report_to"), "logging_dir": (None, "logging_dir"),
-    "eval_data": (None, "eval_data"), "eval_fraction": (None, "eval_fraction"), "eval_every": (None, "eval_every"),
-    "data_format": (None, "data_format"), "text_field": (None, "text_field"), "split": (None, "split"),
-    "eval_split": (None, "eval_split"),
-    "lr_scheduler": ("engine", "lr_scheduler"), "warmup_ratio": ("engine", "warmup_ratio"),
-    "min_lr": ("engine", "min_lr"), "decay_ratio": ("engine", "decay_ratio"),
-    "save_every": (None, "save_every"), "save_total_limit": (None, "save_total_limit"),
-    "state_format": ("engine", "state_format"),
-    "lora": ("engine", "lora_r"), "lora_alpha": ("engine", "lora_alpha"), "lora_dropout": ("engine", "lora_dropout"),
-    "lora_targets": ("engine", "lora_targets"),
-}
+    f.metadata["flag"].flag or f.name: (section, f.name) for section, f, _ in config_flags()}
 
 # Two ways to say one thing: a flag replaces the config file's other way (the command line overrides the file);
 # both on the command line (or both in the file) are refused by EngineConfig.
@@ -95,115 +101,57 @@ def build_parser() -> argparse.ArgumentParser:
         prog="finetune.py", epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Fine-tune an LLM with its model states on NVMe SSDs (LoHan). [brackets]: the value a run without "
                     "--config starts from (configs/tiny.yaml, else the built-in default).")
-    _model_flags(p.add_argument_group("model"))
-    _data_flags(p.add_argument_group("data"))
-    _optimization_flags(p.add_argument_group("optimization"))
-    _storage_flags(p.add_argument_group("memory and storage"))
-    _run_flags(p.add_argument_group("run"))
-    _output_flags(p.add_argument_group("output"))
+    groups = {name: p.add_argument_group(name) for name in ("model", "data", "optimization", "memory and storage",
+                                                            "run", "output")}
+    for _, f, tp in config_flags():
+        flag: Flag = f.metadata["flag"]
+        groups[flag.group].add_argument("--" + (flag.flag or f.name).replace("_", "-"), **_flag_kwargs(tp, flag))
+    groups["model"].add_argument(
+        "--layers", type=int, metavar="N",
+        help="run a slice of the model: its width with its first N transformer layers (a preset, or a Hugging Face "
+             "directory, whose first N layers' weights are imported)")
+    _run_flags(groups["run"])
+    _export_flags(groups["output"])
     _show_defaults(p)
     return p
 
 
-def _model_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face model directory")
-    g.add_argument("--layers", type=int, metavar="N",
-                   help="run a slice of the model: its width with its first N transformer layers (a preset, or a "
-                        "Hugging Face directory, whose first N layers' weights are imported)")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
-    g.add_argument("--compute-dtype", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="device compute precision. auto: bf16 on a GPU and on a CPU with native bf16 (AMX or "
-                        "AVX-512 bf16), fp32 on other CPUs, where bf16 runs ~10x slower (the header says which and "
-                        "why); fp16 uses dynamic loss scaling")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda", "sim"],
-                   help="compute device (sim: the CPU simulating a separate GPU, to test lohan's device code)")
-    g.add_argument("--sim-gpu", metavar="SPEC",
-                   help="with --device sim: run at a modeled GPU's pace, e.g. rtx4090, h100 or "
-                        "tflops=150,h2d=25GB/s,d2h=25GB/s,hbm=1000GB/s (default: LOHAN_SIM_GPU, else order only)")
+def _flag_kwargs(tp: Any, flag: Flag) -> dict[str, Any]:
+    """argparse's arguments for a field of type `tp`: choices from a Literal, a number's type, nargs from a tuple
+    (``int | str`` sizes and paths are read as text, as the config validates them)."""
+    kw: dict[str, Any] = {"help": flag.help}
+    if flag.metavar is not None:
+        kw["metavar"] = flag.metavar
+    if flag.parse is not None:
+        return {**kw, "type": _PARSERS[flag.parse]}
+    options = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]
+    if len(options) != 1:
+        return kw
+    tp = options[0]
+    if typing.get_origin(tp) is Literal:
+        values = typing.get_args(tp)
+        kw["choices"] = list(values)
+        if not isinstance(values[0], str):
+            kw["type"] = type(values[0])
+    elif typing.get_origin(tp) is tuple:
+        items = typing.get_args(tp)
+        kw["nargs"] = "+" if items[-1] is Ellipsis else len(items)
+        if items[0] is not str:
+            kw["type"] = items[0]
+    elif tp in (int, float):
+        kw["type"] = tp
+    return kw
 
 
-def _data_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--data", metavar="PATH",
-                   help="training data: a .txt file (plain text), a file of records (.jsonl, .json, .parquet, .arrow, "
-                        ".csv: text, prompt/response, chat messages, Alpaca or ShareGPT records), a folder written by "
-                        "datasets' save_to_disk, or 'synthetic'; records are tokenized once into the token cache "
-                        "($LOHAN_DATA_CACHE, default: the datasets cache)")
-    g.add_argument("--data-format", choices=DATA_FORMATS,
-                   help="how records are read (auto: by their columns: messages, conversations -> sharegpt, "
-                        "instruction+output -> alpaca, prompt+response, text); also for --eval-data")
-    g.add_argument("--text-field", metavar="NAME", help="the column holding the text of text records, if not 'text'")
-    g.add_argument("--split", metavar="NAME", help="the split of a saved DatasetDict folder given as --data "
-                                                   "(default train)")
-    g.add_argument("--batch-size", type=int, help="sequences per optimizer step")
-    g.add_argument("--micro-batches", type=int, help="gradient accumulation: micro-batches per step")
-    g.add_argument("--eval-data", metavar="PATH", help="evaluate on this data (forward only): anything --data takes")
-    g.add_argument("--eval-split", metavar="NAME", help="the split of a saved DatasetDict folder given as --eval-data "
-                                                        "(default train)")
-    g.add_argument("--eval-fraction", type=float, metavar="F",
-                   help="hold out this share of the data's sequences, in (0, 0.5], for evaluation (seeded)")
-    g.add_argument("--eval-every", type=int, metavar="N",
-                   help="evaluate every N steps and at the end (default: only at the end)")
-
-
-def _optimization_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--steps", type=int, help="optimizer steps to run (in total, when resuming)")
-    g.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
-    g.add_argument("--lr", type=float, help="peak learning rate (a local Hugging Face model without --config: "
-                   f"{FINETUNE_LR:g}; a preset other than the config's: 3e-4)")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (a local Hugging Face model without "
-                   f"--config: {FINETUNE_WARMUP * 100:.0f}%% of --steps)")
-    g.add_argument("--total-steps", type=int, help="length of the schedule (default: the run's steps)")
-    g.add_argument("--lr-scheduler", choices=["cosine", "linear", "constant", "wsd"],
-                   help="after the warm-up: cosine or linear decay, constant, or wsd (stable, then a 1-sqrt decay over "
-                        "the last --decay-ratio of the steps)")
-    g.add_argument("--warmup-ratio", type=float, metavar="R", help="warm-up: a share of the steps (or --warmup-steps)")
-    g.add_argument("--min-lr-ratio", type=float, help="the decay ends at lr x this")
-    g.add_argument("--min-lr", type=float, help="the decay ends at this lr (instead of --min-lr-ratio)")
-    g.add_argument("--decay-ratio", type=float, metavar="R", help="wsd: the final decay's share of the steps")
-    g.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
-    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam betas")
-    g.add_argument("--eps", type=float, help="Adam epsilon")
-    g.add_argument("--max-grad-norm", type=float, metavar="NORM",
-                   help="clip gradients to this global L2 norm (0 turns clipping off)")
-    g.add_argument("--clip-mode", choices=["auto", "speculate", "defer"],
-                   help="clipping under overlapped updates: speculate and redo, or defer updates")
-    g.add_argument("--seed", type=int, help="initialization and data-order seed")
-    g.add_argument("--lora", type=int, metavar="R",
-                   help="LoRA of rank R: the weights stay frozen (stored once as read-only P16 and streamed), only "
-                        "adapters of the decoder layers' projections train, as PEFT's; fixed when the store is created")
-    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scaling alpha / R (default 8, PEFT's)")
-    g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (only 0 so far)")
-    g.add_argument("--lora-targets", type=_names, metavar="NAMES",
-                   help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear projection "
-                        "of the decoder layers, attention and MLP)")
-
-
-def _storage_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--nvme", nargs="+", metavar="DIR", help="one directory per SSD (striped)")
-    g.add_argument("--cpu-mem", help="main-memory budget of the engine, e.g. 8GiB")
-    g.add_argument("--gpu-mem", help="device memory the plan must fit in, e.g. 24GiB (default: the device's)")
-    g.add_argument("--mode", choices=["serial", "naive", "optimized"], help="gradient offloading mode")
-    g.add_argument("--act-policy", help="activations: plan | interblock | swap-all | recompute-all | ops:NAME,...")
-    g.add_argument("--act-mem", help="main memory for swapped activations (the rest goes to the SSDs)")
-    g.add_argument("--act-compress", choices=["none", "int8"],
-                   help="int8: swapped activations travel and wait as int8 codes with a scale per row (lossy)")
-    g.add_argument("--slots", type=int, choices=[1, 2], help="2: crash-consistent alternate slots; 1: in place")
-    g.add_argument("--persist-every", type=_persist_every, metavar="N|auto",
-                   help="durability interval: write and commit the records every N steps (between, a step commits "
-                        "nothing to the SSDs and a kill replays it); only with every record resident; auto (default): "
-                        "the least N that keeps the writes under ~10%% of the run's time")
-    g.add_argument("--state-format", choices=list(FORMATS),
-                   help="optimizer states on the SSDs: exact (fp32, 14 B/param), bf16-moments (10), 8bit-moments "
-                        "(8), bf16-master (4; stochastic rounding, needs --compute-dtype bf16); fixed at creation")
-    g.add_argument("--backend", choices=["auto", "aio", "threads"], help="NVMe I/O backend")
-    g.add_argument("--prefetch-depth", type=int, help="blocks of parameters read ahead")
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
 
 def _run_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--config", type=Path, default=None, help="YAML run config (default: configs/tiny.yaml)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (repeatable; "
-                        "--help-config lists the keys)")
+                   help="dotted override of any config field, e.g. engine.max_inflight_blocks=4 (or with its "
+                        "section, engine.memory.max_inflight_blocks=4; repeatable; --help-config lists the keys)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run whose states are in the NVMe directories (from its last committed step, "
                         "or where its initialization stopped)")
@@ -222,29 +170,15 @@ def _run_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
-def _output_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--metrics", help="JSONL metrics file, one record per step (default: <nvme>/<name>.metrics.jsonl)")
-    g.add_argument("--log-every", type=int, metavar="N",
-                   help="a log line every N steps (and the first, the last and evaluating ones); default: every step "
-                        "on a terminal, about 200 lines over the run in a log file")
-    g.add_argument("--report-to", metavar="TRACKERS",
-                   help="also send each step's metrics and the run's settings to tensorboard, wandb and/or mlflow "
-                        "(comma-separated; 'all'; default none). wandb runs offline unless WANDB_MODE says otherwise; "
-                        "mlflow writes a local store unless MLFLOW_TRACKING_URI is set")
-    g.add_argument("--logging-dir", metavar="DIR",
-                   help="where the trackers write (default: <metrics dir>/<run name>.logs)")
+def _export_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--export", metavar="DIR",
                    help="after training, write the weights as a Hugging Face checkpoint to DIR")
     g.add_argument("--export-merged", metavar="DIR",
                    help="a LoRA run: write the base with the adapters merged in as a Hugging Face checkpoint to DIR "
                         "(instead of --export DIR, which writes the PEFT adapter folder)")
-    g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
+    g.add_argument("--export-dtype", choices=[d for d in COMPUTE_DTYPES if d != "auto"],
                    help="dtype of the exported weights (default: the Hugging Face model's own, from its config.json; "
                         "presets export fp32)")
-    g.add_argument("--save-every", type=int, metavar="N",
-                   help="every N steps, also write a Hugging Face checkpoint to DIR/step-N (needs --export DIR)")
-    g.add_argument("--save-total-limit", type=int, metavar="K",
-                   help="keep only the last K DIR/step-N checkpoints (default: all)")
 
 
 def _show_defaults(p: argparse.ArgumentParser) -> None:
@@ -255,7 +189,7 @@ def _show_defaults(p: argparse.ArgumentParser) -> None:
     except (OSError, yaml.YAMLError):
         shipped = {}
     built_in = {(None, f.name): f for f in dataclasses.fields(RunConfig)}
-    built_in.update({("engine", f.name): f for f in dataclasses.fields(EngineConfig)})
+    built_in.update({("engine", f.name): f for c in ENGINE_SECTIONS.values() for f in dataclasses.fields(c)})
     for action in p._actions:  # argparse has no public iterator over its actions
         key = _FLAGS.get(action.dest)
         if key is None or action.help is None or "[" in action.help:
@@ -288,14 +222,14 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a run config is a mapping of fields (key: value lines), not a "
                              f"{type(raw).__name__}")
-        raw = _resolve_inputs(dict(raw), path)
+        raw = _resolve_inputs({**raw, "engine": flat_engine_settings(raw.get("engine"), f"{path}: engine")}, path)
     raw = dict(raw)
     engine = dict(raw.pop("engine", {}) or {})
     if getattr(args, "model", None) and raw.get("model") not in (None, args.model):
         # the YAML's shape overrides belong to its own model, not to the one asked for on the command line
         raw.pop("model_overrides", None)
         if args.config is None:  # nor does the default config's schedule (tuned for its 2M-parameter demo)
-            for key in SCHEDULE_KEYS:
+            for key in SCHEDULE_FIELDS:
                 engine.pop(key, None)
     for flag, other in _ALTERNATIVES.items():
         if getattr(args, flag, None) is not None and getattr(args, other, None) is None:
@@ -317,28 +251,21 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
                              f"--set '{key}=\"...\"'") from None
         value = _number(value)
         parts = key.split(".")
-        if parts[0] == "engine" and len(parts) == 2:
+        if parts[0] == "engine" and len(parts) == 2 and parts[1] in ENGINE_SECTIONS:  # a section's mapping
+            engine.update(flat_engine_settings({parts[1]: value}, f"--set {key}: engine"))
+        elif parts[0] == "engine" and len(parts) == 2:
             engine[parts[1]] = value
+        elif parts[0] == "engine" and len(parts) == 3 and parts[1] in ENGINE_SECTIONS:
+            engine.update(flat_engine_settings({parts[1]: {parts[2]: value}}, f"--set {key}: engine"))
         elif parts[0] == "model_overrides" and len(parts) == 2:
             raw.setdefault("model_overrides", {})[parts[1]] = value
         elif len(parts) == 1:
             raw[parts[0]] = value
         else:
-            raise ValueError(f"--set {key}: unknown key; use FIELD, engine.FIELD or model_overrides.FIELD")
+            raise ValueError(f"--set {key}: unknown key; use FIELD, engine.FIELD, engine.SECTION.FIELD or "
+                             "model_overrides.FIELD")
     _finetune_defaults(args, raw, engine)
     return _make_run_config(raw, engine)
-
-
-SCHEDULE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
-                 "decay_ratio", "weight_decay", "betas")
-FINETUNE_LR = 2e-5
-"""Peak learning rate of a local Hugging Face model run without --config (full fine-tuning of a pretrained model:
-the range 1e-5..5e-5 that fine-tuning recipes use; the presets' 3e-4 would wreck pretrained weights)."""
-LORA_LR = 2e-4
-"""Peak learning rate of a LoRA run of a local Hugging Face model without --config: adapters start at zero and
-take the 1e-4..3e-4 that LoRA recipes (PEFT's examples, axolotl, torchtune) use."""
-FINETUNE_WARMUP = 0.03
-"""Its warm-up, as a fraction of the run's steps (at least one step)."""
 
 
 def _finetune_defaults(args: argparse.Namespace, raw: dict, engine: dict) -> None:
@@ -374,6 +301,10 @@ def _persist_every(text: str) -> int | str:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps >= 1 or auto")
     return n
+
+
+_PARSERS = {"names": _names, "count-or-auto": _persist_every}
+"""`lohan.config.Flag.parse`: the flags whose values their type does not say how to read."""
 
 
 def _is_count(value: Any) -> bool:
@@ -423,7 +354,7 @@ def _make_run_config(raw: dict, engine: dict) -> RunConfig:
     problems = []
     known = {f.name for f in dataclasses.fields(RunConfig)}
     problems += [f"unknown run setting {k!r} (valid: {', '.join(sorted(known))})" for k in raw if k not in known]
-    known_e = {f.name for f in dataclasses.fields(EngineConfig)}
+    known_e = set(FLAT_KEYS)
     problems += [f"engine setting {k!r} is now {RENAMED[k][0]!r} ({RENAMED[k][1]})" if k in RENAMED else
                  f"unknown engine setting {k!r} (valid: {', '.join(sorted(known_e))})" for k in engine if k not in known_e]
     problems += unitless_size_problems(engine)
@@ -504,14 +435,15 @@ def _main(args: argparse.Namespace) -> int:
             resolve_device,  # imports torch: last, once everything else is known to be valid
         )
 
-        device = resolve_device(run.engine.device)
-        if run.engine.sim_gpu is not None:
+        ex = run.engine.execution
+        device = resolve_device(ex.device)
+        if ex.sim_gpu is not None:
             from lohan.runtime.simgpu import parse_sim_gpu
 
             if device != "sim":
-                raise ValueError(f"--sim-gpu {run.engine.sim_gpu} models a GPU's timing on the simulated device, "
+                raise ValueError(f"--sim-gpu {ex.sim_gpu} models a GPU's timing on the simulated device, "
                                  f"but the device is {device}: add --device sim")
-            parse_sim_gpu(run.engine.sim_gpu)
+            parse_sim_gpu(ex.sim_gpu)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -542,7 +474,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def _check_lora_exports(args: argparse.Namespace, run: RunConfig) -> None:
     """--export (a LoRA run: its PEFT adapter folder) and --export-merged (its merged weights): one per run."""
-    lora = bool(run.engine.lora_r)
+    lora = bool(run.engine.lora.lora_r)
     if args.export_merged and not lora:
         raise ValueError("--export-merged writes a LoRA run's base with its adapters merged in: add --lora R, or use "
                          "--export DIR")

@@ -62,7 +62,7 @@ def write_export(out: Path, run: RunConfig, model: Any, whole: Any, dtype: str |
             from lohan.models.lora import write_peft_adapter
 
             write_peft_adapter(lora, whole.program.model, os.path.abspath(run.model) if model.hf_program is not None
-                               else run.model, out, whole.cfg.lora_dropout)
+                               else run.model, out, whole.cfg.lora.lora_dropout)
             dtype = "float32"
         elif model.hf_program is not None:
             from lohan.models.hf import export_hf

@@ -426,17 +426,18 @@ def plan_report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, plan:
     """The capacity plan and predicted speed of a run's own plan (`run_plan.plan_run` on the engine's geometry
     and the whole EngineConfig, `plan.engine`): the pools the engine will allocate, and its refusal where they
     exceed cpu_mem (`planner.plan_capacity`). ``batch``: this process's."""
-    e = plan.engine
+    ex, mem, store, clip = plan.engine.execution, plan.engine.memory, plan.engine.store, plan.engine.stability
     # the other state formats (`planner.ssd_cost`) are priced as designs of the same settings
-    plan_args = dict(compute_dtype=e.compute_dtype, micro_batches=e.micro_batches, prefetch_depth=e.prefetch_depth,
-                     max_inflight=e.max_inflight_blocks, slots=e.slots, keep_grads=e.max_grad_norm > 0 or e.slots == 1,
-                     resident_mem=e.resident_mem if e.resident_records else 0, cpu_mem=plan.host.budget,
-                     readahead_mem=e.readahead_mem, clip_mode=e.clip_mode, state_format=e.state_format,
-                     act_compress=e.act_compress, host_device=machine.device_is_host,
-                     persist_every=e.persist_every if plan.world == 1 else 1, opt_chunk_bytes=int(e.opt_chunk_bytes))
+    plan_args = dict(compute_dtype=ex.compute_dtype, micro_batches=ex.micro_batches, prefetch_depth=mem.prefetch_depth,
+                     max_inflight=mem.max_inflight_blocks, slots=store.slots,
+                     keep_grads=clip.max_grad_norm > 0 or store.slots == 1,
+                     resident_mem=mem.resident_mem if mem.resident_records else 0, cpu_mem=plan.host.budget,
+                     readahead_mem=mem.readahead_mem, clip_mode=clip.clip_mode, state_format=store.state_format,
+                     act_compress=plan.engine.activations.act_compress, host_device=machine.device_is_host,
+                     persist_every=ex.persist_every if plan.world == 1 else 1, opt_chunk_bytes=int(mem.opt_chunk_bytes))
     cap = plan_capacity(mcfg, machine.hardware, batch, seq, plan)
-    return _report(mcfg, machine, batch, seq, cap, steps_per_epoch, e.max_grad_norm > 0, e.clip_mode, e.heap_reuse,
-                   plan_args, e.mode)
+    return _report(mcfg, machine, batch, seq, cap, steps_per_epoch, clip.max_grad_norm > 0, clip.clip_mode,
+                   mem.heap_reuse, plan_args, ex.mode)
 
 
 def _report(mcfg: ModelConfig, machine: Machine, batch: int, seq: int, cap: Capacity, steps_per_epoch: int | None,

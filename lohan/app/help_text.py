@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from lohan.config import EngineConfig, ModelConfig, RunConfig
+from lohan.config import ENGINE_SECTIONS, ModelConfig, RunConfig, flat_engine_settings
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -54,20 +54,23 @@ def _show(value: Any) -> str:
 
 
 def config_reference(defaults: Path | None = None, width: int = 110) -> str:
-    """The reference: one entry per key, grouped as a config file nests them (top level, ``engine.``,
+    """The reference: one entry per key, grouped as a config file nests them (top level, ``engine.`` by section,
     ``model_overrides.``), with the built-in default and, when ``defaults`` (a run config) sets the key, its value
     there (the value a run without --config starts from)."""
     shipped: dict[str, Any] = yaml.safe_load(defaults.read_text()) if defaults and defaults.is_file() else {}
-    sections = [("", RunConfig, {k: v for k, v in shipped.items() if k not in ("engine", "model_overrides")}),
-                ("engine.", EngineConfig, shipped.get("engine") or {}),
-                ("model_overrides.", ModelConfig, shipped.get("model_overrides") or {})]
+    engine = flat_engine_settings(shipped.get("engine"))
+    sections = [("run (top level):", "", RunConfig, {k: v for k, v in shipped.items()
+                                                     if k not in ("engine", "model_overrides")})]
+    sections += [(f"engine.{name} (each key also as engine.{name}.KEY): {_summary(cls)}", "engine.", cls, engine)
+                 for name, cls in ENGINE_SECTIONS.items()]
+    sections.append(("model_overrides (presets only):", "model_overrides.", ModelConfig,
+                     shipped.get("model_overrides") or {}))
     out = [f"Every key of a run config (YAML) and of --set KEY=VALUE. [default] is the built-in default"
            f"{f'; {defaults.name}: its value in {defaults}, which a run without --config starts from' if shipped else ''}.",
            "Flags override the config file, and --set overrides both.", ""]
-    for prefix, cls, given in sections:
+    for title, prefix, cls, given in sections:
         docs = field_docs(cls)
-        title = {"": "run (top level)", "engine.": "engine", "model_overrides.": "model_overrides (presets only)"}
-        out.append(f"{title[prefix]}:")
+        out += textwrap.wrap(title, width=width, subsequent_indent="    ")
         for f in dataclasses.fields(cls):
             if f.name in ("engine", "model_overrides") or f.name.startswith("_"):
                 continue
@@ -79,3 +82,8 @@ def config_reference(defaults: Path | None = None, width: int = 110) -> str:
                 out += textwrap.wrap(doc, width=width, initial_indent="      ", subsequent_indent="      ")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _summary(cls: type) -> str:
+    """The first paragraph of a class's docstring, on one line."""
+    return _plain(" ".join((cls.__doc__ or "").split("\n\n")[0].split()))

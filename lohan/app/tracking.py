@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from lohan.app.metrics import StepMetrics
 from lohan.app.tracker_backends import MLflow, TensorBoard, TrackerOpenError, WandB
-from lohan.config import TRACKERS, parse_report_to
+from lohan.config import TRACKERS, EngineConfig, parse_report_to
 from lohan.crashpoints import crashpoint
 
 __all__ = ["TRACKERS", "TrackerOpenError", "TrackerWriteError", "Trackers", "flat_params", "missing_packages",
@@ -79,11 +79,16 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
 def flat_params(config: Any, prefix: str = "") -> dict[str, str | int | float | bool]:
     """A (nested) config dataclass or mapping as flat ``a.b`` keys with scalar values (sequences as text): what
     every tracker's hyperparameter table takes."""
-    items = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    if isinstance(config, EngineConfig):  # by the settings' flat names (engine.lr), as before the sections
+        items = config.settings()
+    elif dataclasses.is_dataclass(config):
+        items = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    else:
+        items = dict(config)
     out: dict[str, str | int | float | bool] = {}
     for key, value in items.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) or dataclasses.is_dataclass(value):
             out.update(flat_params(value, f"{name}."))
         elif isinstance(value, (bool, int, float, str)):
             out[name] = value

@@ -42,7 +42,7 @@ from lohan.app.ownership import Owner, metrics_owner
 from lohan.app.plot import plot_metrics
 from lohan.app.report import default_log_every, format_summary, progress_bar, report_step, should_log
 from lohan.app.tracking import Trackers, flat_params, missing_packages
-from lohan.config import MAX_STEPS, EngineConfig, ModelConfig, RunConfig
+from lohan.config import MAX_STEPS, SCHEDULE_FIELDS, EngineConfig, ModelConfig, RunConfig
 from lohan.crashpoints import crashpoint
 from lohan.data import (
     IGNORE_INDEX,
@@ -134,7 +134,7 @@ def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, se
     """(training data, eval set): `eval_fraction` holds whole packed sequences out of the training data
     (seeded by engine.seed), `eval_data` is read like the training data; without either, no eval set."""
     if run.eval_fraction is not None and dataset is not None:
-        dataset, held = dataset.split(run.eval_fraction, run.engine.seed)
+        dataset, held = dataset.split(run.eval_fraction, run.engine.execution.seed)
         what = f"{run.eval_fraction:g} of {run.data}"
     elif run.eval_data is not None:
         held = TokenDataset.from_source(run.eval_data, seq_len, model.tokenizer, data_format=run.data_format,
@@ -143,7 +143,7 @@ def load_eval_set(run: RunConfig, model: Model, dataset: TokenDataset | None, se
         what = run.eval_data
     else:
         return dataset, None
-    m = run.engine.micro_batches
+    m = run.engine.execution.micro_batches
     used = len(held) // m * m  # eval_batches evaluates whole micro-batches
     more = "use a larger --eval-fraction, a longer --eval-data file or a shorter --seq-len"
     if used == 0:
@@ -160,7 +160,7 @@ def evaluate(engine: Engine, eval_set: TokenDataset, batch_size: int) -> tuple[f
     micro-batch per step that is the mean loss over every target of the eval set."""
     t0 = time.perf_counter()
     total, weight = 0.0, 0
-    for batch in eval_batches(eval_set, batch_size, engine.cfg.micro_batches):
+    for batch in eval_batches(eval_set, batch_size, engine.cfg.execution.micro_batches):
         crashpoint("eval.batch")
         n = int((batch[1] != IGNORE_INDEX).sum())
         if n:
@@ -173,7 +173,7 @@ def make_batches(run: RunConfig, model: Model, dataset: TokenDataset | None, seq
                  data_state: dict | None) -> Iterator[Batch]:
     """The run's batch stream positioned at optimizer step `start_step` (from the saved data state when
     there is one; batches are deterministic, so counting from the start gives the same position)."""
-    seed = run.engine.seed
+    seed = run.engine.execution.seed
     if dataset is None:
         return synthetic_batches(model.config.vocab_size, run.batch_size, seq_len, seed=seed, start=start_step)
     it = BatchIterator(dataset, run.batch_size, seed=seed)
@@ -193,12 +193,12 @@ def make_batches(run: RunConfig, model: Model, dataset: TokenDataset | None, seq
 
 # -------------------------------------------------------------------------------------- run state
 def run_state_path(run: RunConfig) -> Path:
-    return Path(run.engine.nvme[0]) / f"{run.engine.name}.run.json"
+    return Path(run.engine.store.nvme[0]) / f"{run.engine.store.name}.run.json"
 
 
 def _fingerprint(run: RunConfig, seq_len: int) -> dict[str, Any]:
     fp = {"model": run.model, "data": run.data, "batch_size": run.batch_size, "seq_len": seq_len,
-          "seed": run.engine.seed}
+          "seed": run.engine.execution.seed}
     if run.eval_fraction is not None:  # it takes sequences out of the training data (eval_data does not)
         fp["eval_fraction"] = run.eval_fraction
     # how the records are read; only when set, so that a run saved before these settings existed still resumes
@@ -220,7 +220,7 @@ def save_run_state(run: RunConfig, seq_len: int, engine: Engine, iterator: dict 
     torch.save(torch.get_rng_state(), buf)
     step = engine.step_count
     state = {"version": RUN_STATE_VERSION, "step": step, "run": _fingerprint(run, seq_len),
-             "schedule": _schedule(engine.cfg), "activations": {"act_compress": engine.cfg.act_compress},
+             "schedule": _schedule(engine.cfg), "activations": {"act_compress": engine.cfg.activations.act_compress},
              "store": {"step": step, "slot": engine.store.slot, "volume_id": engine.store.volume.volume_id},
              "iterator": iterator,
              "torch_rng": base64.b64encode(buf.getvalue()).decode()}
@@ -238,13 +238,15 @@ def _durable_state(prev: dict | None, durable: int) -> dict | None:
 
 
 LR_WARN = 0.1  # an AdamW peak lr above this is a typo, not a choice (the header says so)
-SCHEDULE_FIELDS = ("lr", "lr_scheduler", "warmup_steps", "warmup_ratio", "total_steps", "min_lr_ratio", "min_lr",
-                   "decay_ratio", "weight_decay", "betas", "eps", "max_grad_norm")
+RESUMABLE_SETTINGS = (*SCHEDULE_FIELDS, "max_grad_norm")
+"""The settings a resume may change, saved with the run state by their flat names (as before the config had
+sections, so every saved state compares): the schedule section and the clipping norm."""
 
 
 def _schedule(e: EngineConfig) -> dict[str, Any]:
     """The optimizer settings a resume may change (saved with the run state; a change is said, not refused)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(e, k)) for k in SCHEDULE_FIELDS)}
+    settings = e.settings()
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, settings[k]) for k in RESUMABLE_SETTINGS)}
 
 
 def _schedule_changes(saved: dict | None, e: EngineConfig) -> str:
@@ -252,7 +254,7 @@ def _schedule_changes(saved: dict | None, e: EngineConfig) -> str:
     if not saved:
         return ""
     now = _schedule(e)
-    return ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in SCHEDULE_FIELDS if k in saved and saved[k] != now[k])
+    return ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in RESUMABLE_SETTINGS if k in saved and saved[k] != now[k])
 
 
 def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: dict | None) -> None:
@@ -263,7 +265,7 @@ def check_resumable(run: RunConfig, seq_len: int, model: Model, stored_model: di
 
         now = model_meta(model.hf_program)
     else:
-        now = {"kind": "gpt", "config": dataclasses.asdict(model.config), "seed": run.engine.seed}
+        now = {"kind": "gpt", "config": dataclasses.asdict(model.config), "seed": run.engine.execution.seed}
     if stored_model is not None and stored_model != now:
         old, new = stored_model.get("config", {}), now.get("config", {})
         diff = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
@@ -328,37 +330,40 @@ def load_run_state(run: RunConfig, seq_len: int, engine: Engine) -> dict | None:
 # ------------------------------------------------------------------------------------------- loop
 def _schedule_line(e: EngineConfig) -> str:
     """What the optimizer does, as the run will do it (the header: a schedule is easy to inherit by mistake)."""
-    clip = f"clipped at global norm {e.max_grad_norm:g} ({e.clip_mode})" if e.max_grad_norm > 0 else "not clipped"
-    share = f" ({e.warmup_ratio:g} of {e.total_steps})" if e.warmup_ratio is not None else ""
-    warm = f"warm-up {e.warmup} step(s){share}, " if e.warmup else "no warm-up, "
-    return (f"AdamW lr {e.lr:g}, {warm}{_decay_text(e)}, weight decay {e.weight_decay:g}, betas ({e.betas[0]:g}, "
-            f"{e.betas[1]:g}), eps {e.eps:g}; gradients {clip}")
+    sch, stab = e.schedule, e.stability
+    clip = (f"clipped at global norm {stab.max_grad_norm:g} ({stab.clip_mode})" if stab.max_grad_norm > 0
+            else "not clipped")
+    share = f" ({sch.warmup_ratio:g} of {sch.total_steps})" if sch.warmup_ratio is not None else ""
+    warm = f"warm-up {sch.warmup} step(s){share}, " if sch.warmup else "no warm-up, "
+    return (f"AdamW lr {sch.lr:g}, {warm}{_decay_text(e)}, weight decay {sch.weight_decay:g}, betas ({sch.betas[0]:g}, "
+            f"{sch.betas[1]:g}), eps {sch.eps:g}; gradients {clip}")
 
 
 def _decay_text(e: EngineConfig) -> str:
     """What the lr does after the warm-up, in the run's steps (`lohan.runtime.optim.lr_factor`)."""
-    floor = f"{e.lr * e.floor_ratio:g}" + (" (--min-lr)" if e.min_lr is not None else "")
-    if e.lr_scheduler == "constant" or e.total_steps is None or e.total_steps <= e.warmup:
+    sch = e.schedule
+    floor = f"{sch.lr * sch.floor_ratio:g}" + (" (--min-lr)" if sch.min_lr is not None else "")
+    if sch.lr_scheduler == "constant" or sch.total_steps is None or sch.total_steps <= sch.warmup:
         return "then constant"
-    if e.lr_scheduler == "wsd":
-        decay = wsd_decay_steps(e.warmup, e.total_steps, e.decay_ratio)
-        return (f"then constant to step {e.total_steps - decay} and 1-sqrt decay over the last {decay} "
-                f"(decay ratio {e.decay_ratio:g}) to {floor} at step {e.total_steps} (wsd)")
-    return f"{e.lr_scheduler} to {floor} at step {e.total_steps}"
+    if sch.lr_scheduler == "wsd":
+        decay = wsd_decay_steps(sch.warmup, sch.total_steps, sch.decay_ratio)
+        return (f"then constant to step {sch.total_steps - decay} and 1-sqrt decay over the last {decay} "
+                f"(decay ratio {sch.decay_ratio:g}) to {floor} at step {sch.total_steps} (wsd)")
+    return f"{sch.lr_scheduler} to {floor} at step {sch.total_steps}"
 
 
 def _resident_line(engine: Engine) -> str:
     """How many blocks' optimizer records stay in memory (plan.pools.plan_resident), and what keeps them all."""
     blocks = engine.store.layout.blocks
     resident = engine.offloader.resident
-    if not engine.cfg.resident_records:
+    if not engine.cfg.memory.resident_records:
         return "none (engine.resident_records=false)"
     line = f"{len(resident)} of {len(blocks)} blocks"
     if len(resident) < len(blocks):
         plan = engine.host_memory
         need = plan.resident_all  # what resident_mem takes to keep every record that can stay (pools.resident_every)
-        if need > plan.resident and engine.cfg.resident_mem != "all":
-            if engine.cfg.resident_mem == "auto":  # auto takes half of what cpu_mem leaves after the other pools
+        if need > plan.resident and engine.cfg.memory.resident_mem != "all":
+            if engine.cfg.memory.resident_mem == "auto":  # auto takes half of what cpu_mem leaves after the other pools
                 others = plan.total - plan.resident
                 cpu = math.ceil((others + 2 * need) / 2**28) / 4
                 line += f"; --cpu-mem {cpu:g}GiB keeps all of them (resident_mem auto takes half of what it leaves)"
@@ -370,7 +375,7 @@ def _resident_line(engine: Engine) -> str:
 def _persist_line(engine: Engine, fit: Any = None) -> str:
     """The durability interval in force (engine.persist_every) and what a kill can lose, in steps and in time at
     the pre-flight's predicted step (`fit`: its FitReport, whose plan also priced `auto`'s interval)."""
-    asked, n = engine.cfg.persist_every, engine.persist_every
+    asked, n = engine.cfg.execution.persist_every, engine.persist_every
     step_s = fit.step_s if fit is not None else None
     if engine.persist_refusal is not None:
         why = f" ({engine.persist_refusal})" if asked != 1 else ""
@@ -386,31 +391,31 @@ def _persist_line(engine: Engine, fit: Any = None) -> str:
 
 def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine, seq_len: int, label: str,
             dtype: DtypeChoice, fit: Any = None) -> None:
-    e = run.engine
+    store, mem, ex, act = run.engine.store, run.engine.memory, run.engine.execution, run.engine.activations
     layout = engine.store.layout
     n_params = engine.layout.param_count  # the whole model (a rank's store holds its shards)
     ranks = f" (rank {engine.dp.rank}'s shards; every rank holds as much)" if engine.dp else ""
     console.print(
         f"[bold]lohan[/bold] {label}: {n_params / 1e6:,.1f}M params, {mcfg.n_layer} layers, "
         f"d_model {mcfg.d_model}, vocab {mcfg.vocab_size} | batch {run.batch_size} x {seq_len} tokens, "
-        f"{e.micro_batches} micro-batch(es)")
+        f"{ex.micro_batches} micro-batch(es)")
     if getattr(engine, "lora", None) is not None:
         _lora_header(console, engine, dtype)
         return
     plan = engine.host_memory
     console.print(
         f"  states on NVMe: {layout.total_bytes / 2**30:.2f} GiB{ranks} in {len(layout.blocks)} blocks x "
-        f"{layout.slots} slot(s) over {len(e.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
+        f"{layout.slots} slot(s) over {len(store.nvme)} dir(s) {list(engine.store.volume.dirs)}, backend "
         f"{engine.store.volume.backend.name}, format {layout.state_format} "
         f"({state_format(layout.state_format).at_rest(engine.store.p16_dtype.itemsize):.2f} B/param)")
     console.print(
         f"  main memory: {plan.total / 2**30:.2f} of {plan.budget / 2**30:.2f} GiB budgeted ({plan.describe()}) | "
-        f"device {engine.device.describe()}, {e.compute_dtype}, mode {e.mode}, activations {e.act_policy}"
-        + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none" else ""))
+        f"device {engine.device.describe()}, {ex.compute_dtype}, mode {ex.mode}, activations {act.act_policy}"
+        + (f" ({act.act_compress} on the CPU and SSD tiers)" if act.act_compress != "none" else ""))
     console.print(f"  {dtype.describe()}")
     console.print(f"  optimizer: {_schedule_line(engine.cfg)}")
-    if engine.cfg.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size
-        console.print(f"  [yellow]warning:[/yellow] lr {engine.cfg.lr:g} is far above what AdamW training uses "
+    if engine.cfg.schedule.lr > LR_WARN:  # AdamW moves every weight by up to lr a step, whatever the gradient's size
+        console.print(f"  [yellow]warning:[/yellow] lr {engine.cfg.schedule.lr:g} is far above what AdamW training uses "
                       "(1e-5 to 1e-3): each step moves every weight by up to lr, so training will not converge; "
                       "check --lr")
     console.print(f"  optimizer records kept in memory across steps (not read back): {_resident_line(engine)}")
@@ -421,10 +426,10 @@ def _header(console: Console, run: RunConfig, mcfg: ModelConfig, engine: Engine,
 
     from lohan.plan.memory import rss_overhead
 
-    over = rss_overhead(psutil.Process().memory_info().rss, mcfg, run.batch_size, seq_len, e.micro_batches,
-                        e.compute_dtype, e.prefetch_depth, e.act_policy, device_is_cpu=not engine.device.is_cuda)
+    over = rss_overhead(psutil.Process().memory_info().rss, mcfg, run.batch_size, seq_len, ex.micro_batches,
+                        ex.compute_dtype, mem.prefetch_depth, act.act_policy, device_is_cpu=not engine.device.is_cuda)
     console.print(
-        f"  peak RSS at most {(e.cpu_mem + sum(over.values())) / 2**30:.2f} GiB = cpu_mem {e.cpu_mem / 2**30:.2f} "
+        f"  peak RSS at most {(mem.cpu_mem + sum(over.values())) / 2**30:.2f} GiB = cpu_mem {mem.cpu_mem / 2**30:.2f} "
         f"+ overhead {sum(over.values()) / 2**30:.2f} (process {over['process'] / 2**30:.2f} measured now, device "
         f"working set {over['device working set'] / 2**30:.2f}"
         + (" as the CPU computes" if not engine.device.is_cuda else "")
@@ -443,7 +448,7 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
     the adapters merged in (``--export-merged``), not its PEFT adapter folder.
     """
     try:  # launched by torchrun: one process per rank (lohan/runtime/parallel.py), each on its own GPU from here on
-        joined = init_from_env(run.engine.device)
+        joined = init_from_env(run.engine.execution.device)
     except ValueError as err:  # LOCAL_RANK names a GPU this process cannot see
         Console(soft_wrap=True).print(f"[red]error:[/red] {escape(str(err))}")
         return 2
@@ -543,12 +548,12 @@ def _compute_dtype(run: RunConfig, resume: bool, hardware: str | None,
     computes bf16), and why; a resume under ``auto`` keeps the dtype its store was created with."""
     e = run.engine
     if hardware:
-        choice = choose(e.compute_dtype, "cuda", (), state_format=e.state_format)
+        choice = choose(e.execution.compute_dtype, "cuda", (), state_format=e.store.state_format)
     else:
-        dirs = dp.rank_dirs(e.nvme) if dp else e.nvme
-        stored = stored_compute_dtype(dirs, e.name) if resume and e.compute_dtype == "auto" else None
+        dirs = dp.rank_dirs(e.store.nvme) if dp else e.store.nvme
+        stored = stored_compute_dtype(dirs, e.store.name) if resume and e.execution.compute_dtype == "auto" else None
         try:
-            choice = compute_dtype_choice(e.compute_dtype, e.device, e.state_format, stored)
+            choice = compute_dtype_choice(e.execution.compute_dtype, e.execution.device, e.store.state_format, stored)
         except ValueError as err:  # the device: LOHAN_DEVICE unknown, or cuda asked for where there is none
             raise Refusal(str(err)) from None
     return dataclasses.replace(run, engine=e.with_overrides(compute_dtype=choice.dtype)), choice
@@ -607,7 +612,7 @@ def _preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: 
 
 def _check_shapes(run: RunConfig, model: Model, seq_len: int, world: int) -> None:
     """The sequence and batch shapes the model and the ranks can take."""
-    m = run.engine.micro_batches
+    m = run.engine.execution.micro_batches
     if seq_len > model.max_seq_len:
         more = ("" if model.hf_program is not None else
                 f", or give the preset more positions (--set model_overrides.seq_len={seq_len})")
@@ -625,26 +630,27 @@ def _plan(ctx: _Run, hardware: str | None, dry_run: bool, resume: bool = False) 
     the plan. On this machine the run plan priced is the one the engine is handed (`ctx.run_plan`): a dry run
     and a run price and allocate the same pools, and refuse the same cpu_mem in the same words."""
     run, e, world, dp = ctx.run, ctx.run.engine, ctx.world, ctx.dp
-    problems = [] if hardware else local_problems(e.nvme, e.cpu_mem)
+    store, mem, ex, lora, act = e.store, e.memory, e.execution, e.lora, e.activations
+    problems = [] if hardware else local_problems(store.nvme, mem.cpu_mem)
     if problems:
         raise Refusal("; ".join(problems))
     try:
         machine = (described_hardware(hardware) if hardware else
-                   detect_hardware(e.nvme, e.device, e.compute_dtype, e.gpu_mem, store_name=e.name,
-                                   checksums=e.checksums, act_compress=e.act_compress))
+                   detect_hardware(store.nvme, ex.device, ex.compute_dtype, mem.gpu_mem, store_name=store.name,
+                                   checksums=store.checksums, act_compress=act.act_compress))
         if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
             machine = data_parallel_machine(machine, world, dp.local_world)
-        if e.lora_r:  # a frozen base streamed, adapters on the device: its own plan (lohan.plan.lora)
+        if lora.lora_r:  # a frozen base streamed, adapters on the device: its own plan (lohan.plan.lora)
             return _lora_fit(ctx, machine, dry_run)
         plan = _run_plan(ctx, resume, None if hardware else available_memory(dp.local_world if dp else 1),
-                         False if hardware else resolve_device(e.device) == "cpu")
+                         False if hardware else resolve_device(ex.device) == "cpu")
         if not hardware:
             ctx.run_plan = plan
         report = plan_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, plan, ctx.per_epoch)
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:
-        net = network_bytes_per_step(ctx.model.config.param_count(), world, 4 if e.compute_dtype == "fp32" else 2)
+        net = network_bytes_per_step(ctx.model.config.param_count(), world, 4 if ex.compute_dtype == "fp32" else 2)
         ctx.console.print(
             f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains {run.batch_size // world} "
             f"of the {run.batch_size} sequences of a batch and stores and updates 1/{world} of every block's "
@@ -668,7 +674,7 @@ def _run_plan(ctx: _Run, resume: bool, free: int | None, host_device: bool) -> R
     stored layout shares the P16), with `free` bytes of main memory available (None: the described machine's)."""
     dp = ctx.dp
     cfg = dp.rank_config(ctx.run.engine) if dp else ctx.run.engine
-    shared = StateStore.stored_p16_sharing(list(cfg.nvme), cfg.name) if resume else None
+    shared = StateStore.stored_p16_sharing(list(cfg.store.nvme), cfg.store.name) if resume else None
     return plan_engine(ctx.model.program(), cfg, ctx.world, dp.rank if dp else 0, free, host_device, shared)
 
 
@@ -680,11 +686,11 @@ def _lora_fit(ctx: _Run, machine: Any, dry_run: bool) -> Any:
 
     e = ctx.run.engine
     try:  # the adapters priced on the model's own projections (grouped-query k and v are narrower)
-        widths = projections(ctx.model.program().modules, e.lora_targets)
+        widths = projections(ctx.model.program().modules, e.lora.lora_targets)
     except ValueError:  # (targets that match nothing: the engine refuses them, saying what there is)
         widths = None
-    report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size // ctx.world, ctx.seq_len, e.lora_r,
-                       e.compute_dtype, int(e.cpu_mem), e.prefetch_depth, machine.notes, ctx.per_epoch, widths)
+    report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size // ctx.world, ctx.seq_len, e.lora.lora_r,
+                       e.execution.compute_dtype, int(e.memory.cpu_mem), e.memory.prefetch_depth, machine.notes, ctx.per_epoch, widths)
     if not dry_run and not report.fits:
         ctx.console.print(report.format())
         raise Refusal(f"{ctx.run.model} does not fit this machine for LoRA: {'; '.join(report.capacity.reasons)}. "
@@ -703,11 +709,11 @@ class _Interrupted(Exception):
 def _open_store(ctx: _Run, resume: bool, overwrite: bool) -> Engine:
     """Refuse what would discard or misread a store, then open it, continue its creation, or create it."""
     run, e = ctx.run, ctx.run.engine
-    store_dirs = ctx.dp.rank_dirs(e.nvme) if ctx.dp else e.nvme  # where this process's store lives
+    store_dirs = ctx.dp.rank_dirs(e.store.nvme) if ctx.dp else e.store.nvme  # where this process's store lives
     _check_store(ctx, resume, overwrite)
-    engine_cfg = e.with_overrides(total_steps=e.total_steps or ctx.steps)
-    saved_profile = Path(store_dirs[0]) / f"{e.name}.profile.json"
-    if resume and not e.profile_from and saved_profile.exists() and saved_profile_usable(
+    engine_cfg = e.with_overrides(total_steps=e.schedule.total_steps or ctx.steps)
+    saved_profile = Path(store_dirs[0]) / f"{e.store.name}.profile.json"
+    if resume and not e.activations.profile_from and saved_profile.exists() and saved_profile_usable(
             saved_profile, lambda text: ctx.console.print(escape(text))):
         # a resumed run keeps the activation plan it was trained with (a re-measured one may choose otherwise)
         engine_cfg = engine_cfg.with_overrides(profile_from=str(saved_profile))
@@ -736,7 +742,7 @@ def _check_store(ctx: _Run, resume: bool, overwrite: bool) -> StoreStatus:
     settings, its step count)."""
     e, dp = ctx.run.engine, ctx.dp
     try:
-        status = check_request(e.nvme, e.name, resume=resume, overwrite=overwrite, world=ctx.world,
+        status = check_request(e.store.nvme, e.store.name, resume=resume, overwrite=overwrite, world=ctx.world,
                                rank=dp.rank if dp else None, must_exist=True, asked=CLI)
     except (StoreCorruptError, StoreExistsError, ValueError) as err:
         raise Refusal(str(err)) from None
@@ -746,7 +752,7 @@ def _check_store(ctx: _Run, resume: bool, overwrite: bool) -> StoreStatus:
         except (StoreCorruptError, ValueError) as err:
             raise Refusal(str(err)) from None
         if status.state == "complete" and status.step > ctx.steps:
-            raise Refusal(f"the store in {e.nvme[0]} is committed at step {status.step}, past the {ctx.steps} steps "
+            raise Refusal(f"the store in {e.store.nvme[0]} is committed at step {status.step}, past the {ctx.steps} steps "
                           f"asked for (--steps is the total, the steps already run included): pass --steps above "
                           f"{status.step} to train on, or --steps {status.step} with --export DIR to export it as "
                           "it is")
@@ -757,6 +763,7 @@ def _lora_header(console: Console, engine: Any, dtype: DtypeChoice) -> None:
     """The header's lines for a LoRA run (`LoraEngine`): the adapters, the read-only base, the memory it streams
     through, the schedule."""
     e, lora, layout = engine.cfg, engine.lora, engine.store.layout
+    store, ex, act = e.store, e.execution, e.activations
     targets = ", ".join(lora.target_names())
     console.print(
         f"  LoRA: rank {lora.r}, alpha {lora.alpha:g} (scaling {lora.scaling:g}), {len(lora.targets)} adapted "
@@ -765,10 +772,10 @@ def _lora_header(console: Console, engine: Any, dtype: DtypeChoice) -> None:
         f"device, committed every step with the run's step ({engine.store.volume.dirs[0]})")
     console.print(
         f"  base on NVMe: {_gib(layout.total_bytes)} of read-only {layout.p16_dtype} weights (no master, "
-        f"no moments, one slot, never written after import) in {len(layout.blocks)} blocks over {len(e.nvme)} dir(s), "
+        f"no moments, one slot, never written after import) in {len(layout.blocks)} blocks over {len(store.nvme)} dir(s), "
         f"backend {engine.store.volume.backend.name}; streamed through a {_gib(engine.params_pool.budget_bytes)} "
-        f"pool that keeps what it can across passes | device {engine.device.describe()}, {e.compute_dtype}, "
-        f"activations {e.act_policy}" + (f" ({e.act_compress} on the CPU and SSD tiers)" if e.act_compress != "none"
+        f"pool that keeps what it can across passes | device {engine.device.describe()}, {ex.compute_dtype}, "
+        f"activations {act.act_policy}" + (f" ({act.act_compress} on the CPU and SSD tiers)" if act.act_compress != "none"
                                          else ""))
     console.print(f"  {dtype.describe()}")
     console.print(f"  optimizer: {_schedule_line(e)}")
@@ -799,12 +806,12 @@ def _position(ctx: _Run, engine: Engine, resume: bool) -> tuple[Iterator[Batch],
             console.print(f"[yellow]note:[/yellow] the optimizer's settings differ from the run being resumed "
                           f"({changed}); the steps from {start + 1} on use the new ones")
         # like act_policy, a resume may change it (no state of a step outlives it); it changes the numerics, so say so
-        saved = ((data_state or {}).get("activations") or {}).get("act_compress", engine.cfg.act_compress)
-        if saved != engine.cfg.act_compress:
+        saved = ((data_state or {}).get("activations") or {}).get("act_compress", engine.cfg.activations.act_compress)
+        if saved != engine.cfg.activations.act_compress:
             how = {"none": "kept as they are", "int8": "compressed to int8 (lossy)"}
-            console.print(f"[yellow]note:[/yellow] act_compress {saved} -> {engine.cfg.act_compress}: swapped "
+            console.print(f"[yellow]note:[/yellow] act_compress {saved} -> {engine.cfg.activations.act_compress}: swapped "
                           f"activations were {how.get(saved, saved)} in the run being resumed and are "
-                          f"{how[engine.cfg.act_compress]} from step {start + 1} on")
+                          f"{how[engine.cfg.activations.act_compress]} from step {start + 1} on")
     if ctx.main_rank:
         _start_metrics(ctx.layout, resume)
     label = os.path.basename(os.path.normpath(run.model)) if ctx.model.hf_program is not None else ctx.model.config.name
@@ -888,7 +895,8 @@ def _train_steps(ctx: _Run, engine: Engine, batches: Iterator[Batch], data_state
     writer_cm = MetricsWriter(ctx.layout.metrics, run_id, through=start) if ctx.main_rank \
         else contextlib.nullcontext(None)
     report_to = run.report_to if ctx.main_rank else ()
-    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.name, flat_params(run), run_id=run_id)
+    trackers_cm = Trackers(report_to, ctx.layout.logging_dir or ".", run.engine.store.name, flat_params(run),
+                           run_id=run_id)
     every = run.log_every or default_log_every(steps, ctx.console.is_terminal)
     with writer_cm as writer, trackers_cm as trackers, progress_bar(steps, ctx.console, completed=start) as bar:
         if writer is not None and writer.last_step is not None and report_to:
@@ -943,7 +951,7 @@ def _ssd_note(ctx: _Run, engine: Engine) -> None:
     """Where the step just run (a process's first after the one that profiles) found the SSD lane its slowest,
     what a smaller state format or more tokens per step would do (`FitReport.measured_ssd`); nothing otherwise."""
     stats = engine.last_stats
-    cost = ctx.fit.measured_ssd(stats.lanes, stats.step_s, engine.cfg.mode) if ctx.fit is not None else None
+    cost = ctx.fit.measured_ssd(stats.lanes, stats.step_s, engine.cfg.execution.mode) if ctx.fit is not None else None
     if cost is not None:
         ctx.console.print(f"note: {escape(cost.format(f'measured by step {stats.step}'))}")
 
@@ -1104,8 +1112,8 @@ def _store_bytes(params: int, cfg: EngineConfig) -> int:
     the progress line's total."""
     from lohan.plan.formats import state_format
 
-    p16 = 4 if cfg.compute_dtype == "fp32" else 2
-    return round(params * state_format("frozen" if cfg.lora_r > 0 else cfg.state_format).at_rest(p16))
+    p16 = 4 if cfg.execution.compute_dtype == "fp32" else 2
+    return round(params * state_format("frozen" if cfg.lora.lora_r > 0 else cfg.store.state_format).at_rest(p16))
 
 
 class _InitLog:
@@ -1174,9 +1182,9 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
     inputs = {"--model": run.model if model.hf_program is not None else None,
               "--data": None if run.data == "synthetic" else run.data, "--eval-data": run.eval_data,
               "--config": config}
-    metrics = run.metrics or default_metrics(e.nvme[0], e.name)
-    logging_dir = (run.logging_dir or Path(metrics).parent / f"{e.name}.logs") if run.report_to else None
-    return RunLayout(e.nvme, e.name, metrics, export, inputs, logging_dir, owner=_owner(run, dp))
+    metrics = run.metrics or default_metrics(e.store.nvme[0], e.store.name)
+    logging_dir = (run.logging_dir or Path(metrics).parent / f"{e.store.name}.logs") if run.report_to else None
+    return RunLayout(e.store.nvme, e.store.name, metrics, export, inputs, logging_dir, owner=_owner(run, dp))
 
 
 def _owner(run: RunConfig, dp: DataParallel | None) -> Owner:
@@ -1184,10 +1192,10 @@ def _owner(run: RunConfig, dp: DataParallel | None) -> Owner:
     which writes the outputs), and of the stores that one replaced. A store whose description is damaged owns
     nothing (the run is refused when the store is checked)."""
     e = run.engine
-    dirs = tuple(rank_dir(d, 0) for d in e.nvme) if dp else e.nvme
-    where = os.path.join(e.nvme[0], e.name)
+    dirs = tuple(rank_dir(d, 0) for d in e.store.nvme) if dp else e.store.nvme
+    where = os.path.join(e.store.nvme[0], e.store.name)
     try:
-        current, replaced = StateStore.identity(dirs, e.name)
+        current, replaced = StateStore.identity(dirs, e.store.name)
     except (StoreCorruptError, ValueError, OSError) as err:
         return Owner(where, unknown=str(err).split(". ")[0])
     return Owner(where, current, frozenset(replaced))
@@ -1200,13 +1208,14 @@ def verify_store(run: RunConfig) -> int:
     metadata is unreadable."""
     console = Console(soft_wrap=True)
     e = run.engine
+    store = e.store
     try:
-        decided = read_decision(e.nvme, e.name)
+        decided = read_decision(store.nvme, store.name)
     except StoreCorruptError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
-    stores = ([tuple(os.path.join(d, f"rank{r}") for d in e.nvme) for r in range(decided["world"])]
-              if decided is not None and StateStore.status(e.nvme, e.name).state == "none" else [e.nvme])
+    stores = ([tuple(os.path.join(d, f"rank{r}") for d in store.nvme) for r in range(decided["world"])]
+              if decided is not None and StateStore.status(store.nvme, store.name).state == "none" else [store.nvme])
     worst = 0
     for dirs in stores:
         worst = max(worst, _verify_one(console, e, dirs, named=len(stores) > 1))
@@ -1215,19 +1224,19 @@ def verify_store(run: RunConfig) -> int:
 
 def _verify_one(console: Console, e: EngineConfig, dirs: tuple[str, ...], named: bool) -> int:
     try:
-        status = StateStore.status(dirs, e.name)
+        status = StateStore.status(dirs, e.store.name)
         if status.state != "complete":
             console.print(f"[red]error:[/red] {escape(dirs[0])} holds {status.describe()}: nothing to verify")
             return 2
         with DirLock(list(dirs)):
-            store = StateStore.open(list(dirs), e.backend, e.stripe_bytes, e.name)
+            store = StateStore.open(list(dirs), e.store.backend, e.store.stripe_bytes, e.store.name)
             try:
                 with Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TextColumn("blocks"),
                               TimeElapsedColumn(), console=console, transient=True) as bar:
                     task = bar.add_task("verify", total=len(store.layout.blocks))
                     problems = store.verify(lambda done, total: bar.update(task, completed=done))
                 gib = store.layout.slot_bytes / 2**30
-                lora = _verify_lora(store, dirs, e.name, problems)
+                lora = _verify_lora(store, dirs, e.store.name, problems)
             finally:
                 store.close()
     except (StoreCorruptError, DirectoryInUseError, VolumeConfigError, IOEngineError, ValueError, RuntimeError) as err:

@@ -131,7 +131,7 @@ from pathlib import Path
 from typing import Any
 
 from io_engine import durable
-from lohan.config import PRESETS, ModelConfig, parse_bytes
+from lohan.config import ACT_COMPRESSIONS, ACT_POLICIES, PRESETS, ModelConfig, parse_bytes
 from lohan.plan import durability, formats, pools, vocab
 from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE, ram_budget
 from lohan.plan.run_plan import RunPlan, plan_run
@@ -147,7 +147,7 @@ __all__ = [
     "CUBLAS_WORKSPACE_BYTES", "CUBLAS_STREAMS", "FRAGMENTATION",
 ]
 
-POLICIES = ("plan", "interblock", "swap-all", "recompute-all")
+POLICIES = ACT_POLICIES
 LANES = ("gpu", "g2m", "m2g", "ssd")
 """The forward lanes; backward has these and ``cpu`` (:data:`LANES_B`)."""
 LANES_B = (*LANES, "cpu")
@@ -329,7 +329,7 @@ class Profile:
             problems.append(f"readahead_params={self.readahead_params} must be in [0, param_count - resident_params]")
         if any(op.flops < 0 or op.bytes < 0 or (op.bytes_int8 or 0) < 0 for op in self.ops) or self.input_bytes < 0:
             problems.append("op flops/bytes and input_bytes must be >= 0")
-        if self.act_compress not in ("none", "int8"):
+        if self.act_compress not in ACT_COMPRESSIONS:
             problems.append(f"act_compress={self.act_compress!r} must be none or int8")
         if problems:
             raise ValueError(f"invalid profile {self.model!r}: " + "; ".join(problems))
@@ -1308,24 +1308,24 @@ def plan_capacity(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, run: Run
     parts = {k: v for k, v in host.parts().items() if v or k != "resident"}
     # The plan is made on the whole batch: micro-batches interleave per block, so all their records coexist.
     reserved = dataclasses.replace(hw, mem_avail=max(0, _ram_budget(hw) - host.total))
-    profile = analytic_profile(cfg, batch, seq, reserved, e.compute_dtype)
+    profile = analytic_profile(cfg, batch, seq, reserved, e.execution.compute_dtype)
     resident = min(run.resident_params, profile.param_count)
     # the room holds whole records (P32, m, v, P16) of parameters not resident
-    fmt = formats.state_format(e.state_format)
+    fmt = formats.state_format(e.store.state_format)
     ahead = min(run.readahead_params, profile.param_count - resident)
     kept = round(profile.param_count * run.kept_p16)  # (in place nothing is kept)
     profile = dataclasses.replace(profile, resident_params=resident, readahead_params=ahead, kept_p16_params=kept,
                                   write_behind=run.write_behind, record_bytes=fmt.record(),
                                   separate_p16=fmt.keeps_p16(profile.p16_itemsize), update_cost=fmt.update_cost,
-                                  act_compress=e.act_compress)
+                                  act_compress=e.activations.act_compress)
     plan = algorithm1(profile)
-    every, why_not = _persist_every(e.persist_every, profile, plan, e.slots, host.has_stash,
-                                    in_place=e.max_grad_norm <= 0 and e.compute_dtype != "fp16")
+    every, why_not = _persist_every(e.execution.persist_every, profile, plan, e.store.slots, host.has_stash,
+                                    in_place=e.stability.max_grad_norm <= 0 and e.execution.compute_dtype != "fp16")
     if every > 1:
         plan = algorithm1(dataclasses.replace(profile, persist_every=every))
-    gpu = gpu_need(cfg, batch, seq, hw, e.compute_dtype, e.micro_batches, e.prefetch_depth, plan.swap, run.world,
+    gpu = gpu_need(cfg, batch, seq, hw, e.execution.compute_dtype, e.execution.micro_batches, e.memory.prefetch_depth, plan.swap, run.world,
                    host=run.host_device)
-    states = round(e.slots * fmt.at_rest(_itemsize(e.compute_dtype)) * cfg.param_count())
+    states = round(e.store.slots * fmt.at_rest(_itemsize(e.execution.compute_dtype)) * cfg.param_count())
     if host.has_stash:  # the gradients the stash cannot keep in main memory go to the SSDs
         states += max(0, host.grad_itemsize * cfg.param_count() - (host.stash_ram or 0))
     judged = _judge("LoHan (activations to main memory, overflow to SSD)", cfg, batch, seq, hw, plan, gpu,

@@ -95,7 +95,7 @@ def grad_itemsize(compute_dtype: str, micro_batches: int = 1, world: int = 1) ->
 def keeps_all_grads(cfg: EngineConfig) -> bool:
     """Whether a step holds every block's gradient at once: serial mode updates after backward; clipping needs the
     global norm (a deferred or redone update); slots=1 writes nothing before the step is known to be finite."""
-    return cfg.mode == "serial" or cfg.max_grad_norm > 0 or cfg.slots == 1
+    return cfg.execution.mode == "serial" or cfg.stability.max_grad_norm > 0 or cfg.store.slots == 1
 
 
 def may_defer_unclipped(cfg: EngineConfig, world: int = 1) -> bool:
@@ -103,8 +103,8 @@ def may_defer_unclipped(cfg: EngineConfig, world: int = 1) -> bool:
     step's forward beside it (``clip_mode`` defer, or auto where that measures faster: a CPU device that shares
     its cores with the optimizer fills its forward's idle time so), for which it keeps the step's gradients.
     One process, two slots, not serial mode (the ablation's baseline: ZeRO-Infinity's schedule)."""
-    return (cfg.max_grad_norm <= 0 and cfg.slots == 2 and cfg.mode != "serial" and world == 1
-            and cfg.clip_mode != "speculate")
+    return (cfg.stability.max_grad_norm <= 0 and cfg.store.slots == 2 and cfg.execution.mode != "serial" and world == 1
+            and cfg.stability.clip_mode != "speculate")
 
 
 def kept_p16_fraction(params_bytes: int, p16: tuple[int, ...] | list[int], prefetch_depth: int) -> float:
@@ -122,12 +122,12 @@ def reads_ahead(cfg: EngineConfig) -> bool:
     optimized mode. Ahead of the gradients when the update runs during backward (a bigger room smooths the SSDs'
     pace: the 350m bench's step went from 5.9 to 5.6 s with clipping off), and, where a step waits for the global
     norm (clipping's deferred steps, slots=1), during the whole backward instead of after it."""
-    return cfg.mode == "optimized"
+    return cfg.execution.mode == "optimized"
 
 
 def optimizer_chunk_elems(layout: StoreLayout, cfg: EngineConfig) -> int:
     """Elements per optimizer chunk: `opt_chunk_bytes` of record, a multiple of 4096 (aligned I/O)."""
-    return max(4096, cfg.opt_chunk_bytes // chunk_elem_bytes(layout) // 4096 * 4096)
+    return max(4096, cfg.memory.opt_chunk_bytes // chunk_elem_bytes(layout) // 4096 * 4096)
 
 
 def chunk_elem_bytes(layout: StoreLayout) -> int:
@@ -225,12 +225,12 @@ def resident_extra(local: StoreLayout, cfg: EngineConfig, chunk: int, pool: int,
                    align: int = ALIGN) -> int:
     """Bytes `resident_mem` adds to a record pool of `pool` bytes: at most what keeps every record resident that
     can be (:func:`resident_every`); `auto` takes up to `room`."""
-    if not cfg.resident_records:
+    if not cfg.memory.resident_records:
         return 0
-    every = resident_every(local, cfg.max_inflight_blocks, chunk, pool, align)
-    if cfg.resident_mem == "all":
+    every = resident_every(local, cfg.memory.max_inflight_blocks, chunk, pool, align)
+    if cfg.memory.resident_mem == "all":
         return every
-    return min(max(0, room) if cfg.resident_mem == "auto" else int(cfg.resident_mem), every)
+    return min(max(0, room) if cfg.memory.resident_mem == "auto" else int(cfg.memory.resident_mem), every)
 
 
 def readahead_every(layout: StoreLayout, chunk_elems: int, pool: int, align: int = ALIGN) -> int:
@@ -407,52 +407,52 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
     """
     local, a = geometry.store, geometry.align
     chunk = optimizer_chunk_elems(local, cfg)
-    inflight = cfg.max_inflight_blocks
-    records = record_pool_bytes(local, inflight, chunk, cfg.resident_records, a)
-    g = grad_size or grad_itemsize(cfg.compute_dtype, cfg.micro_batches, world)
+    inflight = cfg.memory.max_inflight_blocks
+    records = record_pool_bytes(local, inflight, chunk, cfg.memory.resident_records, a)
+    g = grad_size or grad_itemsize(cfg.execution.compute_dtype, cfg.execution.micro_batches, world)
     whole = [align_up(g * b.numel, a) for b in geometry.layout.blocks]
     shards = [align_up(g * b.numel, a) for b in local.blocks]
     # one filling, one queued (serial mode: every block's gradient until backward ends); data parallel: one
     # filling, one being reduced, and the shards of them as above
-    kept = sum(shards) if cfg.mode == "serial" else min(2 * max(shards), sum(shards))
+    kept = sum(shards) if cfg.execution.mode == "serial" else min(2 * max(shards), sum(shards))
     p16 = geometry.p16
     plan = HostMemoryPlan(
         # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks, but never
         # more than every block at once (small models)
-        params=min((2 * cfg.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)),
+        params=min((2 * cfg.memory.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)),
         grads=kept if world == 1 else min(2 * max(whole), sum(whole)) + kept,
         records=records,
-        upcast=upcast_bytes(local, chunk, g, clip=cfg.max_grad_norm > 0) + format_work_bytes(local, chunk),
+        upcast=upcast_bytes(local, chunk, g, clip=cfg.stability.max_grad_norm > 0) + format_work_bytes(local, chunk),
         # more records kept from step to step (no more than all of them); auto: below
-        resident=0 if cfg.resident_mem == "auto" else resident_extra(local, cfg, chunk, records, align=a),
-        grad_stash=0, budget=int(cfg.cpu_mem), grad_itemsize=g, chunk_elems=chunk,
-        resident_all=resident_every(local, inflight, chunk, records, a) if cfg.resident_records else 0)
-    if keeps_all_grads(cfg) and cfg.mode != "serial":
+        resident=0 if cfg.memory.resident_mem == "auto" else resident_extra(local, cfg, chunk, records, align=a),
+        grad_stash=0, budget=int(cfg.memory.cpu_mem), grad_itemsize=g, chunk_elems=chunk,
+        resident_all=resident_every(local, inflight, chunk, records, a) if cfg.memory.resident_records else 0)
+    if keeps_all_grads(cfg) and cfg.execution.mode != "serial":
         # Clipping (a deferred or redone update) and in-place updates (slots=1: nothing is written before the
         # step is known to be finite) keep the step's gradients: in main memory as far as cpu_mem allows,
         # the rest on the SSDs (store.gradstash)
         plan = _with_stash(plan, shards, kept, host_device)
-    elif cfg.mode == "serial":  # the grads pool holds every gradient: the stash keeps those very buffers
+    elif cfg.execution.mode == "serial":  # the grads pool holds every gradient: the stash keeps those very buffers
         plan = replace(plan, stash_ram=sum(shards))
-    elif may_defer_unclipped(cfg, world) and cfg.clip_mode == "defer":  # clipping off, every update deferred
+    elif may_defer_unclipped(cfg, world) and cfg.stability.clip_mode == "defer":  # clipping off, every update deferred
         plan = _with_stash(plan, shards, kept, host_device)
     if free is not None and host_device:
-        free = max(0, free - device_grad_bytes(geometry, cfg.micro_batches, g))
+        free = max(0, free - device_grad_bytes(geometry, cfg.execution.micro_batches, g))
     # half of what cpu_mem (and the machine) leave goes to records: resident ones first (auto), read-ahead room
     # with the rest of that half (auto); the other half stays for swapped activations and the process
     share = max(0, (plan.budget if free is None else min(plan.budget, free)) - plan.total) // 2
-    if cfg.resident_mem == "auto":
+    if cfg.memory.resident_mem == "auto":
         plan = replace(plan, resident=resident_extra(local, cfg, chunk, records, room=share, align=a))
         share -= plan.resident
-    if cfg.resident_records:
+    if cfg.memory.resident_records:
         plan = replace(plan, resident_blocks=tuple(plan_resident(local, records + plan.resident, inflight, chunk, a)))
     if reads_ahead(cfg):
         every = readahead_every(local, chunk, records + plan.resident, a)
-        want = share if cfg.readahead_mem == "auto" else int(cfg.readahead_mem)
+        want = share if cfg.memory.readahead_mem == "auto" else int(cfg.memory.readahead_mem)
         plan = replace(plan, readahead=min(want, every), readahead_all=every)
-    if cfg.mode == "optimized" and not plan.has_stash:  # (a stash keeps every gradient, in RAM or spilled)
+    if cfg.execution.mode == "optimized" and not plan.has_stash:  # (a stash keeps every gradient, in RAM or spilled)
         plan, kept = _every_gradient(plan, shards, kept)
-    if may_defer_unclipped(cfg, world) and cfg.clip_mode == "auto" and sum(shards) - kept <= plan.budget - plan.total:
+    if may_defer_unclipped(cfg, world) and cfg.stability.clip_mode == "auto" and sum(shards) - kept <= plan.budget - plan.total:
         # clipping off, an update that may run after backward (auto): from what the pools leave, only where every
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
         # the resident and read-ahead rooms stay what they were without it)
@@ -509,7 +509,7 @@ def memory_refusal(plan: HostMemoryPlan, cfg: EngineConfig) -> str | None:
     return (
         f"cpu_mem={size_text(plan.budget)} is too small for this model: the engine needs "
         f"{size_text(total)} ({parts}). Raise cpu_mem to at least {size_text(total)}"
-        + (", or use mode='optimized' (serial keeps all gradients)" if cfg.mode == "serial" else "")
+        + (", or use mode='optimized' (serial keeps all gradients)" if cfg.execution.mode == "serial" else "")
         + ", or lower prefetch_depth / max_inflight_blocks" + (" / resident_mem" if plan.resident else "")
         + (" / readahead_mem" if plan.readahead else ""))
 

@@ -108,13 +108,13 @@ def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: in
     local, whole = geometry.store, geometry.layout.param_count
     mine = max(1, local.param_count)
     resident = sum(local.blocks[i].numel for i in host.resident_blocks)
-    at_rest = state_format(cfg.state_format).at_rest(local.blocks[0].p16_itemsize)
+    at_rest = state_format(cfg.store.state_format).at_rest(local.blocks[0].p16_itemsize)
     return RunPlan(
         engine=cfg, geometry=geometry, world=world, free=free, host_device=host_device, host=host, stash=stash,
-        defer_unclipped=host.has_stash and cfg.max_grad_norm <= 0,
-        write_behind=cfg.slots == 2 and cfg.write_behind and world == 1,
-        kept_p16=kept_p16_fraction(host.params, geometry.p16, cfg.prefetch_depth) if cfg.slots > 1 else 0.0,
+        defer_unclipped=host.has_stash and cfg.stability.max_grad_norm <= 0,
+        write_behind=cfg.store.slots == 2 and cfg.execution.write_behind and world == 1,
+        kept_p16=kept_p16_fraction(host.params, geometry.p16, cfg.memory.prefetch_depth) if cfg.store.slots > 1 else 0.0,
         resident_params=whole * resident // mine, readahead_params=whole * int(host.readahead // at_rest) // mine,
-        persist_refusal=durability.eligible(len(host.resident_blocks) == len(local.blocks), cfg.slots, world == 1,
-                                            stash, in_place=cfg.max_grad_norm <= 0 and cfg.compute_dtype != "fp16"),
+        persist_refusal=durability.eligible(len(host.resident_blocks) == len(local.blocks), cfg.store.slots, world == 1,
+                                            stash, in_place=cfg.stability.max_grad_norm <= 0 and cfg.execution.compute_dtype != "fp16"),
         refusal=chunk_refusal(local.blocks, host.chunk_elems) or over, over_cpu_mem=over is not None)

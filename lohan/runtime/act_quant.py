@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MODES = ("none", "int8")
+from lohan.config import ACT_COMPRESSIONS
+
+MODES = ACT_COMPRESSIONS
 """The values of ``EngineConfig.act_compress``."""
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)

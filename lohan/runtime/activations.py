@@ -78,7 +78,7 @@ class ActivationManager:
         self._swap: frozenset[str] = frozenset()
         self._hardware = None
         self._quant_bps: tuple[float, float] | None = None
-        self.policy = cfg.act_policy
+        self.policy = cfg.activations.act_policy
         self._io0: dict | None = None
 
     def set_policy(self, policy: str) -> None:
@@ -91,25 +91,25 @@ class ActivationManager:
 
     @property
     def act_name(self) -> str:
-        return f"{self.cfg.name}-act"
+        return f"{self.cfg.store.name}-act"
 
     # ------------------------------------------------------------------ planning
     def mem_avail(self) -> int:
         """Main memory for the CPU tier: act_mem if set, else what cpu_mem and free memory leave."""
-        if self.cfg.act_mem is not None:
-            return int(self.cfg.act_mem)
+        if self.cfg.activations.act_mem is not None:
+            return int(self.cfg.activations.act_mem)
         free = psutil.virtual_memory().available
-        return max(0, min(int(self.cfg.cpu_mem), free) - self.engine_pool_bytes)
+        return max(0, min(int(self.cfg.memory.cpu_mem), free) - self.engine_pool_bytes)
 
     def _optimizer_fields(self, param_count: int) -> dict[str, Any]:
         """The profile's fields on the optimizer's records: resident ones, those read ahead (never more than the
         parameters not resident: the profile checks it), and whether a deferred update's last writes complete
         during the next backward (write-behind: two slots)."""
         resident = min(self.resident_params, param_count)
-        fmt = state_format(self.cfg.state_format)  # the records' bytes and the update's CPU cost in the format
+        fmt = state_format(self.cfg.store.state_format)  # the records' bytes and the update's CPU cost in the format
         return {"resident_params": resident, "readahead_params": min(self.readahead_params, param_count - resident),
                 "kept_p16_params": round(param_count * self.kept_p16_fraction),
-                "write_behind": self.cfg.slots == 2 and self.cfg.write_behind, "record_bytes": fmt.record(),
+                "write_behind": self.cfg.store.slots == 2 and self.cfg.execution.write_behind, "record_bytes": fmt.record(),
                 "separate_p16": fmt.keeps_p16(self.p16_itemsize), "update_cost": fmt.update_cost}
 
     def needs_prepare(self, batch: int, seq: int) -> bool:
@@ -117,7 +117,7 @@ class ActivationManager:
 
     def prepare(self, x: Tensor, batch: int, seq: int) -> Plan:
         """Profile block 1 on its real input x (one micro-batch), plan, and set up the tiers."""
-        m = self.cfg.micro_batches
+        m = self.cfg.execution.micro_batches
         first = self.inner[0]
         ops, (in_bytes, in_int8), blk_flops, secs = profile_block(
             lambda z: self.program.run(first, z, None), self.program.modules[first], x, self.tracker,
@@ -125,20 +125,20 @@ class ActivationManager:
         mem = self.mem_avail()
         # the bytes the tiers hold are the ones just measured, as they are and int8 (for every micro-batch)
         measured = {"input_bytes": in_bytes * m, "input_bytes_int8": in_int8 * m,
-                    "act_compress": self.cfg.act_compress}
-        if self.cfg.profile_from:
+                    "act_compress": self.cfg.activations.act_compress}
+        if self.cfg.activations.profile_from:
             try:
-                profile = Profile.load(self.cfg.profile_from)
+                profile = Profile.load(self.cfg.activations.profile_from)
             except ProfileError as e:
                 raise ValueError(f"engine.profile_from: {e}. Profile this run instead (leave profile_from unset; "
-                                 f"the run saves what it measures as <nvme>/{self.cfg.name}.profile.json)") from None
+                                 f"the run saves what it measures as <nvme>/{self.cfg.store.name}.profile.json)") from None
             if (profile.batch, profile.seq, profile.n_blocks) != (batch, seq, len(self.inner)):
                 raise ValueError(
-                    f"profile {self.cfg.profile_from} is for batch {profile.batch}, seq {profile.seq}, "
+                    f"profile {self.cfg.activations.profile_from} is for batch {profile.batch}, seq {profile.seq}, "
                     f"{profile.n_blocks} blocks; this run has batch {batch}, seq {seq}, {len(self.inner)} blocks. "
                     "Profile this run instead (leave profile_from unset)")
             if [o.name for o in profile.ops] != [o.name for o in ops]:
-                raise ValueError(f"profile {self.cfg.profile_from} describes ops {[o.name for o in profile.ops]}; "
+                raise ValueError(f"profile {self.cfg.activations.profile_from} describes ops {[o.name for o in profile.ops]}; "
                                  f"this model's blocks have {[o.name for o in ops]}")
             # Its costs and hardware are kept; the bytes the tiers must hold are the ones just measured.
             profile = dataclasses.replace(
@@ -148,9 +148,9 @@ class ActivationManager:
                 **measured, **self._optimizer_fields(profile.param_count))
         else:
             if self._hardware is None:
-                self._hardware = measure_hardware(self.device, list(self.cfg.nvme), self.cfg.backend,
-                                                  self.cfg.name, thp_g=blk_flops / secs, mem_avail=mem,
-                                                  emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
+                self._hardware = measure_hardware(self.device, list(self.cfg.store.nvme), self.cfg.store.backend,
+                                                  self.cfg.store.name, thp_g=blk_flops / secs, mem_avail=mem,
+                                                  emulate_ssd_gbps=self.cfg.store.emulate_ssd_gbps)
             hw = self._quant_rate(dataclasses.replace(self._hardware, mem_avail=mem), x)
             tokens = batch * seq
             flop_f = (self.flops_per_token(seq) * tokens if self.flops_per_token
@@ -161,7 +161,7 @@ class ActivationManager:
                               hardware=hw, source="measured", **measured, **self._optimizer_fields(self.param_count))
             crashpoint("profile.measured")
             with contextlib.suppress(OSError):
-                profile.save(os.path.join(self.cfg.nvme[0], f"{self.cfg.name}.profile.json"))
+                profile.save(os.path.join(self.cfg.store.nvme[0], f"{self.cfg.store.name}.profile.json"))
         plan = make_plan(profile, self.policy)
         self._setup(plan, record_bytes=plan.block_bytes // m)
         self.profile, self.plan, self._shape = profile, plan, (batch, seq)
@@ -185,7 +185,7 @@ class ActivationManager:
     def _quant_rate(self, hw: Hardware, x: Tensor) -> Hardware:
         """`hw` with the device's int8 quantization rate (measured once, in the activations' dtype) when records are
         compressed and it lacks one (a profile saved by a run without compression)."""
-        if self.cfg.act_compress == "none" or hw.act_quant_bps:
+        if self.cfg.activations.act_compress == "none" or hw.act_quant_bps:
             return hw
         if self._quant_bps is None:
             self._quant_bps = measure_quant_rate(self.device, x.dtype)
@@ -193,7 +193,7 @@ class ActivationManager:
 
     def _setup(self, plan: Plan, record_bytes: int) -> None:
         self.close_tiers()
-        m = self.cfg.micro_batches
+        m = self.cfg.execution.micro_batches
         cap = align_up(max(record_bytes, 1))
         n_cpu, n_ssd = plan.block_tiers.count("cpu"), plan.block_tiers.count("ssd")
         cpu_pool = None
@@ -202,13 +202,13 @@ class ActivationManager:
             cpu_pool = BufferPool(n_cpu * m * cap, alloc=lambda n: aligned_empty(n, pin=pin))
         staging = None
         if n_ssd:
-            dirs = list(self.cfg.nvme)
+            dirs = list(self.cfg.store.nvme)
             remove_volume(dirs, self.act_name)
-            self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.stripe_bytes, backend=self.cfg.backend,
-                                       name=self.act_name, emulate_ssd_gbps=self.cfg.emulate_ssd_gbps)
+            self._volume = open_volume(dirs, n_ssd * m * cap, self.cfg.store.stripe_bytes, backend=self.cfg.store.backend,
+                                       name=self.act_name, emulate_ssd_gbps=self.cfg.store.emulate_ssd_gbps)
             staging = self._volume.buffer_pool(2 * m * cap, pin=self.device.is_cuda)
         self._io0 = self._io_snapshot()
-        self.store = ActivationStore(self.device, cpu_pool, staging, self._volume, compress=self.cfg.act_compress)
+        self.store = ActivationStore(self.device, cpu_pool, staging, self._volume, compress=self.cfg.activations.act_compress)
 
     # ------------------------------------------------------------------ step
     def tier(self, i: int) -> str:
@@ -225,12 +225,12 @@ class ActivationManager:
     def prefetch(self, i: int) -> None:
         """Start reading block i's records back from the SSDs (one block ahead of its backward)."""
         if i in self.inner:
-            self.store.prefetch((i, m) for m in range(self.cfg.micro_batches))
+            self.store.prefetch((i, m) for m in range(self.cfg.execution.micro_batches))
 
     def stage(self, i: int) -> None:
         """Start copying block i's records to the device (once the block after it is queued)."""
         if i in self.inner:
-            self.store.stage((i, m) for m in range(self.cfg.micro_batches))
+            self.store.stage((i, m) for m in range(self.cfg.execution.micro_batches))
 
     def end_forward(self) -> None:
         if self.store is not None:
@@ -293,7 +293,7 @@ class ActivationManager:
         if self._volume is not None:
             self._volume.close()
             self._volume = None
-            remove_volume(list(self.cfg.nvme), self.act_name)
+            remove_volume(list(self.cfg.store.nvme), self.act_name)
 
     def close(self) -> None:
         self.close_tiers()

@@ -76,8 +76,8 @@ class ClipSchedule:
         """Whether the next step speculates: updates during backward (`step.clip_gate` decides the rest).
         `replay_s`: what a clip costs at least when the step's states are in RAM only (no previous slot to redo
         from: the steps since the last durable commit are replayed, lohan.runtime.held)."""
-        mode = self.cfg.clip_mode
-        if self.cfg.max_grad_norm <= 0 and not self.defer_unclipped:
+        mode = self.cfg.stability.clip_mode
+        if self.cfg.stability.max_grad_norm <= 0 and not self.defer_unclipped:
             self.last_choice = {"rule": "clipping off"}
             return True
         if mode != "auto":
@@ -88,10 +88,10 @@ class ClipSchedule:
         costs = self.costs(estimate) if self.by_cost else None
         if costs is None:
             self.last_choice = {"rule": "last step", "last_coef": self.last_coef}
-            return self.last_coef == 1.0 or self.cfg.max_grad_norm <= 0
+            return self.last_coef == 1.0 or self.cfg.stability.max_grad_norm <= 0
         defer, redo = costs
         redo = max(redo, replay_s)
-        p = clip_probability(list(self.norms), self.cfg.max_grad_norm, HISTORY)
+        p = clip_probability(list(self.norms), self.cfg.stability.max_grad_norm, HISTORY)
         choice = should_speculate(p, defer, redo)
         self.last_choice = {"rule": "cost", "p_clip": p, "defer_s": defer, "redo_s": redo}
         if self._probe(choice, p):

@@ -29,12 +29,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lohan.config import DEVICES
 from lohan.plan.compute_dtype import DtypeChoice, choose
 from lohan.runtime.simdevice import SIM_DEVICE, SimDevice
 from lohan.runtime.simgpu import ENV as SIM_GPU_ENV
 from lohan.runtime.simgpu import SimGpu, parse_sim_gpu
 
-KINDS = ("cpu", "cuda", "sim")
+KINDS = tuple(d for d in DEVICES if d != "auto")
 
 
 def resolve_device(kind: str = "auto") -> str:

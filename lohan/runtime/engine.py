@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 def grad_dtype(cfg: EngineConfig, world: int = 1) -> torch.dtype:
     """dtype of the host gradient buffers: the planning layer's rule (`lohan.plan.pools.grad_dtype`: bf16 kept
     as it is with one micro-batch and one rank, fp32 otherwise) as a torch dtype."""
-    return DTYPES[pools.grad_dtype(cfg.compute_dtype, cfg.micro_batches, world)]
+    return DTYPES[pools.grad_dtype(cfg.execution.compute_dtype, cfg.execution.micro_batches, world)]
 
 
 def pool_geometry(program: BlockProgram, layout: StoreLayout, local: StoreLayout | None = None,
@@ -114,7 +114,7 @@ def engine_geometry(program: BlockProgram, cfg: EngineConfig, world: int = 1, ra
     this rank's store (its shards; one process: the whole blocks) and the pools' geometry. Shapes only: a meta
     program gives the engine's figures without allocating (`cfg.compute_dtype` resolved; `shared`: a resumed
     store's P16 sharing, `StateStore.stored_p16_sharing`)."""
-    layout = plan_layout(program.modules, program.names, cfg.compute_dtype, cfg.slots, cfg.state_format, shared)
+    layout = plan_layout(program.modules, program.names, cfg.execution.compute_dtype, cfg.store.slots, cfg.store.state_format, shared)
     bounds = [shard_bounds(b, world) for b in layout.blocks]
     local = shard_layout(layout, bounds, rank) if world > 1 else layout
     return layout, bounds, local, pool_geometry(program, layout, local if world > 1 else None, bounds, world)
@@ -154,19 +154,19 @@ class Engine:
         # data parallel (torchrun): the rank's own directories and share of the machine (parallel.py)
         self.dp = dp if dp is not None else DataParallel.detect()
         self.world = self.dp.world if self.dp else 1
-        self._base_dirs = tuple(cfg.nvme)
+        self._base_dirs = tuple(cfg.store.nvme)
         self.cfg = cfg = self.dp.rank_config(cfg) if self.dp else cfg
         self.program, self.flops_per_token = program, flops_per_token
-        if cfg.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
+        if cfg.memory.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
             reuse_heap()
-        self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device, sim_gpu=cfg.sim_gpu)
+        self.device = Device(self.dp.device_name(cfg.execution.device) if self.dp else cfg.execution.device, sim_gpu=cfg.execution.sim_gpu)
         # compute_dtype auto, resolved once for this machine (a resume keeps the dtype the store was laid out in)
-        stored = stored_compute_dtype(cfg.nvme, cfg.name) if resume and cfg.compute_dtype == "auto" else None
-        self.dtype_choice = compute_dtype_choice(cfg.compute_dtype, self.device.type, cfg.state_format, stored)
+        stored = stored_compute_dtype(cfg.store.nvme, cfg.store.name) if resume and cfg.execution.compute_dtype == "auto" else None
+        self.dtype_choice = compute_dtype_choice(cfg.execution.compute_dtype, self.device.type, cfg.store.state_format, stored)
         self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype)
-        self.compute_dtype = DTYPES[cfg.compute_dtype]
+        self.compute_dtype = DTYPES[cfg.execution.compute_dtype]
         # a store resumed keeps the records it was laid out with (a P16 section of its own or not: shared_p16)
-        shared = StateStore.stored_p16_sharing(list(cfg.nvme), cfg.name) if resume else None
+        shared = StateStore.stored_p16_sharing(list(cfg.store.nvme), cfg.store.name) if resume else None
         # the whole blocks, their shard bounds and this rank's store
         self.layout, self.bounds, local_layout, geometry = engine_geometry(program, cfg, self.world,
                                                                            self.dp.rank if self.dp else 0, shared)
@@ -216,17 +216,17 @@ class Engine:
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, program.modules, self.layout,
                                       self.dp, self.bounds)
         self.streamer.before_read = self._await_tail
-        self.decays = [shard_decays(full, own, decay_mask(m, cfg.no_decay))
+        self.decays = [shard_decays(full, own, decay_mask(m, cfg.schedule.no_decay))
                        for full, own, m in zip(self.layout.blocks, layout.blocks, program.modules)]
         grad_bytes = [self.grad_dtype.itemsize * b.numel for b in layout.blocks]
         # serial mode holds every gradient in its pool already: the stash keeps those very buffers (plan.stash_ram)
-        self.stash = (GradStash(list(cfg.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.name, cfg.backend,
-                                cfg.stripe_bytes, cfg.emulate_ssd_gbps) if run_plan.stash else None)
+        self.stash = (GradStash(list(cfg.store.nvme), grad_bytes, self.grads_pool, plan.stash_ram, cfg.store.name, cfg.store.backend,
+                                cfg.store.stripe_bytes, cfg.store.emulate_ssd_gbps) if run_plan.stash else None)
         # (planned on the pool without the read-ahead room: that room is for one backward, not from step to step;
         # at the plan's chunk, whose units a resumed store must share: store.opening refuses others)
         resident = list(run_plan.resident_blocks)
-        self.offloader = GradOffloader(self.store, self.records_pool, cfg.mode, self.grad_dtype, self.decays,
-                                       self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.seed,
+        self.offloader = GradOffloader(self.store, self.records_pool, cfg.execution.mode, self.grad_dtype, self.decays,
+                                       self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.execution.seed,
                                        origins=[bd[self.dp.rank] if self.dp and bd else 0 for bd in self.bounds])
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
@@ -238,14 +238,14 @@ class Engine:
             readahead_params=run_plan.readahead_params)
         self.passes = BlockPasses(cfg, program, self.layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,
-                                  self.dp, self.bounds, direct=(not self.device.is_host and cfg.micro_batches == 1
+                                  self.dp, self.bounds, direct=(not self.device.is_host and cfg.execution.micro_batches == 1
                                                                 and self.store.p16_dtype == self.grad_dtype))
         # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
         self._next = NextForward(self.device, self.streamer, self.activations)
         # the durability interval (engine.persist_every, lohan.plan.durability): why it cannot exceed 1 here
         self.persist_refusal = run_plan.persist_refusal
-        if self.persist_refusal is not None and cfg.persist_every not in ("auto", 1):
-            log.warning("persist_every=%s lowered to 1: %s", cfg.persist_every, self.persist_refusal)
+        if self.persist_refusal is not None and cfg.execution.persist_every not in ("auto", 1):
+            log.warning("persist_every=%s lowered to 1: %s", cfg.execution.persist_every, self.persist_refusal)
         self._auto_persist = 1  # auto: priced after each step (`_observe_persist`)
         # the steps since the last durable commit, which a step that updates RAM-only states in place and turns
         # out not finite, or clips, replays (lohan.runtime.held); `_replayed`: how the failed step then runs again
@@ -262,7 +262,7 @@ class Engine:
         `persist_refusal`); `auto`: what the last step priced (`_observe_persist`; 1 before the first step)."""
         if self.persist_refusal is not None:
             return 1
-        return self._auto_persist if self.cfg.persist_every == "auto" else int(self.cfg.persist_every)
+        return self._auto_persist if self.cfg.execution.persist_every == "auto" else int(self.cfg.execution.persist_every)
 
     def _ram_p16(self, block: int, slot: int) -> list[tuple[int, Tensor]]:
         """Block `block`'s P16 of RAM slot `slot` (a step between durable commits): its resident record's, as
@@ -284,7 +284,7 @@ class Engine:
         before a profile, at the rate a durable step's own writes show. The time they are weighed against is the
         step's without its own writes. (A durable step's writes measured in its window mislead: with write-behind
         most of them fall into the next step, and 16 KB of a 2.7 MB persist priced them 100x too slow.)"""
-        if self.cfg.persist_every != "auto" or self.persist_refusal is not None:
+        if self.cfg.execution.persist_every != "auto" or self.persist_refusal is not None:
             return
         slot_bytes, write_s = self.store.layout.slot_bytes, stats.lanes.get("ssd_write", 0.0)
         profile = self.activations.profile
@@ -452,7 +452,7 @@ class Engine:
         store, n = self.store, len(self.program.modules)
         commit = store.commit_state
         scaler = None
-        if self.cfg.compute_dtype == "fp16":
+        if self.cfg.execution.compute_dtype == "fp16":
             scaler = LossScale(self.cfg, commit, self.device.put if self.dp is None else (lambda t: t))
         estimate = self.activations.plan.estimate if self.activations.plan is not None else None
         # the durability interval: a step is durable every persist_every steps after the last durable one
@@ -480,7 +480,7 @@ class Engine:
         mode, the ablation's baseline: ZeRO-Infinity reads the parameters back."""
         if plan.follow:
             return self.streamer.offer
-        if plan.deferred or self.cfg.mode == "serial":
+        if plan.deferred or self.cfg.execution.mode == "serial":
             return None
         return self.streamer.handover(plan.read_slot, plan.write_slot)
 
@@ -492,7 +492,7 @@ class Engine:
             acts = run.prepared.acts
         else:
             acts, run.fwd_timer = self.passes.forward(run.visits, plan.read_slot, run.idx)
-        norms = self.passes.backward(run, acts, run.targets.chunk(self.cfg.micro_batches))
+        norms = self.passes.backward(run, acts, run.targets.chunk(self.cfg.execution.micro_batches))
         loss = self.passes.host_sum(run.losses)
         if self.dp:
             loss = self.dp.sum(loss)
@@ -591,7 +591,7 @@ class Engine:
         self._cpu_lanes.append(lane)
         profile = self.activations.profile
         if profile is not None:
-            cost = state_format(self.cfg.state_format).update_cost
+            cost = state_format(self.cfg.store.state_format).update_cost
             self.activations.refine_cpu(cost * profile.param_count / statistics.median(self._cpu_lanes))
 
     def _abort(self, run: StepRun) -> None:
@@ -608,7 +608,7 @@ class Engine:
             self._next.drop()
 
     def _check_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
+        return rank_batch(batch, self.cfg.execution.micro_batches, self.world, self.dp.rank if self.dp else 0)
 
     def _commit(self, step: int, slot: int, **kw: Any) -> None:
         """Commit `step` (data parallel: locally, keeping the previous commit, then the group decides); a RAM
@@ -620,7 +620,7 @@ class Engine:
         self.store.commit(step, slot, keep_prev=self.dp is not None, **kw)
         if self.dp:
             crashpoint("engine.dp_local_commit")
-            self.dp.decide(self._base_dirs, self.cfg.name, step)
+            self.dp.decide(self._base_dirs, self.cfg.store.name, step)
 
     def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
         """The next batch's ids on the device when its forward may run during this step's optimizer pass: the
@@ -628,7 +628,7 @@ class Engine:
         from the pass, never from the slot being rewritten. Not in serial mode: the baseline of the ablation is
         ZeRO-Infinity's schedule, the optimizer after backward with nothing beside it (the next step starts once
         it is done), whether or not the step clips."""
-        if next_batch is None or self.cfg.mode == "serial":
+        if next_batch is None or self.cfg.execution.mode == "serial":
             return None
         nxt, _ = self._check_batch(next_batch)
         return self.device.put(nxt) if nxt.shape == idx.shape else None
@@ -637,7 +637,7 @@ class Engine:
         """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were
         (`step.skip_outcome`: what is committed, and whether the run must stop)."""
         self.flush()  # the last step's staged commit (its pass ran, or failed, on the worker before this one)
-        commit, fatal = skip_outcome(run, loss, scaler, self.cfg.max_bad_steps)
+        commit, fatal = skip_outcome(run, loss, scaler, self.cfg.stability.max_bad_steps)
         self._commit(run.plan.step + 1, run.commit.slot, **commit)
         if fatal is not None:
             raise fatal
@@ -821,19 +821,19 @@ def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_b
     """Lock the run's directories, refuse what they cannot give this run (`check_request`; data parallel, alike
     on every rank), then open the store, continue its creation or create it (`open_or_create`); a rank is brought
     to its group's committed step. Returns the store and the held lock."""
-    dirs = list(cfg.nvme)
+    dirs = list(cfg.store.nvme)
     for d in dirs:
         os.makedirs(d, exist_ok=True)
     lock = DirLock(dirs)  # before anything in the directories is read or written
     store = None
     try:
         if dp:
-            decision = check_group(dp, base_dirs, cfg.name, resume)
+            decision = check_group(dp, base_dirs, cfg.store.name, resume)
         else:
-            check_request(dirs, cfg.name, resume=resume, overwrite=overwrite)
+            check_request(dirs, cfg.store.name, resume=resume, overwrite=overwrite)
         store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress, chunk_elems)
         if dp:
-            join_group(dp, store, decision, base_dirs, cfg.name, dirs)
+            join_group(dp, store, decision, base_dirs, cfg.store.name, dirs)
     except BaseException:
         if store is not None:
             store.close()
@@ -900,11 +900,11 @@ def init(model: str | ModelConfig | GPT, config: EngineConfig | dict | None = No
         if materialized:
             return [p.detach().float() for p in block.parameters()]
         tmp = copy.deepcopy(block).to_empty(device="cpu")
-        init_block_(tmp, mcfg, block_generator(cfg.seed, i))
+        init_block_(tmp, mcfg, block_generator(cfg.execution.seed, i))
         return [p.detach() for p in tmp.parameters()]
 
-    meta = {"kind": "gpt", "config": asdict(mcfg), "seed": None if materialized else cfg.seed}
-    if cfg.lora_r:  # --lora R: a frozen base, adapters trained (lohan.runtime.lora_engine)
+    meta = {"kind": "gpt", "config": asdict(mcfg), "seed": None if materialized else cfg.execution.seed}
+    if cfg.lora.lora_r:  # --lora R: a frozen base, adapters trained (lohan.runtime.lora_engine)
         from lohan.runtime.lora_engine import LoraEngine
 
         engine: Any = LoraEngine(program, cfg, meta, init_block, flops_per_token=mcfg.flops_per_token,

@@ -33,7 +33,7 @@ def init_from_hf(path: str | os.PathLike, config: EngineConfig | dict | None = N
     program = hf.load_hf_skeleton(path, n_layer)
     # looked up at call time, so a test can wrap the import hook
     init_block = hf_checkpoint.make_init_block(program, path)
-    if cfg.lora_r:  # --lora R: the weights are a frozen base and only adapters train (lohan.runtime.lora_engine)
+    if cfg.lora.lora_r:  # --lora R: the weights are a frozen base and only adapters train (lohan.runtime.lora_engine)
         return LoraEngine(program, cfg, hf.model_meta(program), init_block, flops_per_token=program.flops_per_token,
                           resume=resume, overwrite=overwrite, progress=progress)
     return Engine(program, cfg, hf.model_meta(program), init_block, flops_per_token=program.flops_per_token,

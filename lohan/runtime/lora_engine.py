@@ -88,8 +88,8 @@ log = logging.getLogger(__name__)
 
 def lora_settings(cfg: EngineConfig) -> dict[str, Any]:
     """What fixes a LoRA run's adapters (committed with them; a resume must ask for the same)."""
-    return {"r": int(cfg.lora_r), "alpha": float(cfg.lora_alpha), "dropout": float(cfg.lora_dropout),
-            "targets": list(cfg.lora_targets)}
+    return {"r": int(cfg.lora.lora_r), "alpha": float(cfg.lora.lora_alpha), "dropout": float(cfg.lora.lora_dropout),
+            "targets": list(cfg.lora.lora_targets)}
 
 
 class LoraEngine:
@@ -109,14 +109,14 @@ class LoraEngine:
         # the same adapters; their gradients are summed over the ranks before the update
         self.dp = DataParallel.detect()
         self.world = self.dp.world if self.dp else 1
-        base_dirs = tuple(cfg.nvme)
+        base_dirs = tuple(cfg.store.nvme)
         cfg = self.dp.rank_config(cfg) if self.dp else cfg
-        self.device = Device(self.dp.device_name(cfg.device) if self.dp else cfg.device, sim_gpu=cfg.sim_gpu)
-        stored = stored_compute_dtype(cfg.nvme, cfg.name) if resume and cfg.compute_dtype == "auto" else None
-        self.dtype_choice = compute_dtype_choice(cfg.compute_dtype, self.device.type, "exact", stored)
+        self.device = Device(self.dp.device_name(cfg.execution.device) if self.dp else cfg.execution.device, sim_gpu=cfg.execution.sim_gpu)
+        stored = stored_compute_dtype(cfg.store.nvme, cfg.store.name) if resume and cfg.execution.compute_dtype == "auto" else None
+        self.dtype_choice = compute_dtype_choice(cfg.execution.compute_dtype, self.device.type, "exact", stored)
         self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype, slots=1)
-        self.compute_dtype = DTYPES[cfg.compute_dtype]
-        self.layout = plan_layout(program.modules, program.names, cfg.compute_dtype, 1, "frozen")
+        self.compute_dtype = DTYPES[cfg.execution.compute_dtype]
+        self.layout = plan_layout(program.modules, program.names, cfg.execution.compute_dtype, 1, "frozen")
         n = len(program.modules)
         self.bounds: list[tuple[int, ...] | None] = [None] * n
         self.store, self._lock = _open_store(cfg, self.layout, model_meta, init_block, resume, overwrite, progress,
@@ -137,11 +137,11 @@ class LoraEngine:
         if hasattr(self, "lora"):
             self.lora.detach()
         cfg = self.cfg
-        self.lora = LoraAdapters(self.program.modules, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.seed,
-                                 self.device.put, cfg.lora_dropout)
+        self.lora = LoraAdapters(self.program.modules, cfg.lora.lora_r, cfg.lora.lora_alpha, cfg.lora.lora_targets, cfg.execution.seed,
+                                 self.device.put, cfg.lora.lora_dropout)
         self.lora.attach()
-        self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.lora.params, lr=cfg.schedule.lr, betas=tuple(cfg.schedule.betas), eps=cfg.schedule.eps,
+                                           weight_decay=cfg.schedule.weight_decay)
         self._step, self._bad_streak, self._note, self._committed = 0, 0, None, 0
         self._scale: dict[str, Any] = {}  # fp16: the loss scale and growth tracker of the last commit
 
@@ -150,10 +150,10 @@ class LoraEngine:
         flight), the streamer, the activation manager and the block passes."""
         cfg, layout = self.cfg, self.layout
         biggest = align_up(max(b.p16_bytes for b in layout.blocks))
-        in_flight = (cfg.prefetch_depth + 3) * biggest  # the block computing, the tied owner, the prefetched ones
+        in_flight = (cfg.memory.prefetch_depth + 3) * biggest  # the block computing, the tied owner, the prefetched ones
         # (buffers are aligned: the whole base takes its blocks' aligned sizes)
         whole = sum(align_up(b.p16_bytes) for b in layout.blocks)
-        pool_bytes = max(in_flight, min(int(cfg.cpu_mem), whole + biggest))
+        pool_bytes = max(in_flight, min(int(cfg.memory.cpu_mem), whole + biggest))
         self.params_pool = self.store.volume.buffer_pool(pool_bytes, pin=self.device.is_cuda)
         self.streamer = ParamStreamer(self.store, self.params_pool, self.device, self.program.modules, layout)
         self.streamer.frozen = self.streamer.keeps = True
@@ -173,7 +173,7 @@ class LoraEngine:
 
     def _micro_batch(self, m: int) -> None:
         """Block runs from now on are on micro-batch `m` of this rank (of the step's over every rank: masks)."""
-        self.lora.micro_batch = (self.dp.rank if self.dp else 0) * self.cfg.micro_batches + m
+        self.lora.micro_batch = (self.dp.rank if self.dp else 0) * self.cfg.execution.micro_batches + m
 
     # ------------------------------------------------------------------ step
     @property
@@ -207,7 +207,7 @@ class LoraEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.device.reset_peak_memory()
         scaler = None
-        if self.cfg.compute_dtype == "fp16":  # GradScaler's state, from the last commit (`LossScale`)
+        if self.cfg.execution.compute_dtype == "fp16":  # GradScaler's state, from the last commit (`LossScale`)
             scaler = LossScale(self.cfg, SimpleNamespace(loss_scale=self._scale.get("loss_scale"),
                                                          growth_tracker=self._scale.get("growth_tracker", 0)),
                                self.device.put)
@@ -218,7 +218,7 @@ class LoraEngine:
             else:
                 acts, fwd_timer = self.passes.forward(visits, 0, idx)
             self._bwd_timer = self.device.timer()
-            losses = self._backward(visits, acts, graphs, targets.chunk(self.cfg.micro_batches), scaler)
+            losses = self._backward(visits, acts, graphs, targets.chunk(self.cfg.execution.micro_batches), scaler)
             loss = self.passes.host_sum(losses)
             if self.dp:  # the mean over every rank's micro-batches, and the adapters' gradients summed
                 loss = self.dp.sum(loss)
@@ -243,7 +243,7 @@ class LoraEngine:
             self._restore()
             raise
         self.last_stats = dataclasses.replace(stats, step_s=time.perf_counter() - t0)
-        if self._bad_streak >= self.cfg.max_bad_steps:  # (the skip is committed first, as `Engine` commits it)
+        if self._bad_streak >= self.cfg.stability.max_bad_steps:  # (the skip is committed first, as `Engine` commits it)
             raise NonFiniteError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient (the last at "
                                  f"step {self._step}); the adapters of step {self._step - self._bad_streak} stand. "
                                  "Lower --lr or check the data")
@@ -274,7 +274,7 @@ class LoraEngine:
         autograd is asked for the block input's gradient and the block's adapters' (summed into their `.grad` as
         autograd sums a leaf's, micro-batch after micro-batch; fp16: of the loss x scale, as GradScaler.scale).
         Returns the micro-batches' losses (on the device, unscaled)."""
-        m_count, last = self.cfg.micro_batches, len(self.program.modules) - 1
+        m_count, last = self.cfg.execution.micro_batches, len(self.program.modules) - 1
         grad_out: list[Tensor | None] = [None] * m_count
         losses: list[Tensor] = []
         acts_mgr = self.activations
@@ -321,7 +321,7 @@ class LoraEngine:
         return losses
 
     def _rank_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        return rank_batch(batch, self.cfg.micro_batches, self.world, self.dp.rank if self.dp else 0)
+        return rank_batch(batch, self.cfg.execution.micro_batches, self.world, self.dp.rank if self.dp else 0)
 
     def _update(self, loss: float, scaler: LossScale | None) -> tuple[float | None, float | None, bool, bool]:
         """fp16: unscale (GradScaler.unscale_'s op and inf check); clip (as `clip_grad_norm_` over PEFT's trainable
@@ -335,9 +335,9 @@ class LoraEngine:
         if scaler is not None:
             scaler.unscale_([p.grad for p in params])
             overflow = bool(self.device.fetch(scaler.found_inf).item())
-        if self.cfg.max_grad_norm > 0 and not overflow:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
-            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # (clip_grad_norm_'s own coefficient)
+        if self.cfg.stability.max_grad_norm > 0 and not overflow:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.stability.max_grad_norm))
+            coef = min(1.0, self.cfg.stability.max_grad_norm / (norm + 1e-6))  # (clip_grad_norm_'s own coefficient)
         finite = math.isfinite(loss) and not overflow and (norm is None or math.isfinite(norm))
         if finite and norm is None and params:  # (one synchronization, not one per adapter)
             finite = bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all())
@@ -364,14 +364,14 @@ class LoraEngine:
         state = {"step": self._step, "bad_streak": self._bad_streak, "note": json.dumps(note),
                  "scale": dict(self._scale), "lora": lora_settings(self.cfg), "base": repr(base_identity(self.store)),
                  "adapters": list(self.lora.params), "optimizer": self.optimizer.state_dict()}
-        write_commit(self.cfg.nvme, self.cfg.name, state)
+        write_commit(self.cfg.store.nvme, self.cfg.store.name, state)
         self._note, self._committed = note, self._step
 
     def _restore(self) -> None:
         """After a step failed between its update and its commit (a full disk, an interrupt): the adapters, AdamW
         states and counters of the last commit, or the initial ones before the first, so that memory and the commit
         agree again."""
-        latest = latest_commit(self.cfg.nvme, self.cfg.name, self.store)
+        latest = latest_commit(self.cfg.store.nvme, self.cfg.store.name, self.store)
         if latest is not None:
             self._load(*latest)
         else:
@@ -383,7 +383,7 @@ class LoraEngine:
         which a kill while a slot is written leaves whole); data parallel, the group's latest step every rank has
         (a rank killed before its commit of step k makes the group resume at k - 1: the others take their commit
         before it). None at step 0: the adapters as initialized."""
-        found = commits(self.cfg.nvme, self.cfg.name, self.store)
+        found = commits(self.cfg.store.nvme, self.cfg.store.name, self.store)
         target = max(found, default=0)
         if self.dp:
             steps = [0] * self.world
@@ -393,7 +393,7 @@ class LoraEngine:
             self._load(found[target], read_commit(found[target], self.store))
         elif target:
             raise StoreCorruptError(f"rank {self.dp.rank if self.dp else 0}: no LoRA commit of step {target} in "
-                                    f"{self.cfg.nvme[0]} (the group resumes there); restore the directories together, "
+                                    f"{self.cfg.store.nvme[0]} (the group resumes there); restore the directories together, "
                                     "or start over with --overwrite")
 
     def _load(self, path: str, state: dict[str, Any]) -> None:
@@ -403,7 +403,7 @@ class LoraEngine:
             raise StoreCorruptError(f"{path} is not a LoRA commit of this model ({len(self.lora.params)} "
                                     "adapter matrices); start over with --overwrite")
         if state["lora"] != lora_settings(self.cfg):
-            raise ValueError(f"the run in {self.cfg.nvme[0]} trains LoRA adapters with {state['lora']} and this run "
+            raise ValueError(f"the run in {self.cfg.store.nvme[0]} trains LoRA adapters with {state['lora']} and this run "
                              f"asks for {lora_settings(self.cfg)}; resume with the settings it was started with")
         with torch.no_grad():
             for p, t in zip(self.lora.params, state["adapters"]):
@@ -522,7 +522,7 @@ def sum_over_ranks(params: list[torch.nn.Parameter], dp: DataParallel, device: D
 def _refuse(cfg: EngineConfig) -> None:
     """What a LoRA run cannot do yet, refused before anything is written."""
     problems = []
-    if cfg.lora_r < 1:
+    if cfg.lora.lora_r < 1:
         problems.append("lora_r must be >= 1 for a LoRA run (--lora R)")
     if problems:
         raise ValueError("LoRA run refused:\n  - " + "\n  - ".join(problems))

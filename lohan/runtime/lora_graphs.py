@@ -72,11 +72,11 @@ class GraphKeeper:
         if shape == self.shape:
             return self.keep
         cfg = self.cfg
-        eligible = (self.device.is_host and cfg.act_policy == "plan" and cfg.act_compress == "none"
+        eligible = (self.device.is_host and cfg.activations.act_policy == "plan" and cfg.activations.act_compress == "none"
                     and len(self.program.modules) > 2 and self.holds_base())
         self.block_bytes = self._probe(idx, adapters) if eligible else 0
         n_blocks = len(self.program.modules) - 2
-        self.keep, self.why = keeps_graphs(eligible, self.block_bytes, n_blocks, cfg.micro_batches,
+        self.keep, self.why = keeps_graphs(eligible, self.block_bytes, n_blocks, cfg.execution.micro_batches,
                                            self.activations.mem_avail())
         self.shape = shape
         return self.keep
@@ -84,7 +84,7 @@ class GraphKeeper:
     def _probe(self, idx: Tensor, adapters: list[Tensor]) -> int:
         """Bytes block 1's graph saves on the first micro-batch (its output included, the next block's input;
         not its parameters nor the adapters, which are there anyway)."""
-        x0 = idx.chunk(self.cfg.micro_batches)[0]
+        x0 = idx.chunk(self.cfg.execution.micro_batches)[0]
         owned = {p.untyped_storage().data_ptr() for p in adapters}
         seen: dict[int, int] = {}
 
@@ -111,7 +111,7 @@ class GraphKeeper:
         """Blocks 0..n-2: the embedding under no_grad, each decoder block with grad on a leaf input, its graph kept
         and the block held until its backward (`GraphKeeper` docstring); returns the last block's output (the
         head's input) in ``acts``, the graphs, and the compute time."""
-        m_count = self.cfg.micro_batches
+        m_count = self.cfg.execution.micro_batches
         n = len(self.program.modules)
         acts: Acts = [[None] * m_count for _ in range(n)]
         acts[0] = list(idx.chunk(m_count))
@@ -141,7 +141,7 @@ class GraphKeeper:
     def stats(self) -> dict[str, Any]:
         """The step's activation counters, in the shape `ActivationManager.stats` gives them."""
         n_blocks = len(self.program.modules) - 2
-        kept = self.block_bytes * n_blocks * self.cfg.micro_batches
+        kept = self.block_bytes * n_blocks * self.cfg.execution.micro_batches
         return {"policy": "graphs kept (no recompute)", "swap": [], "tiers": {"keep": n_blocks, "cpu": 0, "ssd": 0},
                 "bytes": {"keep": kept}, "raw_bytes": {"keep": kept}, "compress": "none", "peak_cpu_bytes": kept}
 

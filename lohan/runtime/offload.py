@@ -74,6 +74,7 @@ import torch
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
 from io_engine.base import align_up
 from io_engine.priority import Priority
+from lohan.config import MODES
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
 from lohan.plan.pools import (  # noqa: F401  (the record geometry and pool sizes, defined in the planning layer)
@@ -603,7 +604,7 @@ class GradOffloader:
                  decays: list[list[bool]] | None = None, stash: GradStash | None = None,
                  resident: list[int] | None = None, thread_init: Callable[[], None] | None = None,
                  seed: int = 0, origins: list[int] | None = None) -> None:
-        if mode not in ("serial", "naive", "optimized"):
+        if mode not in MODES:
             raise ValueError(f"unknown offloading mode {mode!r}; choose serial, naive or optimized")
         layout = store.layout
         self.store = store

@@ -52,7 +52,7 @@ class AdamWHyper:
 
     @staticmethod
     def from_config(cfg: EngineConfig, lr: float) -> AdamWHyper:
-        return AdamWHyper(lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
+        return AdamWHyper(lr, cfg.schedule.betas[0], cfg.schedule.betas[1], cfg.schedule.eps, cfg.schedule.weight_decay)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int | None, min_lr_ratio: float,
@@ -95,7 +95,7 @@ def wsd_decay_steps(warmup_steps: int, total_steps: int, decay_ratio: float) -> 
 
 def lr_at(cfg: EngineConfig, step: int) -> float:
     """The learning rate of 0-based optimizer step `step` under `cfg`'s schedule."""
-    return cfg.lr * lr_factor(step, cfg.warmup, cfg.total_steps, cfg.floor_ratio, cfg.lr_scheduler, cfg.decay_ratio)
+    return cfg.schedule.lr * lr_factor(step, cfg.schedule.warmup, cfg.schedule.total_steps, cfg.schedule.floor_ratio, cfg.schedule.lr_scheduler, cfg.schedule.decay_ratio)
 
 
 def _kinds(owner: nn.Module, leaf: str) -> set[str]:

@@ -232,8 +232,8 @@ class DataParallel:
         """The rank's own settings: its directories (`DIR/rank<r>`) and its share of the host's memory and
         emulated disk speed (the ranks on a host share them)."""
         local = self.local_world
-        return cfg.with_overrides(nvme=self.rank_dirs(cfg.nvme), cpu_mem=cfg.cpu_mem // local,
-                                  emulate_ssd_gbps=cfg.emulate_ssd_gbps / local if cfg.emulate_ssd_gbps else None)
+        return cfg.with_overrides(nvme=self.rank_dirs(cfg.store.nvme), cpu_mem=cfg.memory.cpu_mem // local,
+                                  emulate_ssd_gbps=cfg.store.emulate_ssd_gbps / local if cfg.store.emulate_ssd_gbps else None)
 
     def device_name(self, device: str) -> str:
         """The rank's device: on CUDA its own GPU (the one `init_from_env` selected: by LOCAL_RANK, or the only

@@ -84,7 +84,7 @@ class BlockPasses:
     def forward(self, visits: list[int], read_slot: int, idx: Tensor) -> tuple[Acts, Timer]:
         """Blocks 0..n-2 under no_grad; returns what backward needs (block inputs, or nothing for blocks whose
         activations the manager holds) and the compute time (read at the end of the step)."""
-        m_count = self.cfg.micro_batches
+        m_count = self.cfg.execution.micro_batches
         n = len(self.program.modules)
         acts: Acts = [[None] * m_count for _ in range(n)]
         acts[0] = list(idx.chunk(m_count))
@@ -118,7 +118,7 @@ class BlockPasses:
             self.streamer.release_all()
 
     def _evaluate(self, slot: int, idx: Tensor, targets: Tensor) -> list[Tensor]:
-        m_count = self.cfg.micro_batches
+        m_count = self.cfg.execution.micro_batches
         xs = list(idx.chunk(m_count))
         tgt_mb = targets.chunk(m_count)
         last = len(self.program.modules) - 1
@@ -144,7 +144,7 @@ class BlockPasses:
         holds already, or engine.gpu_mem if smaller; on the CPU or the simulated device, engine.gpu_mem when
         set (an emulated GPU)."""
         shape = getattr(self.program, "planning_config", None)
-        budget = self.cfg.gpu_mem
+        budget = self.cfg.memory.gpu_mem
         if self.device.is_cuda:
             free, _ = torch.cuda.mem_get_info(self.device.torch)
             usable = free + torch.cuda.memory_reserved(self.device.torch)
@@ -153,8 +153,8 @@ class BlockPasses:
             return
         mcfg = shape()
         hw = self.activations.profile.hardware
-        self.gpu_plan = gpu_need(mcfg, batch, seq, hw, self.cfg.compute_dtype, self.cfg.micro_batches,
-                                 self.cfg.prefetch_depth, self.activations.plan.swap, self.world,
+        self.gpu_plan = gpu_need(mcfg, batch, seq, hw, self.cfg.execution.compute_dtype, self.cfg.execution.micro_batches,
+                                 self.cfg.memory.prefetch_depth, self.activations.plan.swap, self.world,
                                  measured=self.activations.profile)
         check_gpu_budget(self.gpu_plan, budget, f"{mcfg.name} at batch {batch} x seq {seq} on {self.device.type}")
 
@@ -175,7 +175,7 @@ class BlockPasses:
         compute time in `run`; returns each block's per-parameter gradient norms (block order; on the device in
         one process)."""
         visits, last = run.visits, len(self.program.modules) - 1
-        grad_out: list[Tensor | None] = [None] * self.cfg.micro_batches
+        grad_out: list[Tensor | None] = [None] * self.cfg.execution.micro_batches
         borrowed: dict[tuple[int, int, int], Tensor] = {}
         run.bwd_timer = self.device.timer()
         norms: list[list[Tensor]] = [[] for _ in range(last + 1)]
@@ -246,7 +246,7 @@ class BlockPasses:
         user's contribution added. The micro-batches' losses (last block) stay on the device until the
         step's end."""
         final: list[Tensor] = acc if acc is not None else [None] * len(params)
-        m_count = self.cfg.micro_batches
+        m_count = self.cfg.execution.micro_batches
         last = len(self.program.modules) - 1
         ext = self.program.external_params(i)
         ext_params = [self.streamer.acquire(o, run.plan.read_slot)[k] for o, k in ext]
@@ -326,11 +326,11 @@ class BlockPasses:
     def visit(self, visits: list[int], p: int, slot: int) -> list[torch.nn.Parameter]:
         """Acquire the block at visit position p and prefetch the next `prefetch_depth` visits."""
         params = self.streamer.acquire(visits[p], slot)
-        for nxt in visits[p + 1:p + 1 + self.cfg.prefetch_depth]:
+        for nxt in visits[p + 1:p + 1 + self.cfg.memory.prefetch_depth]:
             self.streamer.prefetch(nxt, slot)
         # data parallel: the next block's shards gather beside this block's compute (it was prefetched just
         # now, so its buffer exists: without prefetching, taking one could wait for this block's)
-        if self.dp and self.cfg.prefetch_depth and p + 1 < len(visits):
+        if self.dp and self.cfg.memory.prefetch_depth and p + 1 < len(visits):
             self.streamer.gather_ahead(visits[p + 1], slot)
         return params
 
@@ -339,11 +339,11 @@ class BlockPasses:
         and start the next block's copy to the device: its compute was queued just now, so the copy runs
         beside it."""
         i = visits[p]
-        if p + 1 < len(visits) and self.cfg.prefetch_depth:
+        if p + 1 < len(visits) and self.cfg.memory.prefetch_depth:
             self.streamer.stage(visits[p + 1], slot)
         if i in self.owners and p < len(visits) - 1:
             return
-        if i in visits[p + 1:p + 1 + self.cfg.prefetch_depth]:
+        if i in visits[p + 1:p + 1 + self.cfg.memory.prefetch_depth]:
             return
         self.streamer.release(i)
 

@@ -91,7 +91,7 @@ class StepPlan:
         # clip at `known` (its gate open at that coefficient from the start). fp16 (an overflow skips often) waits
         # for the norm (deferred), as where nothing can be replayed.
         hold = not durable or ram_read
-        strict = hold and not (replayable and one_process and cfg.compute_dtype != "fp16")
+        strict = hold and not (replayable and one_process and cfg.execution.compute_dtype != "fp16")
         if skip or known is not None:
             gate = ClipGate.discarded() if skip else ClipGate.known(known)
         else:
@@ -102,10 +102,10 @@ class StepPlan:
         return StepPlan(
             step=commit.step, update=commit.applied + 1, hyper=AdamWHyper.from_config(cfg, lr_at(cfg, commit.step)),
             read_slot=read_slot, write_slot=write_slot, gate=gate, deferred=deferred,
-            speculated=not deferred and cfg.max_grad_norm > 0 and not replayed, follow=follow,
+            speculated=not deferred and cfg.stability.max_grad_norm > 0 and not replayed, follow=follow,
             # (write-behind stages a commit whose last writes are still in flight: with two slots the previous
             # commit stands meanwhile; in place there is none)
-            lazy=follow and cfg.write_behind and one_process and cfg.slots == 2 and not hold,
+            lazy=follow and cfg.execution.write_behind and one_process and cfg.store.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
             durable=durable, next_idx=next_idx, in_place=hold and not deferred and not replayed, skip=skip,
             known=known, tail_follows=not durable and not deferred and not replayed and next_idx is not None)
@@ -117,9 +117,9 @@ def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bo
     schedule's choice (`clip_schedule.ClipSchedule`: `clip_mode`, and for `auto` the running norm and what each
     way costs); clipping off, not speculating means updating after backward beside the next forward, so only
     where one `follow`s."""
-    if cfg.slots == 1 or hold:  # (`hold`: states in RAM only, see StepPlan.make)
+    if cfg.store.slots == 1 or hold:  # (`hold`: states in RAM only, see StepPlan.make)
         return ClipGate(None)
-    if speculate or (cfg.max_grad_norm <= 0 and not follow):
+    if speculate or (cfg.stability.max_grad_norm <= 0 and not follow):
         return ClipGate(1.0)
     return ClipGate(None)
 
@@ -130,12 +130,12 @@ class LossScale:
     buffers, then unscales them on the host)."""
 
     def __init__(self, cfg: EngineConfig, commit: Commit, put: Any) -> None:
-        scale = torch.tensor(commit.loss_scale or cfg.loss_scale, dtype=torch.float32)
+        scale = torch.tensor(commit.loss_scale or cfg.stability.loss_scale, dtype=torch.float32)
         self.scale = put(scale)
         self.tracker = put(torch.tensor(commit.growth_tracker, dtype=torch.int32))
         self.inv_scale = put(scale.double().reciprocal().float())  # as GradScaler.unscale_ computes it
         self.found_inf = put(torch.zeros(1))
-        self.growth_interval = cfg.loss_scale_growth_interval
+        self.growth_interval = cfg.stability.loss_scale_growth_interval
 
     def unscale_(self, grads: list[Tensor]) -> None:
         """GradScaler.unscale_: the same op, so the same bits and the same inf check."""
@@ -170,8 +170,8 @@ def settle(cfg: EngineConfig, device: Device, loss: float, norms: list[list[Tens
     # on the device, where the norms are (one synchronization a step: the host needs the norm)
     total = torch.linalg.vector_norm(torch.stack(flat), 2.0)
     coef_t = torch.tensor(1.0)
-    if cfg.max_grad_norm > 0:
-        coef_t = torch.clamp(cfg.max_grad_norm / (total + 1e-6), max=1.0)
+    if cfg.stability.max_grad_norm > 0:
+        coef_t = torch.clamp(cfg.stability.max_grad_norm / (total + 1e-6), max=1.0)
     total, coef_t = (device.fetch(t) for t in (total, coef_t))  # the CPU optimizer takes a host tensor
     norm = float(total)
     scale = float(device.fetch(scaler.scale)) if scaler is not None else None
@@ -182,7 +182,7 @@ def settle(cfg: EngineConfig, device: Device, loss: float, norms: list[list[Tens
     if plan.gate.deferred:
         plan.gate.open(coef_t)
     return Settlement(False, False, plan.speculated and coef != 1.0, norm,
-                      coef if cfg.max_grad_norm > 0 else None, coef, coef_t, scale)
+                      coef if cfg.stability.max_grad_norm > 0 else None, coef, coef_t, scale)
 
 
 def skip_outcome(run: StepRun, loss: float, scaler: dict[str, Any],

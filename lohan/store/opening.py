@@ -117,14 +117,14 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
     """Open the store in `dirs` (resume), continue its interrupted initialization (resume), or create it
     (nothing there, or overwrite). Anything else is refused: a store is never discarded silently. `chunk_elems`:
     the optimizer's unit, in which the records' checksums are taken."""
-    status = status_for(dirs, cfg.name, overwrite)
+    status = status_for(dirs, cfg.store.name, overwrite)
     if status.state != "none" and not resume and not overwrite:  # (check_request, for a caller that did not ask)
         raise StoreExistsError(dirs[0], status)
     if status.state in ("complete", "partial") and resume and status.model != model_meta:
         raise ValueError(f"the store in {dirs[0]} holds another model ({status.model}); cannot resume it with "
                          f"{model_meta}")
     if status.state == "complete" and resume:
-        store = StateStore.open(dirs, cfg.backend, cfg.stripe_bytes, cfg.name, emulate_ssd_gbps=cfg.emulate_ssd_gbps)
+        store = StateStore.open(dirs, cfg.store.backend, cfg.store.stripe_bytes, cfg.store.name, emulate_ssd_gbps=cfg.store.emulate_ssd_gbps)
         problem = None
         if "frozen" in (store.layout.state_format, layout.state_format) and \
                 store.layout.state_format != layout.state_format:
@@ -158,16 +158,16 @@ def open_or_create(dirs: list[str], cfg: EngineConfig, layout: StoreLayout, mode
             raise ValueError(f"the store in {dirs[0]} {problem}; resume with the settings it was created with")
         return store
     if status.state == "partial" and resume:
-        return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
-                                 stripe_bytes=cfg.stripe_bytes, name=cfg.name, progress=progress,
-                                 emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems,
-                                 checksums=cfg.checksums)
+        return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.store.backend,
+                                 stripe_bytes=cfg.store.stripe_bytes, name=cfg.store.name, progress=progress,
+                                 emulate_ssd_gbps=cfg.store.emulate_ssd_gbps, chunk_elems=chunk_elems,
+                                 checksums=cfg.store.checksums)
     replaces = (status.volume_id, *status.replaces) if status.volume_id else ()
     if status.state != "none":  # overwrite, or the slab files of a creation that stopped before its first block
-        remove_store(dirs, cfg.name)
-    return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.backend,
-                             stripe_bytes=cfg.stripe_bytes, name=cfg.name, progress=progress,
-                             emulate_ssd_gbps=cfg.emulate_ssd_gbps, chunk_elems=chunk_elems, checksums=cfg.checksums,
+        remove_store(dirs, cfg.store.name)
+    return StateStore.create(dirs, layout, model_meta, init_block, staging_budget=64 << 20, backend=cfg.store.backend,
+                             stripe_bytes=cfg.store.stripe_bytes, name=cfg.store.name, progress=progress,
+                             emulate_ssd_gbps=cfg.store.emulate_ssd_gbps, chunk_elems=chunk_elems, checksums=cfg.store.checksums,
                              replaces=replaces)
 
 
