@@ -11,6 +11,11 @@ Usage::
     .venv/bin/python scripts/make_tiny_hf.py runs/tiny-qwen2 --family qwen2 --layers 6
     .venv/bin/python scripts/make_tiny_hf.py runs/llama-110m --size 110m      # ~110M params (benchmarks/soak.py)
     .venv/bin/python scripts/make_tiny_hf.py runs/llama-350m --size 350m      # ~341M params (benchmarks/vs_deepspeed.py)
+    .venv/bin/python scripts/make_tiny_hf.py runs/llama-3b --size 3b --streamed  # ~3.0B params, 6 GB in bf16
+
+``--streamed`` writes the weights tensor by tensor into 1 GiB safetensors shards (random normal with the config's
+``initializer_range``, norms 1, biases 0) from a model built on the meta device, so a model bigger than main memory
+can be made (benchmarks/results/lora_beyond_ram.md); without it the model is built in memory by ``from_config``.
 
 ``--size`` picks a named shape (`SIZES`); explicit flags override its fields.
 """
@@ -34,7 +39,11 @@ SIZES: dict[str, dict[str, int | bool]] = {
                  tie=True),
     "350m": dict(layers=24, hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, model_vocab=32000,
                  tie=True),
+    # a Llama-3.2-3B-like layout (GQA 24/8, untied): ~3.0B parameters, 6 GB of bf16 (with --streamed)
+    "3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, intermediate=8192, vocab=32000, model_vocab=32000,
+               tie=False),
 }
+SHARD_BYTES = 1 << 30  # --streamed: a safetensors shard is closed once it holds this much
 
 
 def train_tokenizer(corpus: Path, vocab_size: int):
@@ -101,12 +110,14 @@ def model_config(family: str, vocab: int, hidden: int, layers: int, heads: int, 
 def make(out: str | Path, family: str = "llama", layers: int = 4, hidden: int = 128, heads: int = 4,
          positions: int = 512, vocab: int = 1024, seed: int = 0, corpus: Path = REPO / "data" / "corpus.txt",
          intermediate: int | None = None, kv_heads: int | None = None, tie: bool | None = None,
-         model_vocab: int | None = None) -> Path:
+         model_vocab: int | None = None, streamed: bool = False, dtype=None) -> Path:
     """Write the model and tokenizer to `out`. `vocab` is the BPE target (the corpus may yield fewer
-    tokens); `model_vocab` pads the model's vocabulary beyond the tokenizer's (default: the tokenizer's)."""
+    tokens); `model_vocab` pads the model's vocabulary beyond the tokenizer's (default: the tokenizer's);
+    `streamed`: tensor by tensor into shards (`write_streamed`); `dtype`: the weights' (default fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty; choose a new directory")
@@ -116,10 +127,62 @@ def make(out: str | Path, family: str = "llama", layers: int = 4, hidden: int = 
     torch.manual_seed(seed)
     cfg = model_config(family, model_vocab or len(tokenizer), hidden, layers, heads, positions, intermediate,
                        kv_heads, tie)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(out)
+    if streamed:
+        write_streamed(out, cfg, seed, dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def write_streamed(out: Path, cfg, seed: int, dtype) -> None:
+    """The model of `cfg` written tensor by tensor into shards of `SHARD_BYTES` with an index, as sharded checkpoints
+    are: at most one shard in memory, whatever the model's size."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    std = getattr(cfg, "initializer_range", 0.02)
+    out.mkdir(parents=True, exist_ok=True)
+    shard: dict = {}
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, p in model.named_parameters():  # (a tied weight is listed once)
+        if "norm" in name and name.endswith("weight"):
+            t = torch.ones(p.shape, dtype=dtype)
+        elif name.endswith("bias"):
+            t = torch.zeros(p.shape, dtype=dtype)
+        else:
+            t = (torch.randn(p.shape, generator=gen) * std).to(dtype)
+        shard[name] = t
+        total += t.numel() * t.element_size()
+        if sum(x.numel() * x.element_size() for x in shard.values()) >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    cfg.torch_dtype = dtype
+    cfg.save_pretrained(out)
+
+
+def _dtypes() -> dict:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-vocab", type=int, default=None,
                    help="the model's vocabulary, padded beyond the tokenizer's (default: the tokenizer's size)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streamed", action="store_true",
+                   help="write the weights tensor by tensor into 1 GiB shards (a model bigger than main memory)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' dtype")
     if argv is None:
         argv = sys.argv[1:]
     size = p.parse_known_args(argv)[0].size
@@ -146,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(**SIZES[size])
     args = p.parse_args(argv)
     out = make(args.out, args.family, args.layers, args.hidden, args.heads, args.positions, args.vocab, args.seed,
-               intermediate=args.intermediate, kv_heads=args.kv_heads, tie=args.tie, model_vocab=args.model_vocab)
+               intermediate=args.intermediate, kv_heads=args.kv_heads, tie=args.tie, model_vocab=args.model_vocab,
+               streamed=args.streamed, dtype=_dtypes()[args.dtype])
     print(f"wrote a {args.family} model ({args.layers} layers, hidden {args.hidden}) and its tokenizer to {out}")
     return 0
 
