@@ -348,11 +348,14 @@ def test_an_engine_with_compute_modeled_steps_finite_and_updates_every_step(make
     ecfg = eq.engine_config(make_dirs(1), mode="optimized", device="sim",
                             sim_gpu="tflops=0.02,h2d=2,d2h=2,compute=modeled")
     data = list(eq.batches(3, 4, 32, 256))
-    losses, skipped = [], []
+    losses, skipped, meta_calls = [], [], []
     with lohan.init(mcfg, ecfg) as engine:
         for b in data:
             losses.append(engine.step(b))
             skipped.append(engine.last_stats.skipped)
+            meta_calls.append(engine.device.sim.modeled.meta_calls)
         busy = engine.device.lane_busy()
     assert not any(skipped) and all(torch.isfinite(torch.tensor(x)) for x in losses), (losses, skipped)
+    # the result shapes come from the meta kernels once per op signature, then from the cache
+    assert meta_calls[0] > 0 and meta_calls[2] == meta_calls[1], meta_calls
     assert busy["gpu"] > 0 and busy["m2g"] > 0 and busy["g2m"] > 0, busy

@@ -67,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_a
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
+from lohan.runtime.sim_modeled import REAL, ModeledCompute
 from lohan.runtime.simgpu import SimGpu
 
 SIM_DEVICE = torch.device("cpu", 1)  # what a SimTensor reports: `x.device` differs from the host's `cpu`
@@ -347,38 +348,6 @@ _EXTRA_FLOPS: dict[Any, Callable[..., float]] = {
 }
 
 
-_REAL = object()  # _modeled_result: this op must run for real
-
-
-def _to_meta(t: Tensor) -> Tensor:
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-
-
-def _zeros_from_meta(t: Tensor) -> Tensor:
-    return torch.zeros(t.size(), dtype=t.dtype) if t.is_contiguous() else \
-        torch.empty_strided(t.size(), t.stride(), dtype=t.dtype).zero_()
-
-
-def _modeled_result(func: Any, args: tuple, kwargs: dict) -> Any:
-    """An op's result without its arithmetic (compute=modeled): what it writes in place is left as it was, a new
-    result is zeros of the shape, strides and dtype its meta kernel gives; `_REAL` where there is no meta kernel
-    (the op then runs for real)."""
-    writes = _schema_writes(func)
-    if writes:
-        outs = [args[k] if k < len(args) else kwargs.get(func._schema.arguments[k].name) for k in writes]
-        returns = len(func._schema.returns)
-        if returns == 0:
-            return None
-        if returns == len(outs) and all(isinstance(t, Tensor) for t in outs):
-            return outs[0] if returns == 1 else tuple(outs)
-        return _REAL
-    try:
-        meta = func(*_map(Tensor, _to_meta, args), **_map(Tensor, _to_meta, kwargs))
-    except (NotImplementedError, RuntimeError):
-        return _REAL
-    return _map(Tensor, _zeros_from_meta, meta)
-
-
 def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _leaves(tree, []) if isinstance(t, Tensor))
 
@@ -403,7 +372,7 @@ class SimDevice:
         self._gpu_busy = 0.0
         # compute=modeled (SimGpu.arithmetic False): ops yield zeros of their shape, copies move no bytes
         self.modeled_only = timing is not None and not timing.arithmetic
-        self._zeros: dict[torch.dtype, Tensor] = {}
+        self.modeled = ModeledCompute() if self.modeled_only else None
         _HOST.install()
 
     # -- time
@@ -477,13 +446,9 @@ class SimDevice:
         return self.wrap(inner)
 
     def _zeros_of(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
-        """A view of `shape` into one shared zero buffer per dtype (compute=modeled: no op writes device memory, so
-        every buffer the device would have filled may be the same zeros, at no memset or allocation)."""
-        n = max(1, int(torch.Size(shape).numel()))
-        buf = self._zeros.get(dtype)
-        if buf is None or buf.numel() < n:
-            buf = self._zeros[dtype] = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel())), dtype=dtype)
-        return buf[:n].view(shape) if len(shape) else buf[0]
+        """compute=modeled: a view of the shared zeros (no op writes device memory, so every buffer the device would
+        have filled may be the same zeros, at no memset or allocation; `sim_modeled`)."""
+        return self.modeled.zeros(shape, dtype)
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         leaves = _leaves((args, kwargs), [])
@@ -498,10 +463,10 @@ class SimDevice:
             self.syncs += 1
         inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
         t0 = time.monotonic()
-        out = _REAL
+        out = REAL
         if self.modeled_only and func not in _SYNCS and not _is_view(func):
-            out = _modeled_result(func, inner_args, inner_kwargs)
-        if out is _REAL:
+            out = self.modeled.result(func, inner_args, inner_kwargs, _schema_writes(func))
+        if out is REAL:
             out = func(*inner_args, **inner_kwargs)
         self._charge(t0, time.monotonic(), self._op_seconds(func, inner_args, inner_kwargs, out))
         self._pay(0.0 if func in _SYNCS else RUN_AHEAD)
@@ -566,8 +531,8 @@ class SimDevice:
                 self.syncs += 1
                 return func(src._inner, *args[1:], **kwargs)
             if self.modeled_only:  # a cast on the device: its result's shape, no arithmetic
-                out = _modeled_result(func, (src._inner, *args[1:]), _to_host_kwargs(kwargs))
-                if out is not _REAL:
+                out = self.modeled.result(func, (src._inner, *args[1:]), _to_host_kwargs(kwargs), [])
+                if out is not REAL:
                     return self.wrap(out)
             return self.wrap(func(src._inner, *args[1:], **_to_host_kwargs(kwargs)))
         inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
