@@ -82,6 +82,8 @@ def test_once_backward_ends_the_blocks_left_update_in_forward_order_and_the_next
     ecfg = config(make_dirs(1), persist_every=3, max_grad_norm=0.0, clip_mode="speculate")
     metrics = check(tiny_cfg(), ecfg, lookahead=True)
     assert metrics[0]["next_forward_overlapped"] and not metrics[0]["durable"]
+    # that forward's waits for the pass are the optimizer's (provision_wait), not waits for P16 being read
+    assert metrics[0]["lanes"]["provision_wait"] > 0.02 > metrics[0]["lanes"]["param_wait"], metrics[0]["lanes"]
     # step 1's updates: backward order while gradients come, then forward order for the rest
     n = len({e[1] for e in events if e[0] == "update"})
     first = [e[1] for e in events if e[0] == "update" and e[2] == 0][:n]

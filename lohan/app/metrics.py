@@ -147,7 +147,7 @@ class StepMetrics:
     """Peak GPU memory allocated, GiB; None when running on the CPU."""
     lanes: dict[str, float] = field(default_factory=dict)
     """Seconds per lane: the cost model's (``gpu``, ``m2g``, ``g2m``, ``ssd``, ``cpu``: `runtime.step.measure`), their
-    parts (``ssd_read``, ``ssd_write``, ``adam``, ``checksum``) and the waits (``param_wait``, ``optimizer_tail``)."""
+    parts (``ssd_read``, ``ssd_write``, ``adam``, ``checksum``) and the waits (``param_wait``, ``provision_wait``, ``optimizer_tail``)."""
     grad_norm: float | None = None
     """Global L2 norm of the step's gradients (before clipping)."""
     clip_coef: float | None = None

@@ -161,9 +161,10 @@ LANE_DOC = {
     "fill": "pipeline head and tail: one block's worth of every lane but the slowest",
 }
 """One line per term of the cost model, printed under the plan (see the module docstring)."""
-WAIT_LANES = ("param_wait", "optimizer_tail", "gather", "reduce_wait")
+WAIT_LANES = ("param_wait", "provision_wait", "optimizer_tail", "gather", "reduce_wait")
 """What a step's measured lanes (`runtime.step.StepStats.lanes`) record beside :data:`LANES_B`: time the compute
-thread waited (for streamed P16, for the optimizer pass after backward, for the other ranks), not work."""
+thread waited (for streamed P16 being read or copied in, for the optimizer's update of a block the next forward
+follows, for the optimizer pass after backward, for the other ranks), not work."""
 LEGACY_LANES = {"compute": "gpu", "cpu_adam": "cpu"}
 """Measured lane names of lohan before the engine reported the cost model's: ``compute`` is ``gpu``, ``cpu_adam``
 (AdamW alone) ``cpu``; they had no ``ssd`` (:func:`upgrade_lanes`)."""

@@ -87,7 +87,8 @@ class ParamStreamer:
         self._handover: _Handover | None = None  # the running in-backward pass's blocks being filled
         self.handed_over = 0  # blocks kept from an update for the next forward
         self.max_resident = 0
-        self.wait_s = 0.0
+        self.wait_s = 0.0  # seconds acquire waited for P16 being read or copied in
+        self.provision_wait_s = 0.0  # seconds acquire waited for a block the optimizer provides (`expect`)
         self.hasher = Hasher("lohan-p16-verify")  # P16 checksums, off the compute thread (`hash_s`)
         self.bytes_read = 0
         self.kept_hits = 0
@@ -410,7 +411,8 @@ class ParamStreamer:
             err = self._failure()
             if err is not None:
                 raise RuntimeError(f"the optimizer failed before providing block {i}'s parameters") from err
-        self.wait_s += time.perf_counter() - t0
+        # a wait for the optimizer's update of the block (the forward follows the pass), not for a read
+        self.provision_wait_s += time.perf_counter() - t0
         with self._lock:
             del self._blocks[i]
         return prov

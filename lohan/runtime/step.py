@@ -280,6 +280,7 @@ class Counters:
 
     io: dict
     param_wait_s: float
+    provision_wait_s: float
     param_hash_s: float
     gather_s: float
     reduced_bytes: int
@@ -289,7 +290,7 @@ class Counters:
     @staticmethod
     def read(engine: Engine) -> Counters:
         s, dp = engine.streamer, engine.dp
-        return Counters(engine.store.volume.stats(), s.wait_s, s.hash_s, s.gather_s,
+        return Counters(engine.store.volume.stats(), s.wait_s, s.provision_wait_s, s.hash_s, s.gather_s,
                         dp.reduced_bytes if dp else 0, dp.gathered_bytes if dp else 0, device_lanes(engine.device))
 
 
@@ -440,6 +441,8 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
              # the parts and the waits
              "ssd_read": read_s, "ssd_write": write_s, "adam": ago.adam_s,
              "param_wait": streamer.wait_s - c0.param_wait_s, "optimizer_tail": run.tail_s,
+             # the forward following a pass (deferred, redone, or a held step's tail) waiting for its updates
+             "provision_wait": streamer.provision_wait_s - c0.provision_wait_s,
              # checksums: hashing on the optimizer thread (reads and writes) and of streamed P16
              "checksum": ago.hash_s + streamer.hash_s - c0.param_hash_s}
     if dp:  # waits on the other ranks: P16 all-gathers, and gradient sums not done when needed
