@@ -195,5 +195,8 @@ void adamw_piece(torch::Tensor master, torch::Tensor m, c10::optional<torch::Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("adamw_piece", &adamw_piece, "AdamW on one piece of compressed states (lohan/runtime/format_kernel.py)");
+  // the GIL released while it runs (it touches no Python object): held, it stalled the compute thread's kernel
+  // launches and the I/O threads for the whole update of a piece
+  mod.def("adamw_piece", &adamw_piece, "AdamW on one piece of compressed states (lohan/runtime/format_kernel.py)",
+          py::call_guard<py::gil_scoped_release>());
 }
