@@ -111,6 +111,24 @@ def test_cpu_lane_can_bind_backward_and_unknown_rate_is_not_priced() -> None:
     assert "bottleneck (b)" in slow.format_lanes() and "CPU AdamW" in slow.format_lanes()
 
 
+def test_a_held_step_hides_the_next_forward_under_the_cpu_lane() -> None:
+    """With a durability interval, a step held in RAM takes max(T_f + T_b0, T_b): its forward (the next step's,
+    following the optimizer's tail) hides under the cpu lane; T_iter is the interval's mean. Without the next batch
+    (`follow` False) or without an interval, T_f + T_b as before."""
+    kw = dict(n_blocks=4, param_count=100, flop_f=10.0, thp_g=1.0, bw_g=1e9, bw_s2m=1e9, bw_m2s=1e9)
+    base = make_profile([("x", 1.0, 1)], cpu_adam=1.0, **kw)
+    every = estimate(base, [])
+    held = estimate(dataclasses.replace(base, persist_every=4), [])
+    alone = estimate(dataclasses.replace(base, persist_every=4, follow=False), [])
+    assert every.t_iter == every.t_f + every.t_b and alone.t_iter == alone.t_f + alone.t_b
+    b0 = {k: v for k, v in held.lanes_b.items() if k != "cpu"}
+    phase_b0 = max(b0.values()) + (sum(b0.values()) - max(b0.values())) / 4
+    one = max(held.t_f + phase_b0, held.t_b)
+    assert held.t_b > held.t_f + phase_b0  # (the cpu lane binds: the forward hides)
+    assert held.t_iter == pytest.approx((3 * one + held.t_f + held.t_b) / 4)
+    assert held.t_iter < held.t_f + held.t_b
+
+
 def test_reprice_keeps_the_plan_and_prices_it_on_the_refined_profile() -> None:
     """`reprice`: the chosen point (swap set, tiers) priced again: the same estimate on the same profile; with the
     CPU rate a run measured, the CPU lane the plan's hardware could not price."""

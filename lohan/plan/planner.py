@@ -60,6 +60,11 @@ done). That ``fill`` is the non-overlapped head and tail; the paper's equations 
     T_b = max(gpu, g2m, m2g, ssd, cpu)_b + fill_b
     T_iter = T_f + T_b
 
+With a durability interval (``persist_every`` N > 1, the next batch known), a step held in RAM updates the blocks
+its backward has not reached in forward order once backward ends, the next forward following them, so that forward
+hides under the cpu lane: such a step takes ``max(T_f + T_b0, T_b)`` (``T_b0``: backward without the optimizer),
+and ``T_iter`` is the interval's mean, one durable step in N (`_held_iter`).
+
 ``t_serial`` is the same step with the optimizer after backward instead of under it (ZeRO-Infinity's
 schedule, the engine's ``offload=serial``): backward without the optimizer's lanes, then a phase of
 ``cpu`` and the optimizer's SSD traffic; its forward reads every P16 (nothing is handed over). ``t_serial / t_iter`` is the gain of active gradient offloading.
@@ -564,14 +569,27 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
     t_serial = sum(_pipeline(serial_f, n)) + _phase(serial_b, n) + _phase(serial_opt, n)
     lanes_serial = {k: serial_f.get(k, 0.0) + serial_b.get(k, 0.0) + serial_opt.get(k, 0.0) for k in LANES_B}
-    t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_f + t_b)
+    t_iter = _held_iter(profile, t_f, t_b, _phase(serial_b, n))
+    t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_iter)
     traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + grads),
                "ssd_read": float(2 * p16_read + opt_read + alpha), "ssd_write": float(states + alpha),
                "adam_params": float(profile.param_count)}
-    return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_f + t_b, lanes_f, lanes_b,
+    return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_iter, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
                     fill_f, fill_b, t_serial, traffic, t_deferred, t_redo,
                     int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant, lanes_serial)
+
+
+def _held_iter(profile: Profile, t_f: float, t_b: float, t_b0: float) -> float:
+    """``T_iter`` on average over a durability interval: a durable step ``T_f + T_b``; a step between durable ones
+    (held in RAM, the next batch known) updates in backward order while gradients come and the rest in forward order
+    with the next forward following (`runtime.step.StepPlan.tail_follows`), so that forward hides under the cpu
+    lane's tail: ``max(T_f + T_b0, T_b)``, ``T_b0`` being backward without the optimizer."""
+    every = max(1, profile.persist_every)
+    if every == 1 or not profile.follow:
+        return t_f + t_b
+    held = max(t_f + t_b0, t_b)
+    return ((every - 1) * held + t_f + t_b) / every
 
 
 def reprice(est: Estimate, profile: Profile) -> Estimate:
