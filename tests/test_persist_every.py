@@ -292,6 +292,23 @@ def test_auto_with_every_record_resident_follows_the_measured_writes(make_dirs, 
         torch.manual_seed(0)
 
 
+def test_the_engines_plan_is_priced_at_the_interval_in_force(make_dirs):
+    """The activation plan is made at the first step, before `auto` knows its interval: the engine prices it again at
+    the interval in force once it does (a step's share of the writes, the held steps' T_iter), as the schedule reads
+    it; the swap set stays."""
+    from lohan.plan.planner import estimate
+
+    ecfg = config(make_dirs(1), persist_every=3, max_grad_norm=0.0)
+    with lohan.init(tiny_cfg(), ecfg) as engine:
+        data = list(batches(3))
+        for k, batch in enumerate(data):
+            engine.step(batch, next_batch=data[k + 1] if k + 1 < len(data) else None)
+        act = engine.activations
+        assert act.profile.persist_every == 3
+        again = estimate(act.profile, act.plan.swap)
+        assert act.plan.estimate.t_iter == again.t_iter and again.traffic == act.plan.estimate.traffic
+
+
 def test_the_cost_model_and_the_dry_run_price_the_interval(tmp_path, capsys):
     """`planner.capacity(persist_every=)`: with every record resident, a step's record writes are 1/N of a persist's
     (the ssd lane shrinks), `auto` takes the least N that keeps them under a tenth of the step, streamed records keep

@@ -182,6 +182,15 @@ class ActivationManager:
         self.profile = dataclasses.replace(self.profile, hardware=hw)
         self.plan = dataclasses.replace(self.plan, estimate=reprice(self.plan.estimate, self.profile))
 
+    def refine_persist(self, every: int) -> None:
+        """Price the plan at the durability interval in force (`Engine.persist_every`, which ``auto`` sets from the
+        steps it measures): a step's share of the record writes, and the steps held in RAM whose next forward
+        follows the optimizer's tail (`planner._held_iter`), which the schedule's choice reads. The swap set stays."""
+        if self.plan is None or self.profile is None or self.profile.persist_every == every:
+            return
+        self.profile = dataclasses.replace(self.profile, persist_every=every)
+        self.plan = dataclasses.replace(self.plan, estimate=reprice(self.plan.estimate, self.profile))
+
     def _quant_rate(self, hw: Hardware, x: Tensor) -> Hardware:
         """`hw` with the device's int8 quantization rate (measured once, in the activations' dtype) when records are
         compressed and it lacks one (a profile saved by a run without compression)."""

@@ -425,6 +425,7 @@ class Engine:
                 self.clip_schedule.observe(self.last_stats)
                 self._refine_cpu_rate(self.last_stats)
                 self._observe_persist(self.last_stats)
+                self.activations.refine_persist(self.persist_every)
         except _InPlaceLost as lost:
             replay = (self._held.take(), lost.coef, held_signals)
             self._abort(run)
