@@ -61,7 +61,7 @@ from lohan.runtime.parallel import (
     shard_decays,
     shard_layout,
 )
-from lohan.runtime.params import ParamStreamer
+from lohan.runtime.params import ParamStreamer, record_params
 from lohan.runtime.passes import BlockPasses, visit_order
 from lohan.runtime.step import (
     Counters,
@@ -253,6 +253,12 @@ class Engine:
         self._held: HeldSteps = HeldSteps()
         self._replayed: Outcome = None
         self.streamer.ram_p16 = self._ram_p16
+        if self.device.is_host and self.dp is None:  # the parameters of resident blocks: views of their records
+            views = record_params(self.layout, self.offloader.resident_records, self.store.p16_dtype)
+            self.streamer.use_records(views, self._record_current)
+            if any(v is not None for v in views) and not self.store.in_ram(self.store.slot):
+                # from the first step on: otherwise its forward reads every P16 into the params pool once more
+                self.offloader.load_resident(self.store.slot, self.store.commit_state.applied)
 
     # ------------------------------------------------------------ durability
     @property
@@ -275,6 +281,12 @@ class Engine:
         b = self.store.layout.blocks[block]
         return [(lo, unit_views(rb.buf.tensor, b, lo, hi, self.store.p16_dtype).p16) for rb in rbs
                 for _, lo, hi in [rb.unit]]
+
+    def _record_current(self, block: int, slot: int) -> bool:
+        """Whether block `block`'s resident record holds the P16 of `slot` as the current commit applied it."""
+        res, applied = self.offloader.resident_records, self.store.commit_state.applied
+        rbs = res.of_block(block)
+        return bool(rbs) and all(res.holds(rb.unit, slot, applied) for rb in rbs)
 
     def _observe_persist(self, stats: StepStats) -> None:
         """auto, after every step: the least interval that keeps the persist writes under ~10% of the run's time.

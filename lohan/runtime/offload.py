@@ -72,7 +72,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
-from io_engine.base import align_up
+from io_engine.base import align_up, wait_all_handles
 from io_engine.priority import Priority
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
@@ -763,6 +763,23 @@ class GradOffloader:
             res.written(u, slot, update)
         crashpoint("offload.persisted")
         return sums
+
+    def load_resident(self, slot: int, update: int) -> None:
+        """Read every resident record (P32, m, v and P16) of `slot` into its buffer, between steps, checked against
+        the commit's checksums; the buffers then hold update `update` of that slot (the first step reads none of
+        them again, and on the host device computes on them: `ParamStreamer.use_records`)."""
+        if self._thread is not None:
+            raise RuntimeError("load_resident() while a step's pipeline is running")
+        layout, res, vol = self.store.layout, self.resident_records, self.store.volume
+        units = sorted(res.bufs)
+        wait_all_handles([vol.read_into(res.bufs[u].buf.tensor[a:a + n], off, priority=Priority.READ)
+                          for u in units for a, off, n in unit_sections(layout, u, slot, with_p16=True)])
+        for i, lo, hi in units:
+            if self.store.checksums:
+                views = unit_views(res.bufs[i, lo, hi].buf.tensor, layout.blocks[i], lo, hi, self.store.p16_dtype)
+                for what, got in zip(("state", "p16"), unit_sums(views), strict=True):
+                    self.store.check_unit(i, lo, what, got, slot=slot)
+            res.written((i, lo, hi), slot, update)
 
     def drain_tail(self) -> None:
         """Wait for the last lazy pass's tail (between steps, on the caller's thread); raises if one of its
