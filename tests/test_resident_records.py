@@ -29,6 +29,13 @@ def config(dirs, **kw):
     return _config(dirs, **{"readahead_mem": 0, **kw})
 
 
+@pytest.fixture
+def streamed(monkeypatch):
+    """The simulated device: a separate device's view of the records, read by the optimizer's pass as it needs them.
+    (The CPU computes on them in place, and so loads them between steps: `test_the_host_device_computes_on_...`.)"""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+
+
 def _layout(sizes: list[int]) -> StoreLayout:
     blocks, off = [], 0
     for i, n in enumerate(sizes):
@@ -113,7 +120,7 @@ def _run(mcfg, ecfg, data, lookahead=True):
 
 @pytest.mark.parametrize("mode,clip_mode", [("optimized", "defer"), ("optimized", "speculate"),
                                             ("optimized", "auto"), ("serial", "auto"), ("naive", "auto")])
-def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, clip_mode):
+def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, streamed, mode, clip_mode):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)  # an embedding 5x a layer: it and a few layers stay, the rest stream
     data = list(batches(STEPS))
     ecfg = config(make_dirs(2), mode=mode, clip_mode=clip_mode, resident_mem="3MiB")  # room for ~4 layers
@@ -123,8 +130,7 @@ def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, cl
     same_weights(params, ref_params)
     assert resident[:4] == [0, 1, 2, 3] and len(resident) < 14  # the lowest blocks first, some streamed
     hits = [m["resident_record_hits"] for m in metrics]
-    # loaded when the engine opens (the CPU computes on them: no P16 copy), so the first step reads none either
-    assert hits[0] == max(hits) == len(resident)
+    assert hits[0] == 0 and max(hits) == len(resident)  # nothing in memory before the first step
     # a redone step reads its resident records again (the speculative pass changed them): fewer hits there
     redone = [m["redone"] for m in metrics]
     assert all(h == len(resident) for h, r in zip(hits[1:], redone[1:]) if not r)
@@ -135,7 +141,7 @@ def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, cl
     assert saved > 0
 
 
-def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_records(make_dirs):
+def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_records(make_dirs, streamed):
     """Speculation updates the records in place during backward; a non-finite step then discards them, and a
     whole-model pool keeps every block resident: the next step must read them all back from the SSDs."""
     mcfg = tiny_cfg()
@@ -150,7 +156,7 @@ def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_re
     assert all(hits[k] <= n for k in (3, 4, 6)) and sum(hits[k] for k in (3, 4, 6)) < 3 * n, hits
 
 
-def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs):
+def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs, streamed):
     """The pool holds the model, so every record is resident: when the tail of a step fails and the step is
     dropped, and when a later step fails in its backward, what follows reads the committed slot's bytes."""
     mcfg, ecfg = tiny_cfg(), config(make_dirs(1), clip_mode="defer", max_inflight_blocks=8, persist_every=1)
@@ -185,7 +191,7 @@ def test_config_refuses_a_non_boolean_resident_records():
         config(["d"], resident_records="yes")
 
 
-def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
+def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs, streamed):
     """resident_mem widens the record pool, never beyond all records; with room for all, the model's states
     are read once and then only written, with the same bits."""
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
@@ -210,7 +216,7 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
 
 
 @pytest.mark.parametrize("clip", [1.5, 0.0])
-def test_resident_mem_all_keeps_records_updated_in_chunks_and_stays_exact(make_dirs, clip):
+def test_resident_mem_all_keeps_records_updated_in_chunks_and_stays_exact(make_dirs, streamed, clip):
     """Blocks bigger than a chunk stay too (one buffer per chunk): `all` keeps every record, the pool holds them
     all and no more, nothing is read after the first step, and the bits are plain PyTorch's."""
     mcfg, data = tiny_cfg(n_layer=3, vocab_size=4096), list(batches(4))
@@ -262,7 +268,7 @@ def test_resident_mem_auto_takes_half_of_what_cpu_mem_and_free_memory_leave():
     assert plan_off()["resident"] == 0
 
 
-def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(make_dirs):
+def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(make_dirs, streamed):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
     data = list(batches(4))
     ecfg = config(make_dirs(1), clip_mode="defer", cpu_mem="1GiB")
@@ -321,3 +327,26 @@ def test_the_host_device_computes_on_its_resident_records_without_a_copy_of_thei
         params = engine.state_dict_fp32()
     assert losses == ref_losses
     same_weights(params, ref_params)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_plan_gives_no_p16_buffer_to_the_records_the_cpu_computes_on(dtype):
+    """The CPU computes on every resident record in place (fp32: the master is the P16; bf16: the record keeps its
+    own), so the params pool holds only the blocks that stream; a separate device, or several ranks, keep theirs.
+    A block updated in chunks whose one parameter spans them streams (its P16 is in several buffers)."""
+    from lohan.plan.records import layout_of
+    from lohan.plan.run_plan import plan_run
+
+    layout = layout_of([3_600_000] + [1_000_000] * 4, dtype)
+    ecfg = config(["d"], compute_dtype=dtype, resident_mem="all", cpu_mem="1GiB")
+    p16 = [align_up(b.p16_itemsize * b.numel) for b in layout.blocks]
+    apart = plan_host_memory(PoolGeometry(layout), ecfg)
+    assert apart.zero_copy == () and apart.params == sum(p16)
+    cpu = plan_host_memory(PoolGeometry(layout), ecfg, host_device=True)
+    assert cpu.resident_blocks == cpu.zero_copy == tuple(range(5))
+    assert cpu.params == 0 and cpu.params_saved == sum(p16) and cpu.total == apart.total - sum(p16)
+    assert plan_run(ecfg, PoolGeometry(layout), host_device=True).kept_p16 == 1.0  # none of them is read
+    assert plan_host_memory(PoolGeometry(layout), ecfg, world=2, host_device=True).zero_copy == ()
+    chunked = ecfg.with_overrides(opt_chunk_bytes="16MiB")  # the 3.6M-element block in chunks
+    part = plan_host_memory(PoolGeometry(layout), chunked, host_device=True)
+    assert 0 in part.resident_blocks and part.zero_copy == (1, 2, 3, 4) and part.params == p16[0]

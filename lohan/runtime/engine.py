@@ -253,12 +253,9 @@ class Engine:
         self._held: HeldSteps = HeldSteps()
         self._replayed: Outcome = None
         self.streamer.ram_p16 = self._ram_p16
-        if self.device.is_host and self.dp is None:  # the parameters of resident blocks: views of their records
-            views = record_params(self.layout, self.offloader.resident_records, self.store.p16_dtype)
-            self.streamer.use_records(views, self._record_current)
-            if any(v is not None for v in views) and not self.store.in_ram(self.store.slot):
-                # from the first step on: otherwise its forward reads every P16 into the params pool once more
-                self.offloader.load_resident(self.store.slot, self.store.commit_state.applied)
+        if run_plan.zero_copy:  # the CPU computes on these blocks' records (no P16 buffer: `load_records`)
+            self.streamer.use_records(record_params(self.layout, self.offloader.resident_records,
+                                                    self.store.p16_dtype, run_plan.zero_copy), self._record_current)
 
     # ------------------------------------------------------------ durability
     @property
@@ -281,6 +278,25 @@ class Engine:
         b = self.store.layout.blocks[block]
         return [(lo, unit_views(rb.buf.tensor, b, lo, hi, self.store.p16_dtype).p16) for rb in rbs
                 for _, lo, hi in [rb.unit]]
+
+    def load_records(self) -> None:
+        """Between steps, where the CPU computes on resident records (`RunPlan.zero_copy`): read those that do not
+        hold the current slot back from it (none before the first step: it loads them all; a skipped, redone or
+        rolled-back step, or a failed write, leaves some with other bytes). The params pool has no buffer for their P16: a
+        forward or an evaluation must find them current. A staged commit is made durable first (`flush`: the slot
+        must be the one that stands; a write of it that failed drops that step and raises, as a step would)."""
+        if not self.run_plan.zero_copy or not self._stale_records():
+            return
+        self.flush()
+        stale = self._stale_records()
+        if stale and not self.store.in_ram(self.store.slot):  # (a RAM slot's bytes are nowhere else: `_replay`)
+            self.offloader.load_resident(self.store.slot, self.store.commit_state.applied, stale)
+
+    def _stale_records(self) -> list[tuple[int, int, int]]:
+        """The units of the zero-copy blocks' records that do not hold the current slot."""
+        res, slot, applied = self.offloader.resident_records, self.store.slot, self.store.commit_state.applied
+        return [rb.unit for i in self.run_plan.zero_copy for rb in res.of_block(i)
+                if not res.holds(rb.unit, slot, applied)]
 
     def _record_current(self, block: int, slot: int) -> bool:
         """Whether block `block`'s resident record holds the P16 of `slot` as the current commit applied it."""
@@ -476,6 +492,7 @@ class Engine:
                              skip=isinstance(self._replayed, str), known=self._replayed if isinstance(
                                  self._replayed, Tensor) else None)
         run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
+        self.load_records()  # (before its pass takes the records)
         store.begin_step()
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
         # the last step's staged commit is made durable on the worker, after its writes and before this pass's
@@ -720,6 +737,7 @@ class Engine:
         if self._broken:
             raise RuntimeError(self._broken)
         self.persist()  # it reads the committed slot: durable first (its last writes, the steps held in RAM)
+        self.load_records()
         idx, targets = self._check_batch(batch)
         loss = self.passes.evaluate(self.store.slot, self.device.put(idx), self.device.put(targets))
         return self.dp.sum(loss) if self.dp else loss

@@ -547,6 +547,16 @@ def write_unit(store: StateStore, rb: RecordBuffer, slot: int) -> Handle | Handl
                     for a, off, n in unit_sections(layout, rb.unit, slot, with_p16=True)])
 
 
+def _read_unit(store: StateStore, rb: RecordBuffer, slot: int) -> list[Handle]:
+    """READ rb's unit whole (P32, m, v, P16) from `slot`, as `write_unit` wrote it: one request for a whole record."""
+    layout, vol = store.layout, store.volume
+    i, lo, hi = rb.unit
+    if (lo, hi) == (0, layout.blocks[i].numel):
+        return [vol.read_into(rb.buf.tensor, layout.record_offset(i, slot), priority=Priority.READ)]
+    return [vol.read_into(rb.buf.tensor[a:a + n], off, priority=Priority.READ)
+            for a, off, n in unit_sections(layout, rb.unit, slot, with_p16=True)]
+
+
 class GradOffloader:
     """The optimizer side of training, fed block by block from the backward pass: one `UpdatePass` per step on
     a worker thread that lives as long as the engine, the record buffers it keeps across steps (resident
@@ -764,16 +774,16 @@ class GradOffloader:
         crashpoint("offload.persisted")
         return sums
 
-    def load_resident(self, slot: int, update: int) -> None:
-        """Read every resident record (P32, m, v and P16) of `slot` into its buffer, between steps, checked against
-        the commit's checksums; the buffers then hold update `update` of that slot (the first step reads none of
-        them again, and on the host device computes on them: `ParamStreamer.use_records`)."""
+    def load_resident(self, slot: int, update: int, units: list[Unit] | None = None) -> None:
+        """Read resident records (P32, m, v and P16) of `slot` into their buffers, those of `units` (None: all),
+        between steps and with no write of them in flight, checked against the commit's checksums; the buffers then
+        hold update `update` of that slot (a step reads none of them, and on the host device computes on them:
+        `ParamStreamer.use_records`)."""
         if self._thread is not None:
             raise RuntimeError("load_resident() while a step's pipeline is running")
-        layout, res, vol = self.store.layout, self.resident_records, self.store.volume
-        units = sorted(res.bufs)
-        wait_all_handles([vol.read_into(res.bufs[u].buf.tensor[a:a + n], off, priority=Priority.READ)
-                          for u in units for a, off, n in unit_sections(layout, u, slot, with_p16=True)])
+        layout, res = self.store.layout, self.resident_records
+        units = sorted(res.bufs if units is None else units)
+        wait_all_handles([h for u in units for h in _read_unit(self.store, res.bufs[u], slot)])
         for i, lo, hi in units:
             if self.store.checksums:
                 views = unit_views(res.bufs[i, lo, hi].buf.tensor, layout.blocks[i], lo, hi, self.store.p16_dtype)

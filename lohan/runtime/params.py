@@ -528,24 +528,25 @@ class ParamStreamer:
                 entry.to(P16State.FREE, "release all")
 
 
-def record_params(layout: StoreLayout, resident: ResidentRecords,
-                  p16_dtype: torch.dtype) -> list[list[torch.Tensor] | None]:
-    """Each block's parameters as views of the P16 of its resident record (`ParamStreamer.use_records`), shaped as
-    the module's; None for a block that streams, or whose record keeps no P16 of `p16_dtype` (an encoded master),
-    or has a parameter that spans two of its units (a block updated in chunks keeps one buffer per chunk)."""
-    out: list[list[torch.Tensor] | None] = []
-    for b in layout.blocks:
+def record_params(layout: StoreLayout, resident: ResidentRecords, p16_dtype: torch.dtype,
+                  blocks: tuple[int, ...] | list[int]) -> list[list[torch.Tensor] | None]:
+    """Each of `blocks`' parameters as views of the P16 of its resident record (`ParamStreamer.use_records`), shaped
+    as the module's; None for the other blocks (they stream). `blocks`: the plan's (`pools.zero_copy_blocks`: their
+    records keep the P16 of `p16_dtype`, and no parameter spans two of their units)."""
+    out: list[list[torch.Tensor] | None] = [None] * len(layout.blocks)
+    for i in blocks:
+        b = layout.blocks[i]
         pieces = [(lo, hi, unit_views(rb.buf.tensor, b, lo, hi, p16_dtype).p16)
-                  for rb in resident.of_block(b.index) for _, lo, hi in [rb.unit]]
-        views: list[torch.Tensor] | None = [] if pieces and all(t.dtype == p16_dtype for *_, t in pieces) else None
-        for spec in b.params if views is not None else ():
+                  for rb in resident.of_block(i) for _, lo, hi in [rb.unit]]
+        views = []
+        for spec in b.params:
             at = [(lo, t) for lo, hi, t in pieces if lo <= spec.offset and spec.offset + spec.numel <= hi]
-            if not at:
-                views = None
-                break
+            if not at or at[0][1].dtype != p16_dtype:
+                raise RuntimeError(f"block {i} ({b.name}) was planned to compute on its record, which has no "
+                                   f"{p16_dtype} P16 of its parameter {spec.name} in one piece")
             lo, t = at[0]
             views.append(t[spec.offset - lo:spec.offset - lo + spec.numel].view(spec.shape))
-        out.append(views)
+        out[i] = views
     return out
 
 
