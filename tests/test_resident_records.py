@@ -120,7 +120,8 @@ def _run(mcfg, ecfg, data, lookahead=True):
 
 @pytest.mark.parametrize("mode,clip_mode", [("optimized", "defer"), ("optimized", "speculate"),
                                             ("optimized", "auto"), ("serial", "auto"), ("naive", "auto")])
-def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, streamed, mode, clip_mode):
+@pytest.mark.usefixtures("streamed")
+def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, clip_mode):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)  # an embedding 5x a layer: it and a few layers stay, the rest stream
     data = list(batches(STEPS))
     ecfg = config(make_dirs(2), mode=mode, clip_mode=clip_mode, resident_mem="3MiB")  # room for ~4 layers
@@ -141,7 +142,8 @@ def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, streamed
     assert saved > 0
 
 
-def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_records(make_dirs, streamed):
+@pytest.mark.usefixtures("streamed")
+def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_records(make_dirs):
     """Speculation updates the records in place during backward; a non-finite step then discards them, and a
     whole-model pool keeps every block resident: the next step must read them all back from the SSDs."""
     mcfg = tiny_cfg()
@@ -156,7 +158,8 @@ def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_re
     assert all(hits[k] <= n for k in (3, 4, 6)) and sum(hits[k] for k in (3, 4, 6)) < 3 * n, hits
 
 
-def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs, streamed):
+@pytest.mark.usefixtures("streamed")
+def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs):
     """The pool holds the model, so every record is resident: when the tail of a step fails and the step is
     dropped, and when a later step fails in its backward, what follows reads the committed slot's bytes."""
     mcfg, ecfg = tiny_cfg(), config(make_dirs(1), clip_mode="defer", max_inflight_blocks=8, persist_every=1)
@@ -191,7 +194,8 @@ def test_config_refuses_a_non_boolean_resident_records():
         config(["d"], resident_records="yes")
 
 
-def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs, streamed):
+@pytest.mark.usefixtures("streamed")
+def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
     """resident_mem widens the record pool, never beyond all records; with room for all, the model's states
     are read once and then only written, with the same bits."""
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
@@ -216,7 +220,8 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs, streamed):
 
 
 @pytest.mark.parametrize("clip", [1.5, 0.0])
-def test_resident_mem_all_keeps_records_updated_in_chunks_and_stays_exact(make_dirs, streamed, clip):
+@pytest.mark.usefixtures("streamed")
+def test_resident_mem_all_keeps_records_updated_in_chunks_and_stays_exact(make_dirs, clip):
     """Blocks bigger than a chunk stay too (one buffer per chunk): `all` keeps every record, the pool holds them
     all and no more, nothing is read after the first step, and the bits are plain PyTorch's."""
     mcfg, data = tiny_cfg(n_layer=3, vocab_size=4096), list(batches(4))
@@ -268,7 +273,8 @@ def test_resident_mem_auto_takes_half_of_what_cpu_mem_and_free_memory_leave():
     assert plan_off()["resident"] == 0
 
 
-def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(make_dirs, streamed):
+@pytest.mark.usefixtures("streamed")
+def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(make_dirs):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
     data = list(batches(4))
     ecfg = config(make_dirs(1), clip_mode="defer", cpu_mem="1GiB")
