@@ -72,7 +72,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from io_engine import AlignedBuffer, BudgetExceededError, BufferPool, Handle
-from io_engine.base import align_up, wait_all_handles
+from io_engine.base import align_up
 from io_engine.priority import Priority
 from lohan.crashpoints import crashpoint
 from lohan.plan import pools
@@ -100,7 +100,7 @@ from lohan.runtime.record_buffers import (
 )
 from lohan.store.gradstash import GradStash, StashedGrad
 from lohan.store.integrity import Sums, tensor_hash
-from lohan.store.states import StateStore, StoreLayout, unit_sums
+from lohan.store.states import StateStore, StoreLayout, UnitViews, unit_sums
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 
@@ -547,6 +547,11 @@ def write_unit(store: StateStore, rb: RecordBuffer, slot: int) -> Handle | Handl
                     for a, off, n in unit_sections(layout, rb.unit, slot, with_p16=True)])
 
 
+def _load_sums(views: UnitViews, has_p16: bool) -> tuple[int, int | None]:
+    """A loaded record's checksums: what the optimizer reads, and its own P16 (None: the P16 is the master)."""
+    return tensor_hash(*views.state), tensor_hash(views.p16) if has_p16 else None
+
+
 def _read_unit(store: StateStore, rb: RecordBuffer, slot: int) -> list[Handle]:
     """READ rb's unit whole (P32, m, v, P16) from `slot`, as `write_unit` wrote it: one request for a whole record."""
     layout, vol = store.layout, store.volume
@@ -776,19 +781,36 @@ class GradOffloader:
 
     def load_resident(self, slot: int, update: int, units: list[Unit] | None = None) -> None:
         """Read resident records (P32, m, v and P16) of `slot` into their buffers, those of `units` (None: all),
-        between steps and with no write of them in flight, checked against the commit's checksums; the buffers then
-        hold update `update` of that slot (a step reads none of them, and on the host device computes on them:
-        `ParamStreamer.use_records`)."""
+        between steps and with no write of them in flight, hashed on the verify thread as a pass's READs are and
+        checked against the commit's checksums; the buffers then hold update `update` of that slot (a step reads
+        none of them, and on the host device computes on them: `ParamStreamer.use_records`)."""
         if self._thread is not None:
             raise RuntimeError("load_resident() while a step's pipeline is running")
         layout, res = self.store.layout, self.resident_records
         units = sorted(res.bufs if units is None else units)
-        wait_all_handles([h for u in units for h in _read_unit(self.store, res.bufs[u], slot)])
-        for i, lo, hi in units:
+        reads = []
+        for unit in units:
+            i, lo, hi = unit
+            handle: Handle | Handles | Hashed = Handles(_read_unit(self.store, res.bufs[unit], slot))
             if self.store.checksums:
-                views = unit_views(res.bufs[i, lo, hi].buf.tensor, layout.blocks[i], lo, hi, self.store.p16_dtype)
-                for what, got in zip(("state", "p16"), unit_sums(views), strict=True):
-                    self.store.check_unit(i, lo, what, got, slot=slot)
+                views = unit_views(res.bufs[unit].buf.tensor, layout.blocks[i], lo, hi, self.store.p16_dtype)
+                handle = self.verify_hasher.after_read(handle, functools.partial(_load_sums, views,
+                                                                                 layout.blocks[i].has_p16))
+            reads.append(handle)
+        first: BaseException | None = None
+        for h in reads:  # every one, also after one failed: no buffer is left with a read in flight
+            try:
+                h.wait()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+        for (i, lo, hi), handle in zip(units, reads, strict=True):
+            if isinstance(handle, Hashed):
+                state, p16 = handle.value()
+                self.store.check_unit(i, lo, "state", state, slot=slot)
+                if p16 is not None:
+                    self.store.check_unit(i, lo, "p16", p16, slot=slot)
             res.written((i, lo, hi), slot, update)
 
     def drain_tail(self) -> None:
