@@ -211,13 +211,15 @@ def test_the_engine_budgets_each_pool_at_the_plan_and_stays_within_it(make_dirs,
                          resident_mem=resident)
     with lohan.init(mcfg, ecfg) as engine:
         plan = engine.host_memory
-        # the plan of the engine's own layout, and of the capacity planner's geometry of the model: the same
-        assert plan == plan_host_memory(geometry(mcfg, ecfg), ecfg, free=FREE)
-        assert plan == plan_host_memory(model_geometry(mcfg, dtype, slots, align=ALIGN), ecfg, free=FREE)
+        # the plan of the engine's own layout, and of the capacity planner's geometry of the model: the same (the CPU
+        # computes: on the resident records in place, with no P16 buffer for them)
+        assert plan == plan_host_memory(geometry(mcfg, ecfg), ecfg, free=FREE, host_device=True)
+        assert plan == plan_host_memory(model_geometry(mcfg, dtype, slots, align=ALIGN), ecfg, free=FREE,
+                                        host_device=True)
         assert engine.memory_plan == plan.parts()
         assert engine.grad_dtype.itemsize == plan.grad_itemsize
         pools = {"params": engine.params_pool, "grads": engine.grads_pool, "records": engine.records_pool}
-        assert pools["params"].budget_bytes == plan.params
+        assert pools["params"].budget_bytes == max(plan.params, ALIGN)  # (a page: never used where it is 0)
         assert pools["grads"].budget_bytes == plan.grads + plan.grad_stash
         assert pools["records"].budget_bytes == plan.records + plan.resident + plan.readahead
         assert tuple(engine.offloader.resident) == plan.resident_blocks
@@ -231,7 +233,7 @@ def test_the_engine_budgets_each_pool_at_the_plan_and_stays_within_it(make_dirs,
         scratch_bytes = 0 if scratch is None else scratch.numel() * scratch.element_size()
         assert scratch_bytes <= plan.upcast
         for name, pool in pools.items():
-            assert 0 < pool.peak_allocated <= pool.budget_bytes, name
+            assert 0 < pool.peak_allocated <= pool.budget_bytes or name == "params" and not plan.params, name
         assert sum(p.peak_allocated for p in pools.values()) + scratch_bytes <= plan.total <= ecfg.cpu_mem
         if engine.stash is not None:
             assert engine.stash.ram_used <= plan.stash_ram
@@ -379,7 +381,8 @@ def test_on_a_cpu_device_the_auto_rooms_leave_its_gradients_out():
     gpu, cpu = plan_host_memory(geom, ecfg, free=free), plan_host_memory(geom, ecfg, free=free, host_device=True)
     rooms = cpu.resident + cpu.readahead  # (resident_mem auto takes them first: records updated in chunks stay too)
     assert rooms == (min(ecfg.cpu_mem, free - device) - (cpu.total - rooms)) // 2
-    assert abs(gpu.resident + gpu.readahead - rooms - device // 2) <= 1
+    # (less the half of what the P16 the CPU does not copy gives back: the resident records it computes on)
+    assert abs(gpu.resident + gpu.readahead - rooms - (device - cpu.params_saved) // 2) <= 1
     # fp32 host gradients: the norms upcast nothing; bf16 ones: at most the largest parameter at a time
     assert device_grad_bytes(geom, 1, grad_size=2) >= 4 * geom.largest_param
 

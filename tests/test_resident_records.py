@@ -29,6 +29,13 @@ def config(dirs, **kw):
     return _config(dirs, **{"readahead_mem": 0, **kw})
 
 
+@pytest.fixture
+def streamed(monkeypatch):
+    """The simulated device: a separate device's view of the records, read by the optimizer's pass as it needs them.
+    (The CPU computes on them in place, and so loads them between steps: `test_the_host_device_computes_on_...`.)"""
+    monkeypatch.setenv("LOHAN_DEVICE", "sim")
+
+
 def _layout(sizes: list[int]) -> StoreLayout:
     blocks, off = [], 0
     for i, n in enumerate(sizes):
@@ -113,6 +120,7 @@ def _run(mcfg, ecfg, data, lookahead=True):
 
 @pytest.mark.parametrize("mode,clip_mode", [("optimized", "defer"), ("optimized", "speculate"),
                                             ("optimized", "auto"), ("serial", "auto"), ("naive", "auto")])
+@pytest.mark.usefixtures("streamed")
 def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, clip_mode):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)  # an embedding 5x a layer: it and a few layers stay, the rest stream
     data = list(batches(STEPS))
@@ -134,6 +142,7 @@ def test_resident_records_are_bit_exact_and_skip_their_reads(make_dirs, mode, cl
     assert saved > 0
 
 
+@pytest.mark.usefixtures("streamed")
 def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_records(make_dirs):
     """Speculation updates the records in place during backward; a non-finite step then discards them, and a
     whole-model pool keeps every block resident: the next step must read them all back from the SSDs."""
@@ -149,6 +158,7 @@ def test_a_speculative_pass_that_is_discarded_leaves_no_trace_in_the_resident_re
     assert all(hits[k] <= n for k in (3, 4, 6)) and sum(hits[k] for k in (3, 4, 6)) < 3 * n, hits
 
 
+@pytest.mark.usefixtures("streamed")
 def test_a_dropped_tail_and_a_rollback_read_the_resident_records_again(make_dirs):
     """The pool holds the model, so every record is resident: when the tail of a step fails and the step is
     dropped, and when a later step fails in its backward, what follows reads the committed slot's bytes."""
@@ -184,6 +194,7 @@ def test_config_refuses_a_non_boolean_resident_records():
         config(["d"], resident_records="yes")
 
 
+@pytest.mark.usefixtures("streamed")
 def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
     """resident_mem widens the record pool, never beyond all records; with room for all, the model's states
     are read once and then only written, with the same bits."""
@@ -209,6 +220,7 @@ def test_resident_mem_keeps_more_records_within_cpu_mem(make_dirs):
 
 
 @pytest.mark.parametrize("clip", [1.5, 0.0])
+@pytest.mark.usefixtures("streamed")
 def test_resident_mem_all_keeps_records_updated_in_chunks_and_stays_exact(make_dirs, clip):
     """Blocks bigger than a chunk stay too (one buffer per chunk): `all` keeps every record, the pool holds them
     all and no more, nothing is read after the first step, and the bits are plain PyTorch's."""
@@ -261,6 +273,7 @@ def test_resident_mem_auto_takes_half_of_what_cpu_mem_and_free_memory_leave():
     assert plan_off()["resident"] == 0
 
 
+@pytest.mark.usefixtures("streamed")
 def test_resident_mem_auto_keeps_every_record_of_a_small_model_and_stays_exact(make_dirs):
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
     data = list(batches(4))
@@ -298,3 +311,48 @@ def test_the_run_header_says_how_many_records_stay_and_what_keeps_them_all(make_
     assert cpu, line
     with lohan.init(mcfg, config(make_dirs(1, "roomy"), cpu_mem=f"{cpu.group(1)}GiB")) as engine:
         assert _resident_line(engine) == "14 of 14 blocks"
+
+
+@pytest.mark.parametrize("kw", [dict(clip_mode="defer"), dict(clip_mode="speculate", tied=True),
+                                dict(persist_every=3, micro_batches=2), dict(slots=1)])
+def test_the_host_device_computes_on_its_resident_records_without_a_copy_of_their_p16(make_dirs, kw):
+    """On the CPU, fp32 compute on fp32 masters: the parameters of a resident block are views of its record (no
+    P16 buffer of the params pool is ever taken, from the first step on), and the run stays bit-exact."""
+    kw = dict(kw)
+    mcfg = tiny_cfg(tie_embeddings=kw.pop("tied", False))
+    ecfg = config(make_dirs(1), max_inflight_blocks=8, **kw)
+    data = list(batches(STEPS))
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    losses = []
+    with lohan.init(mcfg, ecfg) as engine:
+        assert len(engine.offloader.resident) == len(engine.layout.blocks)
+        for k, batch in enumerate(data):
+            losses.append(engine.step(batch, next_batch=data[k + 1] if k + 1 < len(data) else None))
+        assert engine.params_pool.stats()["peak_allocated"] == 0
+        assert engine.streamer.zero_copies >= STEPS * len(engine.layout.blocks)
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_plan_gives_no_p16_buffer_to_the_records_the_cpu_computes_on(dtype):
+    """The CPU computes on every resident record in place (fp32: the master is the P16; bf16: the record keeps its
+    own), so the params pool holds only the blocks that stream; a separate device, or several ranks, keep theirs.
+    A block updated in chunks whose one parameter spans them streams (its P16 is in several buffers)."""
+    from lohan.plan.records import layout_of
+    from lohan.plan.run_plan import plan_run
+
+    layout = layout_of([3_600_000] + [1_000_000] * 4, dtype)
+    ecfg = config(["d"], compute_dtype=dtype, resident_mem="all", cpu_mem="1GiB")
+    p16 = [align_up(b.p16_itemsize * b.numel) for b in layout.blocks]
+    apart = plan_host_memory(PoolGeometry(layout), ecfg)
+    assert apart.zero_copy == () and apart.params == sum(p16)
+    cpu = plan_host_memory(PoolGeometry(layout), ecfg, host_device=True)
+    assert cpu.resident_blocks == cpu.zero_copy == tuple(range(5))
+    assert cpu.params == 0 and cpu.params_saved == sum(p16) and cpu.total == apart.total - sum(p16)
+    assert plan_run(ecfg, PoolGeometry(layout), host_device=True).kept_p16 == 1.0  # none of them is read
+    assert plan_host_memory(PoolGeometry(layout), ecfg, world=2, host_device=True).zero_copy == ()
+    chunked = ecfg.with_overrides(opt_chunk_bytes="16MiB")  # the 3.6M-element block in chunks
+    part = plan_host_memory(PoolGeometry(layout), chunked, host_device=True)
+    assert 0 in part.resident_blocks and part.zero_copy == (1, 2, 3, 4) and part.params == p16[0]

@@ -121,7 +121,9 @@ def test_a_failed_tail_write_drops_the_step_and_training_goes_on_exactly(make_di
         faulty = inject_faults(engine.store.volume, "write#1+:EIO")
         engine.step(data[1], next_batch=data[2])  # returns: its writes are its tail
         assert engine.store.staged and engine.step_count == 2
-        with pytest.raises(RuntimeError, match="optimizer pipeline failed"):
+        # (the CPU, which computes on the records, finds the failed writes before the pass does when it loads the
+        # records they left stale: `Engine.load_records`)
+        with pytest.raises(RuntimeError, match="optimizer pipeline failed|last step's optimizer pass failed"):
             engine.step(data[2], next_batch=data[3])
         assert faulty.plan.fired
         engine.store.volume.backend = faulty.inner

@@ -47,7 +47,7 @@ from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, la
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
-    "ram_budget", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
+    "ram_budget", "zero_copy_blocks", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
     "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes", "memory_refusal",
 ]
@@ -342,6 +342,11 @@ class HostMemoryPlan:
     """Room in the record pool for READs issued during backward ahead of a deferred update (``readahead_mem``)."""
     readahead_all: int = 0
     """What reading every record ahead would take (:func:`readahead_every`), where a step may defer."""
+    zero_copy: tuple[int, ...] = ()
+    """Resident blocks the CPU computes on in place (:func:`zero_copy_blocks`): the params pool has no buffer for
+    them."""
+    params_saved: int = 0
+    """What `zero_copy` takes off the params pool (the P16 the CPU does not copy)."""
     grads_short: int = 0
     """What the grads pool lacks to hold every block's gradient, as serial mode's does (optimized and naive modes,
     where cpu_mem leaves too little: backward may then wait for the optimizer to give a buffer back)."""
@@ -404,7 +409,44 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
     Data parallel (`world` > 1): `geometry.local` is the rank's store (its shards), `geometry.p16_bytes` each
     block's gathered P16 buffer; whole-block gradients are reduced, then the rank's shard of each is kept for
     its optimizer. `grad_size`: the gradient buffers' itemsize when the engine overrides :func:`grad_dtype`.
+
+    Where the CPU computes on resident records in place (`host_device`, one process: :func:`zero_copy_blocks`), the
+    params pool holds the P16 of the other blocks only, and the rooms after it are sized with that pool: the plan
+    starts from none and grows it to what the blocks left streaming need until the two agree (fewer records stay
+    where it grows, so it only grows, and stops).
     """
+    zero, saved = (), 0
+    if cfg.memory.resident_records and host_device and world == 1:
+        params = 0
+        for _ in range(len(geometry.layout.blocks) + 1):
+            plan = _sized(geometry, cfg, world, free, grad_size, host_device, params)
+            zero = zero_copy_blocks(geometry.store, plan.resident_blocks, plan.chunk_elems)
+            need = _streamed_params(geometry, cfg, zero)
+            if need <= params:
+                break
+            params = need
+        else:  # (never: it stops within as many rounds as there are blocks) every block streams
+            plan, zero = _sized(geometry, cfg, world, free, grad_size, host_device), ()
+        saved = _streamed_params(geometry, cfg) - plan.params
+    else:
+        plan = _sized(geometry, cfg, world, free, grad_size, host_device)
+    plan = replace(plan, zero_copy=zero, params_saved=saved)
+    if check:
+        _check(plan, cfg)
+    return plan
+
+
+def _streamed_params(geometry: PoolGeometry, cfg: EngineConfig, zero: tuple[int, ...] = ()) -> int:
+    """The params pool: the current block, ``prefetch_depth`` read ahead and as many kept over the forward/backward
+    turn, and the borrowed-from blocks, but never more than every block at once (small models); of the blocks not
+    in `zero` (those the CPU computes on in their records)."""
+    p16 = [n for i, n in enumerate(geometry.p16) if i not in zero]
+    return min((2 * cfg.memory.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)) if p16 else 0
+
+
+def _sized(geometry: PoolGeometry, cfg: EngineConfig, world: int, free: int | None, grad_size: int | None,
+           host_device: bool, params: int | None = None) -> HostMemoryPlan:
+    """`plan_host_memory` with a params pool of `params` bytes (None: :func:`_streamed_params` of every block)."""
     local, a = geometry.store, geometry.align
     chunk = optimizer_chunk_elems(local, cfg)
     inflight = cfg.memory.max_inflight_blocks
@@ -415,11 +457,8 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
     # one filling, one queued (serial mode: every block's gradient until backward ends); data parallel: one
     # filling, one being reduced, and the shards of them as above
     kept = sum(shards) if cfg.execution.mode == "serial" else min(2 * max(shards), sum(shards))
-    p16 = geometry.p16
     plan = HostMemoryPlan(
-        # current block + k prefetched + k kept over the forward/backward turn + borrowed-from blocks, but never
-        # more than every block at once (small models)
-        params=min((2 * cfg.memory.prefetch_depth + 1 + geometry.owners) * max(p16), sum(p16)),
+        params=_streamed_params(geometry, cfg) if params is None else params,
         grads=kept if world == 1 else min(2 * max(whole), sum(whole)) + kept,
         records=records,
         upcast=upcast_bytes(local, chunk, g, clip=cfg.stability.max_grad_norm > 0) + format_work_bytes(local, chunk),
@@ -457,9 +496,24 @@ def plan_host_memory(geometry: PoolGeometry, cfg: EngineConfig, world: int = 1, 
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
         # the resident and read-ahead rooms stay what they were without it)
         plan = _with_stash(plan, shards, kept, host_device)
-    if check:
-        _check(plan, cfg)
     return plan
+
+
+def zero_copy_blocks(layout: StoreLayout, resident: tuple[int, ...] | list[int], chunk_elems: int) -> tuple[int, ...]:
+    """The resident blocks whose parameters a CPU compute device takes as views of their records (no P16 copy:
+    `runtime.params.ParamStreamer.use_records`): the record keeps the P16 of the compute dtype (a section of its
+    own, or the master itself where it is of that dtype), and no parameter spans two of its chunks (a block updated
+    in chunks keeps one buffer per chunk)."""
+    master = "fp32" if state_format(layout.state_format).master_itemsize == 4 else "bf16"
+    out = []
+    for i in resident:
+        b = layout.blocks[i]
+        if not b.has_p16 and master != layout.p16_dtype:
+            continue
+        if b.numel <= chunk_elems or all(p.offset // chunk_elems == (p.offset + p.numel - 1) // chunk_elems
+                                         for p in b.params):
+            out.append(i)
+    return tuple(out)
 
 
 def _every_gradient(plan: HostMemoryPlan, shards: list[int], kept: int) -> tuple[HostMemoryPlan, int]:

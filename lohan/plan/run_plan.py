@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from io_engine.align import ALIGN
 from lohan.config import EngineConfig
 from lohan.plan import durability
 from lohan.plan.formats import state_format
@@ -78,6 +79,11 @@ class RunPlan:
         return self.host.chunk_elems
 
     @property
+    def zero_copy(self) -> tuple[int, ...]:
+        """Resident blocks the CPU computes on in place, with no P16 buffer (`pools.zero_copy_blocks`)."""
+        return self.host.zero_copy
+
+    @property
     def resident_blocks(self) -> tuple[int, ...]:
         """Blocks whose records the record pool keeps from step to step."""
         return self.host.resident_blocks
@@ -87,12 +93,25 @@ class RunPlan:
         gradients with the stash's, and the optimizer records with the resident and read-ahead rooms. (The fp32
         upcast scratch, `host.upcast`, is the offloader's own allocation, not a pool.)"""
         h = self.host
-        return {"params": h.params, "grads": h.grads + h.grad_stash, "records": h.records + h.resident + h.readahead}
+        # (a pool's budget is a page at least: where the CPU computes on every record in place, one never used)
+        return {"params": max(h.params, ALIGN), "grads": h.grads + h.grad_stash,
+                "records": h.records + h.resident + h.readahead}
 
     def check(self) -> None:
         """Raise the engine's refusal, if any: the pools do not fit cpu_mem, or the chunks split 8-bit blocks."""
         if self.refusal is not None:
             raise MemoryPlanError(self.refusal)
+
+
+def _kept_p16(host: HostMemoryPlan, geometry: PoolGeometry, cfg: EngineConfig) -> float:
+    """The share of the P16 read in neither pass of a turn (`pools.kept_p16_fraction`): what the params pool keeps of
+    the blocks it streams, and all of the blocks the CPU computes on in their records (none is read)."""
+    if cfg.store.slots == 1 and not host.zero_copy:
+        return 0.0
+    p16 = geometry.p16
+    streamed = [n for i, n in enumerate(p16) if i not in host.zero_copy]
+    kept = kept_p16_fraction(host.params, streamed, cfg.memory.prefetch_depth) if cfg.store.slots > 1 else 0.0
+    return (sum(p16) - sum(streamed) + kept * sum(streamed)) / max(1, sum(p16))
 
 
 def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: int | None = None,
@@ -113,7 +132,7 @@ def plan_run(cfg: EngineConfig, geometry: PoolGeometry, world: int = 1, free: in
         engine=cfg, geometry=geometry, world=world, free=free, host_device=host_device, host=host, stash=stash,
         defer_unclipped=host.has_stash and cfg.stability.max_grad_norm <= 0,
         write_behind=cfg.store.slots == 2 and cfg.execution.write_behind and world == 1,
-        kept_p16=kept_p16_fraction(host.params, geometry.p16, cfg.memory.prefetch_depth) if cfg.store.slots > 1 else 0.0,
+        kept_p16=_kept_p16(host, geometry, cfg),
         resident_params=whole * resident // mine, readahead_params=whole * int(host.readahead // at_rest) // mine,
         persist_refusal=durability.eligible(len(host.resident_blocks) == len(local.blocks), cfg.store.slots, world == 1,
                                             stash, in_place=cfg.stability.max_grad_norm <= 0 and cfg.execution.compute_dtype != "fp16"),

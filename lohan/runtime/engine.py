@@ -61,7 +61,7 @@ from lohan.runtime.parallel import (
     shard_decays,
     shard_layout,
 )
-from lohan.runtime.params import ParamStreamer
+from lohan.runtime.params import ParamStreamer, record_params
 from lohan.runtime.passes import BlockPasses, visit_order
 from lohan.runtime.step import (
     Counters,
@@ -254,6 +254,9 @@ class Engine:
         self._replayed: Outcome = None
         self.streamer.ram_p16 = self._ram_p16
         self._ram_update: int | None = None  # `_ram_p16`: the update a following forward reads (None: the commit's)
+        if run_plan.zero_copy:  # the CPU computes on these blocks' records (no P16 buffer: `load_records`)
+            self.streamer.use_records(record_params(self.layout, self.offloader.resident_records,
+                                                    self.store.p16_dtype, run_plan.zero_copy), self._record_current)
 
     # ------------------------------------------------------------ durability
     @property
@@ -269,14 +272,44 @@ class Engine:
         (first element, P16) of each of its units (one, or one per chunk of a block updated in chunks)."""
         res = self.offloader.resident_records
         rbs = res.of_block(block)
-        # the last commit's update; the step's own while the next forward follows its tail (`_finish_updates`)
-        applied = self.store.commit_state.applied if self._ram_update is None else self._ram_update
+        applied = self._applied()
         if not rbs or not self.store.in_ram(slot) or not all(res.holds(rb.unit, slot, applied) for rb in rbs):
             raise RuntimeError(f"block {block}'s parameters of RAM slot {slot} are not in memory (a discarded update "
                                "lost them); resume from the last durable step")
         b = self.store.layout.blocks[block]
         return [(lo, unit_views(rb.buf.tensor, b, lo, hi, self.store.p16_dtype).p16) for rb in rbs
                 for _, lo, hi in [rb.unit]]
+
+    def load_records(self) -> None:
+        """Between steps, where the CPU computes on resident records (`RunPlan.zero_copy`): read those that do not
+        hold the current slot back from it (none before the first step: it loads them all; a skipped, redone or
+        rolled-back step, or a failed write, leaves some with other bytes). The params pool has no buffer for their P16: a
+        forward or an evaluation must find them current. A staged commit is made durable first (`flush`: the slot
+        must be the one that stands; a write of it that failed drops that step and raises, as a step would)."""
+        if not self.run_plan.zero_copy or not self._stale_records():
+            return
+        self.flush()
+        stale = self._stale_records()
+        if stale and not self.store.in_ram(self.store.slot):  # (a RAM slot's bytes are nowhere else: `_replay`)
+            self.offloader.load_resident(self.store.slot, self.store.commit_state.applied, stale)
+
+    def _stale_records(self) -> list[tuple[int, int, int]]:
+        """The units of the zero-copy blocks' records that do not hold the current slot."""
+        res, slot, applied = self.offloader.resident_records, self.store.slot, self.store.commit_state.applied
+        return [rb.unit for i in self.run_plan.zero_copy for rb in res.of_block(i)
+                if not res.holds(rb.unit, slot, applied)]
+
+    def _record_current(self, block: int, slot: int) -> bool:
+        """Whether block `block`'s resident record holds the P16 of `slot` at the update a forward reads
+        (`_applied`)."""
+        res, applied = self.offloader.resident_records, self._applied()
+        rbs = res.of_block(block)
+        return bool(rbs) and all(res.holds(rb.unit, slot, applied) for rb in rbs)
+
+    def _applied(self) -> int:
+        """The update the RAM states a forward reads hold: the last commit's, or the step's own while the next
+        forward follows its tail (`_finish_updates`)."""
+        return self.store.commit_state.applied if self._ram_update is None else self._ram_update
 
     def _observe_persist(self, stats: StepStats) -> None:
         """auto, after every step: the least interval that keeps the persist writes under ~10% of the run's time.
@@ -467,6 +500,7 @@ class Engine:
                              skip=isinstance(self._replayed, str), known=self._replayed if isinstance(
                                  self._replayed, Tensor) else None)
         run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
+        self.load_records()  # (before its pass takes the records)
         store.begin_step()
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
         # the last step's staged commit is made durable on the worker, after its writes and before this pass's
@@ -725,6 +759,7 @@ class Engine:
         if self._broken:
             raise RuntimeError(self._broken)
         self.persist()  # it reads the committed slot: durable first (its last writes, the steps held in RAM)
+        self.load_records()
         idx, targets = self._check_batch(batch)
         loss = self.passes.evaluate(self.store.slot, self.device.put(idx), self.device.put(targets))
         return self.dp.sum(loss) if self.dp else loss

@@ -102,7 +102,7 @@ from lohan.runtime.record_buffers import (
 )
 from lohan.store.gradstash import GradStash, StashedGrad
 from lohan.store.integrity import Sums, tensor_hash
-from lohan.store.states import StateStore, StoreLayout, unit_sums
+from lohan.store.states import StateStore, StoreLayout, UnitViews, unit_sums
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 
@@ -595,6 +595,21 @@ def write_unit(store: StateStore, rb: RecordBuffer, slot: int) -> Handle | Handl
                     for a, off, n in unit_sections(layout, rb.unit, slot, with_p16=True)])
 
 
+def _load_sums(views: UnitViews, has_p16: bool) -> tuple[int, int | None]:
+    """A loaded record's checksums: what the optimizer reads, and its own P16 (None: the P16 is the master)."""
+    return tensor_hash(*views.state), tensor_hash(views.p16) if has_p16 else None
+
+
+def _read_unit(store: StateStore, rb: RecordBuffer, slot: int) -> list[Handle]:
+    """READ rb's unit whole (P32, m, v, P16) from `slot`, as `write_unit` wrote it: one request for a whole record."""
+    layout, vol = store.layout, store.volume
+    i, lo, hi = rb.unit
+    if (lo, hi) == (0, layout.blocks[i].numel):
+        return [vol.read_into(rb.buf.tensor, layout.record_offset(i, slot), priority=Priority.READ)]
+    return [vol.read_into(rb.buf.tensor[a:a + n], off, priority=Priority.READ)
+            for a, off, n in unit_sections(layout, rb.unit, slot, with_p16=True)]
+
+
 class GradOffloader:
     """The optimizer side of training, fed block by block from the backward pass: one `UpdatePass` per step on
     a worker thread that lives as long as the engine, the record buffers it keeps across steps (resident
@@ -813,6 +828,40 @@ class GradOffloader:
             res.written(u, slot, update)
         crashpoint("offload.persisted")
         return sums
+
+    def load_resident(self, slot: int, update: int, units: list[Unit] | None = None) -> None:
+        """Read resident records (P32, m, v and P16) of `slot` into their buffers, those of `units` (None: all),
+        between steps and with no write of them in flight, hashed on the verify thread as a pass's READs are and
+        checked against the commit's checksums; the buffers then hold update `update` of that slot (a step reads
+        none of them, and on the host device computes on them: `ParamStreamer.use_records`)."""
+        if self._thread is not None:
+            raise RuntimeError("load_resident() while a step's pipeline is running")
+        layout, res = self.store.layout, self.resident_records
+        units = sorted(res.bufs if units is None else units)
+        reads = []
+        for unit in units:
+            i, lo, hi = unit
+            handle: Handle | Handles | Hashed = Handles(_read_unit(self.store, res.bufs[unit], slot))
+            if self.store.checksums:
+                views = unit_views(res.bufs[unit].buf.tensor, layout.blocks[i], lo, hi, self.store.p16_dtype)
+                handle = self.verify_hasher.after_read(handle, functools.partial(_load_sums, views,
+                                                                                 layout.blocks[i].has_p16))
+            reads.append(handle)
+        first: BaseException | None = None
+        for h in reads:  # every one, also after one failed: no buffer is left with a read in flight
+            try:
+                h.wait()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+        for (i, lo, hi), handle in zip(units, reads, strict=True):
+            if isinstance(handle, Hashed):
+                state, p16 = handle.value()
+                self.store.check_unit(i, lo, "state", state, slot=slot)
+                if p16 is not None:
+                    self.store.check_unit(i, lo, "p16", p16, slot=slot)
+            res.written((i, lo, hi), slot, update)
 
     def drain_tail(self) -> None:
         """Wait for the last lazy pass's tail (between steps, on the caller's thread); raises if one of its

@@ -24,6 +24,15 @@ never a kept block backward still needs) and keeps it under (block, written slot
 reads from the SSDs only the blocks there was no room for (2 bytes a parameter a step less, as a deferred pass's
 provisions save them). A speculated step that clips forgets them before its redo rewrites the slot.
 
+Zero copy (`use_records`): on the host device, a block whose optimizer record stays resident in RAM and holds the
+P16 of the slot wanted (P16 beside the master, or the master itself where the compute dtype is the master's) is not
+copied at all: its parameters are views of the record, with no host buffer of this pool. The record is current
+while its tags say it holds that slot's bytes (`current`): an update of the block starts only once its gradient is
+complete, after its last use in the step, and forgets the tags until its new bytes are those of the slot it writes;
+a forward beside a deferred pass waits for the block's offer as it does for a provision (no bytes copied). Where the
+record is not current (the first step before anything loaded it, a skipped, redone or rolled-back step), the block
+is read into this pool as before.
+
 Data parallel (parallel.py): the rank's store holds its shard of each block; the shard is read into its
 place in a buffer of the whole (padded) block and the ranks all-gather the rest in `acquire`, every time
 (a kept block too: the ranks' kept blocks may differ, their collectives may not).
@@ -51,8 +60,9 @@ from lohan.runtime.device import Device
 from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.p16_buffers import P16Buffer, P16State
 from lohan.runtime.parallel import DataParallel
+from lohan.runtime.record_buffers import ResidentRecords
 from lohan.store.integrity import tensor_hash, unit_bounds
-from lohan.store.states import StateStore, StoreLayout
+from lohan.store.states import StateStore, StoreLayout, unit_views
 
 
 class ParamStreamer:
@@ -101,9 +111,27 @@ class ParamStreamer:
         # (a step between durable commits, engine.persist_every): copied from there, never read from the SSDs,
         # whose slots hold an older step
         self.ram_p16: Callable[[int, int], list[tuple[int, torch.Tensor]]] | None = None
+        # zero copy (`use_records`): block -> its parameters as views of its resident record (None: streamed), and
+        # whether that record holds the P16 of a slot now
+        self._records: list[list[torch.Tensor] | None] = [None] * len(blocks)
+        self._current: Callable[[int, int], bool] = lambda i, slot: False
+        self.zero_copies = 0  # blocks acquired as views of their records
         # a LoRA run's base (`lohan.runtime.lora_engine`): its parameters take no gradient, and its one slot is never
         # rewritten, so a released block may be kept across steps (`keeps`)
         self.frozen = False
+
+    def use_records(self, views: list[list[torch.Tensor] | None], current: Callable[[int, int], bool]) -> None:
+        """Zero copy (module docstring): `views[i]`, block i's parameters as views of its resident record (None:
+        streamed); `current(i, slot)`: whether that record holds `slot`'s P16 now. The host device only, one
+        process: a separate device needs its copy, and a rank's record holds its shard alone."""
+        if not self.device.is_host or self.dp is not None:
+            raise RuntimeError("parameters as views of their records need the host device and one process")
+        self._records = list(views)
+        self._current = current
+
+    def zero_copy(self, i: int) -> bool:
+        """Whether block i's parameters can be views of its resident record (module docstring)."""
+        return 0 <= i < len(self._records) and self._records[i] is not None
 
     def _state(self, i: int) -> P16State | None:
         """Block i's buffer's state (None: none in flight or in use)."""
@@ -159,6 +187,11 @@ class ParamStreamer:
             prov = self._blocks.get(i)
             if prov is None or prov.state is not P16State.FILLING:
                 return
+            if self.zero_copy(i):  # its record holds them now: nothing to copy (acquire takes its views)
+                prov.filled += hi - lo
+                if prov.filled == numel:
+                    prov.ready.set()
+                return
             prov.busy = True  # release_all leaves the buffer to this call from here on
         if prov.buf is None:  # waits while the pool is full: the forward releases the blocks it is done with
             prov.buf = self.pool.acquire(self.buffer_bytes(i))  # (kept blocks give way first)
@@ -188,7 +221,7 @@ class ParamStreamer:
         the pool, and a block without room is read by the next forward as before."""
         start, numel = self._own(i)
         with self._lock:  # (release_all may give the buffers back meanwhile: the copy stays under the lock)
-            if h is not self._handover:
+            if h is not self._handover or self.zero_copy(i):  # (the next forward takes its record's views)
                 return
             if i not in h.blocks:
                 buf = self.pool.take_kept((i, h.old_slot))  # backward is done with block i
@@ -221,6 +254,8 @@ class ParamStreamer:
         if i in self._blocks or not 0 <= i < len(self.blocks):
             return
         if self.keeps and (i, slot) in self.pool.kept_keys:
+            return
+        if self.zero_copy(i) and self._current(i, slot):  # nothing to read: acquire takes its record's views
             return
         own = self.store.layout.blocks[i]
         if self.store.in_ram(slot):
@@ -274,6 +309,9 @@ class ParamStreamer:
         entry = self._blocks.get(i)
         if entry is not None and entry.state is P16State.IN_USE:
             return entry.params
+        if self.zero_copy(i) and (entry is None and self._current(i, slot) or entry is not None
+                                  and entry.state is P16State.FILLING):
+            return self._acquire_record(i, slot)
         layout = self.layout.blocks[i]
         staged = entry if entry is not None and entry.state is P16State.STAGED else None
         if staged is not None:
@@ -296,6 +334,21 @@ class ParamStreamer:
             module._parameters[leaf] = p
             entry.params.append(p)
         self._blocks[i] = entry
+        self.max_resident = max(self.max_resident, len(self._in(P16State.IN_USE, P16State.STAGED)))
+        return entry.params
+
+    def _acquire_record(self, i: int, slot: int) -> list[nn.Parameter]:
+        """`acquire` of block i as views of its resident record (zero copy), once the optimizer offered it where it
+        is expected (its update of the step before done)."""
+        entry = self._take_provision(i) if self._state(i) is P16State.FILLING else P16Buffer(i, slot)
+        entry.slot = slot
+        entry.to(P16State.STAGED, "acquire (its record)").to(P16State.IN_USE, "acquire (its record)")
+        for (module, leaf, _), view in zip(self._slots[i], self._records[i], strict=True):
+            p = nn.Parameter(view, requires_grad=not self.frozen)
+            module._parameters[leaf] = p
+            entry.params.append(p)
+        self._blocks[i] = entry
+        self.zero_copies += 1
         self.max_resident = max(self.max_resident, len(self._in(P16State.IN_USE, P16State.STAGED)))
         return entry.params
 
@@ -475,6 +528,28 @@ class ParamStreamer:
                 entry.work.wait()
             finally:
                 entry.to(P16State.FREE, "release all")
+
+
+def record_params(layout: StoreLayout, resident: ResidentRecords, p16_dtype: torch.dtype,
+                  blocks: tuple[int, ...] | list[int]) -> list[list[torch.Tensor] | None]:
+    """Each of `blocks`' parameters as views of the P16 of its resident record (`ParamStreamer.use_records`), shaped
+    as the module's; None for the other blocks (they stream). `blocks`: the plan's (`pools.zero_copy_blocks`: their
+    records keep the P16 of `p16_dtype`, and no parameter spans two of their units)."""
+    out: list[list[torch.Tensor] | None] = [None] * len(layout.blocks)
+    for i in blocks:
+        b = layout.blocks[i]
+        pieces = [(lo, hi, unit_views(rb.buf.tensor, b, lo, hi, p16_dtype).p16)
+                  for rb in resident.of_block(i) for _, lo, hi in [rb.unit]]
+        views = []
+        for spec in b.params:
+            at = [(lo, t) for lo, hi, t in pieces if lo <= spec.offset and spec.offset + spec.numel <= hi]
+            if not at or at[0][1].dtype != p16_dtype:
+                raise RuntimeError(f"block {i} ({b.name}) was planned to compute on its record, which has no "
+                                   f"{p16_dtype} P16 of its parameter {spec.name} in one piece")
+            lo, t = at[0]
+            views.append(t[spec.offset - lo:spec.offset - lo + spec.numel].view(spec.shape))
+        out[i] = views
+    return out
 
 
 class _Handover:
