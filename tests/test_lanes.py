@@ -27,7 +27,9 @@ def test_the_engine_measures_the_cost_models_lanes(make_dirs):
     lanes = s.lanes
     assert {"gpu", "ssd", "cpu"} <= set(lanes) and not {"compute", "cpu_adam"} & set(lanes)
     assert {"m2g", "g2m"}.isdisjoint(lanes)  # a CPU device models no copy engines
-    assert lanes["ssd"] >= max(lanes["ssd_read"], lanes["ssd_write"]) > 0  # reads and writes add (simplex)
+    # reads and writes share the drive (simplex): the union lane covers each direction (to the clock reads' ms)
+    assert lanes["ssd"] >= max(lanes["ssd_read"], lanes["ssd_write"]) - 1e-3 and max(lanes["ssd_read"],
+                                                                                      lanes["ssd_write"]) > 0
     assert lanes["cpu"] >= lanes["adam"] > 0  # AdamW and the records' hashing
     assert s.overlap_efficiency == pytest.approx(max(lanes[k] for k in ("gpu", "ssd", "cpu")) / s.step_s)
 

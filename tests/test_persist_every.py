@@ -34,8 +34,8 @@ def _commit(dirs) -> dict:
 def test_an_interval_trains_the_same_bits_as_pytorch(make_dirs, clip, lookahead):
     metrics = check(tiny_cfg(), config(make_dirs(1), persist_every=3, max_grad_norm=clip), lookahead=lookahead)
     assert [m["durable"] for m in metrics] == [(s + 1) % 3 == 0 for s in range(STEPS)]
-    if clip:  # (nothing on the SSDs to redo from)
-        assert all(m["deferred"] for m in metrics if not m["durable"])
+    # (a held step that clips may have speculated: clip_mode auto weighs the replay from the last durable commit it
+    # then costs, `test_a_speculated_step_held_in_ram_that_clips_is_replayed_at_its_coefficient`; the bits are equal)
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
