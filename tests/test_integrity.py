@@ -59,8 +59,9 @@ def test_flipped_bytes_stop_the_step_and_name_the_block(make_dirs, section):
         cause = info.value if isinstance(info.value, StoreCorruptError) else info.value.__cause__
         assert isinstance(cause, StoreCorruptError)
         msg = str(cause)
-        # (fp32 records have no P16 copy: the forward reads the P32 as its P16, and finds the damage first)
-        assert "block 2 (block1)" in msg and ("P32" if section == "p32" else "P16") in msg
+        # (fp32 records have no P16 copy: the P32 is the P16. The forward reading it as its P16, or the CPU's load of
+        # the resident record it computes on (zero copy: `GradOffloader.load_resident`), finds the damage first)
+        assert "block 2 (block1)" in msg and ("P32" in msg if section == "p32" else ("P16" in msg or "P32" in msg))
         assert dirs[0] in msg and "--verify" in msg
         assert engine.step_count == 2  # nothing was committed over the damaged state
     store = StateStore.open(dirs, backend="threads")

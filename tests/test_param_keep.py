@@ -11,7 +11,14 @@ import pytest
 
 import lohan
 from lohan.data import synthetic_batches
-from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, reference_run, tiny_cfg
+from tests.test_engine_equivalence import assert_params_equal, batches, reference_run, tiny_cfg
+from tests.test_engine_equivalence import engine_config as _engine_config
+
+
+def engine_config(dirs, **kw):
+    """Records streamed (resident_mem 0): on the CPU a resident record's block computes on the record itself (zero
+    copy) and no P16 is read or kept, which is what these tests count."""
+    return _engine_config(dirs, **{"resident_mem": 0, **kw})
 
 
 def _p16_read_per_step(engine, steps, follow: bool) -> list[int]:

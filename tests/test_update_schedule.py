@@ -11,7 +11,14 @@ import pytest
 import lohan
 from lohan.plan.pools import plan_host_memory
 from lohan.runtime.engine import pool_geometry
-from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, reference_run, tiny_cfg
+from tests.test_engine_equivalence import assert_params_equal, batches, reference_run, tiny_cfg
+from tests.test_engine_equivalence import engine_config as _engine_config
+
+
+def engine_config(dirs, **kw):
+    """Records streamed (resident_mem 0), so P16 is read and provided as the schedule tests count (on the CPU a
+    resident record's block computes on the record itself: zero copy)."""
+    return _engine_config(dirs, **{"resident_mem": 0, **kw})
 
 
 def run(mcfg, ecfg, data, follow: bool = True):

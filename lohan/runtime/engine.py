@@ -578,8 +578,9 @@ class Engine:
             follow = self.offloader.follow(self._expect_tail) is not None
         fwd_t = None
         if follow:
-            # (blocks updated before the tail, not handed over, are read from their records: this update's)
-            self._ram_update = plan.update if plan.tail_follows else None
+            # (a block it reads again, or one updated before the tail and not handed over, comes from its record, at this
+            # step's update)
+            self._ram_update = plan.update
             try:
                 acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
             finally:
