@@ -356,3 +356,29 @@ def test_the_plan_gives_no_p16_buffer_to_the_records_the_cpu_computes_on(dtype):
     chunked = ecfg.with_overrides(opt_chunk_bytes="16MiB")  # the 3.6M-element block in chunks
     part = plan_host_memory(PoolGeometry(layout), chunked, host_device=True)
     assert 0 in part.resident_blocks and part.zero_copy == (1, 2, 3, 4) and part.params == p16[0]
+
+
+@pytest.mark.parametrize("kw", [dict(mode="serial"), dict(mode="optimized", clip_mode="defer", max_inflight_blocks=2),
+                                dict(mode="optimized", persist_every=3, max_grad_norm=0.0, max_inflight_blocks=2)])
+@pytest.mark.usefixtures("streamed")
+def test_a_separate_device_takes_the_p16_of_a_durable_slot_from_the_records_that_hold_it(make_dirs, kw):
+    """Every record resident and a durable slot the current one: its P16 is also in the records (the step that
+    wrote the slot wrote it from there), so a forward, a recompute and a step after a durable one copy it from memory
+    and read none of it from the SSDs, also where the params pool has no room to keep what the optimizer hands over.
+    The same bits as plain PyTorch."""
+    mcfg = tiny_cfg(n_layer=4)
+    ecfg = config(make_dirs(1), resident_mem="all", **kw)
+    data = list(batches(STEPS))
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    losses, read = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        assert len(engine.offloader.resident) == len(engine.layout.blocks)
+        for k, batch in enumerate(data):
+            before = engine.streamer.bytes_read
+            losses.append(engine.step(batch, next_batch=data[k + 1] if k + 1 < len(data) else None))
+            read.append(engine.streamer.bytes_read - before)
+        params = engine.state_dict_fp32()
+    assert read[0] > 0  # the first step finds nothing in memory
+    assert read[1:] == [0] * (STEPS - 1), read
+    assert losses == ref_losses
+    same_weights(params, ref_params)

@@ -36,7 +36,8 @@ The lanes, each a resource that works in parallel with the others (the time one 
   overflowed activations, and writes P32, m, v, P16. So per step the SSDs read ``(12 + 2 s) P`` and write
   ``(12 + s) P`` bytes, at the *effective* bandwidths of :class:`Hardware` (see :class:`SsdSpec`); the
   records kept in main memory across steps (``Profile.resident_params``, ``pools.plan_resident``) are
-  written but not read: ``12 R`` bytes less; and the P16 the parameter pool keeps over a turn
+  written but not read: ``12 R`` bytes less, nor is their P16 (copied from the record): ``2 s R`` less; and the
+  P16 the parameter pool keeps over a turn
   (``Profile.kept_p16_params``, K) are read in neither pass: backward finds those forward read, the next forward
   those the update handed over: ``2 s K`` bytes less.
 - ``cpu`` (backward only): the CPU AdamW, ``P / cpu_adam_params_per_s`` (the fp32 master, m and v
@@ -551,8 +552,10 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     opt_read = profile.record_bytes * (profile.param_count - profile.resident_params)
     alpha = max(0, a_g2m - hw.mem_avail)
     cpu = profile.update_cost * profile.param_count / hw.cpu_adam_params_per_s if hw.cpu_adam_params_per_s else 0.0
-    # P16 read from the SSDs in each pass: what the parameter pool does not keep over the turn (Profile)
-    p16_read = p16 * (1 - profile.kept_p16_params / max(1, profile.param_count))
+    # P16 read from the SSDs in each pass: what the parameter pool does not keep over the turn, and not a resident
+    # record's (copied from the record: `runtime.params.ParamStreamer.prefetch`) (Profile)
+    p = max(1, profile.param_count)
+    p16_read = p16 * max(0.0, 1 - (profile.kept_p16_params + profile.resident_params) / p)
     lanes_f = {"gpu": profile.flop_f / hw.thp_g + quant, "g2m": a_g2m / hw.bw_g, "m2g": p16 / hw.bw_g,
                "ssd": p16_read / hw.bw_s2m + alpha / hw.bw_m2s}
     grads = 0 if profile.frozen else p16  # G16 to the host (none: frozen weights)
@@ -563,8 +566,8 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     (slow_f, fill_f), (slow_b, fill_b) = _pipeline(lanes_f, n), _pipeline(lanes_b, n)
     t_f, t_b = slow_f + fill_f, slow_b + fill_b
     # The optimizer after backward: backward keeps its own traffic, then the optimizer's lanes run alone; its
-    # forward reads every P16 (nothing handed over)
-    serial_f = {**lanes_f, "ssd": p16 / hw.bw_s2m + alpha / hw.bw_m2s}
+    # forward reads every P16 but the resident records' (nothing handed over)
+    serial_f = {**lanes_f, "ssd": p16 * (1 - profile.resident_params / p) / hw.bw_s2m + alpha / hw.bw_m2s}
     serial_b = {**lanes_b, "cpu": 0.0, "ssd": (p16_read + alpha) / hw.bw_s2m}
     serial_opt = {"cpu": cpu, "ssd": opt_read / hw.bw_s2m + states / hw.bw_m2s}
     t_serial = sum(_pipeline(serial_f, n)) + _phase(serial_b, n) + _phase(serial_opt, n)

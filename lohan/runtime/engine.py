@@ -252,7 +252,7 @@ class Engine:
         # (None: as planned; "skip": known to skip; a tensor: known to clip at that coefficient)
         self._held: HeldSteps = HeldSteps()
         self._replayed: Outcome = None
-        self.streamer.ram_p16 = self._ram_p16
+        self.streamer.ram_p16, self.streamer.ram_current = self._ram_p16, self._record_current
         self._ram_update: int | None = None  # `_ram_p16`: the update a following forward reads (None: the commit's)
         if run_plan.zero_copy:  # the CPU computes on these blocks' records (no P16 buffer: `load_records`)
             self.streamer.use_records(record_params(self.layout, self.offloader.resident_records,
@@ -268,17 +268,15 @@ class Engine:
         return self._auto_persist if self.cfg.execution.persist_every == "auto" else int(self.cfg.execution.persist_every)
 
     def _ram_p16(self, block: int, slot: int) -> list[tuple[int, Tensor]]:
-        """Block `block`'s P16 of RAM slot `slot` (a step between durable commits): its resident record's, as
-        (first element, P16) of each of its units (one, or one per chunk of a block updated in chunks)."""
-        res = self.offloader.resident_records
-        rbs = res.of_block(block)
-        applied = self._applied()
-        if not rbs or not self.store.in_ram(slot) or not all(res.holds(rb.unit, slot, applied) for rb in rbs):
-            raise RuntimeError(f"block {block}'s parameters of RAM slot {slot} are not in memory (a discarded update "
+        """Block `block`'s P16 of slot `slot` from its resident record: a RAM slot's (a step between durable
+        commits), or a durable slot's that the record holds (`_record_current`), as (first element, P16) of each of
+        its units (one, or one per chunk of a block updated in chunks)."""
+        if not self._record_current(block, slot):
+            raise RuntimeError(f"block {block}'s parameters of slot {slot} are not in memory (a discarded update "
                                "lost them); resume from the last durable step")
         b = self.store.layout.blocks[block]
-        return [(lo, unit_views(rb.buf.tensor, b, lo, hi, self.store.p16_dtype).p16) for rb in rbs
-                for _, lo, hi in [rb.unit]]
+        return [(lo, unit_views(rb.buf.tensor, b, lo, hi, self.store.p16_dtype).p16)
+                for rb in self.offloader.resident_records.of_block(block) for _, lo, hi in [rb.unit]]
 
     def load_records(self) -> None:
         """Between steps, where the CPU computes on resident records (`RunPlan.zero_copy`): read those that do not

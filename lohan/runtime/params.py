@@ -111,6 +111,8 @@ class ParamStreamer:
         # (a step between durable commits, engine.persist_every): copied from there, never read from the SSDs,
         # whose slots hold an older step
         self.ram_p16: Callable[[int, int], list[tuple[int, torch.Tensor]]] | None = None
+        # whether block i's resident record holds the P16 of a slot now (`ram_p16` can supply it)
+        self.ram_current: Callable[[int, int], bool] = lambda i, slot: False
         # zero copy (`use_records`): block -> its parameters as views of its resident record (None: streamed), and
         # whether that record holds the P16 of a slot now
         self._records: list[list[torch.Tensor] | None] = [None] * len(blocks)
@@ -258,7 +260,9 @@ class ParamStreamer:
         if self.zero_copy(i) and self._current(i, slot):  # nothing to read: acquire takes its record's views
             return
         own = self.store.layout.blocks[i]
-        if self.store.in_ram(slot):
+        # a RAM slot's P16 is nowhere else; a durable slot's is also in a resident record that holds it (the step that
+        # wrote the slot wrote it from there): a copy in memory, not a read of the SSDs and its checksum
+        if self.store.in_ram(slot) or self.ram_current(i, slot):
             self._from_ram(i, slot)
             return
         if self.before_read is not None:
@@ -275,7 +279,7 @@ class ParamStreamer:
         self.bytes_read += own.p16_bytes
 
     def _from_ram(self, i: int, slot: int) -> None:
-        """`prefetch` of a RAM slot: block i's P16 copied from its resident record (the optimizer's own bytes: a step
+        """`prefetch` of a RAM slot, or of a slot a resident record holds: block i's P16 copied from that record (the optimizer's own bytes: a step
         updates a block in place only once its gradient is complete, after the last read of its P16 in the step, or
         after backward)."""
         if self.ram_p16 is None:
