@@ -5,9 +5,11 @@ The box is emulated: the simulated device (``device: sim``) with a timing model 
 stays busy for the modeled time of its FLOPs, sleeping, and copies take their modeled PCIe time on separate
 upload and download engines), the NVMe directory paced to a modeled SSD (``emulate_ssd_gbps``, reads and writes
 sharing it), and a model whose real CPU compute is small (short sequences, fp32), so that compute no longer takes
-the cores AdamW, hashing and the I/O need. The CPU AdamW rate is measured on this box first
-(`fit.measure_cpu_adam`, with the records' hashing when checksums are on), then each regime's modeled GPU and
-SSD are chosen from the cost model (`planner.predict_lanes`) so that its lanes stand as the regime says:
+the cores AdamW, hashing and the I/O need. The CPU lane's rate (AdamW and the records' hashing) is measured on
+this box first, in serial steps per state format; each regime's modeled GPU and SSD are chosen from the cost model
+(`planner.predict_lanes`) so that its lanes stand as the regime says; then the rate is measured again in serial
+steps on each regime's own box (its paced store, its records resident or streamed: what the two cores also copy
+and hash there), and the regime's GPU and SSD are chosen once more at that rate, which also prices its lanes:
 
 - ``disk``: records streamed from one paced directory, the ssd lane 3x the others;
 - ``optimizer``: every record resident in main memory and written every few steps (``persist_every`` auto), a
@@ -153,13 +155,15 @@ def timed_device() -> bool:
 
 def hardware(regime: Regime, cpu_rates: dict[str, float], n_dirs: int) -> Any:
     """The cost model's description of a regime's emulated box. The planner prices a format's update as
-    ``update_cost`` times exact's; the CPU lane's rate measured in the regime's own format is given back as the
-    exact rate it implies, so the lane is priced at what was measured."""
+    ``update_cost`` times exact's; the CPU lane's rate measured in the regime's own format (on its own box where
+    `cpu_rates` has the regime's name, else on the unpaced calibration store) is given back as the exact rate it
+    implies, so the lane is priced at what was measured."""
     from lohan.plan.formats import state_format
     from lohan.plan.planner import Hardware
 
     ssd = regime.ssd_gbps * 1e9 * n_dirs
-    rate = cpu_rates[regime.rate_key] * state_format(regime.state_format).update_cost
+    measured = cpu_rates.get(regime.name, cpu_rates.get(regime.rate_key))
+    rate = measured * state_format(regime.state_format).update_cost
     return Hardware(f"lane_bench-{regime.name}", thp_g=regime.tflops * 1e12, bw_g=PCIE, bw_s2m=ssd, bw_m2s=ssd,
                     mem_avail=64 * GiB, cpu_adam_params_per_s=rate)
 
@@ -175,11 +179,13 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
                          persist_every=regime.persist_every)  # (serial runs the regime's interval too)
 
 
-def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1
-                  ) -> float:
+def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1,
+                  regime: Regime | None = None) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
-    median of serial steps on an unpaced store with every record resident. With ``persist_every`` auto, the steps
-    between durable ones instead (optimized mode), which hash no record: the optimizer regime's steps.
+    median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
+    store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
+    reads). With ``persist_every`` auto, the steps between durable ones instead (optimized mode), which hash no
+    record: the optimizer regime's steps.
     `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
@@ -187,11 +193,14 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     import lohan
     from lohan.config import EngineConfig
 
+    if regime is not None:
+        state_format, persist_every = regime.state_format, regime.persist_every
     in_ram = persist_every != 1
-    cfg = EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
-                       device="sim", mode="optimized" if in_ram else "serial", resident_mem="all", name=STORE_NAME,
-                       max_grad_norm=0.0, state_format=state_format, persist_every=persist_every,
-                       **({"sim_gpu": sim_spec(1000, args.device_compute)} if timed_device() else {}))
+    mode = "optimized" if in_ram else "serial"
+    cfg = engine_config(args, regime, mode) if regime is not None else EngineConfig(
+        nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads", device="sim", mode=mode,
+        resident_mem="all", name=STORE_NAME, max_grad_norm=0.0, state_format=state_format,
+        persist_every=persist_every, **({"sim_gpu": sim_spec(1000, args.device_compute)} if timed_device() else {}))
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, CALIBRATION_STEPS + 1, seed=1)
     with lohan.init(mcfg, cfg, overwrite=True) as engine:
         cpu = []
@@ -363,7 +372,8 @@ def markdown(report: dict) -> str:
              f"Emulated GPU box on {report['environment']['cpu_model']} ({report['environment']['cpu_count']} cores): "
              f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
              f"directory (tmpfs by default); model {report['model']}; the CPU lane's rate (the update and the records' "
-             "hashing) measured in serial steps per state format, M params/s: " + ", ".join(
+             "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box, "
+             "M params/s: " + ", ".join(
                  f"{k} {v / 1e6:.1f}" for k, v in report["cpu_update_params_per_s"].items())
              + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
@@ -413,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     kinds = sorted({(SHAPES[r][0], SHAPES[r][4]) for r in args.regimes}, key=str)
     cpu_rates = {Regime("", 0, 0, 0, fmt, persist).rate_key: calibrate_cpu(args, mcfg, fmt, persist)
                  for fmt, persist in kinds}
+    regimes = choose_regimes(args, mcfg, cpu_rates)
+    # measured again on each regime's own box, whose lanes are then placed (and priced) at that rate
+    cpu_rates.update({r.name: calibrate_cpu(args, mcfg, regime=r) for r in regimes})
     regimes = choose_regimes(args, mcfg, cpu_rates)
     rates = ", ".join(f"{fmt} {r / 1e6:.1f}" for fmt, r in cpu_rates.items())
     log(f"{mcfg.name}: {mcfg.param_count() / 1e6:.1f}M params, batch {args.batch_size} x {args.seq_len}; CPU update "

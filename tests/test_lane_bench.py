@@ -41,6 +41,10 @@ def test_regimes_are_chosen_from_the_cost_model():
     # the cpu lane is priced at the rate measured in the regime's own format (and persistence)
     assert pred["balanced"]["cpu"] == pytest.approx(mcfg.param_count() / rates["8bit-moments"], rel=0.1)
     assert pred["optimizer"]["cpu"] == pytest.approx(mcfg.param_count() / rates["8bit-moments, in RAM"], rel=0.1)
+    # a rate measured on the regime's own box prices it in place of its format's
+    balanced = next(r for r in regimes if r.name == "balanced")
+    own = lane_bench.predicted(args, mcfg, balanced, {**rates, "balanced": 1e7}, "optimized")
+    assert own["cpu"] == pytest.approx(mcfg.param_count() / 1e7, rel=0.1)
 
 
 def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
@@ -51,6 +55,7 @@ def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
     assert set(lane_bench.TARGETS) <= set(report) and set(report["targets_met"]) == set(lane_bench.TARGETS)
     assert report["step_over_slowest_lane_gpu"] is None and report["optimized_vs_serial_disk"] > 0
     assert report["emulated"] is True and report["environment"]["cpu_model"] is not None
+    assert {"exact", "8bit-moments", "disk", "balanced"} <= set(report["cpu_update_params_per_s"])  # (each box's)
     for name in ("disk", "balanced"):
         for mode in lane_bench.MODES:
             m = report["regimes"][name]["modes"][mode]
