@@ -106,9 +106,11 @@ from lohan.store.states import StateStore, StoreLayout, UnitViews, unit_sums
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
 
-Provide = Callable[[int, int, int, torch.Tensor], None]
-"""provide(block, lo, hi, p16): the new P16 of elements lo..hi of a block, handed over right after its update
-(before its WRITE completes); called on the worker thread, in pipeline order."""
+Provide = Callable[[int, int, int, torch.Tensor, bool], None]
+"""provide(block, lo, hi, p16, resident): the new P16 of elements lo..hi of a block, handed over right after its
+update (before its WRITE completes); called on the worker thread, in pipeline order. ``resident``: the unit's
+record stays in memory and is tagged with the slot and update it now holds (`ResidentRecords.holds`), so the
+receiver may copy the P16 from it where it is used instead of here, on the optimizer's serial path."""
 
 
 def upcast_bytes(layout: StoreLayout, chunk_elems: int | None, grad_dtype: torch.dtype | str | int,
@@ -369,19 +371,23 @@ class UpdatePass:
         ago = self.ago
         i, lo, hi = rb.unit
         views = unit_views(rb.buf.tensor, ago.store.layout.blocks[i], lo, hi, ago.store.p16_dtype)
-        if self.provide is not None:
-            self.provide(i, lo, hi, views.p16)
-        self.in_hand = None
+        # a resident record is tagged before its P16 is offered: the receiver copies it from the record
         if not self.persist:  # the update stays in its resident buffer, the state of RAM slot `write_slot`
             ago.resident_records.keep(rb, self.write_slot, self.update)
-        elif self.lazy and reads_pending:
-            ago.behind.hold(rb)
-        else:
-            # (once every READ is done, the SSDs have nothing better to do: a write held now would only
-            # lengthen the tail the next step's backward waits on before its own reads)
-            self._issue_write(rb)
-        if lo == 0 and self.persist:
-            ago.blocks_written += 1
+        elif rb.resident:  # its bytes are those of the slot it writes, once that step is committed
+            ago.resident_records.written(rb.unit, self.write_slot, self.update)
+        if self.provide is not None:
+            self.provide(i, lo, hi, views.p16, rb.resident)
+        self.in_hand = None
+        if self.persist:
+            if self.lazy and reads_pending:
+                ago.behind.hold(rb)
+            else:
+                # (once every READ is done, the SSDs have nothing better to do: a write held now would only
+                # lengthen the tail the next step's backward waits on before its own reads)
+                self._issue_write(rb)
+            if lo == 0:
+                ago.blocks_written += 1
         if not self.lazy or reads_pending:  # (a lazy pass's last writes are its tail: reaped, and any failure
             self._reap(wait=ago.mode == "naive")  # met, in the next step, as when they were held to the end)
 

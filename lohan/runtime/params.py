@@ -96,6 +96,7 @@ class ParamStreamer:
         self._failure: Callable[[], BaseException | None] = lambda: None
         self._handover: _Handover | None = None  # the running in-backward pass's blocks being filled
         self.handed_over = 0  # blocks kept from an update for the next forward
+        self.offered_bytes = 0  # P16 bytes the optimizer's thread copied into provisions (`offer`)
         self.max_resident = 0
         self.wait_s = 0.0  # seconds acquire waited for P16 being read or copied in
         self.provision_wait_s = 0.0  # seconds acquire waited for a block the optimizer provides (`expect`)
@@ -182,14 +183,18 @@ class ParamStreamer:
                 self._blocks[i] = P16Buffer(i, -1).to(P16State.FILLING, "expect")
             self._failure = failure
 
-    def offer(self, i: int, lo: int, hi: int, p16: torch.Tensor) -> None:
-        """Elements lo..hi of block i's new P16 (the optimizer's thread); dropped if i is not expected."""
+    def offer(self, i: int, lo: int, hi: int, p16: torch.Tensor, resident: bool = False) -> None:
+        """Elements lo..hi of block i's new P16 (the optimizer's thread); dropped if i is not expected. Those of a
+        `resident` record are not copied here: the record holds them, and the forward copies them from it when it
+        takes the block (`_host`), on its own thread, off the optimizer's serial path (one process: a rank's
+        record holds its shard, gathered through this buffer)."""
         start, numel = self._own(i)  # lo..hi count in the rank's shard
         with self._lock:
             prov = self._blocks.get(i)
             if prov is None or prov.state is not P16State.FILLING:
                 return
-            if self.zero_copy(i):  # its record holds them now: nothing to copy (acquire takes its views)
+            # zero copy: acquire takes the record's views; resident: `_host` copies from the record
+            if self.zero_copy(i) or resident and self.dp is None and prov.buf is None:
                 prov.filled += hi - lo
                 if prov.filled == numel:
                     prov.ready.set()
@@ -199,6 +204,7 @@ class ParamStreamer:
             prov.buf = self.pool.acquire(self.buffer_bytes(i))  # (kept blocks give way first)
         flat = prov.buf.tensor.view(self.store.p16_dtype)
         flat[start + lo:start + hi].copy_(p16)
+        self.offered_bytes += p16.numel() * p16.element_size()
         with self._lock:
             prov.busy = False
             if prov.cancelled:
@@ -208,7 +214,7 @@ class ParamStreamer:
             if prov.filled == numel:
                 prov.ready.set()
 
-    def handover(self, old_slot: int, new_slot: int) -> Callable[[int, int, int, torch.Tensor], None] | None:
+    def handover(self, old_slot: int, new_slot: int) -> Callable[[int, int, int, torch.Tensor, bool], None] | None:
         """A `provide` for an update pass that runs during backward: each block's new P16 is kept under
         (block, `new_slot`) for the next forward (module docstring). None in place, where nothing is kept."""
         if not self.keeps:
@@ -218,12 +224,13 @@ class ParamStreamer:
             self._handover = _Handover(old_slot, new_slot)
             return functools.partial(self._hand_over, self._handover)
 
-    def _hand_over(self, h: _Handover, i: int, lo: int, hi: int, p16: torch.Tensor) -> None:
+    def _hand_over(self, h: _Handover, i: int, lo: int, hi: int, p16: torch.Tensor, resident: bool = False) -> None:
         """Elements lo..hi of block i's new P16 (the optimizer's thread). Never waits for room: backward needs
-        the pool, and a block without room is read by the next forward as before."""
+        the pool, and a block without room is read by the next forward as before. Nothing is kept of a
+        `resident` record: the next forward copies from the record, which holds the slot (`prefetch`)."""
         start, numel = self._own(i)
         with self._lock:  # (release_all may give the buffers back meanwhile: the copy stays under the lock)
-            if h is not self._handover or self.zero_copy(i):  # (the next forward takes its record's views)
+            if h is not self._handover or self.zero_copy(i) or resident:  # (the next forward takes the record's)
                 return
             if i not in h.blocks:
                 buf = self.pool.take_kept((i, h.old_slot))  # backward is done with block i
@@ -263,7 +270,9 @@ class ParamStreamer:
         # a RAM slot's P16 is nowhere else; a durable slot's is also in a resident record that holds it (the step that
         # wrote the slot wrote it from there): a copy in memory, not a read of the SSDs and its checksum
         if self.store.in_ram(slot) or self.ram_current(i, slot):
-            self._from_ram(i, slot)
+            entry = P16Buffer(i, slot, self._from_record(i, slot))
+            entry.handle = _Done()
+            self._blocks[i] = entry.to(P16State.READING, "copy from RAM")
             return
         if self.before_read is not None:
             self.before_read(slot, i)
@@ -278,24 +287,23 @@ class ParamStreamer:
         self._blocks[i] = entry.to(P16State.READING, "prefetch")
         self.bytes_read += own.p16_bytes
 
-    def _from_ram(self, i: int, slot: int) -> None:
-        """`prefetch` of a RAM slot, or of a slot a resident record holds: block i's P16 copied from that record (the optimizer's own bytes: a step
-        updates a block in place only once its gradient is complete, after the last read of its P16 in the step, or
-        after backward)."""
+    def _from_record(self, i: int, slot: int) -> AlignedBuffer:
+        """A buffer of block i's P16 of a RAM slot, or of a slot a resident record holds, copied from that record
+        (the optimizer's own bytes: a step updates a block in place only once its gradient is complete, after the
+        last read of its P16 in the step, or after backward)."""
         if self.ram_p16 is None:
-            raise RuntimeError(f"block {i}'s parameters of RAM slot {slot} have no source in memory")
+            raise RuntimeError(f"block {i}'s parameters of slot {slot} have no source in memory")
         own = self.store.layout.blocks[i]
-        entry = P16Buffer(i, slot, self._room(self.buffer_bytes(i)))
+        buf = self._room(self.buffer_bytes(i))
         try:
             at = self._own(i)[0] * own.p16_itemsize
-            dst = entry.buf.tensor[at:at + own.numel * own.p16_itemsize].view(self.store.p16_dtype)
+            dst = buf.tensor[at:at + own.numel * own.p16_itemsize].view(self.store.p16_dtype)
             for lo, piece in self.ram_p16(i, slot):  # (a block updated in chunks: one piece per chunk)
                 dst[lo:lo + piece.numel()].copy_(piece)
         except BaseException:
-            entry.buf.release()
+            buf.release()
             raise
-        entry.handle = _Done()
-        self._blocks[i] = entry.to(P16State.READING, "copy from RAM")
+        return buf
 
     def stage(self, i: int, slot: int) -> None:
         """Start copying block i's P16 to the device now (waiting for its read if needed), so that the copy
@@ -432,8 +440,15 @@ class ParamStreamer:
         """Block i's host buffer with this rank's part in place, taken out of `_blocks`: kept from earlier (NEW),
         read from the SSDs (READING; its checksums verified), or provided by the optimizer (FILLING)."""
         state = self._state(i)
-        if state is P16State.FILLING:
-            return self._take_provision(i)  # the optimizer's own bytes: nothing was read, nothing to check
+        if state is P16State.FILLING:  # the optimizer's own bytes: nothing was read, nothing to check
+            prov = self._take_provision(i)
+            if prov.buf is None:  # offered in its resident record (`offer`): copied from there, on this thread
+                try:
+                    prov.buf = self._from_record(i, slot)
+                except RuntimeError:
+                    self._raise_failure(i)  # (a pass that failed since forgets what its records hold)
+                    raise
+            return prov
         kept = None if state is P16State.READING or not self.keeps else self.pool.take_kept((i, slot))
         if kept is not None:  # checked when it was read (or the optimizer's own bytes)
             self.kept_hits += 1
@@ -459,15 +474,19 @@ class ParamStreamer:
         padded = self._padded(buf, i)
         return [tensor_hash(padded[start + lo:start + hi]) for lo, hi in unit_bounds(numel, self.store.chunk_elems)]
 
+    def _raise_failure(self, i: int) -> None:
+        """Raise the optimizer's error, if its pass failed, as the reason block i was not provided."""
+        err = self._failure()
+        if err is not None:
+            raise RuntimeError(f"the optimizer failed before providing block {i}'s parameters") from err
+
     def _take_provision(self, i: int) -> P16Buffer:
         """Wait for block i's offer to be complete and take its buffer."""
         prov = self._blocks[i]
         t0 = time.perf_counter()
         self._reap(wait=True)  # the optimizer's offer may wait for the room these take
         while not prov.ready.wait(0.05):
-            err = self._failure()
-            if err is not None:
-                raise RuntimeError(f"the optimizer failed before providing block {i}'s parameters") from err
+            self._raise_failure(i)
         # a wait for the optimizer's update of the block (the forward follows the pass), not for a read
         self.provision_wait_s += time.perf_counter() - t0
         with self._lock:
@@ -567,7 +586,7 @@ class _Handover:
 
 
 class _Done:
-    """The handle of a P16 copied from RAM (`_from_ram`): complete from the start."""
+    """The handle of a P16 copied from a resident record (`_from_record`): complete from the start."""
 
     def wait(self) -> None:
         return None
