@@ -20,6 +20,7 @@ from lohan.app.ownership import Owner
 from lohan.app.run_state import check_resumable
 from lohan.config import EngineConfig, RunConfig
 from lohan.plan.pools import MemoryPlanError
+from lohan.plan.records import P16_ITEMSIZE
 from lohan.plan.run_plan import RunPlan
 from lohan.runtime.engine import Engine, init
 from lohan.runtime.parallel import DataParallel
@@ -116,7 +117,7 @@ def _store_bytes(params: int, cfg: EngineConfig) -> int:
     the progress line's total."""
     from lohan.plan.formats import state_format
 
-    p16 = 4 if cfg.execution.compute_dtype == "fp32" else 2
+    p16 = P16_ITEMSIZE[cfg.execution.compute_dtype]
     return round(params * state_format("frozen" if cfg.lora.lora_r > 0 else cfg.store.state_format).at_rest(p16))
 
 

@@ -26,6 +26,7 @@ from lohan.app.tracking import missing_packages
 from lohan.config import MAX_STEPS, RunConfig
 from lohan.data import TokenDataset
 from lohan.plan.compute_dtype import DtypeChoice, choose
+from lohan.plan.records import P16_ITEMSIZE
 from lohan.plan.run_plan import RunPlan
 from lohan.runtime.device import compute_dtype_choice, resolve_device
 from lohan.runtime.engine import available_memory, plan_engine
@@ -164,7 +165,7 @@ def plan_fit(ctx: RunContext, hardware: str | None, dry_run: bool, resume: bool 
     except ValueError as err:
         raise Refusal(str(err)) from None
     if dp:
-        net = network_bytes_per_step(ctx.model.config.param_count(), world, 4 if ex.compute_dtype == "fp32" else 2)
+        net = network_bytes_per_step(ctx.model.config.param_count(), world, P16_ITEMSIZE[ex.compute_dtype])
         ctx.console.print(
             f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains {run.batch_size // world} "
             f"of the {run.batch_size} sequences of a batch and stores and updates 1/{world} of every block's "
