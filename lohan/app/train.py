@@ -79,8 +79,8 @@ def train(run: RunConfig, resume: bool = False, dry_run: bool = False, hardware:
         Console(soft_wrap=True).print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     code = 2
-    driver = Run(run, resume, dry_run, hardware, export, overwrite, export_dtype, config, merged)
     try:
+        driver = Run(run, resume, dry_run, hardware, export, overwrite, export_dtype, config, merged)
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
             code = driver.execute()
             return code
