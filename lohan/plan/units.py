@@ -10,7 +10,7 @@ GiB = 2**30
 def itemsize(compute_dtype: str) -> int:
     """Bytes per element of `compute_dtype`; ValueError naming the choices for any other name."""
     if compute_dtype not in P16_ITEMSIZE:
-        raise ValueError(f"compute_dtype={compute_dtype!r}: choose one of {', '.join(P16_ITEMSIZE)}")
+        raise ValueError(f"compute_dtype={compute_dtype!r}: choose one of {', '.join(sorted(P16_ITEMSIZE))}")
     return P16_ITEMSIZE[compute_dtype]
 
 
