@@ -138,3 +138,16 @@ def test_a_scoped_mode_is_left_when_its_op_raises():
     assert tracker.mode is None and not tracker._entered
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None  # popped off the mode stack
     tracker.remove()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_on_a_3d_input_is_recorded_once(bias):
+    """A Linear on a 3-d input runs mm, then _unsafe_view back to 3-d: a view of the mm's output that its schema
+    does not declare. The record holds the mm's output only (it held the view as a second tensor, twice the bytes)."""
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias))
+    tracker = OpTracker([block])
+    with torch.no_grad(), SelectiveMode(tracker, frozenset({"0"})) as mode:
+        out = block(torch.randn(2, 5, 8))
+    tracker.remove()
+    tensors = [t for r in mode.records for t in r.leaves if isinstance(t, torch.Tensor)]
+    assert sum(t.numel() for t in tensors) == out.numel(), [(str(r.func), r.leaves[0].shape) for r in mode.records]

@@ -18,6 +18,11 @@ backward. Between the two, a block needs its input plus whatever the plan swaps:
   dispatch mode sits below autograd, so the op's backward node is recorded as usual and saves what
   it needs (e.g. attention saves its recorded output and logsumexp; kernels that compute the logsumexp only
   under grad are asked for it when recording, `_with_logsumexp`).
+- What a record holds: a block's first replay learns which recorded outputs its backward reads (`ReadWatch`:
+  what autograd saves and what a recomputed op takes); later records keep only those, and the others come
+  back as uninitialized memory of their shape (`Dropped`), which only replayed ops take. In a step the mode is
+  entered only while a swapped sub-module runs (`SelectiveMode.scoped`; a replay that learns sees every op),
+  so the block's other ops cost what they cost without it.
 
 Why not torch's selective checkpoint (`create_selective_checkpoint_contexts`) plus
 `saved_tensors_hooks`: the checkpoint keeps the outputs of MUST_SAVE ops in a private cache as
@@ -112,6 +117,9 @@ class OpTracker:
 
 
 _ALIASING: dict[Any, tuple[bool, bool]] = {}
+# Ops whose output is a view of their input although their schema does not say so: recorded, the view would be
+# a second copy of the output it views (a Linear on a 3-d input is mm, then _unsafe_view to the input's shape).
+_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def _aliasing(func: Any) -> tuple[bool, bool]:
@@ -119,7 +127,7 @@ def _aliasing(func: Any) -> tuple[bool, bool]:
     recording them saves nothing); and it is a view that writes nothing, so running it reads no values."""
     hit = _ALIASING.get(func)
     if hit is None:
-        alias = any(r.alias_info is not None for r in func._schema.returns)
+        alias = func in _UNANNOTATED_VIEWS or any(r.alias_info is not None for r in func._schema.returns)
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         hit = _ALIASING[func] = (alias, alias and not writes)
     return hit
