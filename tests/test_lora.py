@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lohan.models import hf
 from lohan.models.gpt import lm_loss
@@ -708,3 +709,44 @@ def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_
         got.append(engine.step(data[2]))
         state = engine.lora.peft_state_dict(engine.program.model)
     assert got == want and all(torch.equal(state[n], t) for n, t in want_state.items())
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """The FLOPs of every matrix product under it (mm, addmm, bmm: 2 m k n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        a, b = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.mm.out: (0, 1), torch.ops.aten.bmm.default: (0, 1),
+                torch.ops.aten.addmm.default: (1, 2)}.get(func, (None, None))
+        if a is not None:
+            self.flops += 2 * args[a].numel() * args[b].shape[-1]
+        return out
+
+
+def test_a_lora_step_computes_no_more_flops_than_peft(family_dir, make_dirs):
+    """Issue 41 (lora_speed_vs_peft_in_ram): where the graphs are kept, a LoRA step's matmuls are PEFT's: each block
+    once, the head's logits once, no gradient of a frozen weight. The head's backward recomputed the logits and
+    made the frozen head's weight gradient: two GEMMs of the vocabulary's width more than PEFT (the padded
+    vocabulary's tail rows aside: under 64 rows of the head)."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1))
+    data = list(batches(2))
+    with init_from_hf(path, ecfg) as engine:
+        engine.step(data[0])  # (the first step probes block 1 to decide whether the graphs are kept)
+        assert engine.graphs.keep
+        with _MatmulFlops() as ours:
+            engine.step(data[1])
+        model = reference_model(path)
+        pmodel = peft.get_peft_model(model, peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha,
+                                                            target_modules=engine.lora.target_names()))
+        with _MatmulFlops() as theirs:
+            idx, tgt = data[1]
+            lm_loss(pmodel(input_ids=idx).logits.float(), tgt).backward()
+    d, vocab, tokens = model.config.hidden_size, model.config.vocab_size, data[1][0].numel()
+    padding = 2 * 2 * 64 * d * tokens  # at most 64 padded rows of the head's weight, in 2 GEMMs
+    assert theirs.flops <= ours.flops <= theirs.flops + padding, (ours.flops, theirs.flops, 2 * vocab * d * tokens)
+
