@@ -204,8 +204,12 @@ def _lora_fit(ctx: RunContext, machine: Any, dry_run: bool) -> Any:
         widths = projections(ctx.model.program().modules, e.lora.lora_targets)
     except ValueError:  # (targets that match nothing: the engine refuses them, saying what there is)
         widths = None
+    # the CPU keeps the forward's graphs where they fit, under the planner's policy and plain records (lora_graphs)
+    graphs = machine.device_is_host and e.activations.act_policy == "plan" and e.activations.act_compress == "none"
+    act_mem = None if e.activations.act_mem is None else int(e.activations.act_mem)
     report = lora_plan(ctx.model.config, machine.hardware, ctx.run.batch_size // ctx.world, ctx.seq_len, e.lora.lora_r,
-                       e.execution.compute_dtype, int(e.memory.cpu_mem), e.memory.prefetch_depth, machine.notes, ctx.per_epoch, widths)
+                       e.execution.compute_dtype, int(e.memory.cpu_mem), e.memory.prefetch_depth, machine.notes, ctx.per_epoch, widths,
+                       graphs, e.execution.micro_batches, act_mem)
     if not dry_run and not report.fits:
         ctx.console.print(report.format())
         raise Refusal(f"{ctx.run.model} does not fit this machine for LoRA: {'; '.join(report.capacity.reasons)}. "
