@@ -63,6 +63,27 @@ def shared_environment(packages: tuple[str, ...] = ("torch",), hardware: dict[st
     return {"hardware": {**hw, **(hardware or {})}, "versions": {**ver, **(versions or {}), **git_state(dirty_paths)}}
 
 
+def device_environment(device: Any) -> dict[str, Any]:
+    """The flat environment of a report about one device's compute (gpu_block_tflops, gpu_timeline): when, the
+    command, python, torch and the CPU, and on a GPU its name, CUDA, capability, SMs, memory and whether flash
+    attention is on. `device`: a torch.device (torch is imported by the caller)."""
+    import datetime as dt
+    import shlex
+
+    import torch
+
+    env = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": shlex.join(sys.argv),
+           "python": platform.python_version(), "torch": package_version("torch") or torch.__version__,
+           "cpu": cpu_model(), "device": device.type}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
+                   gpu_mem_gib=props.total_memory / 2**30,
+                   flash_sdp=torch.backends.cuda.flash_sdp_enabled())
+    return env
+
+
 def portable(value: Any) -> Any:
     """`value` (a report: nested dicts, lists, strings) with the interpreter's path written `python` and
     the repository's prefix dropped, so a committed report names no path of the machine that made it."""

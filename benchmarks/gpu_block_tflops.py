@@ -24,10 +24,7 @@ benchmarks/scratch/ so CPU numbers never land among the results).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -39,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_env import cpu_model, package_version, portable  # noqa: E402 (sibling module)
+from bench_env import device_environment, portable  # noqa: E402 (sibling module)
 
 from lohan.config import get_model_config  # noqa: E402
 from lohan.models.gpt import Block, init_block_  # noqa: E402
@@ -158,16 +155,8 @@ def measure_block(name: str, device: torch.device, batch: int, seq: int, repeats
 
 
 def environment(device: torch.device) -> dict:
-    env = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": shlex.join(sys.argv),
-           "python": platform.python_version(), "torch": package_version("torch") or torch.__version__,
-           "cpu": cpu_model(), "device": device.type}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                   capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
-                   gpu_mem_gib=props.total_memory / 2**30,
-                   flash_sdp=torch.backends.cuda.flash_sdp_enabled())
-    return env
+    """This machine and `device` (`bench_env.device_environment`)."""
+    return device_environment(device)
 
 
 def write_report(report: dict, out: Path) -> None:

@@ -37,10 +37,7 @@ CUDA the script says so and exits 2 (nothing measured).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -261,15 +258,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def environment() -> dict[str, Any]:
+    """This machine and its first GPU (`bench_env.device_environment`)."""
     import torch
-    from bench_env import cpu_model, package_version
+    from bench_env import device_environment
 
-    props = torch.cuda.get_device_properties(0)
-    return {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": shlex.join(sys.argv),
-            "python": platform.python_version(), "torch": package_version("torch") or torch.__version__,
-            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-            "capability": f"{props.major}.{props.minor}", "gpu_mem_gib": props.total_memory / 2**30,
-            "cpu": cpu_model()}
+    return device_environment(torch.device("cuda", 0))
 
 
 def run(args: argparse.Namespace, nvme: Path, trace_path: Path) -> dict[str, Any]:

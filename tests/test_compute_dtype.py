@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import lohan
-from lohan.app import fit
-from lohan.app import train as train_mod
+from lohan.app import fit, preflight
 from lohan.app.cli import main
 from lohan.capacity import main as capacity_main
 from lohan.config import EngineConfig, get_model_config
@@ -117,8 +116,8 @@ def test_the_dry_run_prices_the_resolved_dtype(tmp_path, capsys, flags, monkeypa
         seen.append(compute_dtype)
         return real(nvme, device, compute_dtype, *a, **kw)
 
-    real = train_mod.detect_hardware
-    monkeypatch.setattr(train_mod, "detect_hardware", detect)
+    real = preflight.detect_hardware
+    monkeypatch.setattr(preflight, "detect_hardware", detect)
     for these, dtype, why in ((AVX2, "fp32", "this CPU has no native bf16"), (AMX, "bf16", "this CPU has AMX bf16")):
         flags(these)
         assert main(args(tmp_path, "--dry-run")) == 0

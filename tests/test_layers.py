@@ -20,7 +20,8 @@ LAYERS = {
     "lohan.plan": 1,
     "lohan.store": 2, "lohan.models": 2, "lohan.data": 2,
     "lohan.runtime": 3,
-    "lohan.app": 4, "lohan.capacity": 4, "lohan": 4,  # the package's public entry points (init, init_from_hf)
+    "lohan.app": 4, "lohan": 4,  # the package's public entry points (init, init_from_hf)
+    "lohan.capacity": 5,  # `python -m lohan.capacity`: a shim over lohan.app.capacity, at the name the README uses
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lohan.models import hf
 from lohan.models.gpt import lm_loss
@@ -708,3 +709,86 @@ def test_a_failed_commit_takes_the_engine_back_to_the_last_one(family_dir, make_
         got.append(engine.step(data[2]))
         state = engine.lora.peft_state_dict(engine.program.model)
     assert got == want and all(torch.equal(state[n], t) for n, t in want_state.items())
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """The FLOPs of every matrix product under it (mm, addmm, bmm: 2 m k n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        a, b = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.mm.out: (0, 1), torch.ops.aten.bmm.default: (0, 1),
+                torch.ops.aten.addmm.default: (1, 2)}.get(func, (None, None))
+        if a is not None:
+            self.flops += 2 * args[a].numel() * args[b].shape[-1]
+        return out
+
+
+def test_a_lora_step_computes_no_more_flops_than_peft(family_dir, make_dirs):
+    """Issue 41 (lora_speed_vs_peft_in_ram): where the graphs are kept, a LoRA step's matmuls are PEFT's: each block
+    once, the head's logits once, no gradient of a frozen weight. The head's backward recomputed the logits and
+    made the frozen head's weight gradient: two GEMMs of the vocabulary's width more than PEFT (the padded
+    vocabulary's tail rows aside: under 64 rows of the head)."""
+    path = family_dir("llama")
+    ecfg = lora_config(make_dirs(1))
+    data = list(batches(2))
+    with init_from_hf(path, ecfg) as engine:
+        engine.step(data[0])  # (the first step probes block 1 to decide whether the graphs are kept)
+        assert engine.graphs.keep
+        with _MatmulFlops() as ours:
+            engine.step(data[1])
+        model = reference_model(path)
+        pmodel = peft.get_peft_model(model, peft.LoraConfig(r=ecfg.lora_r, lora_alpha=ecfg.lora_alpha,
+                                                            target_modules=engine.lora.target_names()))
+        with _MatmulFlops() as theirs:
+            idx, tgt = data[1]
+            lm_loss(pmodel(input_ids=idx).logits.float(), tgt).backward()
+    d, vocab, tokens = model.config.hidden_size, model.config.vocab_size, data[1][0].numel()
+    padding = 2 * 2 * 64 * d * tokens  # at most 64 padded rows of the head's weight, in 2 GEMMs
+    assert theirs.flops <= ours.flops <= theirs.flops + padding, (ours.flops, theirs.flops, 2 * vocab * d * tokens)
+
+
+def test_lora_plan_prices_no_recomputation_where_the_graphs_are_kept():
+    """Issue 41: on a host device whose memory holds the base and the graphs the engine keeps the forward's graphs
+    (`lohan.runtime.lora_graphs`) and recomputes nothing; the plan priced a recomputing backward anyway (2 FLOP_f
+    and the block inputs moved). Now it prices FLOP_f, nothing over PCIe, the graphs in main memory; where they do
+    not fit (act_mem 0), or on a GPU, the recomputing backward as before."""
+    from lohan.config import get_model_config
+    from lohan.plan.lora import lora_plan
+    from lohan.plan.planner import parse_hardware
+
+    hw, mcfg = parse_hardware("rtx4090,1xP5510,64GB"), get_model_config("125m")
+    flops, tokens = mcfg.flops_per_token(512) * 2 * 512, 2 * 512
+    kept = lora_plan(mcfg, hw, 2, 512, 16, "fp32", cpu_mem=16 << 30, host_device=True)
+    lora_flops = 2 * kept.adapters * tokens
+    assert kept.graphs_kept and kept.graphs.startswith("graphs kept")
+    assert kept.lanes["gpu"][1] == pytest.approx((flops + 2 * lora_flops) / hw.thp_g)
+    assert kept.lanes["m2g"] == kept.lanes["g2m"] == (0.0, 0.0)
+    assert kept.act_host_bytes > 0 and kept.ram_bytes == kept.pool_bytes + kept.act_host_bytes + (1 << 30)
+    tight = lora_plan(mcfg, hw, 2, 512, 16, "fp32", cpu_mem=16 << 30, host_device=True, act_mem=0)
+    assert not tight.graphs_kept and tight.graphs.startswith("recomputed")
+    assert tight.lanes["gpu"][1] == pytest.approx((2 * flops + 3 * lora_flops) / hw.thp_g) and tight.step_s > kept.step_s
+    gpu = lora_plan(mcfg, hw, 2, 512, 16, "fp32", cpu_mem=16 << 30)
+    assert not gpu.graphs_kept and gpu.graphs == "" and gpu.lanes["gpu"] == tight.lanes["gpu"]
+    assert "backward: graphs kept" in kept.format() and "backward:" not in gpu.format()
+
+
+@pytest.mark.parametrize("kw", [{}, {"act_mem": 0}])
+def test_the_dry_run_on_the_cpu_says_what_the_engine_does_with_the_graphs(family_dir, make_dirs, tmp_path, capsys, kw):
+    """The dry run on this machine (a host device) plans kept graphs where the engine keeps them and a recomputing
+    backward where it recomputes (act_mem 0: no memory for the graphs)."""
+    from lohan.app.cli import main
+
+    path = family_dir("llama")
+    args = ["--model", path, "--lora", "4", "--dry-run", "--batch-size", "4", "--seq-len", "16", "--compute-dtype",
+            "fp32", "--device", "cpu", "--nvme", str(tmp_path / "n"), *(["--act-mem", "0"] if kw else [])]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    with init_from_hf(path, lora_config(make_dirs(1), **kw)) as engine:
+        engine.step(next(batches(1)))
+        keep = engine.graphs.keep
+    assert keep == (not kw)
+    assert ("backward: graphs kept" if keep else "backward: recomputed") in out, out

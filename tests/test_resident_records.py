@@ -297,21 +297,21 @@ def test_config_refuses_a_bad_resident_mem(kw, match):
 
 
 def test_the_run_header_says_how_many_records_stay_and_what_keeps_them_all(make_dirs):
-    from lohan.app.train import _resident_line
+    from lohan.app.header import resident_line
 
     mcfg = tiny_cfg(n_layer=12, vocab_size=4096)
     with lohan.init(mcfg, config(make_dirs(1), resident_mem=0)) as engine:
         others = sum(v for k, v in engine.memory_plan.items() if k != "resident")
-        line = _resident_line(engine)
+        line = resident_line(engine.describe())
     assert re.fullmatch(r"\d+ of 14 blocks; --set engine.resident_mem=\d+MiB keeps all of them \(within cpu_mem\)",
                         line), line
     with lohan.init(mcfg, config(make_dirs(1, "tight"), cpu_mem=others + 2**20)) as engine:  # auto: half a MiB
         assert 0 < engine.memory_plan["resident"] <= 2**19
-        line = _resident_line(engine)
+        line = resident_line(engine.describe())
     cpu = re.search(r"^\d+ of 14 blocks; --cpu-mem ([0-9.]+)GiB keeps all of them", line)
     assert cpu, line
     with lohan.init(mcfg, config(make_dirs(1, "roomy"), cpu_mem=f"{cpu.group(1)}GiB")) as engine:
-        assert _resident_line(engine) == "14 of 14 blocks"
+        assert resident_line(engine.describe()) == "14 of 14 blocks"
 
 
 @pytest.mark.parametrize("kw", [dict(clip_mode="defer"), dict(clip_mode="speculate", tied=True),

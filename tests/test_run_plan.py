@@ -3,7 +3,7 @@
 The dry run rebuilt the engine's settings from a dozen keyword arguments that dropped ``max_inflight_blocks``,
 ``opt_chunk_bytes`` and ``mode``: a serial 125m run with ``max_inflight_blocks=8`` was priced "cpu 4.31 GB of
 22.75 GB ok" and then refused by the engine ("the engine needs 5.09 GiB"). Here the run driver's own planning
-stage (`train._plan`, on a tiny preset) is checked against the engine over a grid of mode x max_inflight_blocks x
+stage (`preflight.plan_fit`, on a tiny preset) is checked against the engine over a grid of mode x max_inflight_blocks x
 opt_chunk_bytes x resident records x clipping x state format x world size: the pools the dry run prices are the
 pools the engine allocates, and the dry run refuses a cpu_mem exactly when the engine does, in the same words.
 A rank of two is planned and opened with a `DataParallel` of this process (no processes, no store: the engine
@@ -22,7 +22,7 @@ import pytest
 from rich.console import Console
 
 import lohan
-from lohan.app import train
+from lohan.app import preflight
 from lohan.app.fit import detect_hardware
 from lohan.app.train import _plan, _preflight
 from lohan.config import EngineConfig, RunConfig, get_model_config
@@ -50,7 +50,7 @@ def machine(monkeypatch):
     """This machine with FREE bytes available, detected once for the module's runs."""
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=FREE))
-    monkeypatch.setattr(train, "detect_hardware", functools.lru_cache(maxsize=None)(detect_hardware))
+    monkeypatch.setattr(preflight, "detect_hardware", functools.lru_cache(maxsize=None)(detect_hardware))
 
 
 def settings(dirs, mode="optimized", inflight=3, chunk=512 << 20, resident=True, clip=0.0, fmt="exact",

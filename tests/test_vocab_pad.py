@@ -191,3 +191,26 @@ def test_chunk_sizes():
     assert loss_chunk_tokens(50257) == 1280  # 256 MiB of fp32 logits at GPT-2's padded vocabulary
     assert loss_chunk_tokens(10**7) == 64  # at least 64 tokens
     assert loss_chunk_tokens(128256) % 64 == 0
+
+
+@pytest.mark.parametrize("vocab", [1000, 4096])
+def test_a_head_run_with_grad_computes_its_logits_once_and_no_frozen_weight_gradient(vocab):
+    """Issue 41: the head run with grad just before its backward (every engine's last block) computed its logits
+    twice (backward recomputed the one chunk forward had made) and the weight's gradient even for a frozen weight
+    (LoRA's head): 4 GEMMs of the vocabulary's width where PEFT's run makes 2. With one chunk, forward's graph is
+    kept; backward makes only the gradients asked for. The bits stay the reference's."""
+    g = torch.Generator().manual_seed(vocab)
+    h = torch.randn(2, 32, 48, generator=g, requires_grad=True)
+    w = torch.randn(vocab, 48, generator=g) * 0.3  # frozen
+    y = torch.randint(0, vocab, (2, 32), generator=g)
+    parts = 1 if vocab % 64 == 0 else 2  # (a GEMM on the weight's aligned rows, one on its padded tail)
+    with _Record() as rec:
+        loss = lm_head.head_loss(h, w, y)
+        (dh,) = torch.autograd.grad(loss, [h])
+    assert len(rec.mm) == parts + 1, rec.mm  # the logits, then the hidden states' gradient (on the real rows)
+    ref = lm_loss(F.linear(h, w), y)
+    assert torch.equal(loss, ref) and torch.equal(dh, torch.autograd.grad(ref, [h])[0])
+    with _Record() as rec:  # a weight that takes a gradient: one GEMM (per part) more
+        wg = w.clone().requires_grad_()
+        torch.autograd.grad(lm_head.head_loss(h, wg, y), [h, wg])
+    assert len(rec.mm) == 2 * parts + 1, rec.mm

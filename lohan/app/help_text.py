@@ -1,6 +1,6 @@
 """`--help-config`: every key a run config (YAML) or `--set` takes, with its default and what it means.
 
-The descriptions are the attribute docstrings of the config dataclasses (lohan/config.py), read from their
+The descriptions are the attribute docstrings of the config dataclasses (lohan/config/), read from their
 source, so the reference cannot drift from the code.
 """
 

@@ -7,16 +7,17 @@ report it), memory in GiB (2^30 bytes, as ``free -g`` and ``nvidia-smi`` report 
 TFLOPS (10^12 FLOP/s), time in seconds. Rates of one step are averages over its wall time, so the SSD
 figures are what the run achieved, not the device's peak.
 
-Typical use by the run driver (:mod:`lohan.app.train`)::
+Typical use by the run driver (:mod:`lohan.app.loop`)::
 
-    progress = progress_bar(total_steps)                     # lohan.app.report
-    with progress, MetricsWriter(run_dir / "metrics.jsonl") as writer:
-        for step in range(1, total_steps + 1):
-            ...
-            m = StepMetrics.from_counters(step=step, loss=loss, lr=lr, tokens=n, step_s=dt, flops=f, ...)
-            writer.write(m)
-            report_step(progress, m, total_steps)            # lohan.app.report
-    progress.console.print(format_summary(history))          # lohan.app.report
+    with MetricsWriter(path, run_id, through=start) as writer, progress_bar(steps, console) as bar:
+        for s in range(start, steps):
+            engine.step(batch)
+            m = StepMetrics.from_stats(engine.last_stats, eval_loss, eval_s, save_s)  # the engine's StepStats
+            writer.write(m)                                  # once the step's commit is durable (loop.MetricsSink)
+            report_step(bar, m, steps)                       # lohan.app.report
+    console.print(format_summary(history))                   # lohan.app.report
+
+`StepMetrics.from_counters` builds a record from raw counters instead (benchmarks, tests).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from lohan.plan.records import TORCH_NAMES
+
 if TYPE_CHECKING:
     from lohan.models.hf import HFBlocks
 
@@ -38,8 +40,8 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9
 """The export's shard size bound (transformers' own default for save_pretrained is 5 GB too)."""
 
-EXPORT_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+EXPORT_DTYPES = {name: getattr(torch, t) for short, t in TORCH_NAMES.items() for name in (short, t)}
+"""The export dtypes by their lohan names and torch's (``bf16`` and ``bfloat16``)."""
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 

@@ -11,7 +11,10 @@ gradients, bit for bit in fp32 on the CPU (tests/test_vocab_pad.py), while
   open. The padded logit columns are sliced off before the softmax, so they take no part in the loss.
 - the fp32 logits are never whole: forward takes ``log_softmax`` chunk by chunk (``plan.vocab.loss_chunk_tokens``
   tokens) and keeps one fp32 log-probability per token; backward recomputes each chunk's logits and writes
-  their gradient, in the compute dtype, into one buffer of every token's padded logits.
+  their gradient, in the compute dtype, into one buffer of every token's padded logits. A forward with grad of
+  one chunk (its backward follows: the engines run the head with grad just before its backward) keeps that
+  chunk's graph instead, so its logits are computed once; a weight that takes no gradient (LoRA's frozen head)
+  costs no GEMM in backward.
 
 Why the whole gradient buffer and not a running sum of the weight's gradient over chunks: the weight's
 gradient is a sum over tokens, and summing it chunk by chunk changes its rounding (the tied embedding would
@@ -96,8 +99,10 @@ def head_loss(h: Tensor, weight: Tensor, targets: Tensor, post: PostFn | None = 
         dtype = h.dtype
     flat = targets.reshape(-1)
     chunk = chunk_tokens or loss_chunk_tokens(weight.shape[0])
+    # a forward whose backward follows (with grad, and one chunk): its graph is kept rather than recomputed
+    keep = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad) and flat.numel() <= chunk
     with torch.autocast(device, enabled=False):  # the dtypes are explicit from here
-        picked = _ChunkedHead.apply(h.reshape(-1, h.shape[-1]), weight, flat, dtype, post, chunk)
+        picked = _ChunkedHead.apply(h.reshape(-1, h.shape[-1]), weight, flat, dtype, post, chunk, keep)
         # the reduction F.cross_entropy ends with, over the same values: one column, the target 0 or ignored
         loss = F.nll_loss(picked, torch.where(flat == IGNORE, IGNORE, 0), ignore_index=IGNORE)
     # a window of prompt tokens only: see lm_loss (selected on the device, no host synchronization)
@@ -123,20 +128,30 @@ def _chunk_log_probs(z: Tensor, vocab: int, post: PostFn | None) -> Tensor:
 
 class _ChunkedHead(torch.autograd.Function):
     """``h2d``, ``weight`` -> each token's fp32 log-probability of its target ``(tokens, 1)`` (anything for an
-    ignored token, whose gradient the loss makes zero), chunk by chunk over the padded vocabulary."""
+    ignored token, whose gradient the loss makes zero), chunk by chunk over the padded vocabulary.
+
+    ``keep`` (one chunk, and a backward to follow): the forward keeps its chunk's graph from the logits to the
+    log-probabilities for backward, which then neither recomputes the logits' GEMM nor the log-softmax (a
+    backward holds that chunk's logits and log-softmax anyway, so its peak is the same). Backward computes only
+    the gradients asked for: a frozen weight (LoRA) costs no GEMM."""
 
     @staticmethod
     def forward(ctx, h2d: Tensor, weight: Tensor, targets: Tensor, dtype: torch.dtype, post: PostFn | None,
-                chunk: int) -> Tensor:
+                chunk: int, keep: bool = False) -> Tensor:
         vocab = weight.shape[0]
         w, hc = _split(weight.to(dtype)), h2d.to(dtype)
         # an ignored target picks column 0; any other invalid id fails in gather, as nll_loss would
         index = torch.where(targets == IGNORE, 0, targets).unsqueeze(1)
         picked = h2d.new_empty((h2d.shape[0], 1), dtype=torch.float32)  # new_*: the simulated device's tensors too
+        ctx.kept = None
         for lo in range(0, h2d.shape[0], chunk):
             z = _padded_logits(hc[lo:lo + chunk], w)
-            picked[lo:lo + chunk] = _chunk_log_probs(z, vocab, post).gather(1, index[lo:lo + chunk])
-            del z
+            with torch.enable_grad():  # (z a leaf: the graph is the log-softmax's, as backward's recomputation)
+                logp = _chunk_log_probs(z.requires_grad_(keep), vocab, post).gather(1, index[lo:lo + chunk])
+            picked[lo:lo + chunk] = logp.detach()
+            if keep:
+                ctx.kept = (z, logp)
+            del z, logp
         ctx.save_for_backward(h2d, weight, index)
         ctx.dtype, ctx.post, ctx.chunk = dtype, post, chunk
         return picked
@@ -152,8 +167,11 @@ class _ChunkedHead(torch.autograd.Function):
         for lo in range(0, tokens, ctx.chunk):
             hi = lo + ctx.chunk
             with torch.enable_grad():
-                z = _padded_logits(hc[lo:hi], w).requires_grad_()
-                logp = _chunk_log_probs(z, vocab, ctx.post).gather(1, index[lo:hi])
+                if ctx.kept is not None:  # forward's graph of its one chunk (`keep`), used once
+                    (z, logp), ctx.kept = ctx.kept, None
+                else:
+                    z = _padded_logits(hc[lo:hi], w).requires_grad_()
+                    logp = _chunk_log_probs(z, vocab, ctx.post).gather(1, index[lo:hi])
                 # gather's backward scatters into zeros, as nll_loss's does: log_softmax's backward sees the
                 # same dense gradient, and the padded columns get exact zeros from the slice's backward
                 (dzc,) = torch.autograd.grad(logp, z, grad[lo:hi])
@@ -163,12 +181,14 @@ class _ChunkedHead(torch.autograd.Function):
             else:
                 dz[lo:hi] = dzc
             del dzc
-        # the GEMMs autograd runs for mm(h, w.t()) (mm_mat1_backward / mm_mat2_backward), on each part's rows
-        dw = wc.new_empty(wc.shape)
-        torch.mm(dz[:, :cut].t(), hc, out=dw[:cut])
-        if w.tail is not None:
-            dw[cut:] = dz[:, cut:].t().mm(hc)[:vocab - cut]
-        dh = _hidden_grad(dz, w, wc, padded=dz.is_cuda)
         need_h, need_w = ctx.needs_input_grad[:2]
-        return (dh.to(h2d.dtype) if need_h else None, dw.to(weight.dtype) if need_w else None,
-                None, None, None, None)
+        dw = dh = None
+        if need_w:  # the GEMMs autograd runs for mm(h, w.t()) (mm_mat1_backward / mm_mat2_backward), per part
+            dw = wc.new_empty(wc.shape)
+            torch.mm(dz[:, :cut].t(), hc, out=dw[:cut])
+            if w.tail is not None:
+                dw[cut:] = dz[:, cut:].t().mm(hc)[:vocab - cut]
+            dw = dw.to(weight.dtype)
+        if need_h:
+            dh = _hidden_grad(dz, w, wc, padded=dz.is_cuda).to(h2d.dtype)
+        return dh, dw, None, None, None, None, None

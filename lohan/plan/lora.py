@@ -9,9 +9,16 @@ rewritten, so a block released stays valid):
     backward:  GPU  2 FLOP_f (recompute + input     PCIe up   P16            SSD read (1 - k) P16
                gradients; no weight gradient of the base)  + the block inputs   PCIe down the block inputs (forward)
 
-plus the adapters' own FLOPs (6 per adapter parameter and token). Nothing is written to the SSDs but the adapters'
-commit (a few MB), and no optimizer lane exists: the step is the sum over the two passes of their slowest lane (the
-pipeline's fill left out). The GPU hides the base's reads once a step has at least ``hide_tokens`` tokens.
+plus the adapters' own FLOPs (2 per adapter parameter and token forward, 4 backward, 2 more for the recomputation).
+Nothing is written to the SSDs but the adapters' commit (a few MB), and no optimizer lane exists: the step is the
+sum over the two passes of their slowest lane (the pipeline's fill left out). The GPU hides the base's reads once
+a step has at least ``hide_tokens`` tokens.
+
+Where the engine keeps the forward's autograd graphs instead (`lohan.runtime.lora_graphs`: a host device, the
+planner's activation policy, records not compressed, the whole base in the parameter pool, and every decoder block's
+graph in what main memory leaves: `keeps_graphs`), nothing is recomputed: backward is FLOP_f (the input gradients)
+plus the adapters' 4 per parameter and token, and main memory holds the graphs instead of the block inputs. A host
+device moves nothing over PCIe (the parameters are views of the pool's buffers, the activations stay where they are).
 
 Memory: main memory holds the parameter pool (``min(cpu_mem, base + a block)``, at least the blocks in flight)
 and the block inputs swapped to it; the device holds the blocks in flight, the adapters with their gradients and
@@ -72,6 +79,10 @@ class LoraPlan:
     gpu_bytes: dict[str, int]
     lanes: dict[str, tuple[float, float]] = field(default_factory=dict)
     epoch_s: float | None = None
+    graphs_kept: bool = False
+    """Backward takes the forward's graphs (no block recomputed; ``act_host_bytes`` are the graphs)."""
+    graphs: str = ""
+    """Whether backward recomputes the blocks or takes the forward's graphs, and why (`keeps_graphs`; "" on a GPU)."""
 
     @property
     def tokens(self) -> int:
@@ -134,8 +145,10 @@ class LoraPlan:
             f"  ssd   {self.base_bytes / 1e9:10.2f} GB of {self.hw.ssd_bytes / 1e9 if self.hw.ssd_bytes else 0:10.2f} GB  "
             f"the base as read-only P16 ({self.p16_itemsize} B/param, one slot, never written)",
             f"  cpu   {self.ram_bytes / 1e9:10.2f} GB of {self.hw.ram / 1e9 if self.hw.ram else 0:10.2f} GB  parameter "
-            f"pool {self.pool_bytes / 1e9:.2f} GB (keeps {self.kept:.0%} of the base across passes), block inputs "
-            f"{self.act_host_bytes / 1e9:.2f} GB, process {RUNTIME_BYTES / 1e9:.2f} GB",
+            f"pool {self.pool_bytes / 1e9:.2f} GB (keeps {self.kept:.0%} of the base across passes), "
+            f"{'graphs' if self.graphs_kept else 'block inputs'} {self.act_host_bytes / 1e9:.2f} GB, process "
+            f"{RUNTIME_BYTES / 1e9:.2f} GB",
+            *([f"  backward: {self.graphs}"] if self.graphs else []),
             f"  gpu   {gpu / 1e9:10.2f} GB of {self.hw.gpu_mem / 1e9 if self.hw.gpu_mem else 0:10.2f} GB  "
             + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in self.gpu_bytes.items()),
             "  lane     forward  backward",
@@ -168,10 +181,13 @@ def keeps_graphs(eligible: bool, block_bytes: int, n_blocks: int, micro_batches:
 
 def lora_plan(mcfg: ModelConfig, hw: Hardware, batch: int, seq: int, rank: int, compute_dtype: str = "bf16",
               cpu_mem: int | None = 8 << 30, prefetch_depth: int = 2, notes: tuple[str, ...] = (),
-              steps_per_epoch: int | None = None, projections: Sequence[tuple[int, int]] | None = None) -> LoraPlan:
+              steps_per_epoch: int | None = None, projections: Sequence[tuple[int, int]] | None = None,
+              host_device: bool = False, micro_batches: int = 1, act_mem: int | None = None) -> LoraPlan:
     """The `LoraPlan` of `mcfg` at `batch` x `seq` with rank-`rank` adapters on `projections` (`adapter_params`) on
     `hw` (module docstring). `cpu_mem` None: what `hw`'s main memory leaves beside the activations and the process
-    (`pools.ram_budget`)."""
+    (`pools.ram_budget`). `host_device`: the CPU computes, under the planner's activation policy with records not
+    compressed, so the graphs are kept where they fit what `act_mem` (None: what `cpu_mem` leaves beside the pool,
+    as the engine's `ActivationManager.mem_avail`) holds, `micro_batches` of them per block."""
     item = 4 if compute_dtype == "fp32" else 2
     params = mcfg.param_count()
     base = params * item
@@ -184,17 +200,25 @@ def lora_plan(mcfg: ModelConfig, hw: Hardware, batch: int, seq: int, rank: int, 
     kept = min(1.0, pool / base)
     adapters = adapter_params(mcfg, rank, projections)
     layer_acts = seq * batch * d * (34 + 5 * mcfg.n_head * seq / d) * item / 2
+    # the graphs: every decoder block's saved activations (a block's, one micro-batch at a time, as the engine measures)
+    mb_acts = int(layer_acts / max(1, micro_batches))
+    avail = int(act_mem) if act_mem is not None else max(0, int(cpu_mem) - pool)
+    keep, why = keeps_graphs(host_device and pool >= base, mb_acts, mcfg.n_layer, max(1, micro_batches), avail)
+    graph_bytes = mcfg.n_layer * max(1, micro_batches) * mb_acts if keep else 0
     gpu = {"blocks in flight": (prefetch_depth + 2) * biggest, "adapters (weights, grads, AdamW)": 16 * adapters,
            "one block's activations": int(layer_acts), "logits": tokens * mcfg.vocab_size * 4}
     flops = mcfg.flops_per_token(seq) * tokens
     lora_flops = 2 * adapters * tokens
     ssd = (1 - kept) * base / hw.bw_s2m
-    lanes = {"gpu": ((flops + lora_flops) / hw.thp_g, (2 * flops + 2 * lora_flops) / hw.thp_g),
-             "m2g": (base / hw.bw_g, (base + acts) / hw.bw_g),
-             "g2m": (acts / hw.bw_g, 0.0),
+    backward = flops + 2 * lora_flops if keep else 2 * flops + 3 * lora_flops  # (the recomputation: a forward more)
+    up, down = (0.0, 0.0) if host_device else (base / hw.bw_g, acts / hw.bw_g)
+    lanes = {"gpu": ((flops + lora_flops) / hw.thp_g, backward / hw.thp_g),
+             "m2g": (up, 0.0 if host_device else (base + acts) / hw.bw_g),
+             "g2m": (down, 0.0),
              "ssd": (ssd, ssd)}
-    plan = LoraPlan(mcfg, hw, notes, batch, seq, rank, item, base, adapters, pool, kept, acts,
-                    pool + acts + RUNTIME_BYTES, gpu, lanes)
+    host_acts = graph_bytes if keep else acts
+    plan = LoraPlan(mcfg, hw, notes, batch, seq, rank, item, base, adapters, pool, kept, host_acts,
+                    pool + host_acts + RUNTIME_BYTES, gpu, lanes, graphs_kept=keep, graphs=why if host_device else "")
     if steps_per_epoch:
         plan = LoraPlan(**{**plan.__dict__, "epoch_s": plan.step_s * steps_per_epoch})
     return plan

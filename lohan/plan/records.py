@@ -228,6 +228,9 @@ class StoreLayout:
 
 P16_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of the compute-dtype copy (P16) by compute dtype (`store.states.DTYPES` holds the torch ones)."""
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Each compute dtype's name in ``torch``: the one table the torch dtypes are made from (`store.states.DTYPES`,
+`models.hf_checkpoint.EXPORT_DTYPES`), kept here, torch-free, beside their itemsizes."""
 
 
 def shares_p16(state_format_name: str, p16_dtype: str) -> bool:

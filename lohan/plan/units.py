@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes per element of each compute dtype (the P16 copy, the gradients, the activations)."""
+from lohan.plan.records import P16_ITEMSIZE
+
 GiB = 2**30
 
 
 def itemsize(compute_dtype: str) -> int:
     """Bytes per element of `compute_dtype`; ValueError naming the choices for any other name."""
-    if compute_dtype not in ITEMSIZE:
-        raise ValueError(f"compute_dtype={compute_dtype!r}: choose one of {', '.join(ITEMSIZE)}")
-    return ITEMSIZE[compute_dtype]
+    if compute_dtype not in P16_ITEMSIZE:
+        raise ValueError(f"compute_dtype={compute_dtype!r}: choose one of {', '.join(sorted(P16_ITEMSIZE))}")
+    return P16_ITEMSIZE[compute_dtype]
 
 
 def gb(n: float) -> str:

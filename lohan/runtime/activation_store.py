@@ -18,6 +18,11 @@ backward. Between the two, a block needs its input plus whatever the plan swaps:
   dispatch mode sits below autograd, so the op's backward node is recorded as usual and saves what
   it needs (e.g. attention saves its recorded output and logsumexp; kernels that compute the logsumexp only
   under grad are asked for it when recording, `_with_logsumexp`).
+- What a record holds: a block's first replay learns which recorded outputs its backward reads (`ReadWatch`:
+  what autograd saves and what a recomputed op takes); later records keep only those, and the others come
+  back as uninitialized memory of their shape (`Dropped`), which only replayed ops take. In a step the mode is
+  entered only while a swapped sub-module runs (`SelectiveMode.scoped`; a replay that learns sees every op),
+  so the block's other ops cost what they cost without it.
 
 Why not torch's selective checkpoint (`create_selective_checkpoint_contexts`) plus
 `saved_tensors_hooks`: the checkpoint keeps the outputs of MUST_SAVE ops in a private cache as
@@ -33,8 +38,9 @@ block whose op sequence is not deterministic) is an error, not a silent mismatch
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +81,13 @@ def block_ops(block: nn.Module) -> list[str]:
 
 
 class OpTracker:
-    """Knows which named op (direct sub-module of a block) is running, through module hooks."""
+    """Knows which named op (direct sub-module of a block) is running, through module hooks; and enters the
+    `SelectiveMode` it is given (`SelectiveMode.scoped`) only while one of that mode's swapped ops runs."""
 
     def __init__(self, blocks: Iterable[nn.Module]) -> None:
         self.current: str | None = None
+        self.mode: SelectiveMode | None = None
+        self._entered = False
         self._handles = []
         for block in blocks:
             for name, child in block.named_children():
@@ -88,11 +97,17 @@ class OpTracker:
     def _enter(self, name: str):
         def hook(module: nn.Module, args: Any) -> None:
             self.current = name
+            if self.mode is not None and name in self.mode.swap:
+                self.mode.__enter__()
+                self._entered = True
         return hook
 
     def _leave(self, name: str):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             self.current = None
+            if self._entered:
+                self._entered = False
+                self.mode.__exit__(None, None, None)
         return hook
 
     def remove(self) -> None:
@@ -101,21 +116,108 @@ class OpTracker:
         self._handles.clear()
 
 
-_ALIASING: dict[Any, bool] = {}
+_ALIASING: dict[Any, tuple[bool, bool]] = {}
+# Ops whose output is a view of their input although their schema does not say so: recorded, the view would be
+# a second copy of the output it views (a Linear on a 3-d input is mm, then _unsafe_view to the input's shape).
+_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def _aliasing(func: Any) -> tuple[bool, bool]:
+    """(alias, view) of an op: its outputs alias its inputs (views, in-place and out= ops: free to redo, and
+    recording them saves nothing); and it is a view that writes nothing, so running it reads no values."""
+    hit = _ALIASING.get(func)
+    if hit is None:
+        alias = func in _UNANNOTATED_VIEWS or any(r.alias_info is not None for r in func._schema.returns)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        hit = _ALIASING[func] = (alias, alias and not writes)
+    return hit
 
 
 def _is_alias(func: Any) -> bool:
-    """Ops whose outputs are views of their inputs: free to redo, and recording them saves nothing."""
-    hit = _ALIASING.get(func)
-    if hit is None:
-        hit = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
-    return hit
+    return _aliasing(func)[0]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A recorded output that the block's recompute never reads (`ReadWatch`): the record keeps its shape only,
+    and the replay hands back uninitialized memory of that shape (`blank`), so the ops after it (replayed too)
+    see the tensor they expect."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: Tensor) -> Dropped:
+        return Dropped(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def blank(self, like: Tensor) -> Tensor:
+        """Memory for it, on the device of `like` (an input of the op it came from)."""
+        return like.new_empty_strided(self.size, self.stride, dtype=self.dtype)
+
+
+def _memory(t: Tensor) -> Tensor:
+    """The tensor whose memory `t` is: itself, or a simulated device's CPU tensor (`simdevice.SimTensor._inner`)."""
+    return getattr(t, "_inner", t)
+
+
+class ReadWatch:
+    """Learns which recorded outputs a block's recompute reads, on its first replay: those autograd saves for
+    the backward (`saved_tensors_hooks`), those a recomputed op reads (an op outside the swapped sub-modules, or
+    one that writes), and the block's output. The others are only inputs of replayed ops (whose outputs come
+    from the record): a Llama block's q and k projections, the rotary embedding's products, halves and
+    concatenations, ~30% of its record. Memory is what counts, so a view of a recorded output reads it.
+
+    Records hold the same ops in every step (a replay that does not meet them is an error), so what the first
+    replay reads is what every replay reads; later records leave the rest out (`Dropped`)."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[torch.device, int, int]] = []
+
+    def mark(self, tree: Any) -> None:
+        """Every tensor in `tree` is read."""
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, Tensor):
+                self._spans.append(_span(t))
+
+    def saved(self) -> Any:
+        """The context under which the recompute's saved tensors are marked (they are kept as they are)."""
+        def pack(t: Tensor) -> Tensor:
+            self._spans.append(_span(t))
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def unread(self, records: list[OpRecord]) -> frozenset[int]:
+        """Positions (over all records' leaves, in order) of the recorded tensors nothing read."""
+        out, pos = set(), 0
+        for r in records:
+            for x in r.leaves:
+                if isinstance(x, Tensor) and x.numel() and not any(_overlap(_span(x), s) for s in self._spans):
+                    out.add(pos)
+                pos += 1
+        return frozenset(out)
+
+
+def _span(t: Tensor) -> tuple[torch.device, int, int]:
+    """The bytes [lo, hi) a tensor's elements occupy (its device: addresses of two devices never overlap)."""
+    m = _memory(t)
+    if m.numel() == 0:
+        return (m.device, 0, 0)
+    lo = hi = 0
+    for n, st in zip(m.shape, m.stride()):
+        lo, hi = lo + min(0, (n - 1) * st), hi + max(0, (n - 1) * st)
+    base, size = m.data_ptr(), m.element_size()
+    return (m.device, base + lo * size, base + (hi + 1) * size)
+
+
+def _overlap(a: tuple[torch.device, int, int], b: tuple[torch.device, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 @dataclass
 class OpRecord:
     op: str              # the sub-module the aten op ran in
-    func: str            # aten op name, checked on replay
+    func: Any            # the aten op (OpOverload; compared by identity on replay, not by name)
     spec: Any            # pytree spec of its outputs
     leaves: list[Any]    # outputs, tensors recorded (and later packed) as they are
 
@@ -140,36 +242,72 @@ def _with_logsumexp(func: Any, args: tuple) -> tuple:
 
 
 class SelectiveMode(TorchDispatchMode):
-    """Records (forward) or replays (backward recompute) the outputs of ops in swapped sub-modules."""
+    """Records (forward) or replays (backward recompute) the outputs of ops in swapped sub-modules.
 
-    def __init__(self, tracker: OpTracker, swap: frozenset[str], replay: list[OpRecord] | None = None) -> None:
+    Recording leaves out the outputs at the positions in `drop` (what a `ReadWatch` found unread: a `Dropped`
+    stands in). A replay with `watch` tells it what the ops it recomputes read."""
+
+    def __init__(self, tracker: OpTracker, swap: frozenset[str], replay: list[OpRecord] | None = None,
+                 drop: frozenset[int] = frozenset(), watch: ReadWatch | None = None) -> None:
         super().__init__()
         self.tracker = tracker
         self.swap = swap
         self.records: list[OpRecord] = []
         self._replay = replay
         self._next = 0
+        self._drop = drop
+        self._leaf = 0  # position of the next recorded leaf (over all records), for `drop`
+        self._watch = watch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = self.tracker.current
-        if op is None or op not in self.swap or _is_alias(func):
+        alias, view = _aliasing(func)
+        if op is None or op not in self.swap or alias:
+            if self._watch is not None and not view:
+                self._watch.mark((args, kwargs))
             return func(*args, **kwargs)
         if self._replay is None:
             out = func(*_with_logsumexp(func, args), **kwargs)
             leaves, spec = tree_flatten(out)
-            self.records.append(OpRecord(op, str(func), spec, [x.detach() if isinstance(x, Tensor) else x
-                                                               for x in leaves]))
+            self.records.append(OpRecord(op, func, spec, [self._keep(x, args) for x in leaves]))
             return out
         rec = self._replay[self._next] if self._next < len(self._replay) else None
-        if rec is None or (rec.op, rec.func) != (op, str(func)):
+        if rec is None or (rec.op, rec.func) != (op, func):
             want = f"{rec.func} in op {rec.op!r}" if rec else "nothing"
             raise ActivationReplayError(
                 f"recompute issued {func} in op {op!r} where forward recorded {want} (record {self._next}); "
                 "the block's op sequence is not deterministic, so it cannot be swapped: use "
                 "activation policy 'interblock' for this model")
         self._next += 1
-        return tree_unflatten([x.detach() if isinstance(x, Tensor) else x for x in rec.leaves], rec.spec)
+        like = next((a for a in tree_flatten(args)[0] if isinstance(a, Tensor)), None)
+        return tree_unflatten([x.detach() if isinstance(x, Tensor) else x.blank(like) if isinstance(x, Dropped)
+                               else x for x in rec.leaves], rec.spec)
+
+    def _keep(self, x: Any, args: tuple) -> Any:
+        """What the record keeps of output leaf `x`: the tensor, or only its shape when no replay reads it (and
+        the op has a tensor input on its device, which the replay makes the blank like)."""
+        pos, self._leaf = self._leaf, self._leaf + 1
+        if not isinstance(x, Tensor):
+            return x
+        if pos in self._drop:
+            like = next((a for a in tree_flatten(args)[0] if isinstance(a, Tensor)), None)
+            if like is not None and like.device == x.device:
+                return Dropped.of(x)
+        return x.detach()
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[SelectiveMode]:
+        """The mode in force only inside its swapped ops (the tracker enters and leaves it): every other op of
+        the block runs without a call into Python, as it would without the mode (`with mode:` instead sees
+        every op, as a `ReadWatch` must)."""
+        if self.tracker.mode is not None:
+            raise RuntimeError("another SelectiveMode is scoped on this tracker")
+        self.tracker.mode = self
+        try:
+            yield self
+        finally:
+            self.tracker.mode = None
 
     def check_done(self) -> None:
         if self._replay is not None and self._next != len(self._replay):

@@ -37,7 +37,7 @@ from lohan.config import EngineConfig
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format
 from lohan.plan.planner import POLICIES, Hardware, OpProfile, Plan, Profile, ProfileError, make_plan, reprice
-from lohan.runtime.activation_store import ActivationStore, OpTracker, SelectiveMode
+from lohan.runtime.activation_store import ActivationStore, OpTracker, ReadWatch, SelectiveMode
 from lohan.runtime.device import Device
 from lohan.runtime.profiler import measure_hardware, measure_quant_rate, profile_block
 from lohan.store.files import remove_volume
@@ -76,6 +76,9 @@ class ActivationManager:
         self._shape: tuple[int, int] | None = None
         self._volume = None
         self._swap: frozenset[str] = frozenset()
+        # per transformer block: the positions of the recorded outputs its recompute does not read (learned on
+        # its first replay under the plan in force, `ReadWatch`), which later records leave out
+        self._unread: dict[int, frozenset[int]] = {}
         self._hardware = None
         self._quant_bps: tuple[float, float] | None = None
         self.policy = cfg.activations.act_policy
@@ -217,6 +220,7 @@ class ActivationManager:
                                        name=self.act_name, emulate_ssd_gbps=self.cfg.store.emulate_ssd_gbps)
             staging = self._volume.buffer_pool(2 * m * cap, pin=self.device.is_cuda)
         self._io0 = self._io_snapshot()
+        self._unread = {}  # another swap set records other outputs
         self.store = ActivationStore(self.device, cpu_pool, staging, self._volume, compress=self.cfg.activations.act_compress)
 
     # ------------------------------------------------------------------ step
@@ -225,8 +229,8 @@ class ActivationManager:
 
     def forward_block(self, i: int, m: int, x: Tensor) -> Tensor:
         """Run transformer block i on x (no grad), store its record on its tier, return the output."""
-        mode = SelectiveMode(self.tracker, self._swap)
-        with mode:
+        mode = SelectiveMode(self.tracker, self._swap, drop=self._unread.get(i, frozenset()))
+        with mode.scoped():
             out = self.program.run(i, x, None)
         self.store.put((i, m), x, mode.records, self.tier(i))
         return out
@@ -254,10 +258,19 @@ class ActivationManager:
         x, records = self.store.take((i, m))
 
         def run(z: Tensor) -> Tensor:
-            mode = SelectiveMode(self.tracker, self._swap, replay=records)
-            with mode:
+            if i in self._unread or not self._swap:
+                mode = SelectiveMode(self.tracker, self._swap, replay=records)
+                with mode.scoped():
+                    out = self.program.run(i, z, None)
+                mode.check_done()
+                return out
+            watch = ReadWatch()  # the block's first replay: learn what it reads
+            mode = SelectiveMode(self.tracker, self._swap, replay=records, watch=watch)
+            with watch.saved(), mode:
                 out = self.program.run(i, z, None)
             mode.check_done()
+            watch.mark(out)
+            self._unread[i] = watch.unread(records)
             return out
 
         return x, run

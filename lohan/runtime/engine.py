@@ -79,6 +79,7 @@ from lohan.runtime.step import (
     skip_outcome,
     stats_from_note,
 )
+from lohan.runtime.summary import EngineSummary, engine_summary
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
 from lohan.store.opening import check_request, open_or_create, stored_compute_dtype
@@ -370,6 +371,10 @@ class Engine:
         written by an older lohan): a process that was killed before it wrote the step's metrics finds them
         here. Its `step_s` leaves out the commit's own time, which `last_stats` includes."""
         return stats_from_note(self.store.commit_state.note)
+
+    def describe(self) -> EngineSummary:
+        """What the run header prints of this engine (`runtime.summary`): store, pools, device, durability."""
+        return engine_summary(self)
 
     @property
     def gpu_plan(self) -> dict[str, int] | None:

@@ -80,6 +80,7 @@ from lohan.runtime.parallel import DataParallel
 from lohan.runtime.params import ParamStreamer
 from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
+from lohan.runtime.summary import EngineSummary, engine_summary
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import stored_compute_dtype
 from lohan.store.states import DTYPES, plan_layout
@@ -425,6 +426,10 @@ class LoraEngine:
     # what the run driver (lohan.app.train) asks of an engine: every step is durable when `step` returns
     persist_every = 1
     persist_refusal = "a LoRA step commits its adapters every step"
+
+    def describe(self) -> EngineSummary:
+        """What the run header prints of this engine (`runtime.summary`): the adapters, the base, the device."""
+        return engine_summary(self)
 
     def persist(self) -> None:
         """Nothing to do: every step is committed before `step` returns."""

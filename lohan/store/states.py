@@ -43,6 +43,7 @@ from io_engine.base import align_up
 from lohan.crashpoints import crashpoint
 from lohan.plan.formats import state_format as state_format_of
 from lohan.plan.records import (  # the record geometry (re-exported)
+    TORCH_NAMES,
     BlockLayout,
     ParamSpec,
     StoreLayout,
@@ -66,7 +67,7 @@ FORMAT_VERSION = 2
 RAM_SLOTS = (2, 3)
 """Slot numbers of states held only in RAM (the resident records of steps between durable commits,
 `StateStore.commit_volatile`); the SSDs hold slots 0 and 1. Nothing reads or writes them on the volume."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, t) for name, t in TORCH_NAMES.items()}
 
 
 def plan_layout(blocks: Sequence[nn.Module], names: Sequence[str], p16_dtype: str, slots: int,
