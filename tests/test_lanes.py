@@ -13,7 +13,9 @@ from lohan.app.cli import main
 from lohan.app.metrics import StepMetrics
 from lohan.config import get_model_config
 from lohan.plan import planner
+from lohan.plan.capacity import design_plan, plan_capacity
 from lohan.plan.planner import LANES_B, parse_hardware, predict_lanes, ssd_cost, upgrade_lanes
+from lohan.plan.run_lanes import defers
 from lohan.runtime.step import stats_from_note
 from tests.test_engine_equivalence import batches, engine_config, tiny_cfg
 
@@ -79,6 +81,22 @@ def test_predicted_lanes_are_the_engines_vocabulary():
     # twice the batch, twice the GPU time; the SSD traffic of the states stays
     twice = predict_lanes(m, hw, 2, 512)
     assert twice["gpu"] == pytest.approx(2 * opt["gpu"])
+
+
+def test_predicted_lanes_are_the_schedule_the_run_takes():
+    """Clipping off, where the plan lets an update wait for backward's end and the cost model prices that step
+    shorter (the SSDs bind: its forward takes the P16 from the update), the run defers its updates
+    (`clip_schedule`), and the predicted lanes are that step's; speculate, clipping and serial price the others."""
+    m, hw = get_model_config("350m"), parse_hardware("rtx4090,1xP5510,256GB")
+    run = design_plan(m, hw)
+    est = plan_capacity(m, hw, 1, 512, run).plan.estimate
+    assert run.defer_unclipped and 0 < est.t_deferred < est.t_iter and defers(run, est)
+    lanes = predict_lanes(m, hw, 1, 512)
+    assert lanes == pytest.approx(est.lanes_deferred) and lanes["ssd"] < est.step_lanes()["ssd"]
+    for kw in ({"clip_mode": "speculate"}, {"keep_grads": True}):
+        assert predict_lanes(m, hw, 1, 512, **kw) == pytest.approx(
+            planner.capacity(m, hw, 1, 512, **kw).plan.estimate.step_lanes())
+    assert predict_lanes(m, hw, 1, 512, mode="serial") == pytest.approx(est.lanes_serial)
 
 
 def test_ssd_cost_where_the_ssds_bind_only():

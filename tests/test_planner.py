@@ -15,6 +15,7 @@ import pytest
 from lohan.config import PRESETS, ModelConfig, get_model_config
 from lohan.plan.planner import (
     HARDWARE_PRESETS,
+    LANES_B,
     OPT_CHUNK_BYTES,
     POLICIES,
     CpuSpec,
@@ -176,6 +177,25 @@ def test_clipped_steps_match_the_equations() -> None:
     assert one.t_deferred == pytest.approx(e.t_f + phase(backward) + phase(update))
     assert one.t_redo == pytest.approx(e.t_iter + phase({"cpu": 100.0, "ssd": 30 + 17.5}))
     assert (one.t_iter, one.t_serial) == (e.t_iter, e.t_serial)  # the speculated step does not change
+
+
+def test_a_deferred_steps_lanes_are_its_backward_its_update_and_the_forward_beside_it() -> None:
+    """The lanes of a deferred step (``Estimate.lanes_deferred``, `step_lanes(deferred=True)`) are what its
+    ``t_deferred`` runs: backward without the optimizer, the update, and with follow the next forward beside it,
+    whose P16 come from the update (no P16 from the SSDs); without follow its own forward, P16 read included."""
+    e = estimate(clip_profile(), ["x"])
+    backward = {"gpu": 225.0, "g2m": 10.0, "m2g": 28.0, "ssd": 8 + 12 + 17.5, "cpu": 0.0}
+    update = {"gpu": 100.0, "g2m": 18.0, "m2g": 10.0, "cpu": 100.0, "ssd": 24 - 12 + 17.5 - 17.5 + 2}
+    deferred = {k: backward[k] + update[k] for k in LANES_B}
+    assert e.step_lanes(deferred=True) == pytest.approx(deferred)
+    assert e.step_lanes()["ssd"] > deferred["ssd"]  # the speculated step's forward reads its P16
+    assert e.step_lanes("serial", deferred=True) == e.lanes_serial  # serial never defers
+    one = estimate(clip_profile(follow=False), ["x"])
+    backward["ssd"], update = 8 + 12, {"cpu": 100.0, "ssd": 24 - 12 + 17.5}
+    own = {k: backward[k] + update.get(k, 0.0) + one.lanes_f.get(k, 0.0) for k in LANES_B}
+    assert one.step_lanes(deferred=True) == pytest.approx(own)
+    assert Estimate.from_dict({k: v for k, v in e.to_dict().items() if k != "lanes_deferred"}).step_lanes(
+        deferred=True) == e.step_lanes()  # an old estimate: the speculated step's
 
 
 def test_read_ahead_fills_only_the_idle_ssd_time_of_backward() -> None:

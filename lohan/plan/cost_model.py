@@ -91,6 +91,10 @@ an unclipped step costs ``T_iter``; ``phase(L) = max(L) + (sum(L) - max(L)) / n`
       U     = {cpu: P / rate, ssd: read - ahead + W - spill}  [+ T_f's gpu, g2m, m2g and alpha / bw_m2s: follow]
       t_deferred = [T_f if not follow] + phase(B_def) + phase(U)
 
+  A deferred step's lanes (``Estimate.lanes_deferred``, what `Estimate.step_lanes` gives for a run that defers:
+  `run_lanes.defers`) are ``B_def + U`` [+ T_f's lanes if not follow]: with follow, its forward's SSD lane holds
+  only the overflow writes.
+
   The model counts the read-ahead under backward only as far as the SSDs are idle there: a READ beyond it would
   lengthen backward by as much as it shortens the update at best, and the read then counts in ``U``. So more
   read-ahead never lengthens ``t_deferred``. It is the cost in steady clipping: after a speculated step no
@@ -160,6 +164,9 @@ class Estimate:
     lanes_serial: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds each lane is busy in a whole step of the serial schedule (``t_serial``): forward, backward and the
     update after it. Empty: not priced (an old estimate)."""
+    lanes_deferred: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds each lane is busy in a whole deferred step (``t_deferred``'s: backward, then the update with the next
+    forward beside it). Empty: not priced (an old estimate)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,13 +175,16 @@ class Estimate:
     def from_dict(d: Mapping[str, Any]) -> Estimate:
         return Estimate(**{**d, "swap": tuple(d["swap"])})
 
-    def step_lanes(self, mode: str = "optimized") -> dict[str, float]:
+    def step_lanes(self, mode: str = "optimized", deferred: bool = False) -> dict[str, float]:
         """Seconds each lane (:data:`LANES_B`) is busy in a whole step of the engine's ``mode``: forward and
         backward added, as the engine measures them (`runtime.step.StepStats.lanes`). ``naive`` and ``optimized``
         do the same work in another order; ``serial`` reads every P16 from the SSDs in forward (nothing is handed
-        over) and runs the update after backward."""
+        over) and runs the update after backward. ``deferred``: a step whose update runs after backward
+        (``t_deferred``'s), whose forward takes the P16 from the update instead of the SSDs."""
         if mode == "serial" and self.lanes_serial:
             return dict(self.lanes_serial)
+        if deferred and mode != "serial" and self.lanes_deferred:
+            return dict(self.lanes_deferred)
         return {k: self.lanes_f.get(k, 0.0) + self.lanes_b.get(k, 0.0) for k in LANES_B}
 
     def format_lanes(self, clip: bool = True, defer: bool = False) -> str:
@@ -229,9 +239,11 @@ def _phase(lanes: Mapping[str, float], n_blocks: int) -> float:
 
 
 def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[str, float], cpu: float,
-             alpha: int, t_f: float, t_iter: float) -> tuple[float, float]:
-    """(t_deferred, t_redo), the module docstring's equations: ``serial_b`` is backward without the optimizer
-    (``B0``), ``cpu`` the AdamW lane, ``alpha`` the activation overflow."""
+             alpha: int, t_f: float, t_iter: float) -> tuple[float, float, dict[str, float]]:
+    """(t_deferred, t_redo, the deferred step's lanes), the module docstring's equations: ``serial_b`` is backward
+    without the optimizer (``B0``), ``cpu`` the AdamW lane, ``alpha`` the activation overflow. The lanes are a whole
+    deferred step's, as the engine measures one in steady state: its backward, its update and the forward beside
+    it (with ``follow``: the next step's, whose P16 the SSDs do not read), else its own forward."""
     hw, n, p = profile.hardware, profile.n_blocks, profile.param_count
     writes = profile.states_written / hw.bw_m2s
     read = profile.record_bytes * (p - profile.resident_params) / hw.bw_s2m
@@ -248,7 +260,9 @@ def _clipped(profile: Profile, lanes_f: Mapping[str, float], serial_b: Mapping[s
     # a redo reads every record from the previous slot: resident buffers hold the speculated update
     redo = {**beside, "cpu": cpu, "ssd": profile.record_bytes * p / hw.bw_s2m + writes + overflow}
     t_redo = t_iter + _phase(redo, n) - (t_f if profile.follow else 0.0)
-    return t_deferred, t_redo
+    forward = {} if profile.follow else lanes_f
+    lanes = {k: backward.get(k, 0.0) + update.get(k, 0.0) + forward.get(k, 0.0) for k in LANES_B}
+    return t_deferred, t_redo, lanes
 
 
 def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float, a_raw: int | None = None
@@ -284,14 +298,15 @@ def _evaluate(profile: Profile, swap: tuple[str, ...], a_g2m: int, flop_r: float
     t_serial = sum(_pipeline(serial_f, n)) + _phase(serial_b, n) + _phase(serial_opt, n)
     lanes_serial = {k: serial_f.get(k, 0.0) + serial_b.get(k, 0.0) + serial_opt.get(k, 0.0) for k in LANES_B}
     t_iter = _held_iter(profile, t_f, t_b, _phase(serial_b, n))
-    t_deferred, t_redo = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_iter)
+    t_deferred, t_redo, lanes_deferred = _clipped(profile, lanes_f, serial_b, cpu, alpha, t_f, t_iter)
     traffic = {"m2g": 2.0 * p16 + a_g2m, "g2m": float(a_g2m + grads),
                "ssd_read": float(2 * p16_read + opt_read + alpha), "ssd_write": float(states + alpha),
                "adam_params": float(profile.param_count)}
     return Estimate(swap, a_g2m, flop_r, alpha, t_f, t_b, t_iter, lanes_f, lanes_b,
                     max(LANES, key=lanes_f.__getitem__), max(LANES_B, key=lanes_b.__getitem__),
                     fill_f, fill_b, t_serial, traffic, t_deferred, t_redo,
-                    int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant, lanes_serial)
+                    int(profile.record_bytes * profile.readahead_params), a_raw, quant, dequant, lanes_serial,
+                    lanes_deferred)
 
 
 def _held_iter(profile: Profile, t_f: float, t_b: float, t_b0: float) -> float:

@@ -10,20 +10,36 @@ from typing import Any
 
 from lohan.config import ModelConfig
 from lohan.plan import formats
-from lohan.plan.capacity import capacity
+from lohan.plan.capacity import capacity, design_plan, plan_capacity
+from lohan.plan.cost_model import Estimate
 from lohan.plan.hardware import Hardware
 from lohan.plan.lanes import LANES_B, upgrade_lanes
+from lohan.plan.run_plan import RunPlan
 from lohan.plan.units import itemsize
 
 
 def predict_lanes(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
                   **capacity_args: Any) -> dict[str, float]:
     """Seconds each lane (:data:`LANES_B`) is busy in one step of a run, as the cost model predicts them: the
-    plan :func:`capacity` makes for (``cfg``, ``hw``, ``batch``, ``seq`` and ``capacity_args``: compute dtype,
-    state format, resident records, ...), its forward and backward added (`Estimate.step_lanes`), in the
-    vocabulary the engine measures (`runtime.step.StepStats.lanes`). ``hw.cpu_adam_params_per_s`` is the rate of
-    the optimizer's CPU work as it runs: with checksums on, the records' hashing included (`fit.measure_cpu_adam`)."""
-    return capacity(cfg, hw, batch, seq, **capacity_args).plan.estimate.step_lanes(mode)
+    plan :func:`capacity` makes for (``cfg``, ``hw``, ``batch``, ``seq``, ``mode`` and ``capacity_args``: compute
+    dtype, state format, resident records, ...), its forward and backward added (`Estimate.step_lanes`) for the
+    schedule the run takes (:func:`defers`), in the vocabulary the engine measures (`runtime.step.StepStats.lanes`).
+    ``hw.cpu_adam_params_per_s`` is the rate of the optimizer's CPU work as it runs: with checksums on, the records'
+    hashing included (`fit.measure_cpu_adam`)."""
+    run = design_plan(cfg, hw, mode=mode, **capacity_args)
+    est = plan_capacity(cfg, hw, batch, seq, run).plan.estimate
+    return est.step_lanes(mode, deferred=defers(run, est))
+
+
+def defers(run: RunPlan, est: Estimate) -> bool:
+    """Whether a run's steady steps update after backward (`runtime.clip_schedule.ClipSchedule`), with clipping
+    off: where the plan lets an unclipped update wait (``run.defer_unclipped``), ``clip_mode`` defer always, auto
+    where the cost model prices that step shorter (its prior, which the engine's measurements then confirm or
+    overturn). A clipping run's choice follows its gradient norms, which no plan knows: priced as speculating."""
+    clip_mode = run.engine.stability.clip_mode
+    if not run.defer_unclipped or clip_mode == "speculate":
+        return False
+    return clip_mode == "defer" or 0 < est.t_deferred < est.t_iter
 
 
 @dataclass(frozen=True)
