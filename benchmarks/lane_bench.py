@@ -330,7 +330,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
         one_rate = predicted(args, mcfg, regime, {k: v for k, v in cpu_rates.items() if "/" not in k}, mode)
         main = {k: lanes[k] for k in MAIN_LANES if k in lanes}
         slowest = max(main, key=main.__getitem__)
-        def error(p: dict[str, float]) -> dict[str, float]:
+        def error(p: dict[str, float], main: dict[str, float] = main, step: float = step) -> dict[str, float]:
             return {k: abs(main[k] - p[k]) / main[k] for k in main if main[k] >= MATTERS * step and main[k] > 0}
         out["modes"][mode] = {
             "steps": len(rs), "step_s": step, "step_s_all": [r["step_s"] for r in rs], "lanes": lanes,

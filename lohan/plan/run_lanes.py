@@ -10,7 +10,7 @@ from typing import Any
 
 from lohan.config import ModelConfig
 from lohan.plan import formats
-from lohan.plan.capacity import capacity, design_plan, plan_capacity
+from lohan.plan.capacity import design_plan, plan_capacity
 from lohan.plan.cost_model import Estimate
 from lohan.plan.hardware import Hardware
 from lohan.plan.lanes import LANES_B, upgrade_lanes
@@ -21,14 +21,23 @@ from lohan.plan.units import itemsize
 def predict_lanes(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
                   **capacity_args: Any) -> dict[str, float]:
     """Seconds each lane (:data:`LANES_B`) is busy in one step of a run, as the cost model predicts them: the
-    plan :func:`capacity` makes for (``cfg``, ``hw``, ``batch``, ``seq``, ``mode`` and ``capacity_args``: compute
+    plan `capacity.capacity` makes for (``cfg``, ``hw``, ``batch``, ``seq``, ``mode`` and ``capacity_args``: compute
     dtype, state format, resident records, ...), its forward and backward added (`Estimate.step_lanes`) for the
     schedule the run takes (:func:`defers`), in the vocabulary the engine measures (`runtime.step.StepStats.lanes`).
     ``hw.cpu_adam_params_per_s`` is the rate of the optimizer's CPU work as it runs: with checksums on, the records'
     hashing included (`fit.measure_cpu_adam`)."""
+    return scheduled(cfg, hw, batch, seq, mode, **capacity_args)[0]
+
+
+def scheduled(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
+              **capacity_args: Any) -> tuple[dict[str, float], float]:
+    """(lanes, step seconds) of the schedule a run's steady steps take (:func:`defers`): the serial step's
+    (``t_serial``), a deferred one's (``t_deferred``) or a speculated one's (``T_iter``)."""
     run = design_plan(cfg, hw, mode=mode, **capacity_args)
     est = plan_capacity(cfg, hw, batch, seq, run).plan.estimate
-    return est.step_lanes(mode, deferred=defers(run, est))
+    later = defers(run, est)
+    step_s = est.t_serial if mode == "serial" else est.t_deferred if later else est.t_iter
+    return est.step_lanes(mode, deferred=later), step_s
 
 
 def defers(run: RunPlan, est: Estimate) -> bool:
@@ -86,14 +95,13 @@ class SsdCost:
 def ssd_cost(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
              measured: tuple[Mapping[str, float], float] | None = None, **capacity_args: Any) -> SsdCost | None:
     """What the SSDs cost the run, where its ``ssd`` lane is the slowest of :data:`LANES_B` (else None): the
-    cost model's lanes (`predict_lanes`), or ``measured`` (a step's lanes and seconds) where a step ran. The
+    cost model's lanes and step (:func:`scheduled`), or ``measured`` (a step's lanes and seconds) where a step ran. The
     formats with fewer SSD bytes per step (`formats.StateFormat.per_step`) are priced by the same model, and a
     measured step scaled by the model's ratio; the fastest is suggested. Where the compute
     dtype is not bf16, ``bf16-master`` (bf16 weights only) is not offered."""
     dtype = capacity_args.get("compute_dtype", "bf16")
     current = capacity_args.get("state_format", "exact")
-    est = capacity(cfg, hw, batch, seq, mode=mode, **capacity_args).plan.estimate
-    lanes, step_s = est.step_lanes(mode), (est.t_serial if mode == "serial" else est.t_iter)
+    lanes, step_s = predicted = scheduled(cfg, hw, batch, seq, mode, **capacity_args)
     if measured is not None:
         lanes, step_s = upgrade_lanes(measured[0]), measured[1]
     work = {k: lanes.get(k, 0.0) for k in LANES_B}
@@ -105,12 +113,11 @@ def ssd_cost(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "
                      key=lambda f: -formats.state_format(f).per_step(s))
     if not smaller:
         return None
-    scale = step_s / (est.t_serial if mode == "serial" else est.t_iter)
+    scale = step_s / predicted[1]
     priced = {}
     for name in smaller:
-        other = capacity(cfg, hw, batch, seq, mode=mode, **{**capacity_args, "state_format": name}).plan.estimate
-        ol = other.step_lanes(mode)
-        priced[name] = ((other.t_serial if mode == "serial" else other.t_iter) * scale, max(ol, key=ol.__getitem__))
+        ol, other_s = scheduled(cfg, hw, batch, seq, mode, **{**capacity_args, "state_format": name})
+        priced[name] = (other_s * scale, max(ol, key=ol.__getitem__))
     best = min(priced, key=lambda f: priced[f][0])
     gpu = work["gpu"]
     tokens = batch * seq
