@@ -92,6 +92,8 @@ from typing import Any
 
 from bench_env import (  # sibling module (the script's own directory)
     portable,
+    result_fields,
+    result_path,
     shared_environment,
 )
 
@@ -968,8 +970,9 @@ def build_report(args: argparse.Namespace, bench: Bench, run: Run) -> dict:
 
 def write_report(report: dict, out: str | None) -> tuple[dict, Path]:
     """Write the JSON (made portable: no path of this machine) and its markdown summary; the portable report."""
-    stamp = dt.datetime.fromisoformat(report["timestamp"])
-    path = Path(out) if out else REPO / "benchmarks" / "results" / f"ago_bench_{stamp:%Y%m%d_%H%M%S}.json"
+    variant = {"quick": report["settings"]["quick"]} if "settings" in report else {}
+    report.update(result_fields("ago_bench", variant))
+    path = result_path("ago_bench", variant, out)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = portable(report)
     path.write_text(json.dumps(report, indent=1) + "\n")

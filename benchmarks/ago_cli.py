@@ -52,6 +52,8 @@ from typing import Any
 
 from bench_env import (  # sibling module (the script's own directory)
     portable,
+    result_fields,
+    result_path,
     shared_environment,
 )
 
@@ -92,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the stores, metrics files and logs")
     p.add_argument("--pause", type=float, default=2.0, help="seconds of rest after each run's store is deleted")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ago_cli.json"), help="JSON report")
+    p.add_argument("--out", default=None, help="JSON report (default benchmarks/results/ago_cli/<machine>.json)")
     args = p.parse_args(argv)
     for key in ("seq_len", "batch_size", "rounds"):
         if getattr(args, key) < 1:
@@ -363,8 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not args.keep:
             _cleanup(Path(args.scratch), plan)
-    report = portable(build_report(args, runs, argv, time.perf_counter() - t_start))
-    out = Path(args.out)
+    report = portable({**build_report(args, runs, argv, time.perf_counter() - t_start), **result_fields("ago_cli")})
+    out = result_path("ago_cli", out=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))

@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -94,6 +95,63 @@ def portable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [portable(v) for v in value]
     return value
+
+
+# ------------------------------------------------------------------- where a report goes
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _cpu_slug(cpu_model: str | None) -> str:
+    """`cpu_model`'s family and model number, e.g. "AMD EPYC 7763 64-Core Processor" -> "epyc7763",
+    "Intel(R) Xeon(R) Processor" -> "xeon" ("" where the model is not known)."""
+    words = [w for w in re.sub(r"\((R|TM)\)|@.*$", " ", cpu_model or "", flags=re.I).split()
+             if w.lower() not in ("intel", "amd", "cpu", "processor") and "core" not in w.lower()]
+    number = next((w for w in words[1:] if any(c.isdigit() for c in w)), "")
+    return re.sub(r"[^a-z0-9]", "", (words[0] + number).lower()) if words else ""
+
+
+def machine_id(hardware: dict[str, Any] | None = None) -> str:
+    """A short stable id of the box a run was on, the file name of its results: the GPU's model where
+    there is one (``h100``), else ``cpu<cores>-<family+model>`` (``cpu2-epyc``, ``cpu16-xeon8480c``).
+    `hardware`: a report's ``hardware`` (`shared_environment`: cpu_count, cpu_model, gpu); None: this box."""
+    hw = hardware if hardware is not None else shared_environment()["hardware"]
+    if hw.get("gpu"):
+        words = [w for w in str(hw["gpu"]).split() if w.lower() not in ("nvidia", "geforce", "amd", "radeon")]
+        model = next((i for i, w in enumerate(words) if any(c.isdigit() for c in w)
+                      and not w.lower().endswith("gb")), None)
+        if model is not None:  # "RTX 4090": the series word joins a bare number
+            name = (words[model - 1] if model and words[model].isdigit() else "") + words[model]
+            return re.sub(r"[^a-z0-9]", "", name.lower())
+    slug = _cpu_slug(hw.get("cpu_model"))
+    return f"cpu{hw.get('cpu_count') or ''}" + (f"-{slug}" if slug else "")
+
+
+def variant_name(variant: dict[str, Any] | None) -> str:
+    """The folder of a variant: its set fields joined by "-", a flag that is on by its key, a number after its key,
+    a word by itself (e.g. {"quick": True, "seq": 256, "compare": "resident_mem"} -> "quick-seq256-resident_mem");
+    "" for the default run (no field set)."""
+    parts = [k if v is True else f"{k}{v}" if isinstance(v, int | float) else str(v)
+             for k, v in (variant or {}).items() if v not in (None, False, "", 0)]
+    return "-".join(re.sub(r"[^A-Za-z0-9_.=]+", "_", p) for p in parts)
+
+
+def result_path(benchmark: str, variant: dict[str, Any] | None = None, out: str | Path | None = None,
+                hardware: dict[str, Any] | None = None, root: str | Path = RESULTS) -> Path:
+    """Where a report goes (benchmarks/README.md "Result files"): `out` where given, else
+    ``results/<benchmark>/<machine>.json`` for the default run and ``results/<benchmark>/<variant>/<machine>.json``
+    for a variant (quick, a tag, a setting compared), so runs on two boxes or of two variants never overwrite each
+    other; the report itself carries ``variant`` and ``machine`` (`result_fields`). `root`: the results folder."""
+    if out is not None:
+        return Path(out)
+    folder = Path(root) / benchmark
+    name = variant_name(variant)
+    return (folder / name if name else folder) / f"{machine_id(hardware)}.json"
+
+
+def result_fields(benchmark: str, variant: dict[str, Any] | None = None,
+                  hardware: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields a report records of where it belongs: the benchmark, the machine id and the variant."""
+    return {"benchmark": benchmark, "machine": machine_id(hardware), "variant": dict(variant or {})}
 
 
 def save_report(report: dict, out: Path, markdown: Callable[[dict, Path], Any],

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_env import result_fields, result_path  # sibling module (the script's own directory)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="steps per run (a save every 2)")
-    p.add_argument("--out", default=str(REPO / "benchmarks/results/checkpoint_cost.json"))
+    p.add_argument("--out", default=None, help="JSON report (default benchmarks/results/checkpoint_cost/<machine>.json)")
     args = p.parse_args(argv)
     scratch = REPO / "benchmarks/scratch"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -71,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"steps {statistics.median(runs[v][-1]['step_s']):.2f} s (median)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = _report(runs, args)
-    out = Path(args.out)
+    report = {**_report(runs, args), **result_fields("checkpoint_cost")}
+    out = result_path("checkpoint_cost", out=args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(_markdown(report))
     print(out.with_suffix(".md").read_text())

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_env import cpu_model, package_version, portable  # noqa: E402 (sibling module)
+from bench_env import cpu_model, package_version, portable, result_fields, result_path  # noqa: E402 (sibling module)
 
 import lohan  # noqa: E402
 from lohan.config import EngineConfig, get_model_config  # noqa: E402
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     report = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": shlex.join(sys.argv),
               "cpu": cpu_model(), "python": platform.python_version(), "torch": package_version("torch"),
-              "xxhash": package_version("xxhash"), "results": results}
-    out = Path(args.out or Path(__file__).resolve().parent / "results" /
-               f"checksum_cost{'_quick' if args.quick else ''}.json")
+              "xxhash": package_version("xxhash"), "results": results,
+              **result_fields("checksum_cost", {"quick": args.quick})}
+    out = result_path("checksum_cost", {"quick": args.quick}, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")

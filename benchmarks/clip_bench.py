@@ -43,7 +43,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_env import cpu_model, package_version, portable  # noqa: E402 (sibling module)
+from bench_env import cpu_model, package_version, portable, result_fields, result_path  # noqa: E402 (sibling module)
 
 import lohan  # noqa: E402
 from lohan.config import EngineConfig, get_model_config  # noqa: E402
@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     report = {"date": dt.datetime.now().isoformat(timespec="seconds"),
               "command": shlex.join(["python", "benchmarks/clip_bench.py", *sys.argv[1:]]), "cpu": cpu_model(),
-              "python": platform.python_version(), "torch": package_version("torch"), "results": results}
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"clip_bench{'_quick' if args.quick else ''}.json")
+              "python": platform.python_version(), "torch": package_version("torch"), "results": results,
+              **result_fields("clip_bench", {"quick": args.quick})}
+    out = result_path("clip_bench", {"quick": args.quick}, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")

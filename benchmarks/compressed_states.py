@@ -41,6 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_env import result_fields, result_path  # noqa: E402 (sibling module)
+
 from lohan.plan.formats import FORMATS, state_format  # noqa: E402
 
 SCRATCH = REPO / "benchmarks/scratch/compressed_states"
@@ -58,12 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-quality", action="store_true", help="only bytes and speed")
     p.add_argument("--quality-from", type=Path, default=None,
                    help="take part 3 from an earlier result JSON of this benchmark instead of running it")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/compressed_states[_quick].json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/compressed_states[/quick]/<machine>.json)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.quality_steps = args.quality_steps or (40 if args.quick else 300)
-    suffix = "_quick" if args.quick else ""
-    args.out = Path(args.out or REPO / f"benchmarks/results/compressed_states{suffix}.json")
+    args.out = result_path("compressed_states", {"quick": args.quick}, args.out)
     return args
 
 
@@ -273,7 +274,7 @@ def write_plot(r: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    r = report(args)
+    r = {**report(args), **result_fields("compressed_states", {"quick": args.quick})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=1))
     write_markdown(r, args.out.with_suffix(".md"))

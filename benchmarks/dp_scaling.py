@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_env import REPO, cpu_model, package_version, save_report  # noqa: E402
+from benchmarks.bench_env import REPO, cpu_model, package_version, result_fields, result_path, save_report  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -218,7 +218,7 @@ def main() -> None:
     spec = _spec(args, 1, Path("unused"))
     param_count = get_model_config(args.model, **spec["model_overrides"]).param_count()
     label = "quick" if args.quick else "full"
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"dp_scaling{'_quick' if args.quick else ''}.json")
+    out = result_path("dp_scaling", {"quick": args.quick}, args.out)
     tmp = REPO / "benchmarks" / "scratch" / "dp_scaling_runs"
     tmp.mkdir(parents=True, exist_ok=True)
     runs: dict[int, list[dict]] = {n: [] for n in args.ranks}
@@ -245,7 +245,7 @@ def main() -> None:
                  "and the P16 all-gathers (forward and backward, (N-1)/N each). On a CPU-only machine the ranks "
                  "split the same cores, so the group cannot compute faster than one process; the scaling here "
                  "shows what data parallelism costs, not what GPUs gain."),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": time.perf_counter() - t0, **result_fields("dp_scaling", {"quick": args.quick}),
     }
     report = save_report(report, out, write_markdown, write_plot)
     sc = report["scaling_2_ranks"]

@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_env import REPO, cpu_model, package_version, portable  # sibling module (this directory)
+from bench_env import (  # sibling module (this directory)
+    REPO,
+    cpu_model,
+    package_version,
+    portable,
+    result_fields,
+    result_path,
+)
 
 sys.path.insert(0, str(REPO))
 from io_engine import open_volume  # noqa: E402
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-mib", type=int, default=64, help="size of each request (all issued at once)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--backend", choices=["auto", "aio", "threads"], default="auto")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "duplex.json")
+    p.add_argument("--out", type=Path, default=None, help="JSON report (default benchmarks/results/duplex/<machine>.json)")
     a = p.parse_args(argv)
     request = a.request_mib << 20
     size = max(request, int(a.size_gib * GiB) // request * request)
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python", *sys.argv]), "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
               "torch": package_version("torch"),
               "args": {"size_gib": size / GiB, "request_mib": a.request_mib, "rounds": a.rounds},
-              "result": result}
+              "result": result, **result_fields("duplex")}
+    a.out = result_path("duplex", out=a.out)
     report = portable(report)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_env import device_environment, portable  # noqa: E402 (sibling module)
+from bench_env import device_environment, portable, result_fields, result_path  # noqa: E402 (sibling module)
 
 from lohan.config import get_model_config  # noqa: E402
 from lohan.models.gpt import Block, init_block_  # noqa: E402
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10, help="timed repeats (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="discarded repeats before timing")
     p.add_argument("--out", help="JSON report path (a .md summary is written next to it); default "
-                                 "benchmarks/results/gpu_block_tflops.json")
+                                 "benchmarks/results/gpu_block_tflops/<machine>.json")
     p.add_argument("--allow-cpu", action="store_true",
                    help="without CUDA, run tiny sizes on the CPU to check the script (report goes to scratch/)")
     args = p.parse_args(argv)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if torch.cuda.is_available():
         device = torch.device("cuda")
-        out = Path(args.out) if args.out else HERE / "results" / "gpu_block_tflops.json"
+        out = result_path("gpu_block_tflops", out=args.out)
     elif args.allow_cpu:
         device = torch.device("cpu")
         for k, v in CPU_SIZES.items():
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['block_engine_tflops']:.4g} TFLOPS = {r['engine_pct_of_peak']:.1f}%")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    write_report({"environment": env, "peak": peak, "blocks": blocks}, out)
+    write_report({"environment": env, "peak": peak, "blocks": blocks, **result_fields("gpu_block_tflops")}, out)
     print(f"results: {out} and {out.with_suffix('.md')}")
     return 0
 

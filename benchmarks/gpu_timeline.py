@@ -244,7 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "on the host has no kernels to hide copies under; then this bounds what copies cost)")
     p.add_argument("--nvme", help="directory for the store (default: a fresh one in benchmarks/scratch, deleted)")
     p.add_argument("--out", help="JSON report path (a .md summary is written next to it); default "
-                                 "benchmarks/results/gpu_timeline.json")
+                                 "benchmarks/results/gpu_timeline/<machine>.json")
     p.add_argument("--keep-trace", help="also keep the profiler's Chrome trace at this path")
     args = p.parse_args(argv)
     for name in ("batch", "seq", "steps"):
@@ -381,12 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_timeline: no CUDA device here (torch.cuda.is_available() is False); nothing measured, nothing "
               "written. Run it on a GPU machine (bash benchmarks/gpu_suite.sh --only timeline).")
         return 2
-    out = Path(args.out) if args.out else HERE / "results" / "gpu_timeline.json"
+    from bench_env import result_fields, result_path
+
+    out = result_path("gpu_timeline", out=args.out)
     scratch = HERE / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_timeline.", dir=scratch))  # the store (unless --nvme) and the trace
     try:
-        report = {"environment": environment(),
+        report = {"environment": environment(), **result_fields("gpu_timeline"),
                   **run(args, Path(args.nvme) if args.nvme else work / "nvme", work / "trace.json")}
         if args.keep_trace:
             shutil.copyfile(work / "trace.json", args.keep_trace)

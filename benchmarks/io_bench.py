@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING
 
 from bench_env import (  # sibling module (the script's own directory)
     portable,
+    result_fields,
+    result_path,
     shared_environment,
 )
 
@@ -171,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="repeats of the emulated measurements, which vary by < 1 %% (full: 3, quick: 2)")
     p.add_argument("--quick", action="store_true", help="small sweep that finishes in under 3 minutes")
     p.add_argument("--out", type=Path,
-                   help="JSON report (+ a .md summary next to it); default benchmarks/results/io_bench-<time>.json")
+                   help="JSON report (+ a .md summary next to it); default benchmarks/results/io_bench[/quick]/<machine>.json")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = p.parse_args(argv)
     for key, value in PRESETS["quick" if args.quick else "full"].items():
@@ -897,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<20} {report[k]}")
     for note in report["notes"]:
         print(f"note: {note}")
-    out = args.out or REPO / "benchmarks" / "results" / f"io_bench-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    report.update(result_fields("io_bench", {"quick": args.quick}))
+    out = result_path("io_bench", {"quick": args.quick}, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -59,7 +59,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import cpu_model, package_version, portable  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    cpu_model,
+    package_version,
+    portable,
+    result_fields,
+    result_path,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from a checkout, without installing the package
@@ -142,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the emulated GPU's arithmetic: skipped, only its modeled time passing (modeled, the default: "
                         "a GPU box's host, whose cores the GPU's math does not take), or run on this CPU (real: "
                         "bit-exact, on the cores the CPU lanes need)")
-    p.add_argument("--out", default=None, help="JSON path (default results/lane_bench[_quick].json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/lane_bench[/quick]/<machine>.json)")
     a = p.parse_args(argv)
     if a.quick:
         # two warm-up steps: the first profiles and plans; the second runs the schedule the plan, priced at
@@ -466,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
               "environment": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
                               "torch": package_version("torch")},
               "wall_s": time.perf_counter() - t0, "regimes": results}
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / (
-        "lane_bench_quick.json" if args.quick else "lane_bench.json")
+    report.update(result_fields("lane_bench", {"quick": args.quick}))
+    out = result_path("lane_bench", {"quick": args.quick}, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -51,7 +51,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import batches, portable, reset_peak_rss, shared_environment, status_bytes  # sibling module
+from bench_env import (  # sibling module
+    batches,
+    portable,
+    reset_peak_rss,
+    result_fields,
+    result_path,
+    shared_environment,
+    status_bytes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -312,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
            "param_count": next(iter(summary.values()))["param_count"], "batch": a.batch, "seq": a.seq,
            "dtype": a.dtype, "rank": a.rank, "alpha": a.alpha, "rounds": a.rounds, "warmup": a.warmup,
            "steps": a.steps, "cpu_mem": a.cpu_mem, "stream_set": a.stream_set, "full_cpu_mem": a.full_cpu_mem,
-           "keys": keys(summary), "systems": summary, "runs": runs, "environment": env}
+           "keys": keys(summary), "systems": summary, "runs": runs, "environment": env,
+           **result_fields("lora_bench", {"tag": a.tag}, env["hardware"])}
     rep = portable(rep)
-    out = Path(a.results) / f"lora_bench{'_' + a.tag if a.tag else ''}"
+    out = result_path("lora_bench", {"tag": a.tag}, hardware=env["hardware"], root=a.results).with_suffix("")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(rep))

@@ -32,7 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_env import batches, reset_peak_rss, status_bytes  # sibling module (the script's own directory)
+from bench_env import (  # sibling module (the script's own directory)
+    batches,
+    reset_peak_rss,
+    result_fields,
+    result_path,
+    status_bytes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--scratch", type=Path, default=REPO / "benchmarks" / "scratch" / "mem_bench")
-    p.add_argument("--tag", default="", help="suffix of the report's file names")
+    p.add_argument("--tag", default="", help="the variant's name: the report goes to results/mem_bench/<tag>/<machine>.json")
     p.add_argument("--lohan-set", default={}, type=json.loads,
                    help='engine settings over the defaults, as JSON (e.g. \'{"resident_mem": 0}\'): a diagnosis')
     p.add_argument("--systems", default="torch,lohan", help="which to run (default both; the ratio needs both)")
@@ -248,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
            "host": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
            "model": f"llama-{a.size}", "batch": a.batch, "seq": a.seq, "dtype": a.dtype, "steps": a.steps,
            "rss_ratio_vs_torch": lo["peak_rss_steps_bytes"] / th["peak_rss_steps_bytes"],
-           "rss_ratio_vs_torch_whole_life": lo["peak_rss_bytes"] / th["peak_rss_bytes"], "runs": runs}
-    out = REPO / "benchmarks" / "results" / f"mem_bench{'_' + a.tag if a.tag else ''}"
+           "rss_ratio_vs_torch_whole_life": lo["peak_rss_bytes"] / th["peak_rss_bytes"], "runs": runs,
+           **result_fields("mem_bench", {"tag": a.tag})}
+    out = result_path("mem_bench", {"tag": a.tag}).with_suffix("")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(rep))
     print(markdown(rep))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_env import portable  # noqa: E402 (sibling module)
+from bench_env import portable, result_fields, result_path  # noqa: E402 (sibling module)
 
 from lohan.config import get_model_config  # noqa: E402
 from lohan.plan.planner import Capacity, Hardware, capacity, max_batch, max_model, parse_hardware  # noqa: E402
@@ -151,14 +151,15 @@ def rows() -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="JSON report (default benchmarks/results/paper_testbed.json)")
+    ap.add_argument("--out", default=None, help="JSON report (default benchmarks/results/paper_testbed/<machine>.json)")
     args = ap.parse_args(argv)
     table = rows()
     hw = box()
     report = {"benchmark": "paper_testbed", "date": dt.datetime.now().isoformat(timespec="seconds"),
               "command": shlex.join(["python", *sys.argv]), "hardware": hw.name, "rates": hw.describe(),
-              "holds": sum(r["verdict"] == "holds" for r in table), "claims": len(table), "rows": table}
-    out = Path(args.out or Path(__file__).resolve().parent / "results" / "paper_testbed.json")
+              "holds": sum(r["verdict"] == "holds" for r in table), "claims": len(table), "rows": table,
+              **result_fields("paper_testbed")}
+    out = result_path("paper_testbed", out=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = portable(report)  # no path of this machine in a committed report
     out.write_text(json.dumps(report, indent=1) + "\n")

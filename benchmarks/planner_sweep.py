@@ -44,6 +44,8 @@ from typing import Any
 from bench_env import (  # sibling module (the script's own directory)
     cpu_model,
     package_version,
+    result_fields,
+    result_path,
     save_report,
 )
 
@@ -76,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme", nargs="+", default=[str(REPO / "benchmarks" / "scratch" / "sweep")],
                    help="SSD directories (one per SSD)")
     p.add_argument("--backend", choices=("auto", "aio", "threads"), default="auto")
-    p.add_argument("--out", help="JSON report path (default benchmarks/results/planner_sweep_<timestamp>.json)")
+    p.add_argument("--out", help="JSON report path (default benchmarks/results/planner_sweep[/quick]/<machine>.json)")
     args = p.parse_args(argv)
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
@@ -240,10 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for d in args.nvme:
         os.makedirs(d, exist_ok=True)
-    out = Path(args.out) if args.out else (
-        REPO / "benchmarks" / "results" / f"planner_sweep_{dt.datetime.now():%Y%m%d_%H%M%S}.json")
+    out = result_path("planner_sweep", {"quick": args.quick}, args.out)
     t0 = time.perf_counter()
-    report = run(args)
+    report = {**run(args), **result_fields("planner_sweep", {"quick": args.quick})}
     report["wall_s"] = time.perf_counter() - t0
     report = save_report(report, out, write_markdown, write_plot)
     print(f"choice_over_best {report['choice_over_best']:.3f}  mean_abs_prediction_error "

@@ -71,6 +71,8 @@ from typing import Any
 
 from bench_env import (  # sibling module (the script's own directory)
     portable,
+    result_fields,
+    result_path,
     shared_environment,
 )
 
@@ -517,6 +519,14 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def variant(args: argparse.Namespace, config: str, steps: int) -> dict[str, Any]:
+    """What sets this run apart (the report's ``variant``, its folder under results/soak/)."""
+    return {"config": config, "quick": args.quick and not args.steps,
+            "steps": steps if steps != STEPS and not (args.quick and not args.steps) else None,
+            "legacy_upcast": args.legacy_upcast, "malloc_trim": args.malloc_trim == "every",
+            "malloc_trim_first": args.malloc_trim == "first"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -528,14 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.25, help="seconds between outside samples")
     p.add_argument("--scratch", type=Path, default=REPO / "benchmarks" / "scratch" / "soak",
                    help="store directories, logs and the generated HF model")
-    p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results",
+                   help="the results folder: each configuration's report goes to soak/<variant>/<machine>.json in it")
     p.add_argument("--legacy-upcast", action="store_true",
                    help="diagnosis: bring back a new optimizer thread per step and its per-block g.float() (before "
                         "the upcast scratch and the persistent worker) to show the malloc-arena growth they caused; "
-                        "reports get a _legacy_upcast suffix")
+                        "reports record it in their variant")
     p.add_argument("--malloc-trim", choices=["every", "first"],
                    help="diagnosis: call glibc's malloc_trim(0) after every step, or after the first one only "
-                        "(tells allocator retention from growth); reports get a _malloc_trim[_first] suffix")
+                        "(tells allocator retention from growth); reports record it in their variant")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="more finetune.py flags for every run (last option)")
     args = p.parse_args(argv)
@@ -569,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": time.time() - t0,
             "settings": {"steps": steps, "interval_s": args.interval, "legacy_upcast": args.legacy_upcast,
                          "malloc_trim": args.malloc_trim},
-            **env, "result": result,
+            **env, **result_fields("soak", variant(args, name, steps)), "result": result,
             "header": _header_lines(raw["stdout"]),
             "per_step": [r for r in raw["records"] if r["event"] == "step"],
             "events": [r for r in raw["records"] if r["event"] != "step"],
@@ -578,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         if raw["returncode"] != 0:
             report["notes"].append(f"the fine-tune exited with {raw['returncode']}; see stdout_tail")
             report["stdout_tail"] = raw["stdout"][-4000:]
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem = args.out_dir / f"soak_{name}{suffix}"
+        stem = result_path("soak", variant(args, name, steps), root=args.out_dir).with_suffix("")
+        stem.parent.mkdir(parents=True, exist_ok=True)
         report = portable(report)  # no paths of this machine in a report that goes into the repository
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         png = plot(report, stem.with_suffix(".png"))

@@ -74,6 +74,8 @@ from typing import Any
 from bench_env import (  # sibling module (the script's own directory)
     cpu_model,
     package_version,
+    result_fields,
+    result_path,
     save_report,
 )
 
@@ -122,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="measured steps per point and round (2)")
     p.add_argument("--calib-repeats", type=int, help="THP_G measurements per batch size and round (2)")
     p.add_argument("--keep-store", action="store_true", help="leave the stores in the directories")
-    p.add_argument("--out", help="JSON report path (default benchmarks/results/ssd_scaling[_quick].json)")
+    p.add_argument("--out", help="JSON report path (default benchmarks/results/ssd_scaling[/quick]/<machine>.json)")
     args = p.parse_args(argv)
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
@@ -557,10 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for d in args.nvme:
         os.makedirs(d, exist_ok=True)
-    out = Path(args.out) if args.out else (
-        REPO / "benchmarks" / "results" / f"ssd_scaling{'_quick' if args.quick else ''}.json")
+    out = result_path("ssd_scaling", {"quick": args.quick}, args.out)
     t0 = time.perf_counter()
-    report = run(args)
+    report = {**run(args), **result_fields("ssd_scaling", {"quick": args.quick})}
     report["wall_s"] = time.perf_counter() - t0
     report = save_report(report, out, write_markdown, write_plot)
     sc = report["scaling_1_to_4"]

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import vs_deepspeed as vd  # sibling module (the script's own directory)
-from bench_env import cpu_model, portable
+from bench_env import cpu_model, portable, result_fields, result_path
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("backward", "after_gate", "rest")
@@ -405,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(variants_out) > 1:
         (b, bv), *rest = variants_out.items()
         report["ratio_vs_first"] = {n: v["summary"]["s_per_step"] / bv["summary"]["s_per_step"] for n, v in rest}
-    suffix = ("_quick" if a.quick else "") + (f"_{a.compare.partition('=')[0]}" if a.compare else "")
-    out = a.out or REPO / "benchmarks" / "results" / f"step_timeline{suffix}.json"
+    variant = {"quick": a.quick, "compare": a.compare.partition("=")[0] if a.compare else None}
+    report.update(result_fields("step_timeline", variant))
+    out = result_path("step_timeline", variant, a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))

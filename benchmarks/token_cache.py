@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_env import REPO, cpu_model, package_version, save_report  # noqa: E402
+from benchmarks.bench_env import REPO, cpu_model, package_version, result_fields, result_path, save_report  # noqa: E402
 
 SCRATCH = REPO / "benchmarks" / "scratch" / "token_cache"
 
@@ -132,18 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="2 MB, 2 rounds")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "token_cache.json")
+    p.add_argument("--out", type=Path, default=None, help="JSON report (default benchmarks/results/token_cache/<machine>.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.mb, args.rounds = 2.0, 2
     result = measure(args)
+    variant = {"quick": args.quick, "format": args.format if args.format != "prompt-response" else None}
     report = {"benchmark": "token_cache", "date": time.strftime("%Y-%m-%d"),
               "command": " ".join([sys.executable, *sys.argv]),
               "settings": {k: getattr(args, k) for k in ("mb", "format", "tokenizer", "seq_len", "rounds")},
               "hardware": {"cpu": cpu_model(), "cores": __import__("os").cpu_count(), "platform": platform.platform()},
               "versions": {k: package_version(k) for k in ("torch", "datasets", "pyarrow", "tokenizers",
                                                            "transformers")},
-              "result": result}
+              "result": result, **result_fields("token_cache", variant)}
+    args.out = result_path("token_cache", variant, args.out)
     save_report(report, args.out, markdown, lambda report, path: None)
     print(args.out.with_suffix(".md").read_text())
     return 0

@@ -88,6 +88,8 @@ from bench_env import (  # sibling module (the script's own directory)
     batches,
     portable,
     reset_peak_rss,
+    result_fields,
+    result_path,
     shared_environment,
     status_bytes,
 )
@@ -880,7 +882,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "repeatable; the value is read as YAML")
     p.add_argument("--peers-heap-reuse", action="store_true",
                    help="give the peers lohan's heap-reuse malloc setting through glibc's environment, so the "
-                        "comparison is on equal allocators (reports get a _peers_heap_reuse suffix)")
+                        "comparison is on equal allocators (a variant of the report)")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between outside RSS samples")
     p.add_argument("--scratch", type=Path, default=REPO / "benchmarks" / "scratch" / "vs_deepspeed")
     p.add_argument("--keep-models", action="store_true", help="keep the generated HF models for the next run")
@@ -1039,9 +1041,10 @@ def main(argv: list[str] | None = None) -> int:
     if load[0] > 0.5 * (os.cpu_count() or 1) + 1:
         report["notes"].append(f"load average at the end {load[0]:.1f} on {os.cpu_count()} cores: other work "
                                "shared the machine; compare with caution")
-    suffix = ("_quick" if a.quick else "") + ("_" + a.dtypes[0] if len(a.dtypes) == 1 else "") \
-        + ("_peers_heap_reuse" if a.peers_heap_reuse else "")
-    out = a.out or REPO / "benchmarks" / "results" / f"vs_deepspeed{suffix}.json"
+    variant = {"quick": a.quick, "dtype": a.dtypes[0] if len(a.dtypes) == 1 else None,
+               "peers_heap_reuse": a.peers_heap_reuse}
+    report.update(result_fields("vs_deepspeed", variant))
+    out = result_path("vs_deepspeed", variant, a.out)
     write_report(report, out, log)
     return 0
 

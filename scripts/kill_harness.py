@@ -37,6 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_env: where the report goes
+
+from bench_env import result_fields, result_path  # noqa: E402
 
 STEPS = 6
 
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kill_harness.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON report (default benchmarks/results/kill_harness[/seed<N>]/<machine>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the trials' directories")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run, e.g. engine.resident_mem=all (repeatable)")
@@ -330,10 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         "trials_killed_several_times": sum(t.kills > 1 for t in trials),
         "by_phase": {p: {"killed": r[0], "survived": r[1], "point_not_reached": r[2]} for p, r in sorted(by_phase.items())},
         "command": " ".join(["python finetune.py", *base_args(Path("WORK"))[2:]]), "seed": args.seed,
-        "trial_log": [asdict(t) for t in trials],
+        "trial_log": [asdict(t) for t in trials], **result_fields("kill_harness", {"seed": args.seed}),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    args.out = result_path("kill_harness", {"seed": args.seed}, args.out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\nkill points survived / tried: {survived} / {kills} over {len(trials)} trials "
           f"({summary['trials_killed_several_times']} killed several times)")
     for p, r in summary["by_phase"].items():
