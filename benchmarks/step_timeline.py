@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(variants_out) > 1:
         (b, bv), *rest = variants_out.items()
         report["ratio_vs_first"] = {n: v["summary"]["s_per_step"] / bv["summary"]["s_per_step"] for n, v in rest}
-    variant = {"quick": a.quick, "compare": a.compare.partition("=")[0] if a.compare else None}
+    variant = {"quick": a.quick, "model": report["model"] if a.model_dir else None,
+               "compare": a.compare.partition("=")[0] if a.compare else None}
     report.update(result_fields("step_timeline", variant))
     out = result_path("step_timeline", variant, a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
