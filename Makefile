@@ -70,10 +70,10 @@ lint: install
 bench-io: aio-op
 	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq fio >/dev/null; } || \
 	  echo "fio unavailable: io_bench falls back to dd"
-	$(PY) benchmarks/io_bench.py --out benchmarks/results/io_bench.json
+	$(PY) benchmarks/io_bench.py
 
 bench-ago: aio-op
-	$(PY) benchmarks/ago_bench.py --out benchmarks/results/ago_bench.json
+	$(PY) benchmarks/ago_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs benchmarks/scratch

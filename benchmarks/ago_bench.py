@@ -63,8 +63,8 @@ compute lane, which grows when CPU Adam and the I/O threads share the cores with
 the overlap costs; this one does. A key whose case or mode was not run is None.
 
 Run (from the repository root; nothing else should use the disk or the cores meanwhile):
-    .venv/bin/python benchmarks/ago_bench.py --quick --out benchmarks/results/ago_bench_quick.json  # ~8-10 min
-    .venv/bin/python benchmarks/ago_bench.py --out benchmarks/results/ago_bench.json                # ~15 min
+    .venv/bin/python benchmarks/ago_bench.py --quick  # ~8-10 min
+    .venv/bin/python benchmarks/ago_bench.py          # ~15 min
     .venv/bin/python benchmarks/ago_bench.py --quick --cases clipped noclip   # two cases, ~6 min
     .venv/bin/python benchmarks/ago_bench.py --model 1b --rounds 2 --steps 1 --modes naive optimized
 (durations for 350m on the 2-core development VM.) A markdown summary is written next to the JSON (same stem,
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for the process (default: leave torch's choice)")
     p.add_argument("--keep-store", action="store_true", help="do not delete the slab files at the end")
-    p.add_argument("--out", help="JSON report path (default benchmarks/results/ago_bench_<timestamp>.json)")
+    p.add_argument("--out", help="JSON report path (default benchmarks/results/ago_bench[/quick]/<machine>.json)")
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
     for key, value in preset.items():

@@ -21,7 +21,7 @@ every raw step time, the medians of the lanes (``optimizer_tail`` among them) an
 clipped, redone, deferred and whose next forward overlapped the optimizer pass (each None where the
 metrics records lack the field); the keys ``speedup_vs_serial`` (clipped: serial / optimized median),
 ``speedup_vs_serial_noclip``, ``speedup_vs_naive`` and ``ordering_holds`` (optimized fastest in every
-case measured). JSON (default ``benchmarks/results/ago_cli.json``) plus a markdown summary beside it.
+case measured). JSON (default ``benchmarks/results/ago_cli/<machine>.json``) plus a markdown summary beside it.
 
 How long. With the defaults (350m, batch 1 x seq 512, 7 steps per run) one run takes about a minute on the
 2-core development VM, including the store's initialization: 2 cases x 3 modes x 2 rounds = 12 runs,
@@ -29,7 +29,7 @@ about 12-15 minutes. The tiny preset takes a few seconds per run. Nothing else s
 meanwhile. Each run's store (10.6 GB for 350m) is deleted as soon as the run ends, unless ``--keep``.
 
 Run (from the repository root):
-    .venv/bin/python benchmarks/ago_cli.py 2>&1 | tee benchmarks/results/ago_cli.log
+    .venv/bin/python benchmarks/ago_cli.py 2>&1 | tee benchmarks/scratch/ago_cli.log
     .venv/bin/python benchmarks/ago_cli.py --model tiny --steps 4 --rounds 1 --out benchmarks/scratch/ago_cli_tiny.json
 Keys of the report: see benchmarks/README.md.
 """

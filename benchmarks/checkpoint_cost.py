@@ -7,7 +7,7 @@ Each round runs `finetune.py` twice on the same model and data, in alternating o
 `--save-every 2 --export DIR` (fp32 checkpoints, then the bf16 ones with `--export-dtype bf16`) and once
 without. From the metrics JSONL: the seconds each save took (`save_s`, training waits for it), and the median
 step time of the steps after the first (the first profiles). A save's cost to the run is its `save_s`; the
-step times show whether the steps around a save slow down too. Report: benchmarks/results/checkpoint_cost.{json,md}.
+step times show whether the steps around a save slow down too. Report: benchmarks/results/checkpoint_cost/<machine>.{json,md}.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Two numbers, measured on the same device in one run:
   profiler and the planner count it); the recomputation is work that earns no model FLOPs.
 
 Reported: TFLOPS of each and their ratio to the measured peak, with the device, torch, CUDA and the command.
-Results go to benchmarks/results/gpu_block_tflops.{json,md} (``--out`` to change); without CUDA the script
+Results go to benchmarks/results/gpu_block_tflops/<machine>.{json,md} (``--out`` to change); without CUDA the script
 says so and exits 0 without writing anything, unless ``--allow-cpu`` (tiny sizes, written to
 benchmarks/scratch/ so CPU numbers never land among the results).
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: what a CPU-only machine cannot check. Everything it prints also goes to
-# benchmarks/results/gpu_suite_<date>.log; a step that fails does not stop the others.
+# benchmarks/results/gpu_suite/<machine>.log; a step that fails does not stop the others.
 #
 #   make install && bash benchmarks/gpu_suite.sh         # every step, ~13 min on one H100
 #   bash benchmarks/gpu_suite.sh --quick                  # without make-test and e2e, ~3 min
@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_suite.sh --with-ago               # + ago_bench.py --quick on the GPU (not yet timed there)
 #   PY=/path/to/python bash benchmarks/gpu_suite.sh       # another interpreter than .venv/bin/python
 #
-# Steps (NAME: what runs; time on one H100 as measured on 2026-11-26, benchmarks/results/gpu_suite_20261126_h100.log,
+# Steps (NAME: what runs; time on one H100 as measured on 2026-11-26, benchmarks/results/gpu_suite/h100.log,
 # make-test, dp-2gpu and ago estimated):
 #   io-engine       python -m io_engine info: the NVMe I/O backends (builds the aio op the first time: minutes)  ~10 s
 #   make-test       the CPU suite, `make test` (pytest -q; $PY -m pytest -q without make). The three GPU
@@ -87,8 +87,11 @@ fi
 # host memory only, and a CUDA-accelerator build would also need the CUDA toolkit (nvcc headers).
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 
-mkdir -p benchmarks/results
-LOG="benchmarks/results/gpu_suite_$(date +%Y%m%d-%H%M%S)${ONLY:+_${ONLY//,/-}}.log"
+# Results are named results/<benchmark>[/<variant>]/<machine>.* (benchmarks/README.md "Result files"); the log's
+# first line has the date and the commit.
+MACHINE=$("$PY" -c 'import sys; sys.path.insert(0, "benchmarks"); import torch, bench_env; print(bench_env.machine_id())')
+LOG="benchmarks/results/gpu_suite/${ONLY:+only-${ONLY//,/-}/}$MACHINE.log"
+mkdir -p "$(dirname "$LOG")"
 exec > >(tee "$LOG") 2>&1
 
 failed=()
@@ -216,20 +219,20 @@ EOF
 run_timeline() {
   "$PY" benchmarks/gpu_timeline.py
   local rc=$?
-  [ -f benchmarks/results/gpu_timeline.md ] && cat benchmarks/results/gpu_timeline.md
+  [ -f "benchmarks/results/gpu_timeline/$MACHINE.md" ] && cat "benchmarks/results/gpu_timeline/$MACHINE.md"
   return "$rc"
 }
 
 run_tflops() {
   "$PY" benchmarks/gpu_block_tflops.py
   local rc=$?
-  [ -f benchmarks/results/gpu_block_tflops.md ] && cat benchmarks/results/gpu_block_tflops.md
+  [ -f "benchmarks/results/gpu_block_tflops/$MACHINE.md" ] && cat "benchmarks/results/gpu_block_tflops/$MACHINE.md"
   return "$rc"
 }
 
 run_ago() {
   # ago_bench has no device flag: its engines use device 'auto', which is the GPU here
-  "$PY" benchmarks/ago_bench.py --quick --out benchmarks/results/ago_bench_quick_gpu.json
+  "$PY" benchmarks/ago_bench.py --quick  # -> results/ago_bench/quick/$MACHINE.*
 }
 
 echo "gpu_suite $(date -Iseconds) at commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \

@@ -30,7 +30,7 @@ interval arithmetic is in the pure functions below (tested on synthetic interval
 tests/test_gpu_timeline_math.py).
 
 The profiler costs host time per op, so the profiled steps are slower than the unprofiled ones; the report
-gives both (the engine's own `step_s`). Report: benchmarks/results/gpu_timeline.{json,md} (`--out`). Without
+gives both (the engine's own `step_s`). Report: benchmarks/results/gpu_timeline/<machine>.{json,md} (`--out`). Without
 CUDA the script says so and exits 2 (nothing measured).
 """
 

@@ -25,8 +25,8 @@ it, N in {1, 2, 4} are measured and `scaling_efficiency` = min over N and direct
 aggregate / (N * single-SSD). These records are labelled `"emulated": true`.
 
 Run (from the repository root):
-    .venv/bin/python benchmarks/io_bench.py --quick --out benchmarks/results/io_bench_quick.json
-    .venv/bin/python benchmarks/io_bench.py --out benchmarks/results/io_bench.json    # full, ~20 min
+    .venv/bin/python benchmarks/io_bench.py --quick
+    .venv/bin/python benchmarks/io_bench.py    # full, ~20 min
     .venv/bin/python benchmarks/io_bench.py --dry-run                                 # plan only
 Keys of the JSON report: see benchmarks/README.md.
 """

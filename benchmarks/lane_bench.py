@@ -44,7 +44,7 @@ the GPU and its copy engines); modeled, only the host's own work (dispatch, the 
 Exactness is the equivalence suite's job (the simulated device computing for real). The report says which
 (``device_compute``).
 
-    python benchmarks/lane_bench.py --quick --nvme /mnt/scratch/lanes   # results/lane_bench_quick.{json,md}
+    python benchmarks/lane_bench.py --quick --nvme /mnt/scratch/lanes   # results/lane_bench/quick/<machine>.{json,md}
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ lora_stream run reads from and writes to the SSDs per measured step (the engine'
 and ``ssd_write_bytes``, plus its per-step adapter commit, ``<name>.lora.<step % 2>``) / the model's parameter count
 (target <= 4.5: a bf16 base read twice is 4 B a parameter; an fp32 run stores its base in fp32, 8 B);
 ``lora_speed_vs_peft_in_ram`` = peft step / lora step (target >= 0.9). Report:
-`benchmarks/results/lora_bench[_<tag>].{json,md}`.
+`benchmarks/results/lora_bench[/<tag>]/<machine>.{json,md}`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ and embeddings, global clipping at 1.0, `--dtype` compute (fp32 by default, fp32
   pool's planned bytes), what each pool allocated at its peak, and the RSS once the engine was built.
 
 Key: `rss_ratio_vs_torch` = lohan's peak RSS of the steps / torch's (target <= 1.15), and the same for the whole
-life. Report: `benchmarks/results/mem_bench[_<tag>].{json,md}`.
+life. Report: `benchmarks/results/mem_bench[/<tag>]/<machine>.{json,md}`.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ point) and ``mean_abs_prediction_error`` (mean over points of |predicted - measu
 point: the prediction, the measurement, the error, and the engine's lanes to explain it.
 
 Run (from the repository root; nothing else should use the disk meanwhile):
-    .venv/bin/python benchmarks/planner_sweep.py --quick --out benchmarks/results/planner_sweep_quick.json
-    .venv/bin/python benchmarks/planner_sweep.py --out benchmarks/results/planner_sweep.json
+    .venv/bin/python benchmarks/planner_sweep.py --quick
+    .venv/bin/python benchmarks/planner_sweep.py
 Writes the JSON, a markdown summary and a PNG plot (same stem). The slab files are deleted at the end.
 """
 

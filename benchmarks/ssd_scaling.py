@@ -49,8 +49,8 @@ so N SSDs need a RAID-0 block device under it (mdadm, LVM or device-mapper); the
 machine lacks for that (``zero_infinity``).
 
 Run (from the repository root):
-    .venv/bin/python benchmarks/ssd_scaling.py --quick     # ~3 min -> benchmarks/results/ssd_scaling_quick.{json,md,png}
-    .venv/bin/python benchmarks/ssd_scaling.py             # ~6 min -> benchmarks/results/ssd_scaling.{json,md,png}
+    .venv/bin/python benchmarks/ssd_scaling.py --quick     # ~3 min -> benchmarks/results/ssd_scaling/quick/<machine>.{json,md,png}
+    .venv/bin/python benchmarks/ssd_scaling.py             # ~6 min -> benchmarks/results/ssd_scaling/<machine>.{json,md,png}
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ written, seconds the disk was busy, CPU seconds per thread role, minor page faul
 timed steps. `--compare KEY=A,B[,C]` runs the variants interleaved (A, B, A, B, ...; `--rounds` each), each
 in its own process, so that only ratios measured in the same minutes are compared: the disk's speed drifts.
 
-Linux only (/proc). Report: `benchmarks/results/step_timeline[_quick][_<key>].{json,md,png}`.
+Linux only (/proc). Report: `benchmarks/results/step_timeline[/<variant>]/<machine>.{json,md,png}`, the variant made of
+`quick`, the `--model-dir` model and the `--compare` key.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ end. Reported: each time, their medians, the sizes, the hardware and versions.
 
 Usage::
 
-    .venv/bin/python benchmarks/token_cache.py             # -> results/token_cache.{json,md} (~8 MB, ~1 min)
+    .venv/bin/python benchmarks/token_cache.py             # -> results/token_cache/<machine>.{json,md} (~8 MB, ~1 min)
     .venv/bin/python benchmarks/token_cache.py --quick     # 2 MB, 2 rounds
 """
 

@@ -60,8 +60,8 @@ Keys (issue 39; lohan at its defaults, first model, per dtype under `keys_by_dty
 machine's auto dtype): `speed_vs_torch` = s/step of torch / lohan's (target >= 0.95),
 `speedup_vs_zero_offload` = ZeRO-Offload's / lohan's (>= 1.2), `speedup_vs_zero_infinity` (reported),
 `rss_ratio_vs_torch` = peak RSS of lohan / torch's (<= 1.15), `disk_write_gb_per_step` (lohan's, 1e9 bytes;
-reported). Reports: `benchmarks/results/vs_deepspeed[_quick][_<dtype>][_peers_heap_reuse].{json,md,png}` (a
-dtype suffix when one dtype ran). lohan keeps freed memory in glibc's heap by default (`engine.heap_reuse`);
+reported). Reports: `benchmarks/results/vs_deepspeed[/<variant>]/<machine>.{json,md,png}`, the variant made of
+`quick`, the dtype when one dtype ran, and `peers_heap_reuse` (benchmarks/README.md "Result files"). lohan keeps freed memory in glibc's heap by default (`engine.heap_reuse`);
 `--peers-heap-reuse` gives the peers the same malloc setting through the environment.
 """
 
@@ -115,7 +115,7 @@ TARGETS: dict[str, tuple[str, float] | None] = {
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs whose bf16 matmuls are fast
 
 # Settings of each system (what `--tune` starts from and, without it, what is measured). The DeepSpeed
-# ones are the winners of `--tune` for the 110m model on the development VM (results/vs_deepspeed.md,
+# ones are the winners of `--tune` for the 110m model on the development VM (results/vs_deepspeed/cpu2-xeon.md,
 # "Tuning": aio queue depth 32 for ZeRO-Infinity, 5e7-element buckets for ZeRO-Offload; the 350m model's
 # ZeRO-Infinity winner differs: sub_group_size 1e9, max_in_cpu 0). lohan: finetune.py's defaults, not tuned.
 SETTINGS: dict[str, dict[str, Any]] = {

@@ -15,7 +15,7 @@ Usage::
 
 ``--streamed`` writes the weights tensor by tensor into 1 GiB safetensors shards (random normal with the config's
 ``initializer_range``, norms 1, biases 0) from a model built on the meta device, so a model bigger than main memory
-can be made (benchmarks/results/lora_beyond_ram.md); without it the model is built in memory by ``from_config``.
+can be made (benchmarks/results/lora_beyond_ram/cpu2-xeon.md); without it the model is built in memory by ``from_config``.
 
 ``--size`` picks a named shape (`SIZES`); explicit flags override its fields.
 """

@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import ago_bench  # noqa: E402
+import bench_env  # noqa: E402
 import duplex  # noqa: E402
 import step_timeline as stl  # noqa: E402
 import vs_deepspeed as vd  # noqa: E402
@@ -35,6 +36,7 @@ def test_duplex_measures_three_ways_and_leaves_no_slab(tmp_path):
     assert report["args"]["size_gib"] == pytest.approx(4 / 1024)
     assert "overlap =" in out.with_suffix(".md").read_text()
     assert list((tmp_path / "ssd").iterdir()) == []  # the test volume is removed
+    assert (report["benchmark"], report["machine"], report["variant"]) == ("duplex", bench_env.machine_id(), {})
 
 
 def test_duplex_rejects_zero_rounds(tmp_path):
@@ -476,7 +478,7 @@ def test_lora_bench_markdown_names_the_keys_and_a_target_mismatch():
 def test_lora_bench_smoke_run(tmp_path):
     rc = lora_bench.main(["--smoke", "--scratch", str(tmp_path / "scratch"), "--results", str(tmp_path)])
     assert rc == 0
-    report = json.loads((tmp_path / "lora_bench_smoke.json").read_text())
+    report = json.loads(bench_env.result_path("lora_bench", {"tag": "smoke"}, root=tmp_path).read_text())
     assert set(report["systems"]) == set(lora_bench.SYSTEMS) and set(report["keys"]) == set(lora_bench.TARGETS)
     losses = {r["system"]: r["steps"][0]["loss"] for r in report["runs"]}
     assert len(set(losses.values())) == 1  # the same model and first batch everywhere
@@ -486,3 +488,48 @@ def test_lora_bench_smoke_run(tmp_path):
 def test_lora_bench_command_names_paths_outside_the_checkout_by_their_role():
     cmd = lora_bench.command(["--nvme", "/mnt/ssd0/x", "--tag", "t", "--results", "benchmarks/results"])
     assert cmd == "benchmarks/lora_bench.py --nvme NVME --tag t --results benchmarks/results"
+
+
+# ---------------------------------------------------------------- where a report goes (benchmarks/README.md "Result files")
+@pytest.mark.parametrize("hardware, machine", [
+    ({"cpu_count": 2, "cpu_model": "AMD EPYC", "gpu": None}, "cpu2-epyc"),
+    ({"cpu_count": 2, "cpu_model": "Intel(R) Xeon(R) Processor"}, "cpu2-xeon"),
+    ({"cpu_count": 64, "cpu_model": "AMD EPYC 7763 64-Core Processor"}, "cpu64-epyc7763"),
+    ({"cpu_count": 112, "cpu_model": "Intel(R) Xeon(R) Platinum 8480C @ 2.00GHz"}, "cpu112-xeon8480c"),
+    ({"cpu_count": 16, "cpu_model": "Intel(R) Xeon(R) Processor", "gpu": "NVIDIA H100 80GB HBM3"}, "h100"),
+    ({"cpu_count": 32, "cpu_model": "AMD Ryzen 9 7950X", "gpu": "NVIDIA GeForce RTX 4090"}, "rtx4090"),
+    ({"cpu_count": None, "cpu_model": None}, "cpu"),
+])
+def test_machine_id_names_the_box_by_its_gpu_else_its_cores_and_cpu(hardware, machine):
+    assert bench_env.machine_id(hardware) == machine
+
+
+def test_machine_id_of_this_box_reads_what_reports_record():
+    assert bench_env.machine_id() == bench_env.machine_id(bench_env.shared_environment()["hardware"])
+
+
+def test_result_path_names_benchmark_variant_and_machine_and_out_wins(tmp_path):
+    hw = {"cpu_count": 2, "cpu_model": "AMD EPYC"}
+    results = bench_env.REPO / "benchmarks" / "results"
+    assert bench_env.result_path("ago_bench", {"quick": False}, hardware=hw) == results / "ago_bench" / "cpu2-epyc.json"
+    assert bench_env.result_path("ago_bench", {"quick": True, "seq_len": 256}, hardware=hw) == \
+        results / "ago_bench" / "quick-seq_len256" / "cpu2-epyc.json"
+    assert bench_env.result_path("soak", {"config": "tiny", "steps": None, "malloc_trim": True}, hardware=hw,
+                                 root=tmp_path) == tmp_path / "soak" / "tiny-malloc_trim" / "cpu2-epyc.json"
+    assert bench_env.result_path("ago_bench", {"quick": True}, out="x/y.json", hardware=hw) == Path("x/y.json")
+    assert bench_env.variant_name({"model": "llama-350m", "compare": "heap_reuse"}) == "llama_350m-heap_reuse"
+    assert bench_env.result_fields("clip_bench", {"quick": True}, hw) == \
+        {"benchmark": "clip_bench", "machine": "cpu2-epyc", "variant": {"quick": True}}
+
+
+def test_scripts_route_their_default_path_through_the_helper():
+    import compressed_states
+    import soak
+
+    here = bench_env.machine_id()
+    assert compressed_states.parse_args(["--quick"]).out == bench_env.RESULTS / "compressed_states" / "quick" / f"{here}.json"
+    assert compressed_states.parse_args(["--out", "r.json"]).out == Path("r.json")
+    args = argparse.Namespace(quick=False, steps=40, legacy_upcast=False, malloc_trim="first")
+    assert bench_env.variant_name(soak.variant(args, "llama110m", 40)) == "llama110m-steps40-malloc_trim_first"
+    args = argparse.Namespace(quick=True, steps=None, legacy_upcast=False, malloc_trim=None)
+    assert bench_env.variant_name(soak.variant(args, "tiny", soak.QUICK_STEPS)) == "tiny-quick"

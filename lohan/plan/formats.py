@@ -84,7 +84,7 @@ class StateFormat:
 
 EVAL_LOSS_GAP = {"exact": 0.0, "bf16-moments": 0.0006, "8bit-moments": 0.0006, "bf16-master": 0.0008}
 """Each format's measured quality cost: the gap of its final eval loss to ``exact``'s, from
-``benchmarks/results/compressed_states.md`` (a 110M Llama, 300 steps, batch 2 x 256, lr 3e-4; rerun that
+``benchmarks/results/compressed_states/cpu2-epyc.md`` (a 110M Llama, 300 steps, batch 2 x 256, lr 3e-4; rerun that
 benchmark to measure it again). What the run header quotes when it suggests a format (`planner.ssd_cost`)."""
 
 

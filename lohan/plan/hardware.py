@@ -118,9 +118,9 @@ class CpuSpec:
 
 _P5510_EFF = (
     "1.0: a datacenter TLC drive with no SLC write cache, so the datasheet's full-span 128 KiB sequential "
-    "figures are what it sustains; lohan's I/O path reaches fio on O_DIRECT (benchmarks/results/io_bench_quick.md: "
+    "figures are what it sustains; lohan's I/O path reaches fio on O_DIRECT (benchmarks/results/io_bench/quick/cpu2-epyc.md: "
     "engine/fio >= 1.0); reads and writes of a step are priced as adding up (simplex), and the engine's mixed "
-    "traffic on this project's disk moved more than that predicts (benchmarks/results/ago_bench.md). "
+    "traffic on this project's disk moved more than that predicts (benchmarks/results/ago_bench/cpu2-epyc.md). "
     "Cross-check, not calibration: LoHan §V-F's 3 SSDs at 135 TFLOPS (13B, batch 64) need >= ~0.9 of it")
 
 HARDWARE_PRESETS: dict[str, GpuSpec | SsdSpec | CpuSpec] = {

@@ -78,7 +78,7 @@ class SsdCost:
         """One line: the lanes, the suggested format's step and quality cost, the others', and the tokens."""
         step, binds = self.priced[self.suggested]
         gap = (f"measured quality cost: eval loss +{self.eval_loss_gap:.4f} against exact "
-               "(benchmarks/results/compressed_states.md)" if self.eval_loss_gap is not None else
+               "(benchmarks/results/compressed_states/cpu2-epyc.md)" if self.eval_loss_gap is not None else
                "quality cost not measured")
         def quality(f: str) -> str:
             return f", eval loss +{formats.EVAL_LOSS_GAP[f]:.4f}" if f in formats.EVAL_LOSS_GAP else ""

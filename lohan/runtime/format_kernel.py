@@ -3,7 +3,7 @@
 The torch version of a compressed format's update (`format_adamw._piece_torch`) is a dozen whole-tensor ops, each a
 pass over memory: on 2 cores 8-bit moments update at ~80 M parameters/s and a bf16 master at ~45 M, against
 ~1.8 G for exact's fused AdamW. The kernel does the same steps block by block in cache: ~145 and ~135 M/s
-(benchmarks/results/compressed_states.md). It is used for those two formats; bf16 moments with an fp32 master are
+(benchmarks/results/compressed_states/cpu2-epyc.md). It is used for those two formats; bf16 moments with an fp32 master are
 a few casts around torch's fused AdamW, which is faster there.
 Its AdamW is torch's fused AdamW's formula, not its exact instruction sequence, so the two paths differ in the
 last bits: a process uses one of them for everything (the engine and `FormatAdamW` alike), and a store is best
