@@ -22,8 +22,8 @@ format's; target >= 2.0) and ``max_eval_loss_gap`` (the largest relative gap in 
 target <= 0.01).
 
 Run (from the repository root, alone: 2 cores make every timing sensitive to other processes):
-    .venv/bin/python benchmarks/compressed_states.py --quick   # minutes -> benchmarks/results/compressed_states_quick.*
-    .venv/bin/python benchmarks/compressed_states.py           # ~1 h    -> benchmarks/results/compressed_states.*
+    .venv/bin/python benchmarks/compressed_states.py --quick   # minutes -> benchmarks/results/compressed_states/quick/<machine>.*
+    .venv/bin/python benchmarks/compressed_states.py           # ~1 h    -> benchmarks/results/compressed_states/<machine>.*
 """
 
 from __future__ import annotations

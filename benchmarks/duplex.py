@@ -1,6 +1,6 @@
 """Do the SSDs' reads and writes add up or overlap? Read alone, write alone, then both at once.
 
-    .venv/bin/python benchmarks/duplex.py                       # -> results/duplex.{json,md}
+    .venv/bin/python benchmarks/duplex.py                       # -> results/duplex/<machine>.{json,md}
     .venv/bin/python benchmarks/duplex.py --dir /mnt/nvme0/lohan --size-gib 4
 
 Why: a clipped step's deferred optimizer pass reads P32, m, v of the blocks it could not prefetch and

@@ -44,7 +44,7 @@ Run (from the repository root):
     .venv/bin/python benchmarks/soak.py                       # both configurations, 300 steps each
     .venv/bin/python benchmarks/soak.py --quick               # 40 steps each (~5 min)
     .venv/bin/python benchmarks/soak.py --configs llama110m --steps 100
-Reports: `benchmarks/results/soak_<config>[_quick | _<N>steps][_legacy_upcast][_malloc_trim[_first]].{json,md,png}`.
+Reports: `benchmarks/results/soak/<config>[-quick | -steps<N>][-legacy_upcast][-malloc_trim[_first]]/<machine>.{json,md,png}`.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from bench_env import (  # sibling module (the script's own directory)
     result_fields,
     result_path,
     shared_environment,
+    variant_name,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -551,8 +552,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="more finetune.py flags for every run (last option)")
     args = p.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
-    suffix = ("_quick" if args.quick and not args.steps else f"_{steps}steps" if steps != STEPS else "") \
-        + ("_legacy_upcast" if args.legacy_upcast else "") + (f"_malloc_trim{'_first' if args.malloc_trim == 'first' else ''}" if args.malloc_trim else "")
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -560,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     for name in args.configs:
         spec = CONFIGS[name]
-        work = args.scratch / f"{name}{suffix}"
+        work = args.scratch / variant_name(variant(args, name, steps))
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
