@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from lohan.app.capacity import format_table, lora_report, main, model_config, report
+from lohan.app.capacity import lora_report, main, model_config, report
 
-__all__ = ["format_table", "lora_report", "main", "model_config", "report"]
+__all__ = ["lora_report", "main", "model_config", "report"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,10 +11,11 @@ architecture instead of inventing one: ``get_model_config("13b", n_layer=2, d_mo
 activations); a choice is a ``Literal`` type, written once, whose values the tuples of `choices` (`MODES`...) are. A
 field declared with `setting` also has a command-line flag, which `lohan.app.cli` builds from the field.
 
-The settings live in modules of one idea each, whose names this package re-exports (``from lohan.config import X``
-is the way to import them): `units` (sizes, store names), `model` (`ModelConfig`, :data:`PRESETS`), `choices` (the
-``Literal`` choices, `setting`), `sections` (`EngineConfig`'s sections), `engine_config` (`EngineConfig`, the
-flat aliases) and `run_config` (`RunConfig`).
+The settings live in modules of one idea each: `units` (sizes, store names), `model` (`ModelConfig`,
+:data:`PRESETS`), `choices` (the ``Literal`` choices, `setting`), `sections` (`EngineConfig`'s sections),
+`engine_config` (`EngineConfig`, the flat aliases) and `run_config` (`RunConfig`). This package re-exports the names
+used outside it, the sections and `setting` (``from lohan.config import X`` is the way to import those); the rest
+are imported from their module.
 """
 
 from __future__ import annotations
@@ -32,19 +33,8 @@ from lohan.config.choices import (
     MODES,
     NO_DECAY_KINDS,
     SCHEDULERS,
-    SLOTS,
     STATE_FORMATS,
-    ActCompress,
-    Backend,
-    ClipMode,
-    ComputeDtype,
-    Device,
     Flag,
-    Mode,
-    NoDecayKind,
-    Scheduler,
-    Slots,
-    StateFormat,
     setting,
 )
 from lohan.config.engine_config import _DERIVED as _DERIVED  # (scripts/config_reads.py)
@@ -66,7 +56,6 @@ from lohan.config.run_config import (
     DATA_FORMATS,
     MAX_STEPS,
     TRACKERS,
-    DataFormat,
     RunConfig,
     is_model_dir,
     parse_report_to,
@@ -82,8 +71,6 @@ from lohan.config.sections import (
 )
 from lohan.config.units import (
     SIZE_FIELDS,
-    is_finite,
-    is_int,
     parse_bytes,
     steps_share,
     store_name_problem,
@@ -91,8 +78,6 @@ from lohan.config.units import (
 )
 
 __all__ = [
-    "is_int",
-    "is_finite",
     "store_name_problem",
     "parse_bytes",
     "SIZE_FIELDS",
@@ -103,26 +88,15 @@ __all__ = [
     "ModelConfig",
     "PRESETS",
     "get_model_config",
-    "Mode",
-    "ComputeDtype",
-    "StateFormat",
-    "Scheduler",
-    "ClipMode",
-    "Backend",
-    "Device",
-    "ActCompress",
-    "Slots",
-    "NoDecayKind",
     "MODES",
     "COMPUTE_DTYPES",
     "STATE_FORMATS",
     "SCHEDULERS",
     "CLIP_MODES",
     "BACKENDS",
+    "NO_DECAY_KINDS",
     "DEVICES",
     "ACT_COMPRESSIONS",
-    "SLOTS",
-    "NO_DECAY_KINDS",
     "ACT_POLICIES",
     "Flag",
     "setting",
@@ -141,7 +115,6 @@ __all__ = [
     "SCHEDULE_FIELDS",
     "flat_engine_settings",
     "EngineConfig",
-    "DataFormat",
     "DATA_FORMATS",
     "MAX_STEPS",
     "TRACKERS",

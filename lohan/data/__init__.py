@@ -31,20 +31,16 @@ of records through ``datasets``), :mod:`~lohan.data.token_cache` (tokenize once,
 
 from .batches import BatchIterator, eval_batches, synthetic_batches
 from .dataset import Batch, TokenDataset
-from .formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, SHAREGPT_ROLES, to_example
-from .records import source_kind
+from .formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, to_example
 from .sources import (
-    CHAT_ROLES,
     DEFAULT_CORPUS,
     IGNORE_INDEX,
-    TEXT_SUFFIXES,
     encode_examples,
-    iter_jsonl,
     load_jsonl,
     load_text,
     pack_tokens,
 )
-from .token_cache import TokenStream, default_cache_root, load_stream
+from .token_cache import load_stream
 from .tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
@@ -53,24 +49,17 @@ __all__ = [
     "Batch",
     "BatchIterator",
     "ByteTokenizer",
-    "CHAT_ROLES",
     "DEFAULT_CORPUS",
     "HFTokenizer",
     "IGNORE_INDEX",
-    "SHAREGPT_ROLES",
-    "TEXT_SUFFIXES",
     "TokenDataset",
-    "TokenStream",
     "Tokenizer",
-    "default_cache_root",
     "encode_examples",
     "eval_batches",
-    "iter_jsonl",
     "load_jsonl",
     "load_stream",
     "load_text",
     "pack_tokens",
-    "source_kind",
     "synthetic_batches",
     "to_example",
 ]

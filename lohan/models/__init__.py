@@ -4,14 +4,10 @@ programs, and the exporters of both."""
 from lohan.models.gpt import (
     GPT,
     Block,
-    CausalSelfAttentionCore,
-    Embed,
-    Head,
     block_generator,
     block_seed,
     build_model,
     init_block_,
-    lm_loss,
 )
 
 EXPORT_MARKER = "lohan_export.json"
@@ -21,12 +17,8 @@ __all__ = [
     "EXPORT_MARKER",
     "GPT",
     "Block",
-    "CausalSelfAttentionCore",
-    "Embed",
-    "Head",
     "block_generator",
     "block_seed",
     "build_model",
     "init_block_",
-    "lm_loss",
 ]

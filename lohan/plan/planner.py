@@ -1,5 +1,6 @@
 """The planner's names in one place (DESIGN §4.4-4.5): a facade over the modules that hold them, so that
-``from lohan.plan.planner import X`` keeps working; new code may import from the modules themselves.
+``from lohan.plan.planner import X`` keeps working for the names callers import (no others); new code may import
+from the modules themselves.
 
 - `hardware`: :class:`Hardware` and the presets a description is made of (:func:`parse_hardware`).
 - `profile`: the activation profile (:class:`Profile`, :class:`OpProfile`, :func:`analytic_profile`).
@@ -24,7 +25,6 @@ from lohan.plan.activation_plan import (
     algorithm1,
     forced_plan,
     make_plan,
-    ops_plan,
     place_tiers,
     walk,
     walk_order,
@@ -33,7 +33,6 @@ from lohan.plan.capacity import (
     Capacity,
     activations_in_ram_capacity,
     capacity,
-    design_plan,
     engine_pools,
     max_batch,
     max_model,
@@ -41,7 +40,7 @@ from lohan.plan.capacity import (
     reserve_engine_pools,
     resident_records,
 )
-from lohan.plan.cost_model import Estimate, _held_iter, estimate, reprice
+from lohan.plan.cost_model import Estimate, estimate, reprice
 from lohan.plan.gpu_memory import (
     CUBLAS_STREAMS,
     CUBLAS_WORKSPACE_BYTES,
@@ -49,7 +48,6 @@ from lohan.plan.gpu_memory import (
     HOST_SHARED_PARTS,
     GpuMemoryPlanError,
     check_gpu_budget,
-    format_gpu_parts,
     gpu_need,
 )
 from lohan.plan.hardware import (
@@ -62,23 +60,17 @@ from lohan.plan.hardware import (
     SsdSpec,
     parse_hardware,
 )
-from lohan.plan.lanes import LANE_DOC, LANES, LANES_B, LEGACY_LANES, WAIT_LANES, upgrade_lanes
-from lohan.plan.pools import OPT_CHUNK_BYTES, OS_RESERVE
+from lohan.plan.lanes import LANES_B, WAIT_LANES, upgrade_lanes
+from lohan.plan.pools import OPT_CHUNK_BYTES
 from lohan.plan.profile import OpProfile, Profile, ProfileError, analytic_profile
 from lohan.plan.run_lanes import SsdCost, predict_lanes, ssd_cost
-from lohan.plan.run_plan import RunPlan, plan_run
-from lohan.plan.units import GiB
-
-_gpu_need = gpu_need
-"""The old private name, kept for callers that import it."""
 
 __all__ = [
     "Hardware", "OpProfile", "Profile", "ProfileError", "Estimate", "Plan", "Capacity", "GpuSpec", "SsdSpec",
-    "CpuSpec", "POLICIES", "LANES", "LANES_B", "LANE_DOC", "DEFAULT_CPU", "HARDWARE_PRESETS", "OS_RESERVE",
-    "OPT_CHUNK_BYTES", "QUANT_TRAFFIC", "GiB", "estimate", "reprice", "WAIT_LANES", "LEGACY_LANES", "upgrade_lanes",
-    "predict_lanes", "SsdCost", "ssd_cost", "walk_order", "walk", "algorithm1", "forced_plan", "ops_plan",
-    "make_plan", "place_tiers", "analytic_profile", "parse_hardware", "engine_pools", "resident_records",
-    "reserve_engine_pools", "capacity", "plan_capacity", "design_plan", "activations_in_ram_capacity", "max_batch",
-    "max_model", "gpu_need", "check_gpu_budget", "format_gpu_parts", "GpuMemoryPlanError", "HOST_SHARED_PARTS",
-    "CUBLAS_WORKSPACE_BYTES", "CUBLAS_STREAMS", "FRAGMENTATION", "RunPlan", "plan_run", "_held_iter",
+    "CpuSpec", "POLICIES", "LANES_B", "DEFAULT_CPU", "HARDWARE_PRESETS", "OPT_CHUNK_BYTES", "QUANT_TRAFFIC",
+    "estimate", "reprice", "WAIT_LANES", "upgrade_lanes", "predict_lanes", "SsdCost", "ssd_cost", "walk_order",
+    "walk", "algorithm1", "forced_plan", "make_plan", "place_tiers", "analytic_profile", "parse_hardware",
+    "engine_pools", "resident_records", "reserve_engine_pools", "capacity", "plan_capacity",
+    "activations_in_ram_capacity", "max_batch", "max_model", "gpu_need", "check_gpu_budget", "GpuMemoryPlanError",
+    "HOST_SHARED_PARTS", "CUBLAS_WORKSPACE_BYTES", "CUBLAS_STREAMS", "FRAGMENTATION",
 ]
