@@ -359,7 +359,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--scratch", type=Path, default=REPO / "benchmarks" / "scratch" / "lora_bench")
     p.add_argument("--tag", default="", help="suffix of the report's file names")
-    p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results", help="where the report goes")
+    p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results",
+                   help="the results folder: the report goes to lora_bench[/<tag>]/<machine>.json in it")
     p.add_argument("--systems", type=lambda v: tuple(v.split(",")), default=SYSTEMS,
                    help=f"which to run, comma-separated (default {','.join(SYSTEMS)}; a key needs its two)")
     p.add_argument("--smoke", action="store_true", help="the tiny model, 1 warm-up + 1 step, 1 round (for tests)")
