@@ -1,4 +1,4 @@
-"""One rank of a data-parallel engine run on the GPUs, for tests/test_cuda_dp.py (launched with `torchrun
+"""One rank of a data-parallel engine run on the GPUs, for tests/gpu/test_cuda_dp.py (launched with `torchrun
 --nproc-per-node 2`). `python dp_gpu_worker.py SPEC.json`: trains `steps` steps of dp_worker.py's batches
 with `device: cuda` and writes what this rank saw to `<out_dir>/rank<r>.json`: its losses, which GPU it
 computed on, the peak memory the caching allocator handed out on its own GPU and on every other one, and
@@ -26,7 +26,7 @@ import lohan
 from lohan.config import EngineConfig, get_model_config
 from lohan.runtime.parallel import leave_group
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "integration"))
 from dp_worker import batches  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import torch
 import lohan
 from io_engine import ALIGN, aligned_empty, open_volume
 from lohan.runtime.device import Device
-from tests.test_engine_equivalence import batches, engine_config, tiny_cfg
+from tests.integration.test_engine_equivalence import batches, engine_config, tiny_cfg
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a machine without CUDA")
 

@@ -1,5 +1,5 @@
-"""Data parallelism on two GPUs: `torchrun --nproc-per-node 2` of tests/dp_gpu_worker.py (the GPU twin of
-tests/test_parallel.py's CPU runs). Each rank must compute on its own GPU (LOCAL_RANK) and on no other: a
+"""Data parallelism on two GPUs: `torchrun --nproc-per-node 2` of tests/gpu/dp_gpu_worker.py (the GPU twin of
+tests/integration/test_parallel.py's CPU runs). Each rank must compute on its own GPU (LOCAL_RANK) and on no other: a
 rank that allocates on, or merely opens a context on, its neighbour's GPU takes that GPU's memory (a CUDA
 context alone is ~0.5 GiB) and shares its SMs. Checked from three sides: the engine's device and the current
 device, the caching allocator's peak on every GPU, and nvidia-smi's list of processes per GPU (where it sees
@@ -7,7 +7,7 @@ this container's processes).
 
 The ranks' losses are all-reduced, so they must be the same float on both ranks; and the run must train like
 one process on one GPU with two micro-batches (fp32, MATH attention): bit for bit on the CPU
-(tests/test_parallel.py), within 1e-6 relative here (the GPUs' kernels are the same for the same shapes, but
+(tests/integration/test_parallel.py), within 1e-6 relative here (the GPUs' kernels are the same for the same shapes, but
 two devices are not promised to round alike).
 """
 
@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lohan
 from lohan.config import EngineConfig, get_model_config
-from tests.test_parallel import MODEL, engine_kw
+from tests.integration.test_parallel import MODEL, engine_kw
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +36,7 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).with_name("dp_gpu_worker.py")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -82,7 +82,7 @@ def test_two_ranks_each_use_their_own_gpu_only(tmp_path):
     # one process on one GPU, two micro-batches: the same training
     cfg = EngineConfig(**{**engine, "nvme": (str(tmp_path / "one"),), "betas": tuple(engine["betas"]),
                           "micro_batches": 2, "device": "cuda"})
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
     from dp_worker import batches
 
     with sdpa_kernel(SDPBackend.MATH), lohan.init(get_model_config("tiny", **MODEL), cfg) as e:

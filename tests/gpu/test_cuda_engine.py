@@ -23,14 +23,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import lohan
 from lohan.models.gpt import build_model
 from lohan.runtime.optim import lr_factor, param_groups
-from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, engine_run, tiny_cfg
+from tests.integration.test_engine_equivalence import (
+    assert_params_equal,
+    batches,
+    engine_config,
+    engine_run,
+    tiny_cfg,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def cuda_reference_run(mcfg, ecfg, data, autocast: torch.dtype | None = None):
     """Plain PyTorch on the GPU, updated like the engine: clip_grad_norm_ on the GPU (where the engine takes the
-    norms), fp32 master weights and AdamW(fused) on the CPU (tests/test_engine_equivalence.reference_run, with
+    norms), fp32 master weights and AdamW(fused) on the CPU (tests/integration/test_engine_equivalence.reference_run, with
     forward, backward and the norm on the GPU).
 
     Returns the per-step losses and the final master weights (CPU, fp32) by model name.

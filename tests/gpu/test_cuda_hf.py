@@ -1,7 +1,7 @@
 """A Hugging Face model fine-tuned by lohan on CUDA: the loss curve of a plain PyTorch loop on the same GPU, and an
 export that loads.
 
-The model is tests/test_hf.py's tiny Llama (untied, grouped-query attention, every weight perturbed), trained
+The model is tests/unit/models/test_hf.py's tiny Llama (untied, grouped-query attention, every weight perturbed), trained
 on one repeated batch (learnable: the loss must fall). The reference is the same checkpoint loaded by
 transformers, run whole on the GPU and updated like the engine updates it: fp32 master weights and torch's
 fused AdamW on the CPU, the device copy refreshed from them after each step; in bf16 the device copy holds bf16
@@ -11,7 +11,7 @@ Default SDPA kernels on both sides (what a user gets).
 Tolerances. The first loss is a forward of the same weights through the same HF modules and kernels (the
 engine runs them block by block): within 1e-6 (fp32) or 1e-3 (bf16) relative. Later losses differ by the
 fused attention backward's summation noise, which AdamW turns into +-lr moves of weights whose gradient is
-nearly zero: |diff| <= 2e-3 (fp32) and 2e-2 (bf16, as tests/test_cuda_engine.py's GPT) over 8 steps at lr 3e-3.
+nearly zero: |diff| <= 2e-3 (fp32) and 2e-2 (bf16, as tests/gpu/test_cuda_engine.py's GPT) over 8 steps at lr 3e-3.
 The export holds exactly the engine's fp32 weights, and the loaded model's loss equals the engine's
 evaluation of the same batch within 1e-5 (fp32) or 2e-2 (bf16: the engine computes in bf16, the export is fp32).
 """
@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 
 from lohan.models import hf  # noqa: E402
 from lohan.runtime.hf_engine import init_from_hf  # noqa: E402
-from tests.test_hf import batches, engine_config, engine_hf_state, make_hf_dir, reference_model  # noqa: E402
+from tests.unit.models.test_hf import batches, engine_config, engine_hf_state, make_hf_dir, reference_model  # noqa: E402
 
 STEPS = 8
 TOLERANCE = {"fp32": (1e-6, 2e-3, 1e-5), "bf16": (1e-3, 2e-2, 2e-2)}

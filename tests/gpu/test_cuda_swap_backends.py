@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lohan
-from tests.test_engine_equivalence import batches, engine_config, ref_name, tiny_cfg
+from tests.integration.test_engine_equivalence import batches, engine_config, ref_name, tiny_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -283,9 +283,9 @@ def test_gpt_swapped_activations_per_sdpa_backend(make_dirs, backend, dtype, tie
 # ------------------------------------------------------------------------------------------ a sliding window
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory) -> str:
-    """A tiny Mistral (sliding window 8 < sequence 32: HF passes SDPA a mask), as tests/test_hf.py makes models."""
+    """A tiny Mistral (sliding window 8 < sequence 32: HF passes SDPA a mask), as tests/unit/models/test_hf.py makes models."""
     transformers = pytest.importorskip("transformers")
-    from tests.test_hf import VOCAB, save_tokenizer
+    from tests.unit.models.test_hf import VOCAB, save_tokenizer
 
     path = tmp_path_factory.mktemp("mistral")
     cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -306,8 +306,8 @@ def mistral_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_sliding_window_hf_model_per_sdpa_backend(make_dirs, mistral_dir, backend, dtype):
     from lohan.runtime.hf_engine import init_from_hf
-    from tests.test_hf import batches as hf_batches
-    from tests.test_hf import engine_config as hf_engine_config
+    from tests.unit.models.test_hf import batches as hf_batches
+    from tests.unit.models.test_hf import engine_config as hf_engine_config
 
     why = unavailable(backend, torch.float32 if dtype == "fp32" else torch.bfloat16, mask=True)
     if why:

@@ -1,4 +1,4 @@
-"""One rank of a data-parallel engine run, for tests/test_parallel.py (launched there like torchrun does: RANK,
+"""One rank of a data-parallel engine run, for tests/integration/test_parallel.py (launched there like torchrun does: RANK,
 WORLD_SIZE, MASTER_ADDR/PORT in the environment). `python dp_worker.py SPEC.json`: trains `steps` steps of
 the batches of `batches()` (resuming when asked, from the committed step), then rank 0 saves the losses and
 the fp32 weights (`state_dict_fp32`, gathered from every rank) to `out`."""
@@ -39,14 +39,14 @@ def main(spec_path: str) -> None:
             nxt = data[s + 1] if spec.get("next_batch") and s + 1 < spec["steps"] else None
             losses.append(engine.step(data[s], next_batch=nxt))
         metrics = engine.last_stats
-        if hasattr(engine, "lora"):  # a LoRA run (tests/test_lora.py): its adapters are what trains
+        if hasattr(engine, "lora"):  # a LoRA run (tests/unit/runtime/test_lora.py): its adapters are what trains
             eval_loss = engine.evaluate(data[0])
             adapters = [p.detach().cpu() for p in engine.lora.params]
             if dist.get_rank() == 0:
                 torch.save({"losses": losses, "adapters": adapters, "start": start, "eval": eval_loss}, spec["out"])
             leave_group(True)
             return
-        # what this rank's host pools were budgeted and took (tests/test_memory_model.py)
+        # what this rank's host pools were budgeted and took (tests/unit/plan/test_memory_model.py)
         scratch = engine.offloader._upcast
         memory = {"plan": dataclasses.asdict(engine.host_memory),
                   "pools": {name: getattr(engine, name).stats() for name in ("params_pool", "grads_pool", "records_pool")},

@@ -352,7 +352,7 @@ def snapshot(root: Path) -> dict[str, tuple[str, int, int]]:
 def tiny_llama(tmp_path_factory) -> Path:
     """A valid tiny Llama directory (built once: a few seconds); cases damage copies of it."""
     pytest.importorskip("transformers")
-    from tests.test_hf import make_hf_dir
+    from tests.unit.models.test_hf import make_hf_dir
 
     return Path(make_hf_dir(tmp_path_factory.mktemp("tiny-llama"), "llama"))
 

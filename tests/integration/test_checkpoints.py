@@ -18,9 +18,9 @@ from lohan.app.cli import main
 from lohan.app.export import Checkpoints
 from lohan.app.layout import EXPORT_MARKER, RunLayout
 from lohan.app.ownership import Owner, begin_folder, seal_folder
-from tests.test_cli import args
+from tests.integration.test_cli import args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def test_a_checkpoint_is_the_engines_weights_and_loads_with_its_tokenizer(tmp_pa
 
     from lohan import init_from_hf
     from lohan.config import EngineConfig
-    from tests.test_hf import engine_hf_state, make_hf_dir
+    from tests.unit.models.test_hf import engine_hf_state, make_hf_dir
 
     model_dir = make_hf_dir(tmp_path / "llama", "llama")
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -10,7 +10,7 @@ import yaml
 
 from lohan.app.cli import build_parser, load_run_config, main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 

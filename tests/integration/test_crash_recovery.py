@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("kill_harness", ROOT / "scripts" / "kill_harness.py")
 kh = importlib.util.module_from_spec(_spec)
 sys.modules["kill_harness"] = kh  # dataclasses look their module up while the class is created

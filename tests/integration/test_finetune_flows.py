@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lohan.app.cli import main
-from tests.test_cli import args, losses
+from tests.integration.test_cli import args, losses
 
 
 def test_175b_is_refused_with_the_missing_resources_and_nothing_written(tmp_path, capsys):
@@ -114,7 +114,7 @@ def test_export_preset_loads_in_transformers_with_identical_logits(tmp_path, cap
     from lohan.config import EngineConfig, get_model_config
     from lohan.models.gpt import build_model
     from lohan.runtime.engine import init
-    from tests.test_engine_equivalence import ref_name
+    from tests.integration.test_engine_equivalence import ref_name
 
     out = tmp_path / "hf"
     assert main(args(tmp_path, "--steps", "2", "--compute-dtype", "fp32", "--export", str(out))) == 0
@@ -144,7 +144,7 @@ def test_hf_directory_finetune_on_jsonl_then_export_and_reload(tmp_path, capsys)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lohan import init_from_hf
-    from tests.test_hf import engine_hf_state, make_hf_dir, reference_model
+    from tests.unit.models.test_hf import engine_hf_state, make_hf_dir, reference_model
 
     model_dir = make_hf_dir(tmp_path / "llama", "llama")
     data = tmp_path / "sft.jsonl"

@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 from lohan.app.cli import main
-from tests.test_cli import args as base_args
+from tests.integration.test_cli import args as base_args
 
 
 def args(work: Path, nvme: str, metrics: str, *extra: str) -> list[str]:
@@ -165,7 +165,7 @@ def test_a_second_run_never_takes_a_live_runs_metrics(tmp_path, capsys):
     import sys
     import time
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     first = args(tmp_path, "first", "shared.jsonl", "--steps", "100000")
     proc = subprocess.Popen([sys.executable, str(root / "finetune.py"), *first], cwd=root, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -3,7 +3,7 @@
 
 Each family is a tiny random model saved by transformers (2 layers, hidden 32, every weight perturbed);
 sequences (16-20 tokens) are longer than the sliding windows (8), so sliding-window masks are exercised.
-References are the HF models loaded with `from_pretrained` (tests/test_hf.py's `reference_run`).
+References are the HF models loaded with `from_pretrained` (tests/unit/models/test_hf.py's `reference_run`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import transformers as tf  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from tests.test_hf import (  # noqa: E402
+from tests.unit.models.test_hf import (  # noqa: E402
     VOCAB,
     batches,
     engine_config,
@@ -34,7 +34,7 @@ from tests.test_hf import (  # noqa: E402
     save_tokenizer,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -322,7 +322,7 @@ def test_make_tiny_hf_writes_a_model_lohan_takes(tmp_path, family, capsys):
 
     from lohan.app.cli import main
 
-    spec = importlib.util.spec_from_file_location("make_tiny_hf", Path(__file__).parents[1] / "scripts" / "make_tiny_hf.py")
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", Path(__file__).parents[2] / "scripts" / "make_tiny_hf.py")
     make_tiny_hf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_tiny_hf)
     assert family in make_tiny_hf.FAMILIES

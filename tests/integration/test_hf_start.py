@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from lohan.app.cli import main  # noqa: E402
-from tests.test_hf import make_hf_dir  # noqa: E402
+from tests.unit.models.test_hf import make_hf_dir  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 NOISE = ("torch/utils/_pytree.py", "KernelPreference", "ScaleCalculationMode", "_C_mxfp8", "_C_cutlass_90a",
          "Detected no triton", "torchao")

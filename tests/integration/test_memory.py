@@ -18,7 +18,7 @@ import lohan
 from lohan.config import get_model_config
 from lohan.data import synthetic_batches
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MiB, GiB = 1 << 20, 1 << 30
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lohan.app.cli import main
-from tests.test_cli import args
+from tests.integration.test_cli import args
 
 
 def steps(path: Path) -> list[int]:

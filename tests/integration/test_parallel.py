@@ -1,5 +1,5 @@
 """Data parallelism (lohan/runtime/parallel.py): N ranks on gloo over loopback, launched as torchrun would (RANK,
-WORLD_SIZE, MASTER_ADDR/PORT), each a `tests/dp_worker.py` process.
+WORLD_SIZE, MASTER_ADDR/PORT), each a `tests/integration/dp_worker.py` process.
 
 Exactness: two ranks on a global batch B equal one process with batch B and micro_batches=2 bit for bit
 (fp32, every offloading mode, clipping on), because the one-process engine sums the two micro-batches'
@@ -319,7 +319,7 @@ def test_torchrun_finetune_exports_what_one_process_with_two_micro_batches_expor
                 "4", "--seq-len", "64", "--export", str(export), "--set", "engine.compute_dtype=fp32",
                 "--set", "engine.total_steps=3", "--set", "engine.cpu_mem=1GiB", "--save-every", "2", *extra]
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", LOHAN_DEVICE="cpu")
     env.pop("LOHAN_CRASH_AT", None)
     dp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 ADDRESS_SPACE = 8 * GiB

@@ -15,7 +15,7 @@ import pytest
 
 from lohan.app.cli import main
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "sft_example.jsonl"  # a record file: the token cache
+DATA = Path(__file__).resolve().parents[2] / "data" / "sft_example.jsonl"  # a record file: the token cache
 
 # finetune.py with the slow parts made slower and announced on stdout, so the test signals at a known moment
 SLOW = textwrap.dedent("""

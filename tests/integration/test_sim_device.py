@@ -19,14 +19,14 @@ from io_engine import BufferPool
 from lohan.runtime.activation_store import SelectiveMode
 from lohan.runtime.device import Device
 from lohan.runtime.simdevice import SIM_DEVICE, DeviceMixError, SimTensor, StreamOrderError
-from tests import test_activations as acts
-from tests import test_clipping as clip
-from tests import test_engine_equivalence as eq
-from tests import test_hf_families as families
-from tests import test_parallel as parallel
-from tests import test_persist_every as persist
-from tests import test_resident_records as resident
-from tests.test_hf_families import family_dir  # noqa: F401 - a fixture the HF test below takes
+from tests.integration import test_engine_equivalence as eq
+from tests.integration import test_hf_families as families
+from tests.integration import test_parallel as parallel
+from tests.integration.test_hf_families import family_dir  # noqa: F401 - a fixture the HF test below takes
+from tests.unit.runtime import test_activations as acts
+from tests.unit.runtime import test_clipping as clip
+from tests.unit.runtime import test_persist_every as persist
+from tests.unit.runtime import test_resident_records as resident
 
 
 @pytest.fixture
@@ -341,7 +341,7 @@ def test_an_hf_models_gpu_memory_plan_prices_its_own_ops(sim, make_dirs, tmp_pat
     (the check runs where a GPU budget exists: CUDA always, here with gpu_mem). The run's measured profile
     prices it: the last block's record holds the swapped ops' bytes beside the block input."""
     from lohan.runtime.hf_engine import init_from_hf
-    from tests import test_hf as hft
+    from tests.unit.models import test_hf as hft
 
     path = hft.make_hf_dir(tmp_path / "llama", "llama")
     ecfg = hft.engine_config(make_dirs(1), gpu_mem="1GiB", act_policy=policy)

@@ -1,4 +1,4 @@
-"""A run's trackers killed (SIGKILL) at a chosen point, for tests/test_tracker_resume.py.
+"""A run's trackers killed (SIGKILL) at a chosen point, for tests/integration/test_tracker_resume.py.
 
 `python tracker_worker.py LOGGING_DIR RUN_ID NAMES KILL N`: opens the trackers NAMES (comma-separated) for
 RUN_ID in LOGGING_DIR and kills itself at

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # rank of each layer; a module may import its own layer's modules (same package) and any lower rank
 LAYERS = {

@@ -86,7 +86,7 @@ def test_lora_is_priced_on_the_models_own_projections(capsys):
     over every projection is PEFT's 207,093,760 parameters, not the 4 d x d attention of a GPT block."""
     from pathlib import Path
 
-    folder = str(Path(__file__).resolve().parent.parent / "configs" / "hf" / "llama-3.1-70b")
+    folder = str(Path(__file__).resolve().parents[3] / "configs" / "hf" / "llama-3.1-70b")
     assert main(["--model", folder, "--hardware", "rtx4090,1xP5510,64GB", "--lora", "16"]) == 0
     out = capsys.readouterr().out
     assert "LoRA rank 16: 207.09M adapter parameters" in out

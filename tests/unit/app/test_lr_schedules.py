@@ -12,8 +12,8 @@ import pytest
 import lohan
 from lohan.app.cli import build_parser, load_run_config, main
 from lohan.config import EngineConfig
-from tests.test_cli import args
-from tests.test_engine_equivalence import batches, tiny_cfg
+from tests.integration.test_cli import args
+from tests.integration.test_engine_equivalence import batches, tiny_cfg
 
 LR, MIN_LR, TOTAL = 1e-3, 1e-4, 12
 WARMUP = 3  # warmup_ratio 0.25 of 12 steps

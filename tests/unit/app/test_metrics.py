@@ -60,9 +60,9 @@ def test_from_counters_converts_units():
 
 def test_idle_lanes_are_the_engines_waiting_lanes(make_dirs):
     """The waiting lanes left out of the overlap are named as the engine records them: ``param_wait`` in one
-    process (``gather`` and ``reduce_wait`` with data parallelism, see tests/test_parallel.py)."""
+    process (``gather`` and ``reduce_wait`` with data parallelism, see tests/integration/test_parallel.py)."""
     import lohan
-    from tests.test_engine_equivalence import batches, engine_config, tiny_cfg
+    from tests.integration.test_engine_equivalence import batches, engine_config, tiny_cfg
 
     with lohan.init(tiny_cfg(n_layer=2), engine_config(make_dirs(1))) as engine:
         engine.step(next(batches(1, 2, 16, 256)))

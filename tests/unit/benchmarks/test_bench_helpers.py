@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import ago_bench  # noqa: E402
 import duplex  # noqa: E402
@@ -199,7 +199,7 @@ def test_vs_deepspeed_zero_infinity_and_offload_train_the_checkpoint_s_weights(t
     system's first loss is plain PyTorch's on the same weights and batch. Slow: DeepSpeed's imports and, on first
     use, its cpu_adam and shm_comm builds."""
     import subprocess
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[3]
     model = tmp_path / "llama"
     subprocess.run([sys.executable, str(repo / "scripts" / "make_tiny_hf.py"), str(model), "--layers", "2",
                     "--hidden", "64", "--heads", "2", "--vocab", "300"], check=True, cwd=repo, stdout=subprocess.DEVNULL)

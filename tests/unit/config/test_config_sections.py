@@ -17,7 +17,7 @@ from lohan import config as C
 from lohan.app.cli import _FLAGS, build_parser, load_run_config
 from lohan.config import ENGINE_SECTIONS, FLAT_KEYS, EngineConfig, MemoryConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
 
 
@@ -148,7 +148,7 @@ def test_flags_are_generated_from_the_fields():
 
 
 def test_every_flag_keeps_its_spelling():
-    """The flags before they were generated (tests/test_cli.py covers their behaviour)."""
+    """The flags before they were generated (tests/integration/test_cli.py covers their behaviour)."""
     before = {"model", "layers", "seq_len", "compute_dtype", "device", "sim_gpu", "data", "data_format", "text_field",
               "split", "batch_size", "micro_batches", "eval_data", "eval_split", "eval_fraction", "eval_every",
               "steps", "epochs", "lr", "warmup_steps", "total_steps", "lr_scheduler", "warmup_ratio", "min_lr_ratio",

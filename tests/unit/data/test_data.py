@@ -28,7 +28,7 @@ from lohan.data import (
     synthetic_batches,
 )
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 
 
 def _windows(n_tokens: int = 1000, seq_len: int = 8) -> torch.Tensor:

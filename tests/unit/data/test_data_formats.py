@@ -21,9 +21,9 @@ from lohan.data import (
 )
 from lohan.data import token_cache as cache_module
 from lohan.data.formats import check_columns
-from tests.test_data import CONVERSATION, EOT_TEMPLATE, _chat_tok
+from tests.unit.data.test_data import CONVERSATION, EOT_TEMPLATE, _chat_tok
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 KEYS = ("text", "prompt", "response", "messages")
 
 

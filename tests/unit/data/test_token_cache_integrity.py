@@ -20,7 +20,7 @@ from io_engine.durable import json_checksum
 from lohan.app.cli import main
 from lohan.data import TokenDataset
 from lohan.data import token_cache as cache_module
-from tests.test_data_formats import _assert_same, _rows, _write
+from tests.unit.data.test_data_formats import _assert_same, _rows, _write
 
 WARN = logging.WARNING
 

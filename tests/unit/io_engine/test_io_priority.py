@@ -237,11 +237,10 @@ def test_the_engine_asks_for_urgent_parameter_reads_and_background_record_io(mak
     waits on an activation write, it expedites it."""
     import sys
 
-    from test_clipping import batches, config, tiny_cfg
-
     import lohan
     from io_engine import Handle
     from io_engine.volume import Volume
+    from tests.unit.runtime.test_clipping import batches, config, tiny_cfg
 
     seen: dict[tuple[str, str], set] = {}
     real = {"read": Volume.read_into, "write": Volume.write}
@@ -291,7 +290,7 @@ def test_a_write_never_waited_for_is_on_disk_after_the_process_exits(make_dirs):
         "buf = aligned_empty(8 << 20)\n"
         "buf.fill_(7)\n"
         "vol.write(buf, 0)  # and exit without waiting or closing\n")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
     with open(os.path.join(d, "lohan.slab"), "rb") as f:

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs (Llama, GPT-2, OPT, Qwen2) through the engine: import, training, export.
 
-(tests/test_hf_families.py runs every tested family, Gemma, Mistral, Qwen3, Phi-3 and OLMo 2 included.)
+(tests/integration/test_hf_families.py runs every tested family, Gemma, Mistral, Qwen3, Phi-3 and OLMo 2 included.)
 
 Every model and tokenizer is created here (tiny configs, fixed seeds, every weight perturbed so that
 no two parameters of one shape are alike and a mix-up of names or order shows). The references are

@@ -20,7 +20,7 @@ from lohan.models.adapter import GPTBlocks
 from lohan.models.gpt import build_model, lm_loss
 from lohan.models.gpt_export import export_gpt2
 from lohan.plan.vocab import loss_chunk_tokens, padded_vocab
-from tests.test_engine_equivalence import (
+from tests.integration.test_engine_equivalence import (
     assert_params_equal,
     batches,
     engine_config,
@@ -167,7 +167,7 @@ def test_export_of_a_padded_run_keeps_the_real_vocabulary(make_dirs, tmp_path):
 def test_an_hf_head_pads_its_vocabulary_and_equals_the_hf_loss(tmp_path):
     """An HF model's vocabulary that is no multiple of 64 (150 here, OPT's 50272 in life) is padded for the head's
     GEMMs; HFBlocks' loss and gradients equal lm_loss on the HF forward's logits bit for bit."""
-    from tests.test_hf_families import family_config, loaded_program, save_model
+    from tests.integration.test_hf_families import family_config, loaded_program, save_model
 
     program = loaded_program(save_model(tmp_path / "m", family_config("gemma2")))  # soft-capped, tied
     assert program.vocab_size % 64 and program.softcap

@@ -15,7 +15,7 @@ from lohan.config import get_model_config
 from lohan.plan import planner
 from lohan.plan.planner import LANES_B, parse_hardware, predict_lanes, ssd_cost, upgrade_lanes
 from lohan.runtime.step import stats_from_note
-from tests.test_engine_equivalence import batches, engine_config, tiny_cfg
+from tests.integration.test_engine_equivalence import batches, engine_config, tiny_cfg
 
 
 def test_the_engine_measures_the_cost_models_lanes(make_dirs):
@@ -115,7 +115,7 @@ def test_the_dry_run_says_what_the_ssds_cost(tmp_path, capsys):
 def test_the_first_measured_step_says_what_the_ssds_cost_where_they_bind(tmp_path, capsys):
     """A run whose first step after the profiling one measures the SSD lane its slowest (here the directory is
     paced to 50 MB/s) is told what a smaller state format would take, priced from that step's lanes."""
-    from tests.test_cli import args
+    from tests.integration.test_cli import args
 
     assert main(args(tmp_path, "--steps", "2", "--compute-dtype", "fp32",
                      "--set", "engine.emulate_ssd_gbps=0.05")) == 0

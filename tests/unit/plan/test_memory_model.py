@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_memory import run_measuring_peak
 
 import lohan
 from io_engine.align import ALIGN, align_up
@@ -38,8 +37,9 @@ from lohan.plan.pools import (
 from lohan.runtime.engine import pool_geometry
 from lohan.runtime.parallel import shard_bounds, shard_layout
 from lohan.store.states import plan_layout
+from tests.integration.test_memory import run_measuring_peak
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 MiB, GiB = 1 << 20, 1 << 30
 MODEL = dict(vocab_size=512, n_layer=2, d_model=64, n_head=4, seq_len=32)
 CPU_MEM = 512 * MiB
@@ -243,8 +243,8 @@ def test_a_data_parallel_rank_budgets_its_pools_at_the_plan_of_its_shards(tmp_pa
     """Two ranks (gloo, launched as torchrun would): rank 0's pools are budgeted at the plan of its shards as this
     test computes it without launching anything, bf16 gradients are fp32 (summed over ranks), and what the
     pools took stays within it."""
-    from test_parallel import MODEL as DP_MODEL
-    from test_parallel import engine_kw, launch
+    from tests.integration.test_parallel import MODEL as DP_MODEL
+    from tests.integration.test_parallel import engine_kw, launch
 
     engine = engine_kw(str(tmp_path / "nvme"), compute_dtype="bf16", resident_mem=0)
     codes, log = launch(tmp_path, 2, engine, steps=2)
@@ -305,9 +305,8 @@ def test_gradient_norms_do_not_upcast_a_whole_block_at_once():
     """A block's per-parameter norms of bf16 gradients (for clipping) took an fp32 copy of every gradient of the
     block at once (7.25 GB for a 175b-shaped layer); now `_foreach_norm` takes them in fp32 itself, with the same
     bits. Traced: what the norms allocate stays far below one fp32 copy of the block."""
-    from test_gpu_memory_plan import _PeakBytes
-
     from lohan.runtime.passes import _param_norms
+    from tests.unit.plan.test_gpu_memory_plan import _PeakBytes
     grads = [torch.randn(n).bfloat16() for n in (1 << 18, 1 << 18, 3 * (1 << 16), 17)]
     expected = list(torch._foreach_norm([g.float() for g in grads], 2.0))
     with _PeakBytes() as trace:
@@ -391,7 +390,7 @@ _SPILL_RUN = """
 import os, sys
 import lohan
 from lohan.config import EngineConfig, get_model_config
-from test_clipping import batches
+from tests.unit.runtime.test_clipping import batches
 root = sys.argv[1]
 def config(name, **kw):
     return EngineConfig(**{**dict(nvme=(os.path.join(root, name),), cpu_mem="512MiB", compute_dtype="fp32", lr=1e-2,

@@ -613,7 +613,7 @@ def test_capacity_activations_overflow_to_ssd_when_ram_is_short() -> None:
 
 
 def test_gpu_need_parts() -> None:
-    """capacity() judges the GPU with gpu_need's parts (each part is tested in tests/test_gpu_memory_plan.py)."""
+    """capacity() judges the GPU with gpu_need's parts (each part is tested in tests/unit/plan/test_gpu_memory_plan.py)."""
     cfg, hw = get_model_config("175b"), parse_hardware(PAPER_256)
     c = capacity(cfg, hw, 4, 1024, micro_batches=2, prefetch_depth=2)
     micro = analytic_profile(cfg, 2, 1024, hw)

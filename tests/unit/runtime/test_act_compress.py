@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import lohan
-import tests.test_engine_equivalence as eq
+import tests.integration.test_engine_equivalence as eq
 from lohan.models.gpt import Block
 from lohan.runtime.act_quant import compressible, dequantize_rows, quantize_rows
-from tests.test_activations import run_engine
-from tests.test_engine_equivalence import assert_params_equal, batches, engine_config, tiny_cfg
+from tests.integration.test_engine_equivalence import assert_params_equal, batches, engine_config, tiny_cfg
+from tests.unit.runtime.test_activations import run_engine
 
 
 def _round_trip(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def test_int8_records_on_the_simulated_device(monkeypatch, make_dirs, tier):
 
 def test_records_as_they_are_without_compression(make_dirs):
     """The default stores records as the device made them, so every policy's bit-exactness holds
-    (tests/test_activations.py); the stats say so."""
+    (tests/unit/runtime/test_activations.py); the stats say so."""
     mcfg = tiny_cfg(n_layer=3)
     ecfg = engine_config(make_dirs(1), act_policy="swap-all")
     assert ecfg.act_compress == "none"
@@ -181,7 +181,7 @@ def test_a_run_with_int8_records_resumes_bit_identically_and_a_changed_setting_i
     """The setting is part of the run config (header, run state). A resume continues an int8 run bit for bit; like
     act_policy, a resume may change it (no state outlives a step), and the run says that the numerics change."""
     from lohan.app.cli import main
-    from tests.test_cli import args, losses
+    from tests.integration.test_cli import args, losses
 
     flags = ("--act-compress", "int8", "--act-policy", "interblock")
     a, b = tmp_path / "a", tmp_path / "b"
@@ -198,7 +198,7 @@ def test_a_run_with_int8_records_resumes_bit_identically_and_a_changed_setting_i
 
 def test_the_dry_run_plans_and_shows_int8_records(tmp_path, capsys):
     from lohan.app.cli import main
-    from tests.test_cli import args
+    from tests.integration.test_cli import args
 
     assert main(args(tmp_path, "--dry-run", "--act-policy", "swap-all", "--act-compress", "int8")) == 0
     out = capsys.readouterr().out

@@ -17,12 +17,19 @@ from lohan.runtime.activation_store import Dropped, OpTracker, ReadWatch, Select
 from lohan.runtime.hf_engine import init_from_hf
 
 pytest.importorskip("transformers")
-from tests.test_hf import STEPS, batches, engine_config, engine_hf_state, make_hf_dir, reference_run  # noqa: E402
+from tests.unit.models.test_hf import (  # noqa: E402
+    STEPS,
+    batches,
+    engine_config,
+    engine_hf_state,
+    make_hf_dir,
+    reference_run,
+)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """hf_dir(family) -> a tiny random model directory of that family (tests/test_hf.py's), made once."""
+    """hf_dir(family) -> a tiny random model directory of that family (tests/unit/models/test_hf.py's), made once."""
     made: dict[str, str] = {}
 
     def get(family: str) -> str:

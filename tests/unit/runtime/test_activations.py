@@ -12,7 +12,7 @@ import torch
 import lohan
 from lohan.models.gpt import build_model
 from lohan.runtime.activation_store import ActivationReplayError, OpTracker, SelectiveMode, record_nbytes
-from tests.test_engine_equivalence import (
+from tests.integration.test_engine_equivalence import (
     assert_params_equal,
     batches,
     engine_config,

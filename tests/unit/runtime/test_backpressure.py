@@ -10,13 +10,13 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
-from test_clipping import batches, config, reference, same_weights, tiny_cfg
 
 import lohan
 from io_engine.align import ALIGN, align_up
 from lohan.config import EngineConfig, get_model_config
 from lohan.plan.pools import model_geometry, plan_host_memory
 from lohan.runtime.record_buffers import BufState, Handles, Ledger, RecordBuffer, WriteBehind
+from tests.unit.runtime.test_clipping import batches, config, reference, same_weights, tiny_cfg
 
 GiB = 1 << 30
 

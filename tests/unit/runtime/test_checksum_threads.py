@@ -8,8 +8,6 @@ import threading
 import time
 
 import pytest
-from test_integrity import flip, store_offsets, trained_store
-from test_store import batch, ecfg, small_model
 
 import lohan
 import lohan.runtime.offload as offload
@@ -17,6 +15,8 @@ import lohan.runtime.params as params
 from lohan.runtime.hasher import Hasher
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.states import StateStore
+from tests.unit.store.test_integrity import flip, store_offsets, trained_store
+from tests.unit.store.test_store import batch, ecfg, small_model
 
 
 def spy(monkeypatch, module, name: str, seen: list[str], delay: float = 0.0) -> None:

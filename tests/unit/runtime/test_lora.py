@@ -30,8 +30,8 @@ from lohan.store.integrity import StoreCorruptError
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from tests.test_hf import batches, engine_config, reference_model  # noqa: E402
-from tests.test_hf_families import family_config, save_model  # noqa: E402
+from tests.integration.test_hf_families import family_config, save_model  # noqa: E402
+from tests.unit.models.test_hf import batches, engine_config, reference_model  # noqa: E402
 
 STEPS = 3
 _DIRS: dict[str, str] = {}
@@ -355,7 +355,7 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     gradients with the other; losses, the evaluation and the adapters equal one process's with two micro-batches,
     bit for bit, with dropout (rank r's micro-batch draws the masks of the process's micro-batch r). Then rank 1 is killed before its commit of step 4 while rank 0 committed it: the group resumes
     at step 3 (rank 0 from the commit it kept) and ends as the uninterrupted run."""
-    from tests.test_parallel import MODEL, STEPS, engine_kw, launch, single_process
+    from tests.integration.test_parallel import MODEL, STEPS, engine_kw, launch, single_process
 
     engine = engine_kw(str(tmp_path / "dp"), lora_r=4, lora_dropout=0.1)
     codes, out = launch(tmp_path, 2, engine)
@@ -366,7 +366,7 @@ def test_two_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     try:
         import lohan
         from lohan.config import EngineConfig, get_model_config
-        from tests.dp_worker import batches as dp_batches
+        from tests.integration.dp_worker import batches as dp_batches
 
         cfg = EngineConfig(**{**engine, "nvme": (str(tmp_path / "one"),), "betas": tuple(engine["betas"]),
                               "micro_batches": 2})
@@ -449,7 +449,7 @@ def test_cli_exports_a_peft_adapter_and_merged_weights(family_dir, tmp_path, cap
 
     from lohan.app.cli import main
     from lohan.config import EngineConfig
-    from tests.test_hf import materialize
+    from tests.unit.models.test_hf import materialize
 
     path = family_dir(family)
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
@@ -521,7 +521,7 @@ def test_killed_lora_run_resumes_bit_identically(tmp_path):
     end as the uninterrupted run's, and the base's slab is never written."""
     import sys
 
-    from tests.test_crash_recovery import kh
+    from tests.integration.test_crash_recovery import kh
 
     def args(work, resume: bool = False) -> list[str]:
         return [sys.executable, str(kh.ROOT / "finetune.py"), "--model", "tiny", "--lora", "4", "--steps", "4",
@@ -634,7 +634,7 @@ def test_dry_run_prices_the_adapters_of_a_grouped_query_model(tmp_path, capsys):
     only) at rank 16 has PEFT's 207,093,760 adapter parameters (k and v are 8192 -> 1024)."""
     from lohan.app.cli import main
 
-    folder = str(Path(__file__).resolve().parent.parent / "configs" / "hf" / "llama-3.1-70b")
+    folder = str(Path(__file__).resolve().parents[3] / "configs" / "hf" / "llama-3.1-70b")
     assert main(["--model", folder, "--lora", "16", "--dry-run", "--batch-size", "1", "--seq-len", "1024",
                  "--cpu-mem", "48GiB", "--hardware", "rtx4090,1xP5510,64GB", "--nvme", str(tmp_path / "n")]) == 0
     assert "LoRA rank 16: 207.09M adapter parameters" in capsys.readouterr().out

@@ -7,10 +7,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from test_clipping import batches, config, tiny_cfg
 
 import lohan
 from lohan.runtime.record_buffers import BufState, Ledger, RecordBuffer
+from tests.unit.runtime.test_clipping import batches, config, tiny_cfg
 
 
 def _buffer(unit=(3, 0, 8), resident: bool = False):

@@ -12,7 +12,7 @@ import lohan.runtime.offload
 from lohan.runtime.optim import AdamWHyper, adamw_upcast_
 from lohan.runtime.record_buffers import param_ranges
 from lohan.store.states import BlockLayout, ParamSpec, block_views
-from tests.test_clipping import batches, config, tiny_cfg
+from tests.unit.runtime.test_clipping import batches, config, tiny_cfg
 
 HP = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from test_store import batch, ecfg, small_model
 
 import lohan
 from lohan.runtime.p16_buffers import P16Buffer, P16State
+from tests.unit.store.test_store import batch, ecfg, small_model
 
 
 class FakeBuf:

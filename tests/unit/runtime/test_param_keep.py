@@ -11,8 +11,8 @@ import pytest
 
 import lohan
 from lohan.data import synthetic_batches
-from tests.test_engine_equivalence import assert_params_equal, batches, reference_run, tiny_cfg
-from tests.test_engine_equivalence import engine_config as _engine_config
+from tests.integration.test_engine_equivalence import assert_params_equal, batches, reference_run, tiny_cfg
+from tests.integration.test_engine_equivalence import engine_config as _engine_config
 
 
 def engine_config(dirs, **kw):

@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
-from test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
-from test_clipping import config as _config
 
 import lohan
 from lohan.plan.durability import eligible, loss_text, persist_interval
 from lohan.runtime.held import finish_before_interrupts
+from tests.unit.runtime.test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
+from tests.unit.runtime.test_clipping import config as _config
 
 
 def config(dirs, **kw):

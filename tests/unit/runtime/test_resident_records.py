@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
-from test_clipping import config as _config
 
 import lohan
 from io_engine.base import align_up
@@ -21,6 +19,8 @@ from lohan.plan.pools import (
     record_pool_bytes,
 )
 from lohan.store.states import BlockLayout, ParamSpec, StoreLayout
+from tests.unit.runtime.test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
+from tests.unit.runtime.test_clipping import config as _config
 
 
 def config(dirs, **kw):

@@ -5,15 +5,14 @@ before it (a P16 section of its own) resumes as it was laid out."""
 
 from __future__ import annotations
 
-from test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
-from test_clipping import config as _config
-
 import lohan
 import lohan.store.states as states
 from io_engine.base import ALIGN, align_up
 from lohan.config import get_model_config
 from lohan.plan.pools import model_geometry, plan_host_memory, pool_config
 from lohan.plan.records import layout_of
+from tests.unit.runtime.test_clipping import STEPS, batches, check, reference, same_weights, tiny_cfg
+from tests.unit.runtime.test_clipping import config as _config
 
 
 def config(dirs, **kw):

@@ -16,7 +16,7 @@ from lohan.plan.planner import HARDWARE_PRESETS
 from lohan.runtime.device import Device
 from lohan.runtime.simdevice import StreamOrderError
 from lohan.runtime.simgpu import SimGpu, parse_sim_gpu
-from tests import test_engine_equivalence as eq
+from tests.integration import test_engine_equivalence as eq
 
 SLOW = SimGpu("slow", flops=1e9, h2d=1e8, d2h=1e8, mem_bw=1e12)  # 1 GFLOP/s, 100 MB/s each way
 

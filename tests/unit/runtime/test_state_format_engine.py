@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from test_clipping import batches, config, same_weights, tiny_cfg
 
 import lohan
 from lohan.models.gpt import build_model
@@ -18,6 +17,7 @@ from lohan.runtime.format_adamw import FormatAdamW
 from lohan.runtime.offload import GradOffloader
 from lohan.runtime.optim import AdamWHyper, ParamRange, decay_mask, lr_factor
 from lohan.store.states import StateStore
+from tests.unit.runtime.test_clipping import batches, config, same_weights, tiny_cfg
 
 COMPRESSED = [f for f in FORMATS if f != "exact"]
 

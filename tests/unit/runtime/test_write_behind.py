@@ -10,7 +10,6 @@ import os
 import time
 
 import pytest
-from test_clipping import STEPS, batches, config, reference, same_weights, tiny_cfg
 
 import lohan
 import lohan.runtime.engine
@@ -19,6 +18,7 @@ from lohan.runtime.engine import Engine
 from lohan.runtime.offload import UpdatePass
 from lohan.runtime.record_buffers import WriteBehind
 from lohan.store.states import StateStore
+from tests.unit.runtime.test_clipping import STEPS, batches, config, reference, same_weights, tiny_cfg
 
 
 def _commit_on_disk(dirs) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make_tiny_hf.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "make_tiny_hf.py"
 
 
 def _script():

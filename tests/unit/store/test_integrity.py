@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 import torch
-from test_store import batch, ecfg, small_model  # the same tiny model, settings and batches
 
 import lohan
 from lohan.store.dirlock import LOCK_NAME, DirectoryInUseError, DirLock
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import StoreExistsError
 from lohan.store.states import StateStore
+from tests.unit.store.test_store import batch, ecfg, small_model  # the same tiny model, settings and batches
 
 
 def trained_store(dirs, steps=2, **kw):

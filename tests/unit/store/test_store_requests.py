@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_engine_equivalence import engine_config, tiny_cfg
 
 import lohan
 from lohan.store.group import decision_path
 from lohan.store.integrity import write_json_atomic
 from lohan.store.opening import CLI, StoreExistsError, StoreRequestError, check_request
+from tests.integration.test_engine_equivalence import engine_config, tiny_cfg
 
 
 def fake_group(base: str, world: int, step: int = 3) -> None:
