@@ -30,8 +30,7 @@ from lohan.config import EngineConfig, get_model_config
 from tests.integration.test_parallel import MODEL, engine_kw
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.gpu,  # skipped without CUDA (tests/conftest.py)
     pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 

@@ -31,7 +31,7 @@ from tests.integration.test_engine_equivalence import (
     tiny_cfg,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def cuda_reference_run(mcfg, ecfg, data, autocast: torch.dtype | None = None):

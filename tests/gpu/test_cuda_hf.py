@@ -28,7 +28,7 @@ import torch
 from lohan.models.gpt import lm_loss
 from lohan.runtime.optim import lr_factor, param_groups
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 transformers = pytest.importorskip("transformers")
 

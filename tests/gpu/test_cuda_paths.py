@@ -16,7 +16,7 @@ import torch
 from io_engine import ALIGN, BufferPool, aligned_empty, open_volume
 from lohan.runtime.device import Device
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 MiB = 1 << 20
 # GPU clock cycles torch.cuda._sleep spins: tens of milliseconds at 1-2 GHz, far longer than it takes the

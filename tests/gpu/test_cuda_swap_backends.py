@@ -48,7 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import lohan
 from tests.integration.test_engine_equivalence import batches, engine_config, ref_name, tiny_cfg
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 BACKENDS: dict[str, list[SDPBackend] | None] = {
     "math": [SDPBackend.MATH],
