@@ -13,14 +13,14 @@
 #   io-engine       python -m io_engine info: the NVMe I/O backends (builds the aio op the first time: minutes)  ~10 s
 #   make-test       the CPU suite, `make test` (pytest -q; $PY -m pytest -q without make). The three GPU
 #                   files with steps of their own below are left out of it (PYTEST_ADDOPTS --ignore)      ~9 min
-#   cuda-sanitizer  the CUDA tests (tests/test_cuda_*.py but those three, test_gpu_memory_plan.py, the io
+#   cuda-sanitizer  the CUDA tests (tests/gpu/test_cuda_*.py but those three, test_gpu_memory_plan.py, the io
 #                   test with a device tensor) with -m "" under TORCH_CUDA_SANITIZER=1: PyTorch's stream
 #                   sanitizer fails a test on a kernel that touches a tensor another stream still uses   ~1 min
-#   swap-backends   tests/test_cuda_swap_backends.py: swapped activations == recompute-all per SDPA backend
+#   swap-backends   tests/gpu/test_cuda_swap_backends.py: swapped activations == recompute-all per SDPA backend
 #                   (MATH bit-exact; default, EFFICIENT, cuDNN, flash within stated tolerances), fp32
 #                   and bf16, CPU and SSD tiers, and a sliding-window HF model                            ~40 s
-#   hf-cuda         tests/test_cuda_hf.py: an HF Llama fine-tuned on CUDA vs a torch loop, its export     ~20 s
-#   dp-2gpu         tests/test_cuda_dp.py: torchrun with 2 ranks, each on its own GPU only (skipped,
+#   hf-cuda         tests/gpu/test_cuda_hf.py: an HF Llama fine-tuned on CUDA vs a torch loop, its export     ~20 s
+#   dp-2gpu         tests/gpu/test_cuda_dp.py: torchrun with 2 ranks, each on its own GPU only (skipped,
 #                   not failed, when nvidia-smi -L lists fewer than 2 GPUs)                               ~1 min
 #   e2e             finetune.py --overwrite on its defaults (configs/tiny.yaml, device auto = the GPU) into
 #                   a temporary directory, with --export; then the metrics (every step, finite, the loss
@@ -124,7 +124,7 @@ selected() {  # selected NAME: whether this run includes the step
 }
 
 # The three GPU test files that are steps of their own (not run again inside make-test and the sanitizer step)
-OWN_STEP_TESTS=(tests/test_cuda_swap_backends.py tests/test_cuda_hf.py tests/test_cuda_dp.py)
+OWN_STEP_TESTS=(tests/gpu/test_cuda_swap_backends.py tests/gpu/test_cuda_hf.py tests/gpu/test_cuda_dp.py)
 IGNORE_OWN=()
 for f in "${OWN_STEP_TESTS[@]}"; do IGNORE_OWN+=("--ignore=$f"); done
 
@@ -140,21 +140,21 @@ run_cuda_sanitizer() {
   # -m "" also selects tests marked slow or aio; -rsxXfEP prints skip reasons and the output of passed tests
   # (the GPU memory plan's predicted vs measured line)
   local files=() f
-  for f in tests/test_cuda_*.py tests/test_gpu_memory_plan.py; do
+  for f in tests/gpu/test_cuda_*.py tests/unit/plan/test_gpu_memory_plan.py; do
     [ -f "$f" ] && [[ " ${OWN_STEP_TESTS[*]} " != *" $f "* ]] && files+=("$f")
   done
   TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -m "" -rsxXfEP "${files[@]}" \
-    tests/test_io_errors.py::test_gpu_tensor_or_noncontiguous_target_rejected
+    tests/unit/io_engine/test_io_errors.py::test_gpu_tensor_or_noncontiguous_target_rejected
 }
 
 run_swap_backends() {
   # deterministic cuBLAS for the MATH cases (use_deterministic_algorithms asks for it before the first handle)
   CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}" \
-    "$PY" -m pytest -q -m "" -rsxXfEP tests/test_cuda_swap_backends.py
+    "$PY" -m pytest -q -m "" -rsxXfEP tests/gpu/test_cuda_swap_backends.py
 }
 
 run_hf_cuda() {
-  "$PY" -m pytest -q -m "" -rsxXfEP tests/test_cuda_hf.py
+  "$PY" -m pytest -q -m "" -rsxXfEP tests/gpu/test_cuda_hf.py
 }
 
 run_dp_2gpu() {
@@ -165,7 +165,7 @@ run_dp_2gpu() {
     skipped+=("dp-2gpu ($n GPU)")
     return 0
   fi
-  "$PY" -m pytest -q -m "" -rsxXfEP tests/test_cuda_dp.py
+  "$PY" -m pytest -q -m "" -rsxXfEP tests/gpu/test_cuda_dp.py
 }
 
 run_e2e() {

@@ -27,7 +27,7 @@ a GPU that waits on the host: on the first H100 run (125m, 8 x 1024) kernels wer
 waiting on its SSD lanes and the parameters they produce, so a copy issued when its bytes arrived had nothing to
 overlap. The report lists the engine's lanes of the profiled steps beside the GPU's view. The
 interval arithmetic is in the pure functions below (tested on synthetic intervals in
-tests/test_gpu_timeline_math.py).
+tests/unit/benchmarks/test_gpu_timeline_math.py).
 
 The profiler costs host time per op, so the profiled steps are slower than the unprofiled ones; the report
 gives both (the engine's own `step_s`). Report: benchmarks/results/gpu_timeline/<machine>.{json,md} (`--out`). Without

@@ -11,7 +11,7 @@ optimizer after backward (``t_serial / t_iter``).
 
 Peaks differ: the paper's is a transformer block measured alone on the GPU (no number given), the model's the
 165.2 TFLOPS datasheet, so absolute TFLOPS of GPU-bound points read up to ~16 % high (see
-tests/test_cost_model_paper.py, which asserts these rows). Writes benchmarks/results/paper_testbed/<machine>.{json,md}.
+tests/unit/plan/test_cost_model_paper.py, which asserts these rows). Writes benchmarks/results/paper_testbed/<machine>.{json,md}.
 """
 
 from __future__ import annotations

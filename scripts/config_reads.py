@@ -4,7 +4,7 @@
     python scripts/config_reads.py --write    # rewrite them to section access (then run ruff and the tests)
 
 Code in lohan/ reads the sections; the flat aliases stay for code written before them (other branches, user
-scripts) and can be retired once nothing reads them (tests/test_config_sections.py checks lohan/ with this).
+scripts) and can be retired once nothing reads them (tests/unit/config/test_config_sections.py checks lohan/ with this).
 After merging a branch that still reads flat names, ``--write`` moves them.
 
 Python has no types at this level, so a read is recognized by its receiver, as lohan names its configs:

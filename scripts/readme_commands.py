@@ -16,7 +16,7 @@ where it marks the first block: ``make run`` runs as the ``python finetune.py --
 the config's 150 steps become ``--steps 2``), so a ``--resume`` that goes further still goes further.
 
 Usage: ``python scripts/readme_commands.py [--readme README.md] [--list] [--keep]``; exit 1 when a command
-exits otherwise than its block says. `tests/test_readme_commands.py` runs it in the default suite.
+exits otherwise than its block says. `tests/integration/test_readme_commands.py` runs it in the default suite.
 """
 
 from __future__ import annotations

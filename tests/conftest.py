@@ -15,6 +15,19 @@ os.environ.setdefault("LOHAN_DEVICE", "cpu")
 os.environ.setdefault("LOHAN_DEBUG", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one rule of the `gpu` marker (the tests in tests/gpu): a test that needs CUDA is skipped, with the
+    reason, where CUDA is missing; its file says only `pytestmark = pytest.mark.gpu`."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 def _aio_status() -> tuple[bool, str]:
     from io_engine.aio import aio_available
 

@@ -197,7 +197,7 @@ class ModelConfig:
 
 
 # name -> dims. Fields not given take the ModelConfig defaults (vocab 50257, seq_len 1024, mlp_ratio 4).
-# The comments are the exact param_count() rounded; tests/test_config.py checks each is within 10% of
+# The comments are the exact param_count() rounded; tests/unit/config/test_config.py checks each is within 10% of
 # the size in its name.
 PRESETS: dict[str, dict[str, Any]] = {
     # Small sizes for CPU boxes and tests. `tiny` keeps the real GPT-2 vocabulary (so the init loss is

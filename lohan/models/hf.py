@@ -72,7 +72,7 @@ __all__ = ["SUPPORTED", "WEIGHTS_INDEX", "WEIGHTS_NAME", "HFBlocks", "check_weig
 log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2", "opt", "gpt_neox")
-"""model_type values tested bit-exact against transformers (tests/test_hf_families.py). Other decoders with
+"""model_type values tested bit-exact against transformers (tests/integration/test_hf_families.py). Other decoders with
 the standard layout load too: the probe run at load refuses one whose forward the blocks do not reproduce."""
 
 _META_DROP = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")

@@ -3,7 +3,7 @@
 transformers imports torchao whenever it is installed, the moment a model class is built: its quantizer for
 torchao-quantized checkpoints (``transformers/quantizers/quantizer_torchao.py``) is imported with every model,
 behind ``is_torchao_available()``. lohan trains unquantized weights and installs torchao only as the reference of a
-test (``tests/test_format_adamw.py``, the ``dev`` extra), yet that import printed, at every Hugging Face run, lines
+test (``tests/unit/runtime/test_format_adamw.py``, the ``dev`` extra), yet that import printed, at every Hugging Face run, lines
 nobody running lohan can act on: two ``torch/utils/_pytree.py`` deprecation warnings about torchao's own enums
 (``KernelPreference``, ``ScaleCalculationMode``), torchao's ``Failed to load ..._C_mxfp8`` and ``_C_cutlass_90a``
 (kernels built for another Python and GPU) and ``Detected no triton``; and it took about two seconds.

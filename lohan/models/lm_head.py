@@ -1,7 +1,7 @@
 """The LM head and its loss as the engine runs them: vocabulary padded for tensor cores, loss in token chunks.
 
 :func:`head_loss` equals ``lm_loss(F.linear(h, weight), targets)`` (``lohan.models.gpt.lm_loss``) and its
-gradients, bit for bit in fp32 on the CPU (tests/test_vocab_pad.py), while
+gradients, bit for bit in fp32 on the CPU (tests/unit/models/test_vocab_pad.py), while
 
 - the GEMMs run on the vocabulary padded to ``plan.vocab.padded_vocab`` (issue 38: GPT-2's 50257 rows made
   cuBLAS take ``align1`` kernels): one GEMM on the weight's first rows, a multiple of 64 (a view), one on its

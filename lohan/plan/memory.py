@@ -1,5 +1,5 @@
 """Main-memory accounting of a run: the bound on its peak RSS that the plan states (`train._header`),
-checked by `benchmarks/soak.py` and `tests/test_memory.py`.
+checked by `benchmarks/soak.py` and `tests/integration/test_memory.py`.
 
     peak RSS <= cpu_mem + overhead
 

@@ -55,7 +55,7 @@ def head_loss_bytes(vocab: int, tokens: int, s: int, d_model: int = 0, chunk_tok
     chunk's gradient is the buffer. With ``d_model``, a padded vocabulary adds the copy of the weight's last rows
     padded to 64 (the rest is used in place). Per token: its fp32 log-probability and gradient, its target's index and
     nll_loss's target (int64): 24 bytes; and a few scalars. ``chunk_tokens``: the loss's (default :func:`loss_chunk_tokens`).
-    Traced on the CPU with a dispatch mode (tests/test_gpu_memory_plan.py).
+    Traced on the CPU with a dispatch mode (tests/unit/plan/test_gpu_memory_plan.py).
     """
     vp = padded_vocab(vocab)
     chunk = chunk_tokens or loss_chunk_tokens(vocab)

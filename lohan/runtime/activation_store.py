@@ -32,7 +32,7 @@ level does the same thing with the storage in our hands.
 
 Replayed values are the very values recomputation would give (same kernels, same inputs), so
 every plan yields bit-identical gradients (int8 records: those of a recompute from the dequantized values,
-`tests/test_act_compress.py`); a replay that does not meet the op it recorded (a
+`tests/unit/runtime/test_act_compress.py`); a replay that does not meet the op it recorded (a
 block whose op sequence is not deterministic) is an error, not a silent mismatch.
 """
 
