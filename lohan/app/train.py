@@ -52,7 +52,7 @@ from lohan.app.verify import verify_store
 from lohan.config import RunConfig
 from lohan.data import Batch
 from lohan.runtime.engine import Engine
-from lohan.runtime.parallel import DataParallel, init_from_env, leave_group
+from lohan.runtime.parallel import current_group, init_from_env, leave_group
 
 __all__ = [  # the driver, and the names the CLI, the tests and the benchmarks import from here
     "Run", "train", "verify_store", "Refusal", "Terminated", "Model", "load_model", "load_dataset", "load_eval_set",
@@ -105,7 +105,7 @@ class Run:
         self.run, self.resume, self.dry_run, self.hardware = run, resume, dry_run, hardware
         self.export, self.overwrite, self.export_dtype, self.config, self.merged = (export, overwrite, export_dtype,
                                                                                       config, merged)
-        self.dp = DataParallel.detect()
+        self.dp = current_group()
         # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
         self.console = Console(soft_wrap=True, quiet=not self.dp.is_main)
         self.ctx: RunContext | None = None

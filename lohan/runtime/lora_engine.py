@@ -75,7 +75,7 @@ from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.lora_commit import base_identity, commits, latest_commit, read_commit, write_commit
 from lohan.runtime.lora_graphs import GraphKeeper, Graphs, LoraActivations
 from lohan.runtime.optim import lr_at
-from lohan.runtime.parallel import DataParallel
+from lohan.runtime.parallel import current_group
 from lohan.runtime.params import ParamStreamer
 from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
@@ -107,7 +107,7 @@ class LoraEngine:
         self.program, self.flops_per_token = program, flops_per_token
         # data parallel (torchrun): every rank streams a whole base of its own (its rank<r> directories) and keeps
         # the same adapters; their gradients are summed over the ranks before the update
-        self.dp = DataParallel.detect()
+        self.dp = current_group()
         self.world = self.dp.world
         base_dirs = tuple(cfg.store.nvme)
         cfg = self.dp.rank_config(cfg)

@@ -26,6 +26,10 @@ is the truth: a rank whose local commit is one step ahead (killed between the tw
 its previous commit, whose slot nothing has written since.
 
 Host buffers are reduced and gathered over gloo (a gloo group is created when the default group is NCCL).
+
+A single process is a group of one (`Group`: rank 0 of 1, identity collectives, no process group): the engine and
+the run driver always hold a group and call it where a rank would; `DataParallel` answers those calls over
+torch.distributed. Nothing outside this module asks which one it holds.
 """
 
 from __future__ import annotations
