@@ -47,10 +47,10 @@ def interrupt_code(err: BaseException) -> int:
 
 
 def fail(console: Console, dp: Group, msg: str) -> int:
-    if not dp.is_main:  # a rank's own trouble (its disk, its memory) must be seen too
-        print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
-    else:
+    if dp.is_main:
         console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
+    else:  # a rank's own trouble (its disk, its memory) must be seen too
+        print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
     return 2
 
 

@@ -166,7 +166,7 @@ def plan_fit(ctx: RunContext, hardware: str | None, dry_run: bool, resume: bool 
         report = plan_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, plan, ctx.per_epoch)
     except ValueError as err:
         raise Refusal(str(err)) from None
-    if not dp.alone:
+    if world > 1:
         net = network_bytes_per_step(ctx.model.config.param_count(), world, P16_ITEMSIZE[ex.compute_dtype])
         ctx.console.print(
             f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains {run.batch_size // world} "
