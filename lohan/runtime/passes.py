@@ -49,8 +49,7 @@ class Pending:
     block: int
     buf: AlignedBuffer
     views: list[Tensor]
-    work: Any
-
+    work: Any  # its `wait()` and `query()` (`Group.reduce_gradient`)
 
 
 def visit_order(n: int) -> list[int]:
