@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from io_engine import IOEngineError
 from lohan.app.layout import OutputError
-from lohan.runtime.parallel import DataParallel
+from lohan.runtime.parallel import Group
 from lohan.store.integrity import StoreCorruptError
 
 
@@ -46,11 +46,11 @@ def interrupt_code(err: BaseException) -> int:
     return 128 + signal.SIGTERM if isinstance(err, Terminated) else 130
 
 
-def fail(console: Console, dp: DataParallel | None, msg: str) -> int:
-    if dp and not dp.is_main:  # a rank's own trouble (its disk, its memory) must be seen too
-        print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
-    else:
+def fail(console: Console, dp: Group, msg: str) -> int:
+    if dp.is_main:
         console.print(f"[red]error:[/red] {escape(msg)}")  # messages quote paths and lists: "[...]" is not markup
+    else:  # a rank's own trouble (its disk, its memory) must be seen too
+        print(f"rank {dp.rank}: error: {msg}", file=sys.stderr)
     return 2
 
 

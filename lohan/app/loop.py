@@ -264,7 +264,7 @@ def _gather_whole(engine: Engine) -> None:
 
 def agreed(ctx: RunContext, decision: bool) -> bool:
     """Rank 0's `decision`, on every rank (they must all take part in what follows, or none)."""
-    return ctx.dp.broadcast(decision) if ctx.dp else decision
+    return ctx.dp.broadcast(decision)
 
 
 def evaluate(engine: Engine, eval_set: TokenDataset, batch_size: int) -> tuple[float, float]:

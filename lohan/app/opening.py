@@ -23,10 +23,9 @@ from lohan.plan.pools import MemoryPlanError
 from lohan.plan.records import P16_ITEMSIZE
 from lohan.plan.run_plan import RunPlan
 from lohan.runtime.engine import Engine, init
-from lohan.runtime.parallel import DataParallel
+from lohan.runtime.parallel import Group, current_group
 from lohan.runtime.profiler import saved_profile_usable
 from lohan.store.dirlock import DirectoryInUseError
-from lohan.store.group import rank_dir
 from lohan.store.integrity import StoreCorruptError
 from lohan.store.opening import CLI, StoreExistsError, check_request
 from lohan.store.states import StateStore, StoreStatus
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 def open_store(ctx: RunContext, resume: bool, overwrite: bool) -> Engine:
     """Refuse what would discard or misread a store, then open it, continue its creation, or create it."""
     run, e = ctx.run, ctx.run.engine
-    store_dirs = ctx.dp.rank_dirs(e.store.nvme) if ctx.dp else e.store.nvme  # where this process's store lives
+    store_dirs = ctx.dp.rank_dirs(e.store.nvme)  # where this process's store lives
     _check_store(ctx, resume, overwrite)
     engine_cfg = e.with_overrides(total_steps=e.schedule.total_steps or ctx.steps)
     saved_profile = Path(store_dirs[0]) / f"{e.store.name}.profile.json"
@@ -72,7 +71,7 @@ def _check_store(ctx: RunContext, resume: bool, overwrite: bool) -> StoreStatus:
     e, dp = ctx.run.engine, ctx.dp
     try:
         status = check_request(e.store.nvme, e.store.name, resume=resume, overwrite=overwrite, world=ctx.world,
-                               rank=dp.rank if dp else None, must_exist=True, asked=CLI)
+                               rank=dp.store_rank, must_exist=True, asked=CLI)
     except (StoreCorruptError, StoreExistsError, ValueError) as err:
         raise Refusal(str(err)) from None
     if resume:
@@ -143,7 +142,7 @@ class _InitLog:
 
 
 def run_layout(run: RunConfig, model: Model, export: str | None, config: str | os.PathLike | None,
-               dp: DataParallel | None = None) -> RunLayout:
+               dp: Group | None = None) -> RunLayout:
     """The run's paths (layout.RunLayout): its outputs, and the inputs none of them may touch."""
     e = run.engine
     inputs = {"--model": run.model if model.hf_program is not None else None,
@@ -151,15 +150,15 @@ def run_layout(run: RunConfig, model: Model, export: str | None, config: str | o
               "--config": config}
     metrics = run.metrics or default_metrics(e.store.nvme[0], e.store.name)
     logging_dir = (run.logging_dir or Path(metrics).parent / f"{e.store.name}.logs") if run.report_to else None
-    return RunLayout(e.store.nvme, e.store.name, metrics, export, inputs, logging_dir, owner=_owner(run, dp))
+    return RunLayout(e.store.nvme, e.store.name, metrics, export, inputs, logging_dir, owner=_owner(run, current_group(dp)))
 
 
-def _owner(run: RunConfig, dp: DataParallel | None) -> Owner:
+def _owner(run: RunConfig, dp: Group) -> Owner:
     """Whose outputs this run may replace (`ownership.Owner`): those of the store it resumes or replaces (rank 0's,
     which writes the outputs), and of the stores that one replaced. A store whose description is damaged owns
     nothing (the run is refused when the store is checked)."""
     e = run.engine
-    dirs = tuple(rank_dir(d, 0) for d in e.store.nvme) if dp else e.store.nvme
+    dirs = dp.main_dirs(e.store.nvme)
     where = os.path.join(e.store.nvme[0], e.store.name)
     try:
         current, replaced = StateStore.identity(dirs, e.store.name)

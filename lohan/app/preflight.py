@@ -30,7 +30,7 @@ from lohan.plan.records import P16_ITEMSIZE
 from lohan.plan.run_plan import RunPlan
 from lohan.runtime.device import compute_dtype_choice, resolve_device
 from lohan.runtime.engine import available_memory, plan_engine
-from lohan.runtime.parallel import DataParallel, network_bytes_per_step
+from lohan.runtime.parallel import Group, current_group, network_bytes_per_step
 from lohan.store.opening import stored_compute_dtype
 from lohan.store.states import StateStore
 
@@ -47,7 +47,7 @@ class RunContext:
     per_epoch: int | None
     steps: int
     layout: RunLayout
-    dp: DataParallel | None
+    dp: Group
     console: Console
     checkpoints: Checkpoints | None = None
     fit: Any = None  # the plan's FitReport (`plan_fit`): the first step's measured lanes are priced with it
@@ -57,23 +57,23 @@ class RunContext:
 
     @property
     def world(self) -> int:
-        return self.dp.world if self.dp else 1
+        return self.dp.world
 
     @property
     def main_rank(self) -> bool:
         """Rank 0 (or the one process) writes the metrics, the run state and the export."""
-        return self.dp is None or self.dp.is_main
+        return self.dp.is_main
 
 
 def resolve_compute_dtype(run: RunConfig, resume: bool, hardware: str | None,
-                   dp: DataParallel | None) -> tuple[RunConfig, DtypeChoice]:
+                   dp: Group) -> tuple[RunConfig, DtypeChoice]:
     """`run` with its compute dtype resolved once, for this machine or the one `hardware` describes (whose GPU
     computes bf16), and why; a resume under ``auto`` keeps the dtype its store was created with."""
     e = run.engine
     if hardware:
         choice = choose(e.execution.compute_dtype, "cuda", (), state_format=e.store.state_format)
     else:
-        dirs = dp.rank_dirs(e.store.nvme) if dp else e.store.nvme
+        dirs = dp.rank_dirs(e.store.nvme)
         stored = stored_compute_dtype(dirs, e.store.name) if resume and e.execution.compute_dtype == "auto" else None
         try:
             choice = compute_dtype_choice(e.execution.compute_dtype, e.execution.device, e.store.state_format, stored)
@@ -83,10 +83,12 @@ def resolve_compute_dtype(run: RunConfig, resume: bool, hardware: str | None,
 
 
 def preflight(run: RunConfig, dry_run: bool, export: str | None, export_dtype: str | None,
-               config: str | os.PathLike | None, console: Console, dp: DataParallel | None) -> RunContext:
+               config: str | os.PathLike | None, console: Console, dp: Group | None) -> RunContext:
     """Everything that can be checked before anything is written: the model, the shapes, the data and its
-    steps, and the paths the run owns (layout.RunLayout)."""
-    world = dp.world if dp else 1
+    steps, and the paths the run owns (layout.RunLayout). `dp`: the process's group (None: the one it was launched
+    in, `parallel.current_group`)."""
+    dp = current_group(dp)
+    world = dp.world
     try:
         model = load_model(run, dry_run)
     except (ValueError, NotImplementedError, OSError) as e:
@@ -153,18 +155,18 @@ def plan_fit(ctx: RunContext, hardware: str | None, dry_run: bool, resume: bool 
         machine = (described_hardware(hardware) if hardware else
                    detect_hardware(store.nvme, ex.device, ex.compute_dtype, mem.gpu_mem, store_name=store.name,
                                    checksums=store.checksums, act_compress=act.act_compress))
-        if dp:  # one rank's plan: its slice of the batch, its share of the machine and of the states
-            machine = data_parallel_machine(machine, world, dp.local_world)
+        # one rank's plan: its slice of the batch, its share of the machine and of the states (one process: all)
+        machine = data_parallel_machine(machine, world, dp.local_world)
         if lora.lora_r:  # a frozen base streamed, adapters on the device: its own plan (lohan.plan.lora)
             return _lora_fit(ctx, machine, dry_run)
-        plan = _run_plan(ctx, resume, None if hardware else available_memory(dp.local_world if dp else 1),
+        plan = _run_plan(ctx, resume, None if hardware else available_memory(dp.local_world),
                          False if hardware else resolve_device(ex.device) == "cpu")
         if not hardware:
             ctx.run_plan = plan
         report = plan_report(ctx.model.config, machine, run.batch_size // world, ctx.seq_len, plan, ctx.per_epoch)
     except ValueError as err:
         raise Refusal(str(err)) from None
-    if dp:
+    if world > 1:
         net = network_bytes_per_step(ctx.model.config.param_count(), world, P16_ITEMSIZE[ex.compute_dtype])
         ctx.console.print(
             f"data parallel: {world} ranks ({dp.local_world} on this machine), each trains {run.batch_size // world} "
@@ -188,9 +190,9 @@ def _run_plan(ctx: RunContext, resume: bool, free: int | None, host_device: bool
     gets it (a rank's: its share of cpu_mem), on the model's blocks as the store lays them out (a resume: as the
     stored layout shares the P16), with `free` bytes of main memory available (None: the described machine's)."""
     dp = ctx.dp
-    cfg = dp.rank_config(ctx.run.engine) if dp else ctx.run.engine
+    cfg = dp.rank_config(ctx.run.engine)
     shared = StateStore.stored_p16_sharing(list(cfg.store.nvme), cfg.store.name) if resume else None
-    return plan_engine(ctx.model.program(), cfg, ctx.world, dp.rank if dp else 0, free, host_device, shared)
+    return plan_engine(ctx.model.program(), cfg, ctx.world, dp.rank, free, host_device, shared)
 
 
 def _lora_fit(ctx: RunContext, machine: Any, dry_run: bool) -> Any:

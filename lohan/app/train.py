@@ -13,7 +13,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -53,7 +52,7 @@ from lohan.app.verify import verify_store
 from lohan.config import RunConfig
 from lohan.data import Batch
 from lohan.runtime.engine import Engine
-from lohan.runtime.parallel import DataParallel, init_from_env, leave_group
+from lohan.runtime.parallel import current_group, init_from_env, leave_group
 
 __all__ = [  # the driver, and the names the CLI, the tests and the benchmarks import from here
     "Run", "train", "verify_store", "Refusal", "Terminated", "Model", "load_model", "load_dataset", "load_eval_set",
@@ -106,9 +105,9 @@ class Run:
         self.run, self.resume, self.dry_run, self.hardware = run, resume, dry_run, hardware
         self.export, self.overwrite, self.export_dtype, self.config, self.merged = (export, overwrite, export_dtype,
                                                                                       config, merged)
-        self.dp = DataParallel.detect()
+        self.dp = current_group()
         # never re-wrap the fixed-width lines, also when piped; data parallel: rank 0 speaks for the group
-        self.console = Console(soft_wrap=True, quiet=bool(self.dp and not self.dp.is_main))
+        self.console = Console(soft_wrap=True, quiet=not self.dp.is_main)
         self.ctx: RunContext | None = None
 
     def execute(self) -> int:
@@ -174,9 +173,7 @@ class Run:
         run, dp, start = ctx.run, ctx.dp, engine.step_count
         try:
             data_state = load_run_state(run, ctx.seq_len, engine) if self.resume and ctx.main_rank else None
-            if dp:  # rank 0's data position and RNG: every rank must cut the same global batches
-                data_state, rng = dp.broadcast((data_state, torch.get_rng_state()))
-                torch.set_rng_state(rng)
+            data_state = dp.from_main(data_state)  # rank 0's data position and RNG: the same global batches
             batches = make_batches(run, ctx.model, ctx.dataset, ctx.seq_len, start, data_state)
         except (OSError, ValueError) as err:
             raise Refusal(str(err)) from None

@@ -62,13 +62,13 @@ def export_gpt2(engine, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     out = Path(out_dir)
     check_export_dir(out)
     out.mkdir(parents=True, exist_ok=True)
-    layout = engine.store.layout
+    layout = engine.layout
     weight_map: dict[str, str] = {}
     total = 0
     n = len(layout.blocks)
     for b in layout.blocks:
         tensors: dict[str, torch.Tensor] = {}
-        for spec, t in zip(b.params, engine.store.read_params(b.index)):
+        for spec, t in zip(b.params, engine.read_params(b.index)):
             if b.index in (0, n - 1):
                 name = _OTHER_NAMES[spec.name]
             else:

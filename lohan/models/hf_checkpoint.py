@@ -274,9 +274,9 @@ def export_hf(engine: Any, program: HFBlocks, src_dir: str | os.PathLike, out_di
     """Write the engine's current weights as a HF model directory that `from_pretrained` loads; returns the
     dtype written.
 
-    `engine` is anything with a ``store`` (its ``layout`` and ``read_params(i)``). `dtype` (fp32, bf16, fp16 or
+    `engine` is anything with the model's ``layout`` and ``read_params(i)`` (`Engine.whole`). `dtype` (fp32, bf16, fp16 or
     their torch names) defaults to the dtype the source was saved in (config.json), fp32 if it names none.
-    The weights are read from the store one block at a time and streamed into safetensors shards of at most
+    The weights are read one block at a time and streamed into safetensors shards of at most
     `max_shard_bytes` (a single larger tensor gets a shard of its own): ``model.safetensors`` when one shard
     holds them all, else ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``. A tied
     lm_head is written once, as the embedding (transformers ties it on load). config.json is the model's
@@ -292,7 +292,7 @@ def export_hf(engine: Any, program: HFBlocks, src_dir: str | os.PathLike, out_di
     _check_out_dir(src_dir, out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
-    layout = engine.store.layout
+    layout = engine.layout
     if [b.name for b in layout.blocks] != program.names:
         raise ValueError("export_hf: the engine's store was not laid out for this program")
     itemsize = torch.empty(0, dtype=tdtype).element_size()
@@ -310,7 +310,7 @@ def export_hf(engine: Any, program: HFBlocks, src_dir: str | os.PathLike, out_di
 
     def all_tensors() -> Iterator[Tensor]:
         for b in layout.blocks:  # one block in memory at a time; shards may start and end inside a block
-            yield from engine.store.read_params(b.index)
+            yield from engine.read_params(b.index)
 
     stream = all_tensors()
     weight_map: dict[str, str] = {}

@@ -39,7 +39,6 @@ import torch
 from torch import Tensor
 
 from lohan.config import EngineConfig, ModelConfig, get_model_config
-from lohan.crashpoints import crashpoint
 from lohan.models.adapter import BlockProgram, GPTBlocks
 from lohan.models.gpt import GPT, block_generator, build_model, init_block_
 from lohan.plan import durability, pools
@@ -54,9 +53,8 @@ from lohan.runtime.held import HeldSteps, Outcome, finish_before_interrupts
 from lohan.runtime.offload import GradOffloader, Provide
 from lohan.runtime.optim import decay_mask
 from lohan.runtime.parallel import (
-    DataParallel,
-    check_group,
-    join_group,
+    Group,
+    current_group,
     shard_bounds,
     shard_decays,
     shard_layout,
@@ -82,7 +80,7 @@ from lohan.runtime.step import (
 from lohan.runtime.summary import EngineSummary, engine_summary
 from lohan.store.dirlock import DirLock
 from lohan.store.gradstash import GradStash
-from lohan.store.opening import check_request, open_or_create, stored_compute_dtype
+from lohan.store.opening import open_or_create, stored_compute_dtype
 from lohan.store.states import DTYPES, StateStore, StoreLayout, plan_layout, unit_views
 
 log = logging.getLogger(__name__)
@@ -147,20 +145,20 @@ class Engine:
                  init_block: Callable[[int], list[Tensor]],
                  flops_per_token: Callable[[int], float] | None = None,
                  resume: bool = False, overwrite: bool = False,
-                 progress: Callable[[int, int], None] | None = None, dp: DataParallel | None = None,
+                 progress: Callable[[int, int], None] | None = None, dp: Group | None = None,
                  plan: RunPlan | None = None) -> None:
         """`plan`: the run plan the pre-flight made (`plan_engine`) and priced; the engine checks that its own
         inputs give the same figures (a disagreement is a bug, refused before anything is written) and executes
         it. None: the engine makes it, with the memory available now."""
         # data parallel (torchrun): the rank's own directories and share of the machine (parallel.py)
-        self.dp = dp if dp is not None else DataParallel.detect()
-        self.world = self.dp.world if self.dp else 1
+        self.dp = current_group(dp)
+        self.world = self.dp.world
         self._base_dirs = tuple(cfg.store.nvme)
-        self.cfg = cfg = self.dp.rank_config(cfg) if self.dp else cfg
+        self.cfg = cfg = self.dp.rank_config(cfg)
         self.program, self.flops_per_token = program, flops_per_token
         if cfg.memory.heap_reuse:  # before the store is built: its temporaries are trimmed after the first step
             reuse_heap()
-        self.device = Device(self.dp.device_name(cfg.execution.device) if self.dp else cfg.execution.device, sim_gpu=cfg.execution.sim_gpu)
+        self.device = Device(self.dp.device_name(cfg.execution.device), sim_gpu=cfg.execution.sim_gpu)
         # compute_dtype auto, resolved once for this machine (a resume keeps the dtype the store was laid out in)
         stored = stored_compute_dtype(cfg.store.nvme, cfg.store.name) if resume and cfg.execution.compute_dtype == "auto" else None
         self.dtype_choice = compute_dtype_choice(cfg.execution.compute_dtype, self.device.type, cfg.store.state_format, stored)
@@ -169,17 +167,16 @@ class Engine:
         # a store resumed keeps the records it was laid out with (a P16 section of its own or not: shared_p16)
         shared = StateStore.stored_p16_sharing(list(cfg.store.nvme), cfg.store.name) if resume else None
         # the whole blocks, their shard bounds and this rank's store
-        self.layout, self.bounds, local_layout, geometry = engine_geometry(program, cfg, self.world,
-                                                                           self.dp.rank if self.dp else 0, shared)
+        self.layout, self.bounds, local_layout, geometry = engine_geometry(program, cfg, self.world, self.dp.rank,
+                                                                           shared)
         self.grad_dtype = grad_dtype(cfg, self.world)
         self.run_plan = _executed_plan(plan, cfg, geometry, self.world, self.device.is_host,
-                                       self.dp.local_world if self.dp else 1, self.grad_dtype.itemsize)
+                                       self.dp.local_world, self.grad_dtype.itemsize)
         self.run_plan.check()  # pools over cpu_mem: refused before anything is written
         # every pool is budgeted at the plan's figure (lohan.plan.pools: the one model of host memory)
         self.host_memory = self.run_plan.host
         self.memory_plan = self.host_memory.parts()
-        if self.dp:
-            init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
+        init_block = _shard_init(init_block, self.layout, local_layout, self.bounds, self.dp.rank)
         self.store, self._lock = _open_store(cfg, local_layout, model_meta, init_block, resume, overwrite, progress,
                                              self.dp, self._base_dirs, self.run_plan.chunk_elems)
         # what building the store freed (a block's fp32 init, its records' chunks) goes back before the pools and
@@ -193,7 +190,7 @@ class Engine:
             raise
         self.last_stats: StepStats | None = None  # what the last step measured
         self._broken: str | None = None
-        self.clip_schedule = ClipSchedule(self.cfg, by_cost=self.dp is None,  # speculate or defer (clip_mode)
+        self.clip_schedule = ClipSchedule(self.cfg, by_cost=self.dp.alone,  # speculate or defer (clip_mode)
                                           defer_unclipped=self.run_plan.defer_unclipped)
         # the model's own parameter order, in which clip_grad_norm_ takes the global norm (None: block order)
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
@@ -228,7 +225,7 @@ class Engine:
         resident = list(run_plan.resident_blocks)
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.execution.mode, self.grad_dtype, self.decays,
                                        self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.execution.seed,
-                                       origins=[bd[self.dp.rank] if self.dp and bd else 0 for bd in self.bounds])
+                                       origins=[bd[self.dp.rank] if bd else 0 for bd in self.bounds])
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
             engine_pool_bytes=plan.total, model_label=label, param_count=self.layout.param_count,
@@ -490,7 +487,8 @@ class Engine:
         commit = store.commit_state
         scaler = None
         if self.cfg.execution.compute_dtype == "fp16":
-            scaler = LossScale(self.cfg, commit, self.device.put if self.dp is None else (lambda t: t))
+            # its tensors live where the gradients are unscaled: the device, or the host buffers a group sums
+            scaler = LossScale(self.cfg, commit, self.device.put if self.dp.alone else (lambda t: t))
         estimate = self.activations.plan.estimate if self.activations.plan is not None else None
         # the durability interval: a step is durable every persist_every steps after the last durable one
         durable = store.step + 1 - (store.durable_step if store.volatile else store.step) >= self.persist_every
@@ -498,7 +496,7 @@ class Engine:
         replay_s = (len(self._held) + 1) * self.last_stats.step_s if store.volatile and self.last_stats else 0.0
         speculate = self.clip_schedule.speculate(estimate, replay_s)
         plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(durable), n, speculate,
-                             self._overlappable(idx, next_batch), one_process=self.dp is None,
+                             self._overlappable(idx, next_batch), one_process=self.dp.alone,
                              durable=durable, ram_read=store.in_ram(store.slot), replayable=True,
                              skip=isinstance(self._replayed, str), known=self._replayed if isinstance(
                                  self._replayed, Tensor) else None)
@@ -531,9 +529,7 @@ class Engine:
         else:
             acts, run.fwd_timer = self.passes.forward(run.visits, plan.read_slot, run.idx)
         norms = self.passes.backward(run, acts, run.targets.chunk(self.cfg.execution.micro_batches))
-        loss = self.passes.host_sum(run.losses)
-        if self.dp:
-            loss = self.dp.sum(loss)
+        loss = self.dp.sum(self.passes.host_sum(run.losses))
         t_tail = time.perf_counter()
         run.activations = self.passes.end_backward(plan.read_slot)
         if plan.follow:
@@ -647,7 +643,7 @@ class Engine:
             self._next.drop()
 
     def _check_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        return rank_batch(batch, self.cfg.execution.micro_batches, self.world, self.dp.rank if self.dp else 0)
+        return rank_batch(batch, self.cfg.execution.micro_batches, self.world, self.dp.rank)
 
     def _commit(self, step: int, slot: int, **kw: Any) -> None:
         """Commit `step` (data parallel: locally, keeping the previous commit, then the group decides); a RAM
@@ -656,10 +652,7 @@ class Engine:
             kw.pop("sums", None)
             self.store.commit_volatile(step, slot, **kw)
             return
-        self.store.commit(step, slot, keep_prev=self.dp is not None, **kw)
-        if self.dp:
-            crashpoint("engine.dp_local_commit")
-            self.dp.decide(self._base_dirs, self.cfg.store.name, step)
+        self.dp.commit(self.store, self._base_dirs, self.cfg.store.name, step, slot, **kw)
 
     def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
         """The next batch's ids on the device when its forward may run during this step's optimizer pass: the
@@ -732,7 +725,7 @@ class Engine:
                             "in place (slots=1), so the states on NVMe are mixed; restore a checkpoint")
             return
         try:  # nothing current was touched: the last commit stands (the other ranks may be gone: no decision)
-            self.store.recommit(keep_prev=self.dp is not None)
+            self.dp.recommit(self.store)
         except BaseException as e:  # e.g. the disk that failed the step fails the fsync too
             log.warning("could not re-commit step %d after the failure (%s); the commit record on disk still "
                         "points at it", self.store.step, e)
@@ -766,7 +759,7 @@ class Engine:
         self.load_records()
         idx, targets = self._check_batch(batch)
         loss = self.passes.evaluate(self.store.slot, self.device.put(idx), self.device.put(targets))
-        return self.dp.sum(loss) if self.dp else loss
+        return self.dp.sum(loss)
 
     # -------------------------------------------------------------- access
     def state_dict_fp32(self) -> dict[str, Tensor]:
@@ -789,11 +782,11 @@ class Engine:
         return [t.to(dtype) for t in own]
 
     @property
-    def whole(self) -> Any:
-        """What the exporters read (`.store.layout`, `.store.read_params(i)`, `.step_count`): the store
-        itself in one process, the whole model gathered from the ranks' shards under data parallelism."""
+    def whole(self) -> Engine:
+        """What the exporters read (`.layout`, `.read_params(i)`, `.step_count`: the whole model, data parallel
+        gathered from the ranks' shards), made durable first."""
         self.persist()
-        return self if self.dp is None else _Whole(self)
+        return self
 
     def close(self) -> None:
         if self._closed:
@@ -829,16 +822,6 @@ class Engine:
         self.close()
 
 
-class _Whole:
-    """A data-parallel engine seen as one store of the whole model (for export: collective reads)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.store = self
-        self.layout = engine.layout
-        self.read_params = engine.read_params
-        self.step_count = engine.step_count
-
-
 def _outcome(settled: Settlement) -> Outcome:
     """How a committed step ended, for its replay (`held.Outcome`)."""
     if settled.skipped:
@@ -856,7 +839,7 @@ class _InPlaceLost(Exception):
 
 
 def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_block: Callable[[int], list[Tensor]],
-                resume: bool, overwrite: bool, progress: Callable[[int, int], None] | None, dp: DataParallel | None,
+                resume: bool, overwrite: bool, progress: Callable[[int, int], None] | None, dp: Group,
                 base_dirs: tuple[str, ...], chunk_elems: int) -> tuple[StateStore, DirLock]:
     """Lock the run's directories, refuse what they cannot give this run (`check_request`; data parallel, alike
     on every rank), then open the store, continue its creation or create it (`open_or_create`); a rank is brought
@@ -867,13 +850,9 @@ def _open_store(cfg: EngineConfig, layout: StoreLayout, model_meta: dict, init_b
     lock = DirLock(dirs)  # before anything in the directories is read or written
     store = None
     try:
-        if dp:
-            decision = check_group(dp, base_dirs, cfg.store.name, resume)
-        else:
-            check_request(dirs, cfg.store.name, resume=resume, overwrite=overwrite)
+        decision = dp.check_store(base_dirs, cfg.store.name, resume, overwrite)
         store = open_or_create(dirs, cfg, layout, model_meta, init_block, resume, overwrite, progress, chunk_elems)
-        if dp:
-            join_group(dp, store, decision, base_dirs, cfg.store.name, dirs)
+        dp.join(store, decision, base_dirs, cfg.store.name, dirs)
     except BaseException:
         if store is not None:
             store.close()

@@ -63,7 +63,6 @@ from typing import Any
 
 import psutil
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from io_engine.base import align_up
@@ -76,7 +75,7 @@ from lohan.runtime.device import Device, compute_dtype_choice
 from lohan.runtime.lora_commit import base_identity, commits, latest_commit, read_commit, write_commit
 from lohan.runtime.lora_graphs import GraphKeeper, Graphs, LoraActivations
 from lohan.runtime.optim import lr_at
-from lohan.runtime.parallel import DataParallel
+from lohan.runtime.parallel import current_group
 from lohan.runtime.params import ParamStreamer
 from lohan.runtime.passes import Acts, BlockPasses
 from lohan.runtime.step import LossScale, NonFiniteError, StepStats, commit_note, rank_batch, stats_from_note
@@ -108,11 +107,11 @@ class LoraEngine:
         self.program, self.flops_per_token = program, flops_per_token
         # data parallel (torchrun): every rank streams a whole base of its own (its rank<r> directories) and keeps
         # the same adapters; their gradients are summed over the ranks before the update
-        self.dp = DataParallel.detect()
-        self.world = self.dp.world if self.dp else 1
+        self.dp = current_group()
+        self.world = self.dp.world
         base_dirs = tuple(cfg.store.nvme)
-        cfg = self.dp.rank_config(cfg) if self.dp else cfg
-        self.device = Device(self.dp.device_name(cfg.execution.device) if self.dp else cfg.execution.device, sim_gpu=cfg.execution.sim_gpu)
+        cfg = self.dp.rank_config(cfg)
+        self.device = Device(self.dp.device_name(cfg.execution.device), sim_gpu=cfg.execution.sim_gpu)
         stored = stored_compute_dtype(cfg.store.nvme, cfg.store.name) if resume and cfg.execution.compute_dtype == "auto" else None
         self.dtype_choice = compute_dtype_choice(cfg.execution.compute_dtype, self.device.type, "exact", stored)
         self.cfg = cfg = cfg.with_overrides(compute_dtype=self.dtype_choice.dtype, slots=1)
@@ -174,7 +173,7 @@ class LoraEngine:
 
     def _micro_batch(self, m: int) -> None:
         """Block runs from now on are on micro-batch `m` of this rank (of the step's over every rank: masks)."""
-        self.lora.micro_batch = (self.dp.rank if self.dp else 0) * self.cfg.execution.micro_batches + m
+        self.lora.micro_batch = self.dp.rank * self.cfg.execution.micro_batches + m
 
     # ------------------------------------------------------------------ step
     @property
@@ -220,10 +219,9 @@ class LoraEngine:
                 acts, fwd_timer = self.passes.forward(visits, 0, idx)
             self._bwd_timer = self.device.timer()
             losses = self._backward(visits, acts, graphs, targets.chunk(self.cfg.execution.micro_batches), scaler)
-            loss = self.passes.host_sum(losses)
-            if self.dp:  # the mean over every rank's micro-batches, and the adapters' gradients summed
-                loss = self.dp.sum(loss)
-                sum_over_ranks(self.lora.params, self.dp, self.device)
+            # the mean over every rank's micro-batches, and the adapters' gradients summed (one process: as they are)
+            loss = self.dp.sum(self.passes.host_sum(losses))
+            self.dp.sum_gradients(self.lora.params, self.device)
             acts_stats = self.graphs.stats() if self.graphs.keep else self.activations.stats()
         finally:
             self.streamer.release_all()
@@ -322,7 +320,7 @@ class LoraEngine:
         return losses
 
     def _rank_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        return rank_batch(batch, self.cfg.execution.micro_batches, self.world, self.dp.rank if self.dp else 0)
+        return rank_batch(batch, self.cfg.execution.micro_batches, self.world, self.dp.rank)
 
     def _update(self, loss: float, scaler: LossScale | None) -> tuple[float | None, float | None, bool, bool]:
         """fp16: unscale (GradScaler.unscale_'s op and inf check); clip (as `clip_grad_norm_` over PEFT's trainable
@@ -386,14 +384,11 @@ class LoraEngine:
         before it). None at step 0: the adapters as initialized."""
         found = commits(self.cfg.store.nvme, self.cfg.store.name, self.store)
         target = max(found, default=0)
-        if self.dp:
-            steps = [0] * self.world
-            dist.all_gather_object(steps, target, group=self.dp.group)
-            target = min(steps)
+        target = self.dp.least(target)
         if target in found:
             self._load(found[target], read_commit(found[target], self.store))
         elif target:
-            raise StoreCorruptError(f"rank {self.dp.rank if self.dp else 0}: no LoRA commit of step {target} in "
+            raise StoreCorruptError(f"rank {self.dp.rank}: no LoRA commit of step {target} in "
                                     f"{self.cfg.store.nvme[0]} (the group resumes there); restore the directories together, "
                                     "or start over with --overwrite")
 
@@ -449,7 +444,7 @@ class LoraEngine:
             loss = self.passes.evaluate(0, self.device.put(idx), self.device.put(targets))
         finally:
             self.lora.training = True
-        return self.dp.sum(loss) if self.dp else loss
+        return self.dp.sum(loss)
 
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
         """Block `block`'s base weights (the frozen P16, checksums verified) as `dtype`."""
@@ -493,11 +488,11 @@ class LoraEngine:
 
 class _Merged:
     """The weights PEFT's ``merge_and_unload`` gives (each adapted weight plus its update B @ A x scaling, in fp32),
-    with what `lohan.models.hf.export_hf` and `export_gpt2` read: ``.store.layout``, ``.store.read_params(i)``
-    and ``.step_count``."""
+    with what `lohan.models.hf.export_hf` and `export_gpt2` read: ``.layout``, ``.read_params(i)`` and
+    ``.step_count``."""
 
     def __init__(self, engine: LoraEngine) -> None:
-        self.store, self.layout, self.step_count, self._engine = self, engine.layout, engine.step_count, engine
+        self.layout, self.step_count, self._engine = engine.layout, engine.step_count, engine
 
     def read_params(self, block: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
         params = self._engine.read_params(block)
@@ -508,20 +503,6 @@ class _Merged:
                 j = names.index(f"{t.path}.weight")
                 params[j] = params[j] + lora.delta(k).cpu()  # (PEFT: base_layer.weight.data += delta_weight)
         return [p.to(dtype) for p in params]
-
-
-def sum_over_ranks(params: list[torch.nn.Parameter], dp: DataParallel, device: Device) -> None:
-    """Data parallel: the adapters' gradients summed over the ranks (one flat host buffer; two ranks' sum is one
-    addition, so it equals one process summing two micro-batches bit for bit)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([device.fetch(p.grad).reshape(-1) for p in params])
-    dp.all_reduce_async(flat).wait()
-    at = 0
-    for p in params:
-        p.grad.copy_(device.put(flat[at:at + p.numel()].view(p.shape)))
-        at += p.numel()
 
 
 def _refuse(cfg: EngineConfig) -> None:

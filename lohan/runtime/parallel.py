@@ -26,6 +26,10 @@ is the truth: a rank whose local commit is one step ahead (killed between the tw
 its previous commit, whose slot nothing has written since.
 
 Host buffers are reduced and gathered over gloo (a gloo group is created when the default group is NCCL).
+
+A single process is a group of one (`Group`: rank 0 of 1, identity collectives, no process group): the engine and
+the run driver always hold a group and call it where a rank would; `DataParallel` answers those calls over
+torch.distributed. Nothing outside this module asks which one it holds.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch.distributed as dist
 
 from io_engine.base import align_up
 from lohan.config import EngineConfig
+from lohan.crashpoints import crashpoint
 from lohan.plan.formats import QBLOCK
 from lohan.runtime.device import resolve_device
 from lohan.store.group import decision_path, rank_dir, read_decision
@@ -180,53 +185,180 @@ def leave_group(done: bool) -> None:
 
 
 @dataclass
-class DataParallel:
-    """This process's place in the data-parallel group, and the payload bytes it has reduced and gathered."""
+class Group:
+    """This process's place in its data-parallel group, and the payload bytes it has reduced and gathered.
 
-    rank: int
-    world: int
+    This class is the group of one a single process is (rank 0 of 1): its collectives are identities that touch
+    no tensor, create no process group and need no gloo or NCCL, its store is the whole model in the run's own
+    directories, and its commits are its own. `DataParallel` is a group of several ranks over torch.distributed.
+    The engine, its passes and the run driver hold one or the other and never ask which: where the two differ
+    in what they do (not only in a collective), the choice is a method here, the single process's behaviour
+    its size-one case."""
+
+    rank: int = 0
+    world: int = 1
     local_rank: int = 0
     local_world: int = 1
     group: Any = None  # the gloo group host buffers are reduced over (None: the default group)
     reduced_bytes: int = 0
     gathered_bytes: int = 0
 
-    def network_bytes(self, reduced: int, gathered: int) -> int:
-        """What ring collectives send for these payloads (see network_bytes_per_step)."""
-        share = (self.world - 1) / self.world
-        return int(2 * share * reduced + share * gathered)
-
-    @staticmethod
-    def detect() -> DataParallel | None:
-        """The group torch.distributed was initialized with (torchrun sets the environment), or None for a
-        single process. A default group of another backend than gloo gets a gloo group for host buffers."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        return DataParallel(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), group)
-
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def alone(self) -> bool:
+        """No other rank: what this process chooses from its own timings (clip speculation by cost, a lazy
+        commit, handing a gradient over as soon as its copy is done) needs no rank to choose alike, and a
+        gradient is the group's sum where backward leaves it (its norms and unscaling are taken there)."""
+        return self.world == 1
+
+    @property
+    def store_rank(self) -> int | None:
+        """The rank whose shards this process's store holds (None: one process's store, the whole model)."""
+        return None
+
+    def rank_dirs(self, dirs: Sequence[str]) -> tuple[str, ...]:
+        """This process's own NVMe directories (one process: the run's)."""
+        return tuple(dirs)
+
+    def main_dirs(self, dirs: Sequence[str]) -> tuple[str, ...]:
+        """The directories of rank 0's store, the one that writes the run's outputs (one process: the run's)."""
+        return tuple(dirs)
+
+    def rank_config(self, cfg: EngineConfig) -> EngineConfig:
+        """The process's own settings (one process: the run's)."""
+        return cfg
+
+    def device_name(self, device: str) -> str:
+        """The process's device (one process: as configured)."""
+        return device
+
+    # ------------------------------------------------------------ collectives
+    def network_bytes(self, reduced: int, gathered: int) -> int | None:
+        """What ring collectives send for these payloads (see network_bytes_per_step); None: no network."""
+        return None
+
+    def wait_lanes(self, gather_s: float, reduce_wait_s: float) -> dict[str, float]:
+        """A step's lanes of waits on the other ranks (P16 all-gathers, gradient sums not done when needed): none
+        without other ranks."""
+        return {}
+
+    def reduce_gradient(self, host: torch.Tensor, copied: Any) -> Any:
+        """A block's gradient on its way into `host` (`copied`: its copy's event) summed over the ranks: returns
+        what completes it, with `wait()` and `query()`. One process: the copy itself."""
+        return _Copy(copied)
+
+    def sum_gradients(self, params: list[torch.nn.Parameter], device: Any) -> None:
+        """The parameters' gradients summed over the ranks, in place (one process: already the sum)."""
+
+    def sum(self, x: float) -> float:
+        return x
+
+    def least(self, x: int) -> int:
+        """The least of the ranks' `x` (every rank calls it at the same point)."""
+        return x
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        return obj
+
+    def from_main(self, data_state: Any) -> Any:
+        """Rank 0's `data_state` (a resumed run's data position) and torch RNG state on every rank, so that every
+        rank cuts the same global batches (one process: its own)."""
+        return data_state
+
+    # ----------------------------------------------------------------- commits
+    def check_store(self, base_dirs: Sequence[str], name: str, resume: bool, overwrite: bool) -> dict | None:
+        """Before the process opens its store (`dirs`): what it cannot give this run refused (`check_request`);
+        returns the group's commit decision the store is brought to (`join`; one process: none)."""
+        check_request(list(base_dirs), name, resume=resume, overwrite=overwrite)
+        return None
+
+    def join(self, store: StateStore, decision: dict | None, base_dirs: Sequence[str], name: str,
+             rank_dirs: Sequence[str]) -> None:
+        """After the process opened (or created) its store: bring it to the group's decided step (one process:
+        its own commit is the run's)."""
+
+    def commit(self, store: StateStore, base_dirs: Sequence[str], name: str, step: int, slot: int, **kw: Any) -> None:
+        """Commit `step` in `slot` (one process: the store's commit is the run's)."""
+        store.commit(step, slot, keep_prev=False, **kw)
+
+    def recommit(self, store: StateStore) -> None:
+        """Write the last commit again after a failed step (one process: no previous commit to keep)."""
+        store.recommit(keep_prev=False)
+
+
+class _Done:
+    """The work of a collective a group of one completes at once."""
+
+    def wait(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Copy:
+    """A gradient's copy to the host as the work that completes it (a group of one sums nothing)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
+class _Sum:
+    """A gradient's all-reduce over the ranks: polled by no rank (each hands a gradient over when the next one is
+    pending, at the same point on every rank)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def query(self) -> bool:
+        return False
+
+
+class DataParallel(Group):
+    """A group of several ranks over torch.distributed (module docstring): real collectives over gloo, each
+    rank's store in its own `DIR/rank<r>` directories, commits in two phases."""
+
+    @property
+    def alone(self) -> bool:
+        return False
+
+    @property
+    def store_rank(self) -> int | None:
+        return self.rank
+
+    @staticmethod
+    def detect() -> Group:
+        """The group torch.distributed was initialized with (torchrun sets the environment), or a group of one
+        (`Group`) for a single process, which creates no process group. A default group of another backend than
+        gloo gets a gloo group for host buffers."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return Group()
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return DataParallel(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), group)
 
     def rank_dirs(self, dirs: Sequence[str]) -> tuple[str, ...]:
         """The rank's own NVMe directories: `DIR/rank<r>` under each of the run's."""
         return tuple(rank_dir(d, self.rank) for d in dirs)
 
-    # ------------------------------------------------------------ collectives
-    def all_reduce_async(self, t: torch.Tensor) -> Any:
-        """Start summing `t` over the ranks in place; returns the work to `wait()` on."""
-        self.reduced_bytes += t.numel() * t.element_size()
-        return dist.all_reduce(t, group=self.group, async_op=True)
-
-    def all_gather_(self, padded: torch.Tensor, shard: int, async_op: bool = False) -> Any:
-        """In place: rank q's `shard` elements at [q*shard, (q+1)*shard) of `padded` go to every rank (a
-        copy: no arithmetic touches the bits). With `async_op`, returns the work to `wait()` on."""
-        flat = padded[:self.world * shard]
-        self.gathered_bytes += flat.numel() * flat.element_size()
-        return dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group,
-                                           async_op=async_op)
+    def main_dirs(self, dirs: Sequence[str]) -> tuple[str, ...]:
+        return tuple(rank_dir(d, 0) for d in dirs)
 
     def rank_config(self, cfg: EngineConfig) -> EngineConfig:
         """The rank's own settings: its directories (`DIR/rank<r>`) and its share of the host's memory and
@@ -242,6 +374,46 @@ class DataParallel:
             return device
         return f"cuda:{local_cuda_index(self.local_rank, torch.cuda.device_count())}"
 
+    # ------------------------------------------------------------ collectives
+    def network_bytes(self, reduced: int, gathered: int) -> int | None:
+        share = (self.world - 1) / self.world
+        return int(2 * share * reduced + share * gathered)
+
+    def wait_lanes(self, gather_s: float, reduce_wait_s: float) -> dict[str, float]:
+        return {"gather": gather_s, "reduce_wait": reduce_wait_s}
+
+    def all_reduce_async(self, t: torch.Tensor) -> Any:
+        """Start summing `t` over the ranks in place; returns the work to `wait()` on."""
+        self.reduced_bytes += t.numel() * t.element_size()
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def reduce_gradient(self, host: torch.Tensor, copied: Any) -> Any:
+        """The sum over the ranks runs on the host buffer, once the copy is complete, beside the next blocks'
+        backward."""
+        copied.synchronize()
+        return _Sum(self.all_reduce_async(host))
+
+    def sum_gradients(self, params: list[torch.nn.Parameter], device: Any) -> None:
+        """One flat host buffer (two ranks' sum is one addition, so it equals one process summing two
+        micro-batches bit for bit)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([device.fetch(p.grad).reshape(-1) for p in params])
+        self.all_reduce_async(flat).wait()
+        at = 0
+        for p in params:
+            p.grad.copy_(device.put(flat[at:at + p.numel()].view(p.shape)))
+            at += p.numel()
+
+    def all_gather_(self, padded: torch.Tensor, shard: int, async_op: bool = False) -> Any:
+        """In place: rank q's `shard` elements at [q*shard, (q+1)*shard) of `padded` go to every rank (a
+        copy: no arithmetic touches the bits). With `async_op`, returns the work to `wait()` on."""
+        flat = padded[:self.world * shard]
+        self.gathered_bytes += flat.numel() * flat.element_size()
+        return dist.all_gather_into_tensor(flat, flat[self.rank * shard:(self.rank + 1) * shard], group=self.group,
+                                           async_op=async_op)
+
     def gather_block(self, own: list[torch.Tensor], bounds: tuple[int, ...], block: BlockLayout) -> list[torch.Tensor]:
         """A sharded block's whole fp32 parameters from every rank's shard (`own`: this rank's pieces; every rank
         calls it for the same blocks in the same order)."""
@@ -256,16 +428,42 @@ class DataParallel:
         dist.all_reduce(t, group=self.group)
         return float(t)
 
+    def least(self, x: int) -> int:
+        values = [0] * self.world
+        dist.all_gather_object(values, x, group=self.group)
+        return min(values)
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def from_main(self, data_state: Any) -> Any:
+        data_state, rng = self.broadcast((data_state, torch.get_rng_state()))
+        torch.set_rng_state(rng)
+        return data_state
+
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank."""
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     # ----------------------------------------------------------------- commits
+    def check_store(self, base_dirs: Sequence[str], name: str, resume: bool, overwrite: bool) -> dict | None:
+        """Alike on every rank: the group's commit decision, and what this group cannot resume (`check_group`)."""
+        return check_group(self, base_dirs, name, resume)
+
+    def join(self, store: StateStore, decision: dict | None, base_dirs: Sequence[str], name: str,
+             rank_dirs: Sequence[str]) -> None:
+        join_group(self, store, decision, base_dirs, name, rank_dirs)
+
+    def commit(self, store: StateStore, base_dirs: Sequence[str], name: str, step: int, slot: int, **kw: Any) -> None:
+        """Locally, keeping the previous commit beside it, then the group decides (module docstring)."""
+        store.commit(step, slot, keep_prev=True, **kw)
+        crashpoint("engine.dp_local_commit")
+        self.decide(base_dirs, name, step)
+
+    def recommit(self, store: StateStore) -> None:
+        store.recommit(keep_prev=True)
+
     def decide(self, base_dirs: Sequence[str], name: str, step: int) -> None:
         """Second phase of a step's commit: every rank has committed `step` locally; rank 0 records the
         group's decision, and no rank goes on (to write the slot the previous step lives in) before it is
@@ -274,6 +472,11 @@ class DataParallel:
         if self.is_main:
             write_json_atomic(decision_path(base_dirs, name), {"world": self.world, "step": step})
         self.barrier()
+
+
+def current_group(dp: Group | None = None) -> Group:
+    """`dp`, or the group this process was launched in (`DataParallel.detect`: a group of one when none)."""
+    return dp if dp is not None else DataParallel.detect()
 
 
 def check_group(dp: DataParallel, base_dirs: Sequence[str], name: str, resume: bool) -> dict | None:

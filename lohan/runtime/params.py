@@ -59,7 +59,7 @@ from io_engine.priority import Priority
 from lohan.runtime.device import Device
 from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.p16_buffers import P16Buffer, P16State
-from lohan.runtime.parallel import DataParallel
+from lohan.runtime.parallel import Group, current_group
 from lohan.runtime.record_buffers import ResidentRecords
 from lohan.store.integrity import tensor_hash, unit_bounds
 from lohan.store.states import StateStore, StoreLayout, unit_views
@@ -69,11 +69,11 @@ class ParamStreamer:
     """Moves P16 of blocks between the store and the device's module parameters."""
 
     def __init__(self, store: StateStore, pool: BufferPool, device: Device, blocks: list[nn.Module],
-                 layout: StoreLayout | None = None, dp: DataParallel | None = None,
+                 layout: StoreLayout | None = None, dp: Group | None = None,
                  bounds: list[tuple[int, ...] | None] | None = None) -> None:
         self.store = store
         self.layout = layout or store.layout  # the whole blocks (the store's are the rank's shards of them)
-        self.dp = dp
+        self.dp = current_group(dp)
         self.bounds = bounds or [None] * len(blocks)
         self.pool = pool
         self.keeps = store.layout.slots > 1  # in place, a slot's bytes change while its blocks are read
@@ -127,7 +127,7 @@ class ParamStreamer:
         """Zero copy (module docstring): `views[i]`, block i's parameters as views of its resident record (None:
         streamed); `current(i, slot)`: whether that record holds `slot`'s P16 now. The host device only, one
         process: a separate device needs its copy, and a rank's record holds its shard alone."""
-        if not self.device.is_host or self.dp is not None:
+        if not self.device.is_host or not self.dp.alone:
             raise RuntimeError("parameters as views of their records need the host device and one process")
         self._records = list(views)
         self._current = current
@@ -194,7 +194,7 @@ class ParamStreamer:
             if prov is None or prov.state is not P16State.FILLING:
                 return
             # zero copy: acquire takes the record's views; resident: `_host` copies from the record
-            if self.zero_copy(i) or resident and self.dp is None and prov.buf is None:
+            if self.zero_copy(i) or resident and self.dp.alone and prov.buf is None:
                 prov.filled += hi - lo
                 if prov.filled == numel:
                     prov.ready.set()
@@ -421,7 +421,7 @@ class ParamStreamer:
         blocks, nor on reads' progress: the read of block i, prefetched a block earlier, is waited for).
         Blocks the optimizer provides are gathered when acquired (waiting for them here would hold up the
         block before)."""
-        if (self.dp is None or self.bounds[i] is None or self._state(i) not in (None, P16State.READING)
+        if (self.bounds[i] is None or self._state(i) not in (None, P16State.READING)
                 or not 0 <= i < len(self.blocks)):
             return
         entry = self._host(i, slot)

@@ -28,7 +28,7 @@ from lohan.plan.planner import check_gpu_budget, gpu_need
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, Timer
 from lohan.runtime.offload import GradOffloader
-from lohan.runtime.parallel import DataParallel
+from lohan.runtime.parallel import Group
 from lohan.runtime.params import ParamStreamer
 from lohan.store.gradstash import GradStash
 from lohan.store.states import StoreLayout, block_views
@@ -49,10 +49,7 @@ class Pending:
     block: int
     buf: AlignedBuffer
     views: list[Tensor]
-    work: Any
-
-    def wait(self, dp: DataParallel | None) -> None:
-        self.work.wait() if dp else self.work.synchronize()
+    work: Any  # its `wait()` and `query()` (`Group.reduce_gradient`)
 
 
 def visit_order(n: int) -> list[int]:
@@ -66,13 +63,13 @@ class BlockPasses:
     def __init__(self, cfg: EngineConfig, program: BlockProgram, layout: StoreLayout, device: Device,
                  compute_dtype: torch.dtype, streamer: ParamStreamer, activations: ActivationManager,
                  offloader: GradOffloader, grads_pool: BufferPool, grad_dtype: torch.dtype,
-                 stash: GradStash | None, dp: DataParallel | None, bounds: list[tuple[int, ...] | None],
+                 stash: GradStash | None, dp: Group, bounds: list[tuple[int, ...] | None],
                  direct: bool) -> None:
         self.cfg, self.program, self.layout, self.device = cfg, program, layout, device
         self.compute_dtype = compute_dtype
         self.streamer, self.activations, self.offloader = streamer, activations, offloader
         self.grads_pool, self.grad_dtype, self.stash = grads_pool, grad_dtype, stash
-        self.dp, self.world, self.bounds = dp, dp.world if dp else 1, bounds
+        self.dp, self.world, self.bounds = dp, dp.world, bounds
         # a separate device, one micro-batch, gradients in their own dtype: nothing to sum, so no accumulator;
         # autograd's gradients go to the host as they are (GPU memory: gpu_need's "gradient accumulators")
         self.direct = direct
@@ -188,7 +185,7 @@ class BlockPasses:
         except BaseException:
             for g in pending:  # copies and reductions still use them
                 try:
-                    g.wait(self.dp)
+                    g.work.wait()
                 finally:
                     g.buf.release()
             raise
@@ -216,7 +213,7 @@ class BlockPasses:
                 grads = self._accumulate(run, i, params, None if flat is None else block_views(flat, layout),
                                          acts, tgt_mb, grad_out, borrowed)
             self.activations.stage(i - 1)  # its records' copy to the device runs beside this block's compute
-            if self.dp is None:
+            if self.dp.alone:  # the gradient is the group's sum already: normed where it is
                 self._unscale_and_norm(run, i, grads, norms)
             event = self.device.to_host(flat, host) if flat is not None else None
             for g, view in zip(grads if flat is None else (), block_views(host, layout)):
@@ -224,16 +221,13 @@ class BlockPasses:
         except BaseException:
             gbuf.release()
             raise
-        if self.dp:  # the sum over the ranks runs on the host buffer, beside the next blocks' backward
-            event.synchronize()
-            pending.append(Pending(i, gbuf, block_views(host, layout), self.dp.all_reduce_async(host)))
-        else:
-            pending.append(Pending(i, gbuf, block_views(host, layout), event))
+        # data parallel: the sum over the ranks runs on the host buffer, beside the next blocks' backward
+        pending.append(Pending(i, gbuf, block_views(host, layout), self.dp.reduce_gradient(host, event)))
         # released before its gradient goes to the optimizer: an update during backward hands the block's new
         # P16 over in the buffer this frees (ParamStreamer.handover), and may reach block i at once
         self.leave(run.visits, p, slot)
         # hand over every gradient whose copy (or sum) is complete, and never keep more than one waiting
-        while pending and (len(pending) > 1 or (self.dp is None and pending[0].work.query())):
+        while pending and (len(pending) > 1 or pending[0].work.query()):
             self._hand_over(run, pending.pop(0), norms)
         crashpoint("engine.backward")
 
@@ -303,11 +297,11 @@ class BlockPasses:
         t0 = time.perf_counter()
         gbuf = g.buf
         try:
-            g.wait(self.dp)
+            g.work.wait()
         except BaseException:
             gbuf.release()
             raise
-        if self.dp:
+        if not self.dp.alone:  # summed over the ranks just now: unscaled and normed here
             run.reduce_wait_s += time.perf_counter() - t0
             self._unscale_and_norm(run, g.block, g.views, norms)
         bd = self.bounds[g.block]
@@ -330,7 +324,7 @@ class BlockPasses:
             self.streamer.prefetch(nxt, slot)
         # data parallel: the next block's shards gather beside this block's compute (it was prefetched just
         # now, so its buffer exists: without prefetching, taking one could wait for this block's)
-        if self.dp and self.cfg.memory.prefetch_depth and p + 1 < len(visits):
+        if self.cfg.memory.prefetch_depth and p + 1 < len(visits):
             self.streamer.gather_ahead(visits[p + 1], slot)
         return params
 

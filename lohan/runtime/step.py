@@ -291,7 +291,7 @@ class Counters:
     def read(engine: Engine) -> Counters:
         s, dp = engine.streamer, engine.dp
         return Counters(engine.store.volume.stats(), s.wait_s, s.provision_wait_s, s.hash_s, s.gather_s,
-                        dp.reduced_bytes if dp else 0, dp.gathered_bytes if dp else 0, device_lanes(engine.device))
+                        dp.reduced_bytes, dp.gathered_bytes, device_lanes(engine.device))
 
 
 def device_lanes(device: Device) -> dict[str, float] | None:
@@ -445,8 +445,8 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
              "provision_wait": streamer.provision_wait_s - c0.provision_wait_s,
              # checksums: hashing on the optimizer thread (reads and writes) and of streamed P16
              "checksum": ago.hash_s + streamer.hash_s - c0.param_hash_s}
-    if dp:  # waits on the other ranks: P16 all-gathers, and gradient sums not done when needed
-        lanes.update(gather=streamer.gather_s - c0.gather_s, reduce_wait=run.reduce_wait_s)
+    # waits on the other ranks: P16 all-gathers, and gradient sums not done when needed (none in one process)
+    lanes.update(dp.wait_lanes(streamer.gather_s - c0.gather_s, run.reduce_wait_s))
     tokens = run.idx.numel() * engine.world
     fpt = engine.flops_per_token
     return StepStats(
@@ -460,5 +460,4 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
         next_forward_overlapped=overlapped, deferred=run.plan.deferred, durable=run.plan.durable,
         grad_norm=settled.grad_norm, clip_coef=settled.clip_coef, redone=settled.redone, skipped=settled.skipped,
         overflow=settled.overflow, loss_scale=settled.loss_scale,
-        network_bytes=dp.network_bytes(dp.reduced_bytes - c0.reduced_bytes, dp.gathered_bytes - c0.gathered_bytes)
-        if dp else None)
+        network_bytes=dp.network_bytes(dp.reduced_bytes - c0.reduced_bytes, dp.gathered_bytes - c0.gathered_bytes))

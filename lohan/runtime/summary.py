@@ -68,7 +68,7 @@ def engine_summary(engine: Any) -> EngineSummary:
     """The summary of an `Engine` or a `LoraEngine`, as it stands now (before the first step, for the header)."""
     layout, volume = engine.store.layout, engine.store.volume
     lora = getattr(engine, "lora", None)
-    base = dict(cfg=engine.cfg, param_count=engine.layout.param_count, rank=engine.dp.rank if engine.dp else None,
+    base = dict(cfg=engine.cfg, param_count=engine.layout.param_count, rank=engine.dp.store_rank,
                 state_bytes=layout.total_bytes, n_blocks=len(layout.blocks), slots=layout.slots,
                 state_format=layout.state_format, p16_itemsize=engine.store.p16_dtype.itemsize,
                 p16_dtype=str(layout.p16_dtype), store_param_count=layout.param_count, dirs=tuple(volume.dirs),
