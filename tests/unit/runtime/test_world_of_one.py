@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_clipping import batches, config, tiny_cfg
+from tests.unit.runtime.test_clipping import batches, config, tiny_cfg
 
 import lohan
 from lohan.runtime import parallel
 from lohan.runtime.parallel import DataParallel, Group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PARALLEL = REPO / "lohan" / "runtime" / "parallel.py"
 
 
