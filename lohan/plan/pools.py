@@ -47,7 +47,7 @@ from lohan.plan.records import P16_ITEMSIZE, StoreLayout, chunk_record_bytes, la
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
-    "ram_budget", "zero_copy_blocks", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
+    "ram_budget", "zero_copy_blocks", "grad_dtype", "hands_over_grads", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
     "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes", "memory_refusal",
 ]
@@ -85,6 +85,16 @@ def grad_dtype(compute_dtype: str, micro_batches: int = 1, world: int = 1) -> st
     optimizer upcasts them exactly, chunk by chunk). Accumulation over micro-batches or ranks, fp32 compute and
     fp16 (whose gradients are unscaled from the loss scale on the host) use fp32."""
     return "bf16" if compute_dtype == "bf16" and micro_batches * world == 1 else "fp32"
+
+
+def hands_over_grads(cfg: EngineConfig, world: int, host_device: bool) -> bool:
+    """Whether backward may hand autograd's own gradients to the optimizer, with no host gradient buffer and no
+    copy into one: the CPU computes (its gradients are in main memory already), one process (data parallel sums
+    them into a buffer and keeps the rank's shard of it), one micro-batch (nothing to sum) and gradients in the
+    buffers' dtype (fp16's are unscaled into fp32 ones). The plan does so only where it counts every block's
+    gradient in RAM (`HostMemoryPlan.grads_handed`): nothing then bounds them but the plan."""
+    c = cfg.execution.compute_dtype
+    return host_device and world == 1 and cfg.execution.micro_batches == 1 and grad_dtype(c) == c
 
 
 def grad_itemsize(compute_dtype: str, micro_batches: int = 1, world: int = 1) -> int:
@@ -350,6 +360,9 @@ class HostMemoryPlan:
     grads_short: int = 0
     """What the grads pool lacks to hold every block's gradient, as serial mode's does (optimized and naive modes,
     where cpu_mem leaves too little: backward may then wait for the optimizer to give a buffer back)."""
+    grads_handed: bool = False
+    """`grads` and `grad_stash` are autograd's own gradients, handed to the optimizer as they are (:func:`hands_over_grads`):
+    the grads pool holds none of them."""
 
     @property
     def total(self) -> int:
@@ -369,7 +382,8 @@ class HostMemoryPlan:
 
     def describe(self) -> str:
         """Every part, finer than :meth:`parts`, for the run header."""
-        rows = [("params", self.params), ("grads", self.grads), ("optimizer records", self.records),
+        grads = "grads (autograd's, not copied)" if self.grads_handed else "grads"
+        rows = [("params", self.params), (grads, self.grads), ("optimizer records", self.records),
                 ("optimizer scratch", self.upcast), ("resident records", self.resident)]
         if self.has_stash:
             rows.append(("gradient stash", self.grad_stash))
@@ -496,6 +510,9 @@ def _sized(geometry: PoolGeometry, cfg: EngineConfig, world: int, free: int | No
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
         # the resident and read-ahead rooms stay what they were without it)
         plan = _with_stash(plan, shards, kept, host_device)
+    # autograd's own gradients go to the optimizer where the plan holds every one (nothing else bounds them)
+    if hands_over_grads(cfg, world, host_device) and plan.grads + plan.grad_stash >= sum(shards):
+        plan = replace(plan, grads_handed=True)
     return plan
 
 

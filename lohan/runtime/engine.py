@@ -240,7 +240,8 @@ class Engine:
         self.passes = BlockPasses(cfg, program, self.layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,
                                   self.dp, self.bounds, direct=(not self.device.is_host and cfg.execution.micro_batches == 1
-                                                                and self.store.p16_dtype == self.grad_dtype))
+                                                                and self.store.p16_dtype == self.grad_dtype),
+                                  hand_over=plan.grads_handed)
         # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
         self._next = NextForward(self.device, self.streamer, self.activations)
         # the durability interval (engine.persist_every, lohan.plan.durability): why it cannot exceed 1 here

@@ -85,6 +85,10 @@ class GradStash:
                 self.ram_used += nbytes
                 self._ram[block] = buf
                 return StashedGrad(self, block, buf)
+            if not isinstance(buf, AlignedBuffer):  # autograd's own gradients: planned only where all fit in RAM
+                raise RuntimeError(f"block {block}'s gradient is autograd's own (not a host buffer), and the stash's "
+                                   f"{self.ram_bytes} bytes of RAM are full: the memory plan keeps such gradients "
+                                   "only where every one fits (lohan.plan.pools.hands_over_grads)")
             volume = self._spill_volume()
             self._writes[block] = (volume.write(buf.tensor[:nbytes], self.offsets[block], priority=Priority.WRITE), buf)
             self.spilled_bytes += nbytes
