@@ -53,3 +53,22 @@ def test_a_chunk_across_parameters_updates_as_the_flat_gradient_does():
         out.append((p32, m, v))
     for a, b in zip(*out):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["cpu", "sim or cuda", "micro-batches", "fp16", "a pool of two"])
+def test_the_plan_hands_autograds_gradients_over_only_where_it_counts_every_one_on_the_cpu(case):
+    from lohan.config import EngineConfig, get_model_config
+    from lohan.plan.pools import model_geometry, plan_host_memory
+
+    mcfg = get_model_config("tiny", vocab_size=256, n_layer=2, d_model=64, n_head=4, seq_len=32)
+    kw = dict(compute_dtype="fp16" if case == "fp16" else "fp32", cpu_mem="512MiB", max_grad_norm=0.0,
+              micro_batches=2 if case == "micro-batches" else 1)
+    ecfg = EngineConfig(**kw)
+    geom = model_geometry(mcfg, ecfg.compute_dtype)
+    every = sum(geom.store.blocks[i].numel * 4 for i in range(len(geom.store.blocks)))
+    if case == "a pool of two":  # naive mode, no stash: the grads pool bounds the gradients in flight (two blocks)
+        ecfg = ecfg.with_overrides(mode="naive", clip_mode="speculate")
+    plan = plan_host_memory(geom, ecfg, host_device=case != "sim or cuda", check=False)
+    assert plan.grads_handed == (case == "cpu")
+    if plan.grads_handed:  # the plan still counts them (autograd's now), and says whose they are
+        assert plan.grads + plan.grad_stash >= every and "autograd's" in plan.describe()

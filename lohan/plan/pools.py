@@ -9,7 +9,10 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
 - grads: the host gradient buffers (``grad_dtype``): one block filling while the one before is queued for the
   optimizer (serial mode: every block's until backward ends; optimized mode: every block's too where what cpu_mem
   leaves after the other pools holds them, so backward does not wait for an optimizer that fell behind, else
-  ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
+  ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. Where
+  the CPU computes with one micro-batch and one process, and the plan counts every gradient, the optimizer takes
+  autograd's own gradients and the pool holds none (:func:`hands_over_grads`, ``grads_handed``: the same bytes,
+  alive only from their block's backward to their update, or the step's end where kept). The borrowed gradients of tied weights are autograd's, on the device, never in this pool
   (``planner.gpu_need``'s "borrowed gradients"; a CPU device's: :func:`device_grad_bytes`);
 - optimizer: the record pool (``record_pool_bytes``: ``max_inflight_blocks`` records, or chunks, in flight, the
   records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into

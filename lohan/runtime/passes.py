@@ -206,7 +206,8 @@ class BlockPasses:
         (a flat accumulator, copied to the host buffer in one piece; or, with one micro-batch in the gradient's
         own dtype, autograd's gradients themselves, copied parameter by parameter), on the copy stream, and
         goes to the optimizer once the copy has completed (data parallel: once summed over the ranks), beside
-        the next blocks' backward. The CPU device sums straight into the host buffer."""
+        the next blocks' backward. The CPU device sums straight into the host buffer, or, where it hands autograd's
+        gradients over as they are (`hand_over`), keeps none (`_hand_over_own`)."""
         i, slot = run.visits[p], run.plan.read_slot
         params = self.visit(run.visits, p, slot)
         if self.hand_over:
