@@ -441,3 +441,24 @@ def test_gradients_summed_over_micro_batches_are_copied_into_the_grads_pool(make
         engine.step(next(batches(1)))
         assert engine.passes.grad_copy_bytes == 4 * engine.layout.param_count
         assert 0 < engine.grads_pool.stats()["peak_allocated"] <= engine.run_plan.pools()["grads"]
+
+
+def test_a_deferred_update_gives_each_gradient_back_once_its_block_is_updated(make_dirs, monkeypatch):
+    """The stash keeps a deferred step's gradients (autograd's own on the CPU) until their update, not to the step's
+    end: held that long they shared the heap with the next forward's activations (a redo's are kept: speculated)."""
+    from lohan.store.gradstash import GradStash
+
+    left: list[int] = []
+    real = GradStash.clear
+
+    def clear(self):
+        left.append(self.ram_used)
+        real(self)
+
+    monkeypatch.setattr(GradStash, "clear", clear)
+    data = list(batches(3))
+    with lohan.init(tiny_cfg(), config(make_dirs(1), clip_mode="defer")) as engine:
+        for k, batch in enumerate(data):
+            engine.step(batch, next_batch=data[k + 1] if k + 1 < len(data) else None)
+            assert engine.last_stats.deferred
+    assert left and set(left) == {0}

@@ -443,6 +443,8 @@ class UpdatePass:
             self.ago.stash.put(block, grad)
         else:
             grad.release()  # a stashed gradient gives back only what reading it back took
+            if isinstance(grad, StashedGrad) and self.ago.stash is not None and not self.keep:
+                self.ago.stash.forget(grad.block)  # updated, and no redo reads it: its memory goes back now
 
     def drain(self) -> None:
         """Give back the gradient buffers still queued, or taken out of order and not yet used."""

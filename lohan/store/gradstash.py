@@ -100,6 +100,17 @@ class GradStash:
             self._settle_write(b)
         return StashedGrad(self, block, None)
 
+    def forget(self, block: int) -> None:
+        """Give back block `block`'s gradient kept in RAM now, before `clear` (its update is made and no redo will
+        read it): autograd's own gradients are not a pool's buffers, and held to the step's end they shared the
+        heap with the next forward's activations (a spilled one stays on the spill volume until `clear`)."""
+        with self._lock:
+            buf = self._ram.pop(block, None)
+            if buf is not None:
+                self.ram_used -= self.block_bytes[block]
+        if buf is not None:
+            buf.release()
+
     def _settle_write(self, block: int) -> None:
         with self._lock:
             handle, buf = self._writes[block]
