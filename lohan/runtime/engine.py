@@ -451,22 +451,26 @@ class Engine:
         run = self._begin(batch, next_batch)
         replay = None
         try:
-            # a stop halfway through an update in place of RAM-only states would lose them
+            # a stop halfway through an update in place of RAM-only states would lose them; so would one while such
+            # a step is rolled back for its replay (its pass may still run: a signal then stopped the rollback)
             with finish_before_interrupts(run.plan.in_place or run.plan.known is not None) as held_signals:
-                loss = self._train(run)
-                # measured before the commit too, to be committed with it (`committed_stats`): the time of the
-                # commit itself is in `last_stats` only
-                self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
-                self._held.after_commit(self.store.volatile, batch, next_batch, _outcome(run.settlement))
-                self.last_stats = measure(self, run, loss, overlapped=self._next.held)
-                self.clip_schedule.observe(self.last_stats)
-                self._refine_cpu_rate(self.last_stats)
-                self._observe_persist(self.last_stats)
-                self.activations.refine_persist(self.persist_every)
-        except _InPlaceLost as lost:
-            replay = (self._held.take(), lost.coef, held_signals)
-            self._abort(run)
-            self._drop_volatile()  # (whatever the rollback found updated: the replay starts at the durable commit)
+                try:
+                    loss = self._train(run)
+                    # measured before the commit too, to be committed with it (`committed_stats`): the time of the
+                    # commit itself is in `last_stats` only
+                    self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
+                    self._held.after_commit(self.store.volatile, batch, next_batch, _outcome(run.settlement))
+                    self.last_stats = measure(self, run, loss, overlapped=self._next.held)
+                    self.clip_schedule.observe(self.last_stats)
+                    self._refine_cpu_rate(self.last_stats)
+                    self._observe_persist(self.last_stats)
+                    self.activations.refine_persist(self.persist_every)
+                except _InPlaceLost as lost:
+                    held = self._held.take()
+                    self._abort(run)
+                    self._drop_volatile()  # (whatever the rollback found updated: the replay starts at the durable commit)
+                    replay = (held, lost.coef, list(held_signals))
+                    held_signals.clear()  # (delivered once the replay is over: `_replay`)
         except BaseException:
             self._abort(run)
             raise

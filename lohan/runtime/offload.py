@@ -443,8 +443,11 @@ class UpdatePass:
             self.ago.stash.put(block, grad)
         else:
             grad.release()  # a stashed gradient gives back only what reading it back took
-            if isinstance(grad, StashedGrad) and self.ago.stash is not None and not self.keep:
-                self.ago.stash.forget(grad.block)  # updated, and no redo reads it: its memory goes back now
+            # autograd's own gradient (the CPU's hand-over), updated, and no redo reads it: its memory goes back now
+            # (a pool's buffer stays with the stash until the step's end, as the grads pool's plan has it)
+            if (isinstance(grad, StashedGrad) and not self.keep and not grad.spilled
+                    and isinstance(grad.tensor, ParamGrads)):
+                self.ago.stash.forget(grad.block)
 
     def drain(self) -> None:
         """Give back the gradient buffers still queued, or taken out of order and not yet used."""

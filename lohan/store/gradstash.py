@@ -103,7 +103,8 @@ class GradStash:
     def forget(self, block: int) -> None:
         """Give back block `block`'s gradient kept in RAM now, before `clear` (its update is made and no redo will
         read it): autograd's own gradients are not a pool's buffers, and held to the step's end they shared the
-        heap with the next forward's activations (a spilled one stays on the spill volume until `clear`)."""
+        heap with the next forward's activations (a spilled one stays on the spill volume until `clear`). Returns a
+        pool's buffer to its pool."""
         with self._lock:
             buf = self._ram.pop(block, None)
             if buf is not None:
