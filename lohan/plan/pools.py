@@ -9,7 +9,10 @@ The engine keeps its host memory in hard-budgeted buffer pools (`io_engine.Buffe
 - grads: the host gradient buffers (``grad_dtype``): one block filling while the one before is queued for the
   optimizer (serial mode: every block's until backward ends; optimized mode: every block's too where what cpu_mem
   leaves after the other pools holds them, so backward does not wait for an optimizer that fell behind, else
-  ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. The borrowed gradients of tied weights are autograd's, on the device, never in this pool
+  ``grads_short`` says what it lacks); data parallel: the whole block being reduced and the rank's shards. Where
+  the CPU computes with one micro-batch and one process, and the plan counts every gradient, the optimizer takes
+  autograd's own gradients and the pool holds none (:func:`hands_over_grads`, ``grads_handed``: the same bytes,
+  alive only from their block's backward to their update, or the step's end where kept). The borrowed gradients of tied weights are autograd's, on the device, never in this pool
   (``planner.gpu_need``'s "borrowed gradients"; a CPU device's: :func:`device_grad_bytes`);
 - optimizer: the record pool (``record_pool_bytes``: ``max_inflight_blocks`` records, or chunks, in flight, the
   records bigger than those kept) and the fp32 scratch bf16 gradients are upcast and clipped ones scaled into
@@ -63,7 +66,7 @@ from lohan.plan.records import P16_ITEMSIZE, chunk_record_bytes
 
 __all__ = [
     "OS_RESERVE", "UPCAST_ELEMS", "FORMAT_ELEMS", "OPT_CHUNK_BYTES", "MemoryPlanError", "PoolGeometry", "HostMemoryPlan",
-    "ram_budget", "zero_copy_blocks", "grad_dtype", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
+    "ram_budget", "zero_copy_blocks", "grad_dtype", "hands_over_grads", "grad_itemsize", "keeps_all_grads", "may_defer_unclipped", "kept_p16_fraction", "reads_ahead", "optimizer_chunk_elems", "chunk_elem_bytes", "upcast_bytes",
     "record_pool_bytes", "plan_resident", "resident_every", "resident_extra", "readahead_every", "model_geometry",
     "plan_host_memory", "pool_config", "chunk_record_bytes", "device_grad_bytes", "memory_refusal",
 ]
@@ -91,6 +94,16 @@ def grad_dtype(compute_dtype: str, micro_batches: int = 1, world: int = 1) -> st
     optimizer upcasts them exactly, chunk by chunk). Accumulation over micro-batches or ranks, fp32 compute and
     fp16 (whose gradients are unscaled from the loss scale on the host) use fp32."""
     return "bf16" if compute_dtype == "bf16" and micro_batches * world == 1 else "fp32"
+
+
+def hands_over_grads(cfg: EngineConfig, world: int, host_device: bool) -> bool:
+    """Whether backward may hand autograd's own gradients to the optimizer, with no host gradient buffer and no
+    copy into one: the CPU computes (its gradients are in main memory already), one process (data parallel sums
+    them into a buffer and keeps the rank's shard of it), one micro-batch (nothing to sum) and gradients in the
+    buffers' dtype (fp16's are unscaled into fp32 ones). The plan does so only where it counts every block's
+    gradient in RAM (`HostMemoryPlan.grads_handed`): nothing then bounds them but the plan."""
+    c = cfg.execution.compute_dtype
+    return host_device and world == 1 and cfg.execution.micro_batches == 1 and grad_dtype(c) == c
 
 
 def grad_itemsize(compute_dtype: str, micro_batches: int = 1, world: int = 1) -> int:
@@ -171,6 +184,9 @@ class HostMemoryPlan:
     grads_short: int = 0
     """What the grads pool lacks to hold every block's gradient, as serial mode's does (optimized and naive modes,
     where cpu_mem leaves too little: backward may then wait for the optimizer to give a buffer back)."""
+    grads_handed: bool = False
+    """`grads` and `grad_stash` are autograd's own gradients, handed to the optimizer as they are (:func:`hands_over_grads`):
+    the grads pool holds none of them."""
 
     @property
     def total(self) -> int:
@@ -190,7 +206,8 @@ class HostMemoryPlan:
 
     def describe(self) -> str:
         """Every part, finer than :meth:`parts`, for the run header."""
-        rows = [("params", self.params), ("grads", self.grads), ("optimizer records", self.records),
+        grads = "grads (autograd's, not copied)" if self.grads_handed else "grads"
+        rows = [("params", self.params), (grads, self.grads), ("optimizer records", self.records),
                 ("optimizer scratch", self.upcast), ("resident records", self.resident)]
         if self.has_stash:
             rows.append(("gradient stash", self.grad_stash))
@@ -317,6 +334,9 @@ def _sized(geometry: PoolGeometry, cfg: EngineConfig, world: int, free: int | No
         # gradient fits (spilling them to the SSDs for a schedule that pays where the CPU binds is a poor bet; and
         # the resident and read-ahead rooms stay what they were without it)
         plan = _with_stash(plan, shards, kept, host_device)
+    # autograd's own gradients go to the optimizer where the plan holds every one (nothing else bounds them)
+    if hands_over_grads(cfg, world, host_device) and plan.grads + plan.grad_stash >= sum(shards):
+        plan = replace(plan, grads_handed=True)
     return plan
 
 

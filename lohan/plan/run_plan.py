@@ -94,7 +94,8 @@ class RunPlan:
         upcast scratch, `host.upcast`, is the offloader's own allocation, not a pool.)"""
         h = self.host
         # (a pool's budget is a page at least: where the CPU computes on every record in place, one never used)
-        return {"params": max(h.params, ALIGN), "grads": h.grads + h.grad_stash,
+        # (the grads pool holds nothing where the optimizer takes autograd's own gradients: `host.grads_handed`)
+        return {"params": max(h.params, ALIGN), "grads": ALIGN if h.grads_handed else h.grads + h.grad_stash,
                 "records": h.records + h.resident + h.readahead}
 
     def check(self) -> None:

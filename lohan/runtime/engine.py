@@ -237,7 +237,8 @@ class Engine:
         self.passes = BlockPasses(cfg, program, self.layout, self.device, self.compute_dtype, self.streamer,
                                   self.activations, self.offloader, self.grads_pool, self.grad_dtype, self.stash,
                                   self.dp, self.bounds, direct=(not self.device.is_host and cfg.execution.micro_batches == 1
-                                                                and self.store.p16_dtype == self.grad_dtype))
+                                                                and self.store.p16_dtype == self.grad_dtype),
+                                  hand_over=plan.grads_handed)
         # the next step's forward, run while this step's optimizer pass finished (`step(next_batch=...)`)
         self._next = NextForward(self.device, self.streamer, self.activations)
         # the durability interval (engine.persist_every, lohan.plan.durability): why it cannot exceed 1 here
@@ -447,22 +448,26 @@ class Engine:
         run = self._begin(batch, next_batch)
         replay = None
         try:
-            # a stop halfway through an update in place of RAM-only states would lose them
+            # a stop halfway through an update in place of RAM-only states would lose them; so would one while such
+            # a step is rolled back for its replay (its pass may still run: a signal then stopped the rollback)
             with finish_before_interrupts(run.plan.in_place or run.plan.known is not None) as held_signals:
-                loss = self._train(run)
-                # measured before the commit too, to be committed with it (`committed_stats`): the time of the
-                # commit itself is in `last_stats` only
-                self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
-                self._held.after_commit(self.store.volatile, batch, next_batch, _outcome(run.settlement))
-                self.last_stats = measure(self, run, loss, overlapped=self._next.held)
-                self.clip_schedule.observe(self.last_stats)
-                self._refine_cpu_rate(self.last_stats)
-                self._observe_persist(self.last_stats)
-                self.activations.refine_persist(self.persist_every)
-        except _InPlaceLost as lost:
-            replay = (self._held.take(), lost.coef, held_signals)
-            self._abort(run)
-            self._drop_volatile()  # (whatever the rollback found updated: the replay starts at the durable commit)
+                try:
+                    loss = self._train(run)
+                    # measured before the commit too, to be committed with it (`committed_stats`): the time of the
+                    # commit itself is in `last_stats` only
+                    self._conclude(run, loss, commit_note(measure(self, run, loss, overlapped=self._next.held)))
+                    self._held.after_commit(self.store.volatile, batch, next_batch, _outcome(run.settlement))
+                    self.last_stats = measure(self, run, loss, overlapped=self._next.held)
+                    self.clip_schedule.observe(self.last_stats)
+                    self._refine_cpu_rate(self.last_stats)
+                    self._observe_persist(self.last_stats)
+                    self.activations.refine_persist(self.persist_every)
+                except _InPlaceLost as lost:
+                    held = self._held.take()
+                    self._abort(run)
+                    self._drop_volatile()  # (whatever the rollback found updated: the replay starts at the durable commit)
+                    replay = (held, lost.coef, list(held_signals))
+                    held_signals.clear()  # (delivered once the replay is over: `_replay`)
         except BaseException:
             self._abort(run)
             raise

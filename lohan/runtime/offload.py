@@ -88,6 +88,7 @@ from lohan.plan.records import chunk_refusal
 from lohan.runtime.format_adamw import adamw_unit_
 from lohan.runtime.hasher import Hashed, Hasher
 from lohan.runtime.optim import AdamWHyper, adamw_block_, adamw_chunk_, adamw_upcast_
+from lohan.runtime.param_grads import ParamGrads
 from lohan.runtime.record_buffers import (
     BufState,
     Handles,
@@ -105,6 +106,10 @@ from lohan.store.integrity import Sums, tensor_hash
 from lohan.store.states import StateStore, StoreLayout, UnitViews, unit_sums
 
 _ABORT = -1  # queue marker: the compute side failed, stop the step
+
+Grad = AlignedBuffer | ParamGrads | StashedGrad
+"""A block's gradient handed to the pipeline: a host buffer, autograd's own per-parameter tensors (a CPU compute
+device, `lohan.plan.pools.hands_over_grads`), or its place in the stash; each has `tensor` and `release`."""
 
 Provide = Callable[[int, int, int, torch.Tensor, bool], None]
 """provide(block, lo, hi, p16, resident): the new P16 of elements lo..hi of a block, handed over right after its
@@ -190,7 +195,7 @@ class UpdatePass:
         self.units = [u for i in order for u in owner.units(i)]
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (block, gradient) from the compute thread
         self.backward_done = threading.Event()
-        self.arrived: dict[int, AlignedBuffer | StashedGrad] = {}  # gradients that came before their turn
+        self.arrived: dict[int, Grad] = {}  # gradients that came before their turn
         # per block, per unit's first element: the WRITE and the hash of its [state, p16] checksums (`_issue_write`)
         self.sums: dict[int, dict[int, Hashed]] = {}
         self.reads: dict[Unit, RecordBuffer] = {}
@@ -231,7 +236,7 @@ class UpdatePass:
         prefetch = self.ago.mode in ("optimized", "serial")
         if prefetch:
             self._issue_read(self.units[0])
-        grad: AlignedBuffer | StashedGrad | None = None
+        grad: Grad | None = None
         current = None
         try:
             for k in range(len(self.units)):
@@ -283,7 +288,7 @@ class UpdatePass:
             self._read_ahead(k + 1)
         return rb
 
-    def _update(self, rb: RecordBuffer, grad: AlignedBuffer | StashedGrad) -> bool:
+    def _update(self, rb: RecordBuffer, grad: Grad) -> bool:
         """The update step: AdamW on the unit once the gate is open (False: the step was discarded)."""
         ago = self.ago
         coef = self.gate.wait()  # deferred: until backward has ended and the norm is known
@@ -294,7 +299,11 @@ class UpdatePass:
         rb.to(BufState.UPDATING)
         if rb.resident:  # updated in place: it holds no slot's bytes until its WRITE goes out
             ago.resident_records.forget(rb.unit)
-        g = grad.tensor[:ago.grad_dtype.itemsize * b.numel].view(ago.grad_dtype)[lo:hi]
+        held = grad.tensor
+        if isinstance(held, ParamGrads):  # autograd's own per-parameter gradients (host device: no copy made)
+            g = held[lo:hi]
+        else:
+            g = held[:ago.grad_dtype.itemsize * b.numel].view(ago.grad_dtype)[lo:hi]
         views = unit_views(rb.buf.tensor, b, lo, hi, ago.store.p16_dtype)
         p32, m, v, p16 = views.master, views.m, views.v, views.p16
         params = ago.params[i]
@@ -409,10 +418,10 @@ class UpdatePass:
             raise first
 
     # ----------------------------------------------------------------- gradients
-    def submit(self, block: int, grad: AlignedBuffer | StashedGrad | None) -> None:
+    def submit(self, block: int, grad: Grad | None) -> None:
         self.queue.put((block, grad))
 
-    def _take_grad(self, i: int) -> AlignedBuffer | StashedGrad | None:
+    def _take_grad(self, i: int) -> Grad | None:
         """Block i's gradient, from what arrived early or from the queue (None: the step was aborted)."""
         t0 = time.perf_counter()
         try:
@@ -427,13 +436,18 @@ class UpdatePass:
         finally:
             self.ago.grad_wait_s += time.perf_counter() - t0
 
-    def _done_with(self, block: int | None, grad: AlignedBuffer | StashedGrad) -> None:
+    def _done_with(self, block: int | None, grad: Grad) -> None:
         if self.keep and block is not None and not isinstance(grad, StashedGrad):
             if self.ago.stash is None:
                 raise RuntimeError("keeping gradients needs a gradient stash")
             self.ago.stash.put(block, grad)
         else:
             grad.release()  # a stashed gradient gives back only what reading it back took
+            # autograd's own gradient (the CPU's hand-over), updated, and no redo reads it: its memory goes back now
+            # (a pool's buffer stays with the stash until the step's end, as the grads pool's plan has it)
+            if (isinstance(grad, StashedGrad) and not self.keep and not grad.spilled
+                    and isinstance(grad.tensor, ParamGrads)):
+                self.ago.stash.forget(grad.block)
 
     def drain(self) -> None:
         """Give back the gradient buffers still queued, or taken out of order and not yet used."""
@@ -735,7 +749,7 @@ class GradOffloader:
                                 provide, lazy, persist)
         self._thread = self._executor.submit(self._run_guarded, self._pass, before)
 
-    def submit(self, block: int, grad: AlignedBuffer | StashedGrad) -> None:
+    def submit(self, block: int, grad: Grad) -> None:
         """Hand over block `block`'s complete gradient (the pipeline releases the buffer), or its place in
         the stash (a deferred update: the gradient may be on the SSDs until its update runs)."""
         if self._pass is None:
@@ -920,7 +934,7 @@ class GradOffloader:
             p.error = e
             p.drain()  # the compute thread may keep handing buffers over until it sees the error
 
-    def _fp32(self, g: torch.Tensor, coef: torch.Tensor | None = None) -> torch.Tensor:
+    def _fp32(self, g: torch.Tensor | ParamGrads, coef: torch.Tensor | None = None) -> torch.Tensor:
         """`g` as fp32: a bf16 gradient is upcast into one scratch kept for the engine's life (its size,
         `upcast_bytes`, is in the memory plan).
 
@@ -937,7 +951,10 @@ class GradOffloader:
             self._upcast = torch.empty(upcast_bytes(self.store.layout, self.chunk_elems, torch.bfloat16) // 4,
                                        dtype=torch.float32)
         out = self._upcast[:g.numel()]
-        out.copy_(g)
+        if isinstance(g, ParamGrads):  # a run of several parameters' own gradients: gathered one by one
+            g.copy_into(out)
+        else:
+            out.copy_(g)
         if scale:  # as clip_grad_norm_ scales: fp32 gradient times the fp32 0-d coefficient
             out.mul_(coef)
         return out

@@ -163,8 +163,9 @@ def adamw_chunk_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torc
                  step: int, hp: AdamWHyper, params: Sequence[ParamRange] | None = None, lo: int = 0) -> None:
     """AdamW on the flat slice [lo, lo + len) of a block, then P16 = P32. The update is elementwise, so the
     slice is cut only where the decay differs: into the pieces of the parameters it overlaps (`params`, the
-    block's; None: one decayed vector)."""
-    if params is None or all(p.decay for p in params):
+    block's; None: one decayed vector). `grad` may be autograd's per-parameter gradients (`param_grads.ParamGrads`):
+    then it is cut at every parameter's bounds."""
+    if isinstance(grad, torch.Tensor) and (params is None or all(p.decay for p in params)):
         _adamw([p32], [grad], [m], [v], [True], step, hp)
     else:
         hi = lo + p32.numel()

@@ -29,6 +29,7 @@ from lohan.runtime.activations import ActivationManager
 from lohan.runtime.device import Device, Timer
 from lohan.runtime.offload import GradOffloader
 from lohan.runtime.parallel import Group
+from lohan.runtime.param_grads import ParamGrads
 from lohan.runtime.params import ParamStreamer
 from lohan.store.gradstash import GradStash
 from lohan.store.states import StoreLayout, block_views
@@ -64,7 +65,7 @@ class BlockPasses:
                  compute_dtype: torch.dtype, streamer: ParamStreamer, activations: ActivationManager,
                  offloader: GradOffloader, grads_pool: BufferPool, grad_dtype: torch.dtype,
                  stash: GradStash | None, dp: Group, bounds: list[tuple[int, ...] | None],
-                 direct: bool) -> None:
+                 direct: bool, hand_over: bool = False) -> None:
         self.cfg, self.program, self.layout, self.device = cfg, program, layout, device
         self.compute_dtype = compute_dtype
         self.streamer, self.activations, self.offloader = streamer, activations, offloader
@@ -73,6 +74,10 @@ class BlockPasses:
         # a separate device, one micro-batch, gradients in their own dtype: nothing to sum, so no accumulator;
         # autograd's gradients go to the host as they are (GPU memory: gpu_need's "gradient accumulators")
         self.direct = direct
+        # the CPU computes: autograd's gradients go to the optimizer as they are, no host buffer and no copy into
+        # one (`lohan.plan.pools.hands_over_grads`; the plan counts them where it counted the grads pool's buffers)
+        self.hand_over = hand_over
+        self.grad_copy_bytes = 0  # bytes of gradient copied into host gradient buffers (this engine's life)
         n = len(program.modules)
         self.owners = sorted({owner for i in range(n) for owner, _ in program.external_params(i)})
         self.gpu_plan: dict[str, int] | None = None  # the GPU memory plan checked at the first step
@@ -198,9 +203,13 @@ class BlockPasses:
         (a flat accumulator, copied to the host buffer in one piece; or, with one micro-batch in the gradient's
         own dtype, autograd's gradients themselves, copied parameter by parameter), on the copy stream, and
         goes to the optimizer once the copy has completed (data parallel: once summed over the ranks), beside
-        the next blocks' backward. The CPU device sums straight into the host buffer."""
+        the next blocks' backward. The CPU device sums straight into the host buffer, or, where it hands autograd's
+        gradients over as they are (`hand_over`), keeps none (`_hand_over_own`)."""
         i, slot = run.visits[p], run.plan.read_slot
         params = self.visit(run.visits, p, slot)
+        if self.hand_over:
+            self._hand_over_own(run, p, acts, tgt_mb, grad_out, borrowed, norms, params)
+            return
         layout = self.layout.blocks[i]
         gsize = self.grad_dtype.itemsize
         gbuf = self.grads_pool.acquire(gsize * layout.numel)
@@ -221,6 +230,7 @@ class BlockPasses:
         except BaseException:
             gbuf.release()
             raise
+        self.grad_copy_bytes += gsize * layout.numel
         # data parallel: the sum over the ranks runs on the host buffer, beside the next blocks' backward
         pending.append(Pending(i, gbuf, block_views(host, layout), self.dp.reduce_gradient(host, event)))
         # released before its gradient goes to the optimizer: an update during backward hands the block's new
@@ -229,6 +239,25 @@ class BlockPasses:
         # hand over every gradient whose copy (or sum) is complete, and never keep more than one waiting
         while pending and (len(pending) > 1 or pending[0].work.query()):
             self._hand_over(run, pending.pop(0), norms)
+        crashpoint("engine.backward")
+
+    def _hand_over_own(self, run: StepRun, p: int, acts: Acts, tgt_mb: tuple[Tensor, ...],
+                       grad_out: list[Tensor | None], borrowed: dict[tuple[int, int, int], Tensor],
+                       norms: list[list[Tensor]], params: list[torch.nn.Parameter]) -> None:
+        """`_backward_block` where the CPU computes and hands autograd's gradients over as they are (`hand_over`):
+        the block's gradient goes to the optimizer at once, with no host buffer between (one micro-batch, one
+        process)."""
+        i, slot = run.visits[p], run.plan.read_slot
+        self.activations.prefetch(i - 1)
+        with run.bwd_timer:
+            grads = self._accumulate(run, i, params, None, acts, tgt_mb, grad_out, borrowed)
+        self.activations.stage(i - 1)
+        self._unscale_and_norm(run, i, grads, norms)
+        own, copied = ParamGrads.of(grads, [q.offset for q in self.layout.blocks[i].params], self.grad_dtype)
+        del grads
+        self.grad_copy_bytes += copied
+        self.leave(run.visits, p, slot)  # (before the hand-over, as `_backward_block`'s: its P16 buffer is free)
+        self.offloader.submit(i, self.stash.put(i, own) if run.plan.deferred and self.stash else own)
         crashpoint("engine.backward")
 
     def _accumulate(self, run: StepRun, i: int, params: list[torch.nn.Parameter], acc: list[Tensor] | None,

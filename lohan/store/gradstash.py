@@ -85,6 +85,10 @@ class GradStash:
                 self.ram_used += nbytes
                 self._ram[block] = buf
                 return StashedGrad(self, block, buf)
+            if not isinstance(buf, AlignedBuffer):  # autograd's own gradients: planned only where all fit in RAM
+                raise RuntimeError(f"block {block}'s gradient is autograd's own (not a host buffer), and the stash's "
+                                   f"{self.ram_bytes} bytes of RAM are full: the memory plan keeps such gradients "
+                                   "only where every one fits (lohan.plan.pools.hands_over_grads)")
             volume = self._spill_volume()
             self._writes[block] = (volume.write(buf.tensor[:nbytes], self.offsets[block], priority=Priority.WRITE), buf)
             self.spilled_bytes += nbytes
@@ -95,6 +99,18 @@ class GradStash:
         for b in older:
             self._settle_write(b)
         return StashedGrad(self, block, None)
+
+    def forget(self, block: int) -> None:
+        """Give back block `block`'s gradient kept in RAM now, before `clear` (its update is made and no redo will
+        read it): autograd's own gradients are not a pool's buffers, and held to the step's end they shared the
+        heap with the next forward's activations (a spilled one stays on the spill volume until `clear`). Returns a
+        pool's buffer to its pool."""
+        with self._lock:
+            buf = self._ram.pop(block, None)
+            if buf is not None:
+                self.ram_used -= self.block_bytes[block]
+        if buf is not None:
+            buf.release()
 
     def _settle_write(self, block: int) -> None:
         with self._lock:

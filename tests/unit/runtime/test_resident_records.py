@@ -407,3 +407,58 @@ def test_the_optimizer_hands_a_resident_records_p16_over_without_copying_it(make
     assert any(overlapped) or kw.get("clip_mode") == "speculate"  # (a forward followed a pass)
     assert losses == ref_losses
     same_weights(params, ref_params)
+
+
+@pytest.mark.parametrize("kw", [dict(tied=True), dict(clip_mode="defer"), dict(max_grad_norm=0.0)])
+def test_the_host_device_hands_autograds_gradients_to_the_optimizer_without_a_copy(make_dirs, kw):
+    """On the CPU, one micro-batch: each block's gradients go to the optimizer as autograd made them (no copy into a
+    host gradient buffer, and no buffer: the grads pool allocates nothing, as the plan says), clipped (speculated and
+    redone, or deferred: the stash keeps them) or not, and the run stays bit-exact."""
+    kw = dict(kw)
+    mcfg = tiny_cfg(tie_embeddings=kw.pop("tied", False))
+    ecfg = config(make_dirs(1), max_inflight_blocks=8, **kw)
+    data = list(batches(STEPS))
+    ref_losses, _, ref_params = reference(mcfg, ecfg, data)
+    losses = []
+    with lohan.init(mcfg, ecfg) as engine:
+        host = engine.run_plan.host
+        assert host.grads_handed and engine.run_plan.pools()["grads"] < host.grads + host.grad_stash
+        for k, batch in enumerate(data):
+            losses.append(engine.step(batch, next_batch=data[k + 1] if k + 1 < len(data) else None))
+        assert engine.passes.grad_copy_bytes == 0
+        assert engine.grads_pool.stats()["peak_allocated"] == 0
+        assert engine.grads_pool.budget_bytes == engine.run_plan.pools()["grads"]
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    same_weights(params, ref_params)
+
+
+def test_gradients_summed_over_micro_batches_are_copied_into_the_grads_pool(make_dirs):
+    """Two micro-batches are summed into a host buffer: the copy is counted, and the plan keeps the grads pool."""
+    mcfg = tiny_cfg()
+    with lohan.init(mcfg, config(make_dirs(1), micro_batches=2)) as engine:
+        assert not engine.run_plan.host.grads_handed
+        engine.step(next(batches(1)))
+        assert engine.passes.grad_copy_bytes == 4 * engine.layout.param_count
+        assert 0 < engine.grads_pool.stats()["peak_allocated"] <= engine.run_plan.pools()["grads"]
+
+
+def test_a_deferred_update_gives_each_gradient_back_once_its_block_is_updated(make_dirs, monkeypatch):
+    """The stash keeps a deferred step's gradients (autograd's own on the CPU) until their update, not to the step's
+    end: held that long they shared the heap with the next forward's activations (a redo's are kept: speculated)."""
+    from lohan.store.gradstash import GradStash
+
+    left: list[int] = []
+    real = GradStash.clear
+
+    def clear(self):
+        left.append(self.ram_used)
+        real(self)
+
+    monkeypatch.setattr(GradStash, "clear", clear)
+    data = list(batches(3))
+    with lohan.init(tiny_cfg(), config(make_dirs(1), clip_mode="defer")) as engine:
+        for k, batch in enumerate(data):
+            engine.step(batch, next_batch=data[k + 1] if k + 1 < len(data) else None)
+            assert engine.last_stats.deferred
+    assert left and set(left) == {0}

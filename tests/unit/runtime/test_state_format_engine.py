@@ -16,6 +16,7 @@ from lohan.plan.formats import FORMATS
 from lohan.runtime.format_adamw import FormatAdamW
 from lohan.runtime.offload import GradOffloader
 from lohan.runtime.optim import AdamWHyper, ParamRange, decay_mask, lr_factor
+from lohan.runtime.param_grads import ParamGrads
 from lohan.store.states import StateStore
 from tests.unit.runtime.test_clipping import batches, config, same_weights, tiny_cfg
 
@@ -42,7 +43,11 @@ class Recorder:
 
         def submit(ago, block, grad):
             n = ago.store.layout.blocks[block].numel
-            rec.grads[block] = grad.tensor[:ago.grad_dtype.itemsize * n].view(ago.grad_dtype).clone()
+            if isinstance(grad.tensor, ParamGrads):  # autograd's own gradients (the CPU hands them over as they are)
+                rec.grads[block] = torch.empty(n, dtype=ago.grad_dtype)
+                grad.tensor.copy_into(rec.grads[block])
+            else:
+                rec.grads[block] = grad.tensor[:ago.grad_dtype.itemsize * n].view(ago.grad_dtype).clone()
             return real_submit(ago, block, grad)
 
         def begin_step(ago, step, hyper, *args, **kw):

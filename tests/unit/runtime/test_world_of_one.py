@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.unit.runtime.test_clipping import batches, config, tiny_cfg
 
 import lohan
 from lohan.runtime import parallel
 from lohan.runtime.parallel import DataParallel, Group
+from tests.unit.runtime.test_clipping import batches, config, tiny_cfg
 
 REPO = Path(__file__).resolve().parents[3]
 PARALLEL = REPO / "lohan" / "runtime" / "parallel.py"
