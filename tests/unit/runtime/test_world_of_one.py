@@ -88,10 +88,13 @@ for _name in ("rank_config", "device_name", "check_store", "join", "reduce_gradi
     setattr(CountingGroup, _name, _counted)
 
 
-def test_a_single_process_calls_its_group_of_one_and_makes_no_collective(make_dirs, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_single_process_calls_its_group_of_one_and_makes_no_collective(make_dirs, monkeypatch, device):
     """The engine of one process opens, steps, evaluates and reads its weights through the group's methods, as a
     rank does (`DataParallel` overrides them), and none of it reaches torch.distributed: no process group, no
-    collective, no bytes counted, no network in its stats."""
+    collective, no bytes counted, no network in its stats. A block's gradient goes through the group's
+    `reduce_gradient` where it is copied to a host buffer (a separate device); on the CPU the optimizer takes
+    autograd's own gradients (`pools.hands_over_grads`: one process), with no buffer for a group to sum."""
     def collective(*args, **kwargs):
         raise AssertionError("a single process made a torch.distributed call")
     for name in ("init_process_group", "new_group", "all_reduce", "all_gather_into_tensor", "all_gather_object",
@@ -101,7 +104,7 @@ def test_a_single_process_calls_its_group_of_one_and_makes_no_collective(make_di
     monkeypatch.setattr(DataParallel, "detect", staticmethod(lambda: group))
     mcfg, steps = tiny_cfg(), 2
     data = list(batches(steps))
-    with lohan.init(mcfg, config(make_dirs(1), total_steps=steps)) as engine:
+    with lohan.init(mcfg, config(make_dirs(1), total_steps=steps, device=device)) as engine:
         assert engine.dp is group and engine.world == 1 and group.alone
         for batch in data:
             engine.step(batch)
@@ -113,7 +116,8 @@ def test_a_single_process_calls_its_group_of_one_and_makes_no_collective(make_di
     assert all(torch.isfinite(t).all() for t in weights)
     assert not dist.is_initialized()
     assert group.reduced_bytes == group.gathered_bytes == 0
-    assert group.calls == Counter(rank_config=1, device_name=1, check_store=1, join=1, reduce_gradient=steps * n,
+    reduced = 0 if device == "cpu" else steps * n
+    assert group.calls == Counter(rank_config=1, device_name=1, check_store=1, join=1, reduce_gradient=reduced,
                                   sum=steps + 1, commit=steps)
 
 
