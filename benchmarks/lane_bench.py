@@ -9,12 +9,11 @@ the cores AdamW, hashing and the I/O need. The CPU lane's rate (AdamW and the re
 this box first, in serial steps per state format; each regime's modeled GPU and SSD are chosen from the cost model
 (`planner.predict_lanes`) so that its lanes stand as the regime says; then the rate is measured again in serial
 steps on each regime's own box (its paced store, its records resident or streamed: what the two cores also copy
-and hash there), and the regime's GPU and SSD are chosen once more at that rate. Last, the rate is measured on that
-final box in each mode, which prices that mode's cpu lane: on two cores the update shares them with the I/O
-threads' copies, the hash threads and the device's dispatch, and how much of that runs beside it depends on the
-schedule (packed after backward in serial, spread under a long GPU lane or beside an SSD-bound pass in optimized).
-The cost model has no term for that contention; a GPU box's cores are many. The report keeps what one rate per
-regime would predict (``max_lane_prediction_error_one_rate``) and every rate (``cpu_update_params_per_s``):
+and hash there), and the regime's GPU and SSD are chosen once more at that rate, which also prices its lanes.
+(A rate measured per mode on that box was tried: on two cores the update shares them with the I/O threads' copies,
+the hash threads and the device's dispatch, and how much of that runs beside it depends on the schedule; but three
+calibration steps of one configuration spread by up to a third between runs, more than the schedules differ, and the
+errors grew.) The regimes:
 
 - ``disk``: records streamed from one paced directory, the ssd lane 3x the others;
 - ``optimizer``: every record resident in main memory and written every few steps (``persist_every`` auto), a
@@ -31,8 +30,7 @@ JSON keys: ``step_over_slowest_lane_{disk,optimizer,gpu}`` (optimized step / its
 regimes of the optimized step's waits for P16 being read or copied in, forward and backward, over the step; <= 0.05;
 a forward that follows the optimizer's pass waits for its updates instead, reported as ``provision_wait_fraction``),
 ``max_lane_prediction_error`` (max over regimes, modes and the lanes that are >= 10% of the step, of
-|measured - predicted| / measured; <= 0.15; ``max_lane_prediction_error_one_rate``: the same with every mode's
-cpu lane priced at the regime's serial rate, reported); and every regime's raw figures under ``regimes``.
+|measured - predicted| / measured; <= 0.15); and every regime's raw figures under ``regimes``.
 
 Without the timing model (a lohan whose EngineConfig has no ``sim_gpu``) the device's compute is the CPU's own
 and the report says so (``timed_device: false``): its numbers are then not a GPU box's.
@@ -165,17 +163,16 @@ def timed_device() -> bool:
     return hasattr(EngineConfig, "sim_gpu")  # (a field, or since the config has sections its alias)
 
 
-def hardware(regime: Regime, cpu_rates: dict[str, float], n_dirs: int, mode: str | None = None) -> Any:
+def hardware(regime: Regime, cpu_rates: dict[str, float], n_dirs: int) -> Any:
     """The cost model's description of a regime's emulated box. The planner prices a format's update as
-    ``update_cost`` times exact's; the CPU lane's rate measured in the regime's own format (on its own box in
-    `mode` where `cpu_rates` has ``<regime>/<mode>``, else on its own box where it has the regime's name, else on
-    the unpaced calibration store) is given back as the exact rate it implies, so the lane is priced at what was
-    measured."""
+    ``update_cost`` times exact's; the CPU lane's rate measured in the regime's own format (on its own box where
+    `cpu_rates` has the regime's name, else on the unpaced calibration store) is given back as the exact rate it
+    implies, so the lane is priced at what was measured."""
     from lohan.plan.formats import state_format
     from lohan.plan.planner import Hardware
 
     ssd = regime.ssd_gbps * 1e9 * n_dirs
-    measured = cpu_rates.get(f"{regime.name}/{mode}", cpu_rates.get(regime.name, cpu_rates.get(regime.rate_key)))
+    measured = cpu_rates.get(regime.name, cpu_rates.get(regime.rate_key))
     rate = measured * state_format(regime.state_format).update_cost
     return Hardware(f"lane_bench-{regime.name}", thp_g=regime.tflops * 1e12, bw_g=PCIE, bw_s2m=ssd, bw_m2s=ssd,
                     mem_avail=64 * GiB, cpu_adam_params_per_s=rate)
@@ -186,19 +183,19 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
     from lohan.config import parse_bytes
     from lohan.plan.planner import predict_lanes
 
-    return predict_lanes(mcfg, hardware(regime, cpu_rates, len(args.nvme), mode), args.batch_size, args.seq_len, mode,
+    return predict_lanes(mcfg, hardware(regime, cpu_rates, len(args.nvme)), args.batch_size, args.seq_len, mode,
                          compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
                          readahead_mem="auto" if mode == "optimized" else 0, state_format=regime.state_format,
                          persist_every=regime.persist_every)  # (serial runs the regime's interval too)
 
 
 def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1,
-                  regime: Regime | None = None, mode: str | None = None) -> float:
+                  regime: Regime | None = None) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
     median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
     store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
     reads). With ``persist_every`` auto, the steps between durable ones instead (optimized mode), which hash no
-    record: the optimizer regime's steps. `mode` (a regime's): its steps in that mode instead.
+    record: the optimizer regime's steps.
     `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
@@ -209,7 +206,7 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     if regime is not None:
         state_format, persist_every = regime.state_format, regime.persist_every
     in_ram = persist_every != 1
-    mode = mode or ("optimized" if in_ram else "serial")
+    mode = "optimized" if in_ram else "serial"
     cfg = engine_config(args, regime, mode) if regime is not None else EngineConfig(
         nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads", device="sim", mode=mode,
         resident_mem="all", name=STORE_NAME, max_grad_norm=0.0, state_format=state_format,
@@ -333,11 +330,9 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
         names = sorted({k for r in rs for k in r["lanes"]})
         lanes = {k: statistics.median(r["lanes"].get(k, 0.0) for r in rs) for k in names}
         pred = predicted(args, mcfg, regime, cpu_rates, mode)
-        one_rate = predicted(args, mcfg, regime, {k: v for k, v in cpu_rates.items() if "/" not in k}, mode)
         main = {k: lanes[k] for k in MAIN_LANES if k in lanes}
         slowest = max(main, key=main.__getitem__)
-        def error(p: dict[str, float], main: dict[str, float] = main, step: float = step) -> dict[str, float]:
-            return {k: abs(main[k] - p[k]) / main[k] for k in main if main[k] >= MATTERS * step and main[k] > 0}
+        errors = {k: abs(main[k] - pred[k]) / main[k] for k in main if main[k] >= MATTERS * step and main[k] > 0}
         out["modes"][mode] = {
             "steps": len(rs), "step_s": step, "step_s_all": [r["step_s"] for r in rs], "lanes": lanes,
             "predicted_lanes": pred, "predicted_slowest": max(pred, key=pred.__getitem__),
@@ -349,8 +344,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
             # optimizer waits for its updates instead (`provision_wait`: the cpu lane binding, by the schedule)
             "p16_wait_fraction": lanes.get("param_wait", 0.0) / step,
             "provision_wait_fraction": lanes.get("provision_wait", 0.0) / step,
-            "lane_prediction_error": error(pred), "predicted_lanes_one_rate": one_rate,
-            "lane_prediction_error_one_rate": error(one_rate)}
+            "lane_prediction_error": errors}
     m = out["modes"]
     out["optimized_vs_serial"] = m["serial"]["step_s"] / m["optimized"]["step_s"]
     return out
@@ -372,9 +366,6 @@ def headline(regimes: dict[str, dict]) -> dict[str, float | None]:
         "p16_wait_fraction": max((r["modes"]["optimized"]["p16_wait_fraction"] for r in regimes.values()),
                                  default=None),
         "max_lane_prediction_error": max(errors, default=None),
-        "max_lane_prediction_error_one_rate": max(
-            (e for r in regimes.values() for m in r["modes"].values()
-             for e in m.get("lane_prediction_error_one_rate", {}).values()), default=None),
     }
 
 
@@ -391,14 +382,12 @@ def markdown(report: dict) -> str:
              f"Emulated GPU box on {report['environment']['cpu_model']} ({report['environment']['cpu_count']} cores): "
              f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
              f"directory (tmpfs by default); model {report['model']}; the CPU lane's rate (the update and the records' "
-             "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box (serial), "
-             "then on its final box per mode (`<regime>/<mode>`: what prices that mode's cpu lane), M params/s: " + ", ".join(
+             "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box, "
+             "M params/s: " + ", ".join(
                  f"{k} {v / 1e6:.1f}" for k, v in report["cpu_update_params_per_s"].items())
              + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
         lines.append(f"| {k} | {f(report[k])} | {op} {t} | {report['targets_met'][k]} |")
-    lines.append(f"| max_lane_prediction_error_one_rate | {f(report.get('max_lane_prediction_error_one_rate'))} | "
-                 "report (every mode's cpu lane at the regime's serial rate) | |")
     lines += ["", "| regime | mode | step s | slowest | step/slowest | " + " | ".join(
         f"{k} meas/pred" for k in MAIN_LANES) + " | P16 wait | provision wait | deferred | max err |", "|---" * (9 + len(MAIN_LANES)) + "|"]
     for name, r in report["regimes"].items():
@@ -448,8 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     # measured again on each regime's own box, whose lanes are then placed (and priced) at that rate
     cpu_rates.update({r.name: calibrate_cpu(args, mcfg, regime=r) for r in regimes})
     regimes = choose_regimes(args, mcfg, cpu_rates)
-    # and on that final box in each mode, which prices each mode's cpu lane (module docstring)
-    cpu_rates.update({f"{r.name}/{m}": calibrate_cpu(args, mcfg, regime=r, mode=m) for r in regimes for m in MODES})
     rates = ", ".join(f"{fmt} {r / 1e6:.1f}" for fmt, r in cpu_rates.items())
     log(f"{mcfg.name}: {mcfg.param_count() / 1e6:.1f}M params, batch {args.batch_size} x {args.seq_len}; CPU update "
         f"in a serial step (M params/s): {rates} (exact alone {alone / 1e6:.1f}); timed device: {timed_device()}")
