@@ -423,9 +423,10 @@ def _free_port() -> int:
 
 def ensure_model(size: str, scratch: Path, made: list[Path]) -> Path:
     """The HF model of `size` under `scratch`, made by scripts/make_tiny_hf.py if missing (then added to
-    `made`, so the run deletes it at the end)."""
+    `made`, so the run deletes it at the end). A folder with a config but no weights (a clean-up cut short) is made
+    again."""
     path = scratch / "models" / f"llama-{size}"
-    if not (path / "config.json").exists():
+    if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
         made.append(path)
         if path.exists():
             shutil.rmtree(path)
