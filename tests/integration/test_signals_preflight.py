@@ -19,17 +19,19 @@ DATA = Path(__file__).resolve().parents[2] / "data" / "sft_example.jsonl"  # a r
 
 # finetune.py with the slow parts made slower and announced on stdout, so the test signals at a known moment
 SLOW = textwrap.dedent("""
-    import sys, time
+    import faulthandler, sys, time
     import lohan.runtime.engine as engine
     from lohan.app.cli import main
 
     def announce(what, real):
         def slow(*a, **k):
             print(what, flush=True)
-            time.sleep(120)  # a signal ends it
+            for _ in range(1200):  # a signal ends it (short sleeps: one that lands on another thread of the
+                time.sleep(0.1)  # process wakes no sleep of the main thread; its handler runs at the next one)
             return real(*a, **k)
         return slow
 
+    faulthandler.dump_traceback_later(100)  # a run that hangs shows its threads' stacks in the test's failure
     engine.Engine.step = announce("stepping", engine.Engine.step)
     engine.Engine.close = announce("closing", engine.Engine.close)
     sys.exit(main(sys.argv[1:]))

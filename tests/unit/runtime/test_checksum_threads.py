@@ -58,11 +58,21 @@ def test_the_optimizer_worker_and_the_compute_thread_hash_nothing(make_dirs, mon
 def test_a_slow_hash_runs_beside_adamw_not_in_series(make_dirs, monkeypatch):
     """Each record's hash and each AdamW 40 ms longer: in serial mode (every gradient in hand, READs one ahead)
     the worker's AdamW calls follow one another, the hash of what was just updated running beside the next
-    update, instead of N x (AdamW + hash)."""
+    update, instead of N x (AdamW + hash). Checked by the spans' overlap, not by the pass's length (a loaded
+    machine stretches every span): in series, no hash span overlaps an AdamW span."""
     dirs = make_dirs(1)
     trained_store(dirs, steps=1, mode="serial")
-    hashed: list[str] = []
-    spy(monkeypatch, offload, "unit_sums", hashed, delay=0.04)
+    hashes: list[tuple[float, float]] = []
+    real_sums = offload.unit_sums
+
+    def slow_sums(*args):
+        t0 = time.perf_counter()
+        time.sleep(0.04)
+        out = real_sums(*args)
+        hashes.append((t0, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(offload, "unit_sums", slow_sums)
     spans: list[tuple[float, float]] = []
     for name in ("adamw_block_", "adamw_chunk_", "adamw_upcast_", "adamw_unit_"):
         real = getattr(offload, name)
@@ -77,12 +87,12 @@ def test_a_slow_hash_runs_beside_adamw_not_in_series(make_dirs, monkeypatch):
         monkeypatch.setattr(offload, name, slow)
     with lohan.init(small_model(), ecfg(dirs, mode="serial"), resume=True) as engine:
         engine.step(batch(1))
-        assert engine.offloader.hash_s >= 0.04 * len(hashed)
+        assert engine.offloader.hash_s >= 0.04 * len(hashes)
     n = len(spans)
-    assert n == len(hashed) >= 4
-    first, last = min(s[0] for s in spans), max(s[1] for s in spans)
-    # in series: n AdamWs and n - 1 hashes between them, ~(2n - 1) x 40 ms; beside: ~n x 40 ms
-    assert last - first < 0.04 * (n + (n - 1) / 2), (last - first, n)
+    assert n == len(hashes) >= 4
+    beside = [h for h in hashes if any(h[0] < a[1] and a[0] < h[1] for a in spans)]
+    # each record's hash beside the next record's AdamW: all but the last (nothing follows it) can overlap one
+    assert len(beside) >= (n - 1) // 2, (hashes, spans)
 
 
 @pytest.mark.parametrize("device", ["cpu", "sim"])
