@@ -22,6 +22,10 @@ sys.modules["kill_harness"] = kh  # dataclasses look their module up while the c
 _spec.loader.exec_module(kh)
 
 
+SLOW = pytest.mark.slow
+"""What `make test` leaves to `make test-all`: the kills and faults beyond one of each kind (~15-20 s each)."""
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return kh.reference(tmp_path_factory.mktemp("ref"))
@@ -32,14 +36,15 @@ def reference(tmp_path_factory):
     [("store creation", "store.init.block_written:3"), ("backward", "engine.backward:13")],
     # killed twice: just before a commit record's rename, then before the run state's rename
     [("commit rename", "json.rename:lohan.commit.json:3"), ("run-state write", "json.rename:lohan.run.json:2")],
+    # (the rest run in `make test-all`: each kill pair is ~20 s of processes, and the suite must fit CI's time)
     # after the optimizer's writes went out, then between the export's shards and its rename
-    [("optimizer write", "offload.write_issued:20"), ("export", "export.written")],
+    pytest.param([("optimizer write", "offload.write_issued:20"), ("export", "export.written")], marks=SLOW),
     # before the second checkpoint's rename, then as the final export's swap moves the second checkpoint
-    [("checkpoint save", "checkpoint.written:2"), ("export", "export.checkpoint_moved:2")],
+    pytest.param([("checkpoint save", "checkpoint.written:2"), ("export", "export.checkpoint_moved:2")], marks=SLOW),
     # inside the evaluation of step 3 (after its commit, before its record), then inside the final evaluation
-    [("evaluation", "eval.batch:4"), ("evaluation", "eval.batch:9")],
+    pytest.param([("evaluation", "eval.batch:4"), ("evaluation", "eval.batch:9")], marks=SLOW),
     # before the record of step 2 is written (its commit durable), then between two trackers' logs of a step
-    [("metrics write", "metrics.write:2"), ("tracker log", "trackers.logged:5")],
+    pytest.param([("metrics write", "metrics.write:2"), ("tracker log", "trackers.logged:5")], marks=SLOW),
 ], ids=["create+backward", "commit+runstate", "write+export", "checkpoint+swap", "eval+final-eval",
         "metrics+trackers"])
 def test_killed_runs_resume_bit_identically(tmp_path, reference, kills):
@@ -54,6 +59,7 @@ def test_kill_harness_random_sample(tmp_path):
     assert kh.main(["--trials", "8", "--seed", "1", "--out", str(tmp_path / "kill.json")]) == 0
 
 
+@SLOW
 def test_a_killed_run_in_a_compressed_state_format_resumes_bit_identically(tmp_path, monkeypatch):
     """bf16-master: its stochastic rounding is seeded per block and step, so the resumed run draws what the
     uninterrupted one drew; killed after an optimizer write and before a commit record's rename."""
@@ -78,6 +84,7 @@ def test_kills_between_durable_steps_resume_bit_identically(tmp_path, reference,
     assert trial.identical, trial.problems
 
 
+@SLOW
 def test_kills_between_durable_steps_with_a_record_updated_in_chunks_resume_bit_identically(tmp_path, reference,
                                                                                             monkeypatch):
     """The same kills where every block's record is updated in chunks (of 73728 elements: a layer's 309280 in five):
@@ -124,16 +131,18 @@ def _run_with_faults(args: list[str], spec: str) -> tuple[int, str]:
                                   r"\(path=.*lohan\.slab, offset=\d+"),
     # a read of step 1 fails (a dying drive): it loads the records the CPU computes on (the steps after it read
     # nothing, every record of the tiny model being resident)
-    ("vol=lohan:read#3:EIO", r"read failed on device 0 \(.*nvme\): Input/output error \[EIO\] \(path=.*lohan\.slab"),
+    pytest.param("vol=lohan:read#3:EIO", r"read failed on device 0 \(.*nvme\): Input/output error \[EIO\] "
+                 r"\(path=.*lohan\.slab", marks=SLOW),
     # a read of the checkpoint after step 2 fails: step 2 is committed and keeps its metrics line
-    ("vol=lohan:read#30:EIO", r"read failed on device 0 .*\[EIO\].*committed at step 2 is intact"),
+    pytest.param("vol=lohan:read#30:EIO", r"read failed on device 0 .*\[EIO\].*committed at step 2 is intact",
+                 marks=SLOW),
     # the fsync of the second commit fails
     ("vol=lohan:fsync#3:EIO", r"fsync failed on device 0 .*\[EIO\]"),
     # a write of step 3's optimizer pass fails after the step returned (write-behind): its commit never becomes
     # durable, and its record must not be written before it does
-    ("vol=lohan:write#45:ENOSPC", r"\[ENOSPC\].*--resume"),
+    pytest.param("vol=lohan:write#45:ENOSPC", r"\[ENOSPC\].*--resume", marks=SLOW),
     # the disk fills up during store creation (its 4th block)
-    ("vol=lohan:write#4:ENOSPC", r"\[ENOSPC\].*continue with --resume"),
+    pytest.param("vol=lohan:write#4:ENOSPC", r"\[ENOSPC\].*continue with --resume", marks=SLOW),
 ], ids=["enospc-write", "eio-read", "eio-save-read", "eio-fsync", "enospc-write-behind", "enospc-creation"])
 def test_io_faults_end_the_run_cleanly_and_resume_bit_identically(tmp_path, reference, spec, expect):
     ref, _ = reference

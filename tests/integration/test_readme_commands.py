@@ -97,10 +97,12 @@ def test_a_command_that_exits_otherwise_than_its_block_says_is_a_failure(tmp_pat
     assert len(failures) == 1 and "'false'" in failures[0] and "exited 1, the README says 0" in failures[0]
 
 
+@pytest.mark.slow
 def test_the_readmes_commands_run_in_order_in_a_scratch_copy(tmp_path):
     """Every command of every `run` block, as CI runs it (scripts/readme_commands.py: fewer steps), exits as its
-    block says; about 4 minutes on a 2-core box (each training command starts a process and profiles its first
-    step)."""
+    block says; about 5 minutes on a 2-core box (each of ~30 commands starts a process and profiles its first
+    step), a fifth of the whole default suite: `make test-all` runs it, and so does
+    `python scripts/readme_commands.py`."""
     work = tmp_path / "tree"
     work.mkdir()
     log: list[str] = []

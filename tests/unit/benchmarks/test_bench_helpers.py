@@ -375,6 +375,7 @@ def test_ago_cli_summary_leaves_warmup_out_and_keys_judge_the_ordering():
         (1, "a", "y"), (1, "b", "x"), (1, "b", "y"), (1, "a", "x")]
 
 
+@pytest.mark.slow  # two finetune.py processes, ~20 s: `make test-all`
 def test_ago_cli_runs_finetune_on_the_tiny_preset(tmp_path, capsys):
     out, scratch = tmp_path / "res" / "ago_cli.json", tmp_path / "scratch"
     rc = ago_cli.main(["--model", "tiny", "--steps", "3", "--seq-len", "32", "--rounds", "1", "--cases", "clipped",
