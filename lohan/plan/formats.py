@@ -88,18 +88,22 @@ EVAL_LOSS_GAP = {"exact": 0.0, "bf16-moments": 0.0006, "8bit-moments": 0.0006, "
 benchmark to measure it again). What the run header quotes when it suggests a format (`planner.ssd_cost`)."""
 
 
+_Q8 = 1 + 4 / QBLOCK
+_TABLE = {
+    "exact": StateFormat("exact", 4, 4, True),
+    "bf16-moments": StateFormat("bf16-moments", 4, 2, True, update_cost=1.2),
+    "8bit-moments": StateFormat("8bit-moments", 4, _Q8, True, update_cost=12.6),
+    "bf16-master": StateFormat("bf16-master", 2, _Q8, False, update_cost=13.6),
+    # a LoRA run's base weights (`lohan.runtime.lora_engine`): the P16 alone, never updated; not a choice of
+    # `--state-format` (FORMATS), which names the formats of a full fine-tuning's states
+    "frozen": StateFormat("frozen", 0, 0, True, update_cost=0.0),
+}
+
+
 def state_format(name: str) -> StateFormat:
-    """The format called `name` (one of `FORMATS`); ValueError names the choices."""
-    q8 = 1 + 4 / QBLOCK
-    table = {
-        "exact": StateFormat("exact", 4, 4, True),
-        "bf16-moments": StateFormat("bf16-moments", 4, 2, True, update_cost=1.2),
-        "8bit-moments": StateFormat("8bit-moments", 4, q8, True, update_cost=12.6),
-        "bf16-master": StateFormat("bf16-master", 2, q8, False, update_cost=13.6),
-        # a LoRA run's base weights (`lohan.runtime.lora_engine`): the P16 alone, never updated; not a choice of
-        # `--state-format` (FORMATS), which names the formats of a full fine-tuning's states
-        "frozen": StateFormat("frozen", 0, 0, True, update_cost=0.0),
-    }
-    if name not in table:
-        raise ValueError(f"state format {name!r}: choose one of {', '.join(FORMATS)}")
-    return table[name]
+    """The format called `name` (one of `FORMATS`); ValueError names the choices. (A lookup in a table built once:
+    the planner's capacity search asks it ~10^6 times.)"""
+    try:
+        return _TABLE[name]
+    except KeyError:
+        raise ValueError(f"state format {name!r}: choose one of {', '.join(FORMATS)}") from None

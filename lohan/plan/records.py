@@ -24,6 +24,7 @@ is a parameter so the capacity planner can price a model's pools without padding
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import asdict, dataclass
 
 from io_engine.align import ALIGN, align_up
@@ -63,6 +64,7 @@ class Sections:
     total: int
 
 
+@functools.lru_cache(maxsize=4096)  # (pure; the capacity search prices the same few units ~10^5 times)
 def sections(n: int, q: int, fmt: str, p16_itemsize: int, align: int = ALIGN, shared_p16: bool = False) -> Sections:
     """The sections of a unit of `n` elements and `q` quantization blocks in state format `fmt`; `shared_p16`:
     the master is the P16 (no section of its own: `BlockLayout.shared_p16`)."""
@@ -168,13 +170,20 @@ class BlockLayout:
 
     def max_unit_bytes(self, chunk_elems: int, align: int = ALIGN) -> int:
         """Buffer bytes of this block's largest pipeline unit (whole, or chunks of `chunk_elems`)."""
-        return max(self.unit(lo, min(lo + chunk_elems, self.numel), align).total
-                   for lo in range(0, self.numel, chunk_elems))
+        return max(self._unit_totals(chunk_elems, align))
 
     def units_bytes(self, chunk_elems: int, align: int = ALIGN) -> int:
         """Buffer bytes of all of this block's pipeline units at once."""
-        return sum(self.unit(lo, min(lo + chunk_elems, self.numel), align).total
-                   for lo in range(0, self.numel, chunk_elems))
+        return sum(self._unit_totals(chunk_elems, align))
+
+    def _unit_totals(self, chunk_elems: int, align: int) -> list[int]:
+        """Each pipeline unit's buffer bytes, in order. Without quantization blocks every full chunk is laid out
+        alike: one is priced for all (a 175B block holds thousands)."""
+        lows = range(0, self.numel, chunk_elems)
+        if self.quantized or len(lows) < 3:
+            return [self.unit(lo, min(lo + chunk_elems, self.numel), align).total for lo in lows]
+        full, last = self.unit(0, chunk_elems, align).total, self.unit(lows[-1], self.numel, align).total
+        return [full] * (len(lows) - 1) + [last]
 
 
 @dataclass(frozen=True)
