@@ -47,6 +47,17 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _fresh_heap():
+    """Each test starts with glibc's heap settings as a new process has them: an engine's `reuse_heap` is
+    process-wide, and left on it kept every later test's big temporaries in a heap that never shrank (a 17 GiB
+    mapping after the capacity tests, on which a test's fork() failed with ENOMEM)."""
+    yield
+    from lohan.runtime.heap import restore_heap_defaults
+
+    restore_heap_defaults()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _token_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every run's token cache (lohan/data/token_cache.py) in this session's temporary folder, never the user's."""

@@ -20,6 +20,7 @@ _MALLOC_TRIM = _libc("malloc_trim")
 _MALLOPT = _libc("mallopt")
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # malloc.h
 _TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
+_DEFAULT_MMAP_MAX, _DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults (malloc.c)
 
 
 def reuse_heap() -> bool:
@@ -42,6 +43,19 @@ def reuse_heap() -> bool:
     if _MALLOPT is None:
         return False
     return bool(_MALLOPT(_M_MMAP_MAX, 0)) and bool(_MALLOPT(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_MAX))
+
+
+def restore_heap_defaults() -> bool:
+    """Undo `reuse_heap` for a process that goes on after a run (a test suite running many engines in one
+    process): big allocations mapped and unmapped again, freed memory trimmed, and what the heap holds free given
+    back now. Without it the heap keeps its high-water mark for the rest of the process: after the capacity tests
+    a pytest process held a 17 GiB heap mapping, and a test's `fork()` failed with ENOMEM. False where glibc's
+    malloc is not there. (glibc's threshold that adapts to freed mappings stays fixed at its start value.)"""
+    if _MALLOPT is None or _MALLOC_TRIM is None:
+        return False
+    ok = bool(_MALLOPT(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)) and bool(_MALLOPT(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD))
+    _MALLOC_TRIM(0)
+    return ok
 
 
 def release_free_memory() -> bool:
