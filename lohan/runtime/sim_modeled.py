@@ -11,6 +11,7 @@ the small ops they stand for. The results are not the model's, so the losses are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,31 +47,39 @@ class ModeledCompute:
             buf = self._zeros[dtype] = torch.zeros(max(span, 1, 2 * (0 if buf is None else buf.numel())), dtype=dtype)
         return buf.as_strided(shape, stride)
 
-    def result(self, func: Any, args: tuple, kwargs: dict, writes: list[int]) -> Any:
-        """`func`'s result on plain (host) tensors without its arithmetic: the written arguments (`writes`: their
-        positions in the schema) as they were, or zeros of the result's shape; `REAL` where it must run."""
-        if writes:
-            outs = [args[k] if k < len(args) else kwargs.get(func._schema.arguments[k].name) for k in writes]
-            returns = len(func._schema.returns)
-            if returns == 0:
-                return None
-            if returns == len(outs) and all(isinstance(t, Tensor) for t in outs):
-                return outs[0] if returns == 1 else tuple(outs)
-            return REAL
+    def result(self, func: Any, args: tuple, kwargs: dict, writes: list[int],
+               price: Callable[[Any], float]) -> tuple[Any, float]:
+        """`func`'s result on plain (host) tensors without its arithmetic, and its modeled seconds: the written
+        arguments (`writes`: their positions in the schema) as they were, or zeros of the result's shape; (`REAL`,
+        0) where it must run. ``price(result)`` gives the seconds the first time a signature is met; they are
+        cached with it (an op's FLOPs and bytes follow from its signature, as its result's shape does, and
+        pricing was a third of the emulator's time per op)."""
         try:
             key = (func, _signature(args), _signature(kwargs))
         except TypeError:  # an unhashable argument: not cached
             key = None
-        spec = self._specs.get(key) if key is not None else None
-        if spec is None:
+        entry = self._specs.get(key) if key is not None else None
+        if writes:
+            out = _written(func, args, kwargs, writes)
+            if out is REAL:
+                return REAL, 0.0
+            if entry is None:
+                entry = self._keep(key, (None, price(out)))
+            return out, entry[1]
+        if entry is None:
             spec = self._meta_spec(func, args, kwargs)
             if spec is REAL:
-                return REAL
-            if key is not None:
-                if len(self._specs) >= _CACHE_LIMIT:
-                    self._specs.clear()
-                self._specs[key] = spec
-        return _build(spec, self.zeros)
+                return REAL, 0.0
+            out = _build(spec, self.zeros)
+            return out, self._keep(key, (spec, price(out)))[1]
+        return _build(entry[0], self.zeros), entry[1]
+
+    def _keep(self, key: Any, entry: tuple[Any, float]) -> tuple[Any, float]:
+        if key is not None:
+            if len(self._specs) >= _CACHE_LIMIT:
+                self._specs.clear()
+            self._specs[key] = entry
+        return entry
 
     def _meta_spec(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The result's structure with each tensor as ("T", shape, stride, dtype), from the meta kernel."""
@@ -80,6 +89,17 @@ class ModeledCompute:
         except (NotImplementedError, RuntimeError):
             return REAL
         return _spec(meta)
+
+
+def _written(func: Any, args: tuple, kwargs: dict, writes: list[int]) -> Any:
+    """An in-place or out= op's result: the arguments it writes, as they were (`REAL`: an unusual schema)."""
+    outs = [args[k] if k < len(args) else kwargs.get(func._schema.arguments[k].name) for k in writes]
+    returns = len(func._schema.returns)
+    if returns == 0:
+        return None
+    if returns == len(outs) and all(isinstance(t, Tensor) for t in outs):
+        return outs[0] if returns == 1 else tuple(outs)
+    return REAL
 
 
 def _signature(tree: Any) -> Any:

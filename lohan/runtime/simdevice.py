@@ -23,7 +23,8 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
 - **Host buffers.** Until the host has seen an asynchronous copy's event complete (`query`, `synchronize`; a
   compute stream's wait is not enough), giving back the pool buffer that it reads or writes raises
   `StreamOrderError`; every released pool buffer is then filled with 0xFF bytes (NaN in
-  every float format), so a read after release gives a wrong result, not the old one. A device-to-host
+  every float format; not while a timed device is open: Time), so a read after release gives a wrong result, not
+  the old one. A device-to-host
   copy's destination holds that poison until the copy has run: a host that reads it without waiting for
   the copy's event reads NaNs.
 - **Host syncs.** Every value read back to the host (``float()``, ``.item()``, ``bool()``, `SimDevice.fetch`)
@@ -45,9 +46,11 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
   kernel efficiency and launch overhead (every op at the peak rate; fp32 ops at the bf16 peak), the caching
   allocator, and the host's own issue order beyond that: the compute's real part runs when the host issues it,
   and a wait for an upload (`Device.wait`) blocks the host until the upload is done (on a GPU only the stream).
-  A timed device does not poison the destinations of its copies (they hold their old bytes until the copy runs, as
-  on a GPU): filling every uploaded and downloaded byte would take the host time the model leaves to AdamW and
-  the I/O; the ordering checks still run, and the untimed device, which the equivalence suite runs, poisons them.
+  A timed device poisons neither the destinations of its copies (they hold their old bytes until the copy runs, as
+  on a GPU) nor the pool buffers given back while it is open (the only devices open): filling every uploaded,
+  downloaded and released byte would take the host time the model leaves to AdamW and the I/O (the optimizer's
+  record buffers alone, ~1.4 GB a step on lane_bench's 125m, a memset on the optimizer's own thread). The ordering
+  checks still run, and the untimed device, which the equivalence suite runs, poisons them.
 """
 
 from __future__ import annotations
@@ -232,8 +235,9 @@ class SimTensor(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        device = next(t._device for t in _leaves((args, kwargs), []) if isinstance(t, SimTensor))
-        return device.dispatch(func, args, kwargs)
+        leaves = _leaves((args, kwargs), [])
+        device = next(t._device for t in leaves if isinstance(t, SimTensor))
+        return device.dispatch(func, args, kwargs, leaves)
 
 
 def _schema_writes(func: Any) -> list[int]:
@@ -373,7 +377,7 @@ class SimDevice:
         # compute=modeled (SimGpu.arithmetic False): ops yield zeros of their shape, copies move no bytes
         self.modeled_only = timing is not None and not timing.arithmetic
         self.modeled = ModeledCompute() if self.modeled_only else None
-        _HOST.install()
+        _HOST.install(timed=timing is not None)
 
     # -- time
     def _charge(self, t0: float, t1: float, modeled: float) -> None:
@@ -450,8 +454,8 @@ class SimDevice:
         have filled may be the same zeros, at no memset or allocation; `sim_modeled`)."""
         return self.modeled.zeros(shape, dtype)
 
-    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        leaves = _leaves((args, kwargs), [])
+    def dispatch(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Run (or, compute=modeled, stand in for) an aten op on SimTensors; `leaves`: its arguments' leaves."""
         if func in _COPIES:
             t0 = time.monotonic()
             out = self._copy_op(func, args, kwargs)
@@ -463,12 +467,14 @@ class SimDevice:
             self.syncs += 1
         inner_args, inner_kwargs = _map(SimTensor, _inner, (args, _to_host_kwargs(kwargs)))
         t0 = time.monotonic()
-        out = REAL
+        out, seconds = REAL, None
         if self.modeled_only and func not in _SYNCS and not _is_view(func):
-            out = self.modeled.result(func, inner_args, inner_kwargs, _schema_writes(func))
+            out, seconds = self.modeled.result(func, inner_args, inner_kwargs, _schema_writes(func),
+                                               lambda o: self._op_seconds(func, inner_args, inner_kwargs, o))
         if out is REAL:
             out = func(*inner_args, **inner_kwargs)
-        self._charge(t0, time.monotonic(), self._op_seconds(func, inner_args, inner_kwargs, out))
+            seconds = self._op_seconds(func, inner_args, inner_kwargs, out)
+        self._charge(t0, time.monotonic(), seconds)
         self._pay(0.0 if func in _SYNCS else RUN_AHEAD)
         if func in _SYNCS or not isinstance(out, Tensor | tuple | list):
             return out
@@ -669,13 +675,15 @@ class _HostRanges:
         self._ranges: dict[int, tuple[int, int, SimEvent, str]] = {}
         self._ids = itertools.count()
         self._installed = False
-        self._open = 0  # simulated devices not yet closed: only while one is, released buffers are poisoned
+        self._open = 0  # simulated devices not yet closed: only while one is, released buffers are checked
+        self._untimed = 0  # of those, the ones without a timing model: only while one is, they are also poisoned
 
-    def install(self) -> None:
+    def install(self, timed: bool) -> None:
         from io_engine.buffers import add_release_hook
 
         with self._lock:
             self._open += 1
+            self._untimed += not timed
             if not self._installed:
                 add_release_hook(self.on_release)
                 self._installed = True
@@ -686,6 +694,8 @@ class _HostRanges:
         must not find its released buffers poisoned)."""
         with self._lock:
             self._open = max(0, self._open - 1)
+            if device.timing is None:
+                self._untimed = max(0, self._untimed - 1)
             for key in [k for k, r in self._ranges.items() if r[2].stream.device is device]:
                 del self._ranges[key]
 
@@ -723,7 +733,7 @@ class _HostRanges:
             raise StreamOrderError(f"a host buffer was given back while an asynchronous copy {busy[0]}s it, before the "
                                    "host saw the copy's event complete (Event.query or synchronize): the copy may "
                                    "still be using it")
-        if poison and t.numel():
+        if poison and self._untimed and t.numel():
             t.view(torch.uint8).fill_(POISON_BYTE)
 
 

@@ -245,6 +245,35 @@ def test_the_engines_order_is_checked_both_ways():
         d.close()
 
 
+def test_a_timed_device_checks_released_buffers_but_does_not_poison_them(dev):
+    """A memset of every pool buffer given back is host time a GPU box's host does not spend (the optimizer's
+    records, a step's worth of them, on its own thread): a timed device leaves the bytes, still refuses a buffer
+    given back while a copy uses it; once an untimed device is open too, releases are poisoned again."""
+    from io_engine import BufferPool
+
+    pool = BufferPool(1 << 16)
+    buf = pool.acquire(4096)
+    buf.tensor.view(torch.float32).fill_(1.0)
+    up = dev.to_device(buf.tensor.view(torch.float32))
+    dev.wait(up.event)
+    with pytest.raises(StreamOrderError, match="given back"):
+        buf.release()
+    up.event.synchronize()
+    buf.release()
+    assert torch.equal(buf._full.view(torch.float32), torch.ones(1024))
+    untimed = Device("sim")
+    try:
+        again = pool.acquire(4096)
+        again.release()
+        assert torch.isnan(again._full.view(torch.float32)).all()
+    finally:
+        untimed.close()
+    last = pool.acquire(4096)
+    last.tensor.view(torch.float32).fill_(2.0)
+    last.release()
+    assert torch.equal(last._full.view(torch.float32), torch.full((1024,), 2.0))
+
+
 # ------------------------------------------------------------------------------------------------ the engine
 def test_an_engine_on_a_modeled_gpu_is_bit_exact_and_reports_its_lanes(make_dirs):
     """The simulated device at a modeled pace (slow enough that every lane sleeps) changes no bit: losses and
