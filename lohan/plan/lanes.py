@@ -14,7 +14,8 @@ LANE_DOC = {
     "m2g": "PCIe host->device: block params P16 (f and b; recompute reuses them), activations back (b)",
     "ssd": "SSD, reads + writes (simplex): P16 (f, b); P32,m,v read (but resident records') and P32,m,v,P16 "
            "written (b); activation overflow; effective bandwidth",
-    "cpu": "CPU AdamW of every param (P32, m, v, P16 copy), under backward by active gradient offloading",
+    "cpu": "CPU AdamW of every param (P32, m, v, P16 copy), under backward by active gradient offloading; the "
+           "records' checksums (measured: AdamW's wall time, the hashing's CPU time)",
     "fill": "pipeline head and tail: one block's worth of every lane but the slowest",
 }
 """One line per term of the cost model, printed under the plan (see the module docstring)."""

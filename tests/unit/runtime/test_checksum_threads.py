@@ -56,7 +56,7 @@ def test_the_optimizer_worker_and_the_compute_thread_hash_nothing(make_dirs, mon
 
 
 def test_a_slow_hash_runs_beside_adamw_not_in_series(make_dirs, monkeypatch):
-    """Each record's hash and each AdamW 40 ms longer: in serial mode (every gradient in hand, READs one ahead)
+    """Each record's hash (40 ms of CPU) and each AdamW (40 ms asleep) longer: in serial mode (every gradient in hand, READs one ahead)
     the worker's AdamW calls follow one another, the hash of what was just updated running beside the next
     update, instead of N x (AdamW + hash). Checked by the spans' overlap, not by the pass's length (a loaded
     machine stretches every span): in series, no hash span overlaps an AdamW span."""
@@ -65,9 +65,9 @@ def test_a_slow_hash_runs_beside_adamw_not_in_series(make_dirs, monkeypatch):
     hashes: list[tuple[float, float]] = []
     real_sums = offload.unit_sums
 
-    def slow_sums(*args):
+    def slow_sums(*args):  # 40 ms of CPU (what the cpu lane counts of hashing), not a sleep
         t0 = time.perf_counter()
-        time.sleep(0.04)
+        burn(0.04)
         out = real_sums(*args)
         hashes.append((t0, time.perf_counter()))
         return out
@@ -155,5 +155,27 @@ def test_a_hash_job_waits_for_its_read_and_raises_its_error():
         with pytest.raises(OSError, match="the read failed"):
             h.wait()
         assert not ran and h.done()
+    finally:
+        hasher.close()
+
+
+def burn(seconds: float) -> None:
+    """Hold a core for `seconds` of this thread's CPU time (torch ops: the GIL is released meanwhile)."""
+    import torch
+
+    x, c0 = torch.ones(1 << 14), time.thread_time()
+    while time.thread_time() - c0 < seconds:
+        x.mul_(1.0)
+
+
+def test_hash_time_is_the_cpu_the_jobs_take_not_the_time_they_wait_for_a_core():
+    """The cpu lane counts hashing as CPU seconds: a job off its core (here it sleeps; on a busy box, the emulated
+    SSDs' copies take the cores) is not hashing meanwhile."""
+    hasher = Hasher("test-hash")
+    try:
+        hasher.beside_write(None, lambda: time.sleep(0.2)).future.result()
+        assert hasher.hash_s < 0.05
+        hasher.beside_write(None, lambda: burn(0.1)).future.result()
+        assert 0.1 <= hasher.hash_s < 0.2
     finally:
         hasher.close()
