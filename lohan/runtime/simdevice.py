@@ -41,7 +41,9 @@ makes those mistakes fail on a machine without a GPU, on the same code paths CUD
   stream is done. A download starts no earlier than the modeled end of the compute it was ordered after; the
   compute stream's use of an upload starts once the upload is done. The compute lane thus takes max(real,
   modeled) time while AdamW, hashing and I/O threads get the cores, and `Device.timer` spans read the modeled
-  stream's clock (as CUDA events do). A copy takes ``bytes / h2d`` or ``bytes / d2h`` on its engine.
+  stream's clock (as CUDA events do). A copy takes ``bytes / h2d`` or ``bytes / d2h`` on its engine, after a
+  GPU's launch latency (`TIMED_LATENCY`, not the untimed device's 2 ms: a block's upload and its gradient's
+  download each on the step's path would add 4 ms a block that no GPU box spends).
   `SimDevice.busy` sums each lane's busy seconds under the cost model's lane names (gpu, m2g, g2m). Not modeled:
   kernel efficiency and launch overhead (every op at the peak rate; fp32 ops at the bf16 peak), the caching
   allocator, and the host's own issue order beyond that: the compute's real part runs when the host issues it,
@@ -75,7 +77,9 @@ from lohan.runtime.simgpu import SimGpu
 
 SIM_DEVICE = torch.device("cpu", 1)  # what a SimTensor reports: `x.device` differs from the host's `cpu`
 POISON_BYTE = 0xFF  # NaN in fp32, bf16 and fp16; -1 in integer types (an invalid token id)
-LATENCY_ENV = "LOHAN_SIM_LATENCY"  # seconds a copy waits on the worker before it runs (default 2 ms)
+LATENCY_ENV = "LOHAN_SIM_LATENCY"  # seconds a copy waits on the worker before it runs (default: below)
+UNTIMED_LATENCY = 2e-3  # long enough that a host reading a copy's buffer without waiting for it finds it unwritten
+TIMED_LATENCY = 1e-5  # a GPU's copy launch: a timed device's copies take their modeled time, not 2 ms more each
 RUN_AHEAD = 0.5  # modeled compute seconds the host may have queued before it sleeps (CUDA's launch queue)
 
 aten = torch.ops.aten
@@ -361,7 +365,9 @@ class SimDevice:
     `lohan.runtime.device.Device` drives it."""
 
     def __init__(self, latency: float | None = None, timing: SimGpu | None = None) -> None:
-        self.latency = float(os.environ.get(LATENCY_ENV, "0.002")) if latency is None else latency
+        if latency is None:
+            latency = float(os.environ.get(LATENCY_ENV, TIMED_LATENCY if timing else UNTIMED_LATENCY))
+        self.latency = latency
         self.timing = timing
         self.compute_stream = SimStream(self, "compute")
         self.syncs = 0

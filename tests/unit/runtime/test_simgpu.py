@@ -388,3 +388,20 @@ def test_an_engine_with_compute_modeled_steps_finite_and_updates_every_step(make
     # the result shapes come from the meta kernels once per op signature, then from the cache
     assert meta_calls[0] > 0 and meta_calls[2] == meta_calls[1], meta_calls
     assert busy["gpu"] > 0 and busy["m2g"] > 0 and busy["g2m"] > 0, busy
+
+
+def test_a_timed_devices_copies_start_after_a_gpus_launch_latency(monkeypatch):
+    """The untimed device delays each copy 2 ms (a host that reads its buffer early finds it unwritten); a timed
+    one models a GPU, whose copy starts ~10 us after its launch; LOHAN_SIM_LATENCY overrides either."""
+    from lohan.runtime.simdevice import LATENCY_ENV, TIMED_LATENCY, UNTIMED_LATENCY
+
+    monkeypatch.delenv(LATENCY_ENV, raising=False)
+    for spec, want in ((None, UNTIMED_LATENCY), (SLOW, TIMED_LATENCY), (SLOW, 0.005)):
+        if want == 0.005:
+            monkeypatch.setenv(LATENCY_ENV, "0.005")
+        d = Device("sim", sim_gpu=spec)
+        try:
+            assert d.sim.latency == want
+        finally:
+            d.close()
+    assert TIMED_LATENCY <= 1e-4 < UNTIMED_LATENCY
