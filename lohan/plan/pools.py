@@ -323,6 +323,15 @@ def _sized(geometry: PoolGeometry, cfg: EngineConfig, world: int, free: int | No
         share -= plan.resident
     if cfg.memory.resident_records:
         plan = replace(plan, resident_blocks=tuple(plan_resident(local, records + plan.resident, inflight, chunk, a)))
+    if cfg.execution.mode == "optimized" and world == 1 and not host_device:
+        # the hand-over room: every streamed block's P16 kept over the step, where that half allows (P16 is an
+        # eighth of a record). The next forward then follows a durable in-backward pass's tail (the blocks updated
+        # before it must reach it from memory: `runtime.step.StepPlan.tail_follows`), and backward reads back
+        # none of the P16 the forward used
+        streamed = sum(n for i, n in enumerate(geometry.p16) if i not in plan.resident_blocks)
+        extra = min(share, max(0, streamed - plan.params))
+        plan = replace(plan, params=plan.params + extra)
+        share -= extra
     if reads_ahead(cfg):
         every = readahead_every(local, chunk, records + plan.resident, a)
         want = share if cfg.memory.readahead_mem == "auto" else int(cfg.memory.readahead_mem)

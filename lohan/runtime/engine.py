@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import statistics
@@ -579,11 +580,14 @@ class Engine:
                                       settled.coef_t, provide=self.streamer.offer if follow else None,
                                       persist=plan.durable)
         elif plan.tail_follows:  # the rest of the pass in forward order, the next forward following it
-            follow = self.offloader.follow(self._expect_tail) is not None
+            blocks = self.offloader.follow(functools.partial(self._expect_tail, plan))
+            # ([]: the pass was over before it turned; a durable step's slot is on no SSD until its commit, and no
+            # block of it was taken to reach the forward from memory: that forward waits for the next step)
+            follow = blocks is not None and (bool(blocks) or not plan.durable)
         fwd_t = None
         if follow:
             # (a block it reads again, or one updated before the tail and not handed over, comes from its record, at this
-            # step's update)
+            # step's update; a durable step's were all taken as provisions, `_expect_tail`)
             self._ram_update = plan.update
             try:
                 acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
@@ -594,10 +598,19 @@ class Engine:
         self.streamer.end_handover()
         run.next_fwd_s = fwd_t.seconds() if fwd_t else 0.0
 
-    def _expect_tail(self, blocks: list[int]) -> Provide:
+    def _expect_tail(self, plan: StepPlan, blocks: list[int]) -> Provide | None:
         """`GradOffloader.follow`'s callback (on the worker, at a block boundary): the next forward waits for
         `blocks`' new P16 from the pass; the blocks updated before it kept theirs (`handover`) or are read from
-        their resident records, updated already."""
+        their resident records, updated already. A durable step's slot is on no SSD before its commit, so there
+        each of those blocks must be in memory: its record resident, or its P16 kept, taken now out of the pool's
+        reach (`ParamStreamer.take_handed_over`); else None, and the forward waits for the whole pass."""
+        if plan.durable:
+            if self.device.is_host:  # (the forward would share the cores with the update: the schedule's choice of
+                return None          # deferring, measured, stands there)
+            before = [i for i in range(len(self.program.modules))
+                      if i not in blocks and i not in self.offloader.resident_records]
+            if not self.streamer.take_handed_over(before, plan.write_slot):
+                return None
         self.streamer.expect(blocks, lambda: self.offloader.failure)
         return self.streamer.offer
 

@@ -208,7 +208,7 @@ class UpdatePass:
         self.settled = False
         # the tail in forward order (`follow`): what the engine asked for, under this lock, and the answer
         self._follow_lock = threading.Lock()
-        self._follow: Callable[[list[int]], Provide] | None = None
+        self._follow: Callable[[list[int]], Provide | None] | None = None
         self._followed = threading.Event()
         self._follow_blocks: list[int] | None = None
         self._units_done = False
@@ -323,13 +323,14 @@ class UpdatePass:
         return True
 
     # ----------------------------------------------------------------- the tail in forward order
-    def follow(self, expect: Callable[[list[int]], Provide]) -> list[int] | None:
+    def follow(self, expect: Callable[[list[int]], Provide | None]) -> list[int] | None:
         """After backward (every gradient handed over): update the blocks not yet begun in forward order, so the
         next step's forward can follow them instead of waiting for the whole pass (the last block of backward order,
         block 0, is the first the forward needs). At the pass's next block boundary, `expect(blocks)` (on the worker)
-        announces the blocks still to come and returns where their new P16 goes from then on. Returns those blocks
-        ([]: the pass had finished), or None where the rest cannot be reordered (a record not resident: its READ is
-        in flight in this order); the caller then waits for the pass before the next forward reads anything."""
+        announces the blocks still to come and returns where their new P16 goes from then on (None: the caller
+        declines, the blocks updated before cannot reach the forward). Returns those blocks ([]: the pass had
+        finished), or None where the rest is not reordered (declined, a deferred gate, a block whose chunks' READs
+        are partly issued); the caller then waits for the pass before the next forward reads anything."""
         with self._follow_lock:
             if self._units_done:
                 return []
@@ -346,18 +347,33 @@ class UpdatePass:
             if self._follow is None or self._followed.is_set():
                 return
             rest = self.units[k:] if k is not None else []
-            blocks = list(dict.fromkeys(u[0] for u in rest))
-            if k is None:
-                self._follow_blocks = None
-            elif not rest:
+            blocks = sorted(dict.fromkeys(u[0] for u in rest))
+            order = self._forward_order(rest) if k is not None and rest and not self.gate.deferred else None
+            provide = self._follow(blocks) if order is not None else None
+            if k is not None and not rest:
                 self._follow_blocks = []
-            elif any(i not in self.ago.resident_records for i in blocks) or self.gate.deferred:
+            elif provide is None:
                 self._follow_blocks = None
             else:
-                self.units[k:] = sorted(rest)
-                self.provide = self._follow(sorted(blocks))
-                self._follow_blocks = sorted(blocks)
+                self.units[k:] = order
+                self.provide = provide
+                self._follow_blocks = blocks
             self._followed.set()
+
+    def _forward_order(self, rest: list[Unit]) -> list[Unit] | None:
+        """The units not yet begun, reordered for a forward that follows: by block, except that where some READs
+        are issued and others are not (a record streams from the SSDs), the issued ones come first, each group by
+        block: their buffers must go back before the other READs can have room (the pool holds no more). None
+        where a block's chunks are partly issued (its units would be split apart)."""
+        def issued(u: Unit) -> bool:
+            return u in self.reads or u[0] in self.ago.resident_records  # (a resident record needs no room)
+
+        first = {u[0] for u in rest if issued(u)}
+        if any(not issued(u) for u in rest if u[0] in first):
+            return None
+        if all(issued(u) for u in rest):
+            return sorted(rest)
+        return sorted(u for u in rest if u[0] in first) + sorted(u for u in rest if u[0] not in first)
 
     def _let_go(self) -> bool:
         """A discarded pass: give back each block's gradient once it arrives, until an abort; False (discarded)."""
@@ -762,7 +778,7 @@ class GradOffloader:
         if self._pass is not None:
             self._pass.backward_done.set()
 
-    def follow(self, expect: Callable[[list[int]], Provide]) -> list[int] | None:
+    def follow(self, expect: Callable[[list[int]], Provide | None]) -> list[int] | None:
         """`UpdatePass.follow` on the running pass (after `backward_done`)."""
         if self._pass is None or self._thread is None:
             return []

@@ -8,6 +8,8 @@
                         DRAINING -> KEPT or FREE     its host buffer, back once the copy has completed
     STAGED -> DRAINING                           staged from another slot, or `release_all`
     NEW -> HANDING_OVER -> KEPT                  an in-backward pass fills it for the next forward (`handover`)
+    NEW -> FILLING (filled) -> STAGED            that kept buffer taken back as a provision where the pass turns to
+                                                 forward order (`take_handed_over`)
 
 NEW is a buffer just taken for a block (from the pool, or a kept one taken back); KEPT and FREE are the pool's
 (kept under (block, slot), or free): the object ends there. A failure or a `release_all` sends any state but

@@ -214,6 +214,30 @@ class ParamStreamer:
             if prov.filled == numel:
                 prov.ready.set()
 
+    def take_handed_over(self, blocks: list[int], slot: int) -> bool:
+        """Where an in-backward pass turns to forward order with the next forward following it (a durable step:
+        `GradOffloader.follow`): `blocks`, updated before the turn, must reach that forward from memory, their
+        slot being on no SSD yet. Each one's P16 the hand-over kept under (block, `slot`) becomes a provision
+        already filled (FILLING, ready), which no request for room can evict as it could a kept buffer. False, and
+        nothing taken, unless every one of them is kept."""
+        taken: list[tuple[int, AlignedBuffer]] = []
+        with self._lock:
+            if any(i in self._blocks for i in blocks):
+                return False
+            for i in blocks:
+                buf = self.pool.take_kept((i, slot))
+                if buf is None:  # (no room during backward, or given way since)
+                    for j, b in taken:
+                        b.keep((j, slot))
+                    return False
+                taken.append((i, buf))
+            for i, buf in taken:
+                prov = P16Buffer(i, slot, buf).to(P16State.FILLING, "hand over (kept)")
+                prov.filled = self._own(i)[1]
+                prov.ready.set()
+                self._blocks[i] = prov
+        return True
+
     def handover(self, old_slot: int, new_slot: int) -> Callable[[int, int, int, torch.Tensor, bool], None] | None:
         """A `provide` for an update pass that runs during backward: each block's new P16 is kept under
         (block, `new_slot`) for the next forward (module docstring). None in place, where nothing is kept."""

@@ -75,8 +75,10 @@ class StepPlan:
     #                         turns out not finite (the engine replays from the last durable commit instead)
     skip: bool = False      # known not finite (a replayed failure): its optimizer pass discards every gradient
     known: Tensor | None = None  # the coefficient a replayed step that clipped is known to take (its gate's)
-    tail_follows: bool = False  # updates during backward in RAM, the next batch known: the blocks still to update
-    #                             once backward ends go in forward order, the next forward beside them
+    tail_follows: bool = False  # updates during backward, the next batch known: the blocks still to update once
+    #                             backward ends go in forward order, the next forward beside them (in RAM; durable:
+    #                             optimized mode in one process, where every block updated before reaches the
+    #                             forward from memory, `Engine._expect_tail`)
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
@@ -108,7 +110,8 @@ class StepPlan:
             lazy=follow and cfg.execution.write_behind and one_process and cfg.store.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
             durable=durable, next_idx=next_idx, in_place=hold and not deferred and not replayed, skip=skip,
-            known=known, tail_follows=not durable and not deferred and not replayed and next_idx is not None)
+            known=known, tail_follows=not deferred and not replayed and next_idx is not None and (
+                not durable or one_process and cfg.execution.mode == "optimized"))
 
 
 def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bool = False) -> ClipGate:
@@ -436,7 +439,8 @@ def measure(engine: Engine, run: StepRun, loss: float, overlapped: bool) -> Step
     # the sum of the two would count twice a read queued on the device behind a write); the busiest sets the lane
     ssd_s = max(d1["any"]["busy_s"] - d0["any"]["busy_s"] for d0, d1 in zip(io0["devices"], io1["devices"]))
     lanes = {**_device_lanes(engine, run), "ssd": ssd_s,
-             # the optimizer's CPU work, as the cost model's cpu lane prices it: AdamW and its records' hashing
+             # the optimizer's CPU work, as the cost model's cpu lane prices it: AdamW and its records' hashing (the
+             # hash threads' CPU seconds: a job waiting for a core taken by the I/O copies is not hashing, hasher.py)
              "cpu": ago.adam_s + ago.hash_s,
              # the parts and the waits
              "ssd_read": read_s, "ssd_write": write_s, "adam": ago.adam_s,

@@ -88,3 +88,45 @@ def test_auto_plans_room_for_the_gradients_only_where_they_all_fit_in_main_memor
     assert not plan_host_memory(geom, tight).has_stash
     assert plan_host_memory(geom, dataclasses.replace(tight, clip_mode="defer")).has_stash
     assert not plan_host_memory(geom, ecfg, world=2).has_stash  # data parallel ranks update during backward
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_durable_steps_tail_goes_in_forward_order_with_the_next_forward_beside_it(make_dirs, monkeypatch, kept):
+    """On a separate device (the simulated one), the update during backward (clipping off): where the optimizer is
+    still at it when backward ends, the blocks not begun go in forward order and the next forward follows them.
+    The blocks updated before reach that forward from memory (their P16 handed over, taken out of the pool's reach):
+    their slot is on no SSD before the commit. Where one of them was not kept (given way here), the forward waits
+    for the whole pass, as before. The same bits as plain PyTorch either way."""
+    import time
+
+    import lohan.runtime.offload as offload
+    from lohan.runtime.params import ParamStreamer
+
+    for name in ("adamw_block_", "adamw_chunk_", "adamw_upcast_", "adamw_unit_"):  # an optimizer behind backward
+        real = getattr(offload, name)
+        monkeypatch.setattr(offload, name, lambda *a, _real=real, **k: (time.sleep(0.03), _real(*a, **k))[1])
+    took: list[bool] = []
+    real_take = ParamStreamer.take_handed_over
+
+    def take(self, blocks, slot):
+        if not kept:
+            self.pool.forget()  # every kept buffer gives way, as a request for room may make it
+        took.append(real_take(self, blocks, slot))
+        return took[-1]
+
+    monkeypatch.setattr(ParamStreamer, "take_handed_over", take)
+    mcfg = tiny_cfg(n_layer=4)
+    ecfg = engine_config(make_dirs(1), max_grad_norm=0.0, clip_mode="speculate", device="sim", cpu_mem="1GiB")
+    data = list(batches(4, 4, 32, 256))
+    ref_losses, ref_params = reference_run(mcfg, ecfg, data)
+    losses, overlapped = [], []
+    with lohan.init(mcfg, ecfg) as engine:
+        for s, b in enumerate(data):
+            losses.append(engine.step(b, next_batch=data[s + 1] if s + 1 < len(data) else None))
+            overlapped.append(engine.last_stats.next_forward_overlapped)
+            assert not engine.last_stats.deferred
+        params = engine.state_dict_fp32()
+    assert losses == ref_losses
+    assert_params_equal(params, ref_params)
+    assert took and all(t == kept for t in took)  # every step with a next batch turned (the optimizer was behind)
+    assert overlapped == ([True] * 3 if kept else [False] * 3) + [False]
