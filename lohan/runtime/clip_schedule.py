@@ -19,9 +19,10 @@ and where deferring costs nothing or less than a right speculation (``defer <= 0
 cores with the optimizer, where the update beside the next forward hides better than under backward) the schedule
 defers whatever the norm.
 
-The costs are measured: the step time of each kind, in steady state only (a step of the same kind as the one
-before: a deferred step that follows another runs no forward of its own but the next one's, a speculated step
-that follows another runs its own; mixed neighbours would count one forward twice or not at all), as moving
+The costs are measured: the step time of each kind, in steady state only (a step that holds one forward: a step
+that runs the next one's forward, deferred or a speculated one whose tail that forward follows, after another that
+ran its own; a speculated step that runs none of the next one's after another such; mixed neighbours would count
+one forward twice or not at all), as moving
 averages (`lohan.plan.clipping.ClipCosts`). A kind not measured yet is the cost model's figure (`planner.Estimate`:
 ``t_iter``, ``t_deferred``, ``t_redo``, priced on the profile of the first step) scaled by what the measured kinds
 say of the model's accuracy; before that plan exists, the rule of old: speculate after a step that did not clip. Data parallel ranks keep to that rule (their choices must
@@ -67,7 +68,7 @@ class ClipSchedule:
         self.last_coef: float | None = None
         self._costs: ClipCosts | None = None  # made from the first estimate (the plan of the first step)
         self._early: list[tuple[str, float]] = []  # steady step times measured before that
-        self._prev: str | None = None
+        self._prev: bool | None = None  # whether the last step ran the next forward (None: no step, or skipped)
         self._since_probe = 0  # steps since the last probe (or the start)
         self._probe_left = 0  # steps of the probe still to run
         self.last_choice: dict[str, float | str | None] = {}  # why the last step was scheduled as it was
@@ -135,10 +136,14 @@ class ClipSchedule:
         if stats.clip_coef is not None:
             self.last_coef = stats.clip_coef
         kind = "redone" if stats.redone else "deferred" if stats.deferred else "speculated"
-        if self._prev == ("speculated" if kind == "redone" else kind):  # steady (module docstring)
+        # whether the step ran the next step's forward: a deferred one always did (when told the next batch); a
+        # redone one, and a speculated one whose tail the next forward followed, where that forward overlapped
+        ran_next = kind == "deferred" or bool(stats.next_forward_overlapped)
+        # steady (module docstring): the step holds one forward, its own or the next one's; a redo is priced as a
+        # speculated step's own forward plus the redo with the next forward beside it
+        if self._prev is not None and self._prev == (False if kind == "redone" else ran_next):
             if self._costs is not None:
                 self._costs.observe(kind, stats.step_s)
             else:
                 self._early.append((kind, stats.step_s))
-        # a redone step ran its pass after backward with the next forward beside it, as a deferred one does
-        self._prev = "deferred" if kind == "redone" and stats.next_forward_overlapped else kind
+        self._prev = ran_next

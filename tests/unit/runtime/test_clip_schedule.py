@@ -17,10 +17,13 @@ def cfg(**kw) -> EngineConfig:
 
 
 def stats(norm: float, step_s: float = 1.0, deferred: bool = False, redone: bool = False, skipped: bool = False,
-          overlapped: bool = True) -> SimpleNamespace:
+          overlapped: bool | None = None) -> SimpleNamespace:
+    """A step's outcome; `overlapped` (the next forward ran beside its pass): by default a deferred or redone
+    step's, not a speculated one's (whose tail the next forward follows only where it was still running)."""
     coef = min(1.0, 1.0 / (norm + 1e-6))
     return SimpleNamespace(grad_norm=norm, clip_coef=None if skipped else coef, deferred=deferred, redone=redone,
-                           skipped=skipped, step_s=step_s, next_forward_overlapped=overlapped)
+                           skipped=skipped, step_s=step_s,
+                           next_forward_overlapped=deferred or redone if overlapped is None else overlapped)
 
 
 def estimate(t_iter=4.0, t_deferred=5.0, t_redo=7.0) -> SimpleNamespace:
@@ -89,6 +92,19 @@ def test_only_steady_steps_are_timed():
     s.observe(stats(0.05, step_s=1.0, skipped=True))  # a skipped step breaks the run
     s.observe(stats(0.05, step_s=7.0))
     assert s._costs.measured == {"speculated": 5.0, "redone": 8.0}
+
+
+def test_a_speculated_step_the_next_forward_followed_is_timed_after_a_step_that_ran_its_forward():
+    """A speculated step whose tail the next forward followed (`StepPlan.tail_follows`) ran that forward, as a
+    deferred step does: after a deferred step (or another such) its time holds one forward, the next one's, and is
+    timed; after a plain speculated step it would hold two. A deferred step after it is timed as well."""
+    s = ClipSchedule(cfg())
+    s.observe(stats(0.05, step_s=9.0, deferred=True))  # the first: nothing before it
+    s.observe(stats(0.05, step_s=3.0, overlapped=True))  # one forward (the next one's): timed
+    s.observe(stats(0.05, step_s=4.0, deferred=True))  # after a step that ran its forward: timed
+    s.observe(stats(0.05, step_s=2.5, overlapped=False))  # its own forward was run before it: not timed
+    s.observe(stats(0.05, step_s=6.0, overlapped=True))  # its own forward and the next one: not timed
+    assert s._costs is None and s._early == [("speculated", 3.0), ("deferred", 4.0)]
 
 
 def test_the_model_is_scaled_by_what_the_measured_kind_says_of_it():
