@@ -501,12 +501,13 @@ class Engine:
         # a clip of a step whose states are in RAM only replays the steps since the last durable one, then it
         replay_s = (len(self._held) + 1) * self.last_stats.step_s if store.volatile and self.last_stats else 0.0
         speculate = self.clip_schedule.speculate(estimate, replay_s)
+        next_host = self._overlappable(idx, next_batch)
         plan = StepPlan.make(self.cfg, commit, store.slot, store.next_slot(durable), n, speculate,
-                             self._overlappable(idx, next_batch), one_process=self.dp.alone,
+                             None if next_host is None else self.device.put(next_host), one_process=self.dp.alone,
                              durable=durable, ram_read=store.in_ram(store.slot), replayable=True,
                              skip=isinstance(self._replayed, str), known=self._replayed if isinstance(
-                                 self._replayed, Tensor) else None)
-        run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler)
+                                 self._replayed, Tensor) else None, separate_device=not self.device.is_host)
+        run = StepRun(plan, idx, targets, commit, visit_order(n), start_s, counters, prepared, scaler, next_host)
         self.load_records()  # (before its pass takes the records)
         store.begin_step()
         self.streamer.invalidate(plan.write_slot)  # this step rewrites that slot: its kept blocks go stale
@@ -593,7 +594,7 @@ class Engine:
                 acts, fwd_t = self.passes.forward(run.visits, plan.write_slot, plan.next_idx)
             finally:
                 self._ram_update = None
-            self._next.keep(plan.next_idx, acts)
+            self._next.keep(plan.next_idx, acts, run.next_host)
         self.offloader.finish()
         self.streamer.end_handover()
         run.next_fwd_s = fwd_t.seconds() if fwd_t else 0.0
@@ -605,8 +606,6 @@ class Engine:
         each of those blocks must be in memory: its record resident, or its P16 kept, taken now out of the pool's
         reach (`ParamStreamer.take_handed_over`); else None, and the forward waits for the whole pass."""
         if plan.durable:
-            if self.device.is_host:  # (the forward would share the cores with the update: the schedule's choice of
-                return None          # deferring, measured, stands there)
             before = [i for i in range(len(self.program.modules))
                       if i not in blocks and i not in self.offloader.resident_records]
             if not self.streamer.take_handed_over(before, plan.write_slot):
@@ -673,7 +672,7 @@ class Engine:
         self.dp.commit(self.store, self._base_dirs, self.cfg.store.name, step, slot, **kw)
 
     def _overlappable(self, idx: Tensor, next_batch: tuple[Tensor, Tensor] | None) -> Tensor | None:
-        """The next batch's ids on the device when its forward may run during this step's optimizer pass: the
+        """The next batch's ids (on the host) when its forward may run during this step's optimizer pass: the
         same shape (no new activation profile). In place (slots=1) too: that forward takes every block's new P16
         from the pass, never from the slot being rewritten. Not in serial mode: the baseline of the ablation is
         ZeRO-Infinity's schedule, the optimizer after backward with nothing beside it (the next step starts once
@@ -681,7 +680,8 @@ class Engine:
         if next_batch is None or self.cfg.execution.mode == "serial":
             return None
         nxt, _ = self._check_batch(next_batch)
-        return self.device.put(nxt) if nxt.shape == idx.shape else None
+        # (a snapshot: the next step compares its ids with these, and a loader may refill the caller's tensor)
+        return nxt.clone() if nxt.shape == idx.shape else None
 
     def _skip(self, run: StepRun, loss: float, scaler: dict[str, Any]) -> None:
         """A step with a non-finite loss or gradient: its batch is consumed, the states stay as they were

@@ -77,14 +77,14 @@ class StepPlan:
     known: Tensor | None = None  # the coefficient a replayed step that clipped is known to take (its gate's)
     tail_follows: bool = False  # updates during backward, the next batch known: the blocks still to update once
     #                             backward ends go in forward order, the next forward beside them (in RAM; durable:
-    #                             optimized mode in one process, where every block updated before reaches the
-    #                             forward from memory, `Engine._expect_tail`)
+    #                             optimized mode, one process, a separate device, where every block updated before
+    #                             reaches the forward from memory, `Engine._expect_tail`)
 
     @staticmethod
     def make(cfg: EngineConfig, commit: Commit, read_slot: int, write_slot: int, n_blocks: int,
              speculate: bool, next_idx: Tensor | None, one_process: bool, durable: bool = True,
              ram_read: bool = False, replayable: bool = False, skip: bool = False,
-             known: Tensor | None = None) -> StepPlan:
+             known: Tensor | None = None, separate_device: bool = False) -> StepPlan:
         # A step whose read states are in RAM only, or whose states will be, updates them in place with no copy
         # on the SSDs to redo or skip from. Where the engine can rebuild the RAM states by replaying its steps
         # since the last durable commit (`replayable`, lohan.runtime.held), the update may still run during
@@ -101,17 +101,24 @@ class StepPlan:
         deferred = gate.deferred
         replayed = skip or known is not None
         follow = deferred and next_idx is not None
+        speculated = not deferred and cfg.stability.max_grad_norm > 0 and not replayed
+        # a durable step's tail only on a separate device (on the CPU the forward would share the cores with the
+        # update: the schedule's measured choice of deferring stands there)
+        tail_follows = not deferred and not replayed and next_idx is not None and (
+            not durable or one_process and separate_device and cfg.execution.mode == "optimized")
         return StepPlan(
             step=commit.step, update=commit.applied + 1, hyper=AdamWHyper.from_config(cfg, lr_at(cfg, commit.step)),
             read_slot=read_slot, write_slot=write_slot, gate=gate, deferred=deferred,
-            speculated=not deferred and cfg.stability.max_grad_norm > 0 and not replayed, follow=follow,
+            speculated=speculated, follow=follow,
             # (write-behind stages a commit whose last writes are still in flight: with two slots the previous
-            # commit stands meanwhile; in place there is none)
-            lazy=follow and cfg.execution.write_behind and one_process and cfg.store.slots == 2 and not hold,
+            # commit stands meanwhile; in place there is none. A durable tail the next forward may follow too,
+            # where nothing can redo the pass: its last writes and the commit then complete beside the next
+            # backward instead of holding the next step back)
+            lazy=(follow or tail_follows and not speculated) and cfg.execution.write_behind and one_process
+            and cfg.store.slots == 2 and not hold,
             order=tuple(range(n_blocks)) if follow else tuple(range(n_blocks - 1, -1, -1)),
             durable=durable, next_idx=next_idx, in_place=hold and not deferred and not replayed, skip=skip,
-            known=known, tail_follows=not deferred and not replayed and next_idx is not None and (
-                not durable or one_process and cfg.execution.mode == "optimized"))
+            known=known, tail_follows=tail_follows)
 
 
 def clip_gate(cfg: EngineConfig, speculate: bool, follow: bool = False, hold: bool = False) -> ClipGate:
@@ -232,10 +239,12 @@ def rank_batch(batch: tuple[Tensor, Tensor], micro_batches: int, world: int, ran
 
 @dataclass
 class Prepared:
-    """A step's forward, run during the previous step's optimizer pass: the ids and what backward needs."""
+    """A step's forward, run during the previous step's optimizer pass: the ids (on the device, and as given on the
+    host) and what backward needs."""
 
     idx: Tensor
     acts: Acts
+    host_idx: Tensor
 
 
 class NextForward:
@@ -250,16 +259,17 @@ class NextForward:
     def held(self) -> bool:
         return self._prepared is not None
 
-    def keep(self, idx: Tensor, acts: Acts) -> None:
-        self._prepared = Prepared(idx, acts)
+    def keep(self, idx: Tensor, acts: Acts, host_idx: Tensor) -> None:
+        self._prepared = Prepared(idx, acts, host_idx)
 
     def take(self, idx: Tensor) -> Prepared | None:
-        """The forward run for these ids, if one was. Another batch discards it (the resident parameters are the
-        committed ones either way and stay)."""
+        """The forward run for these ids (on the host), if one was. Another batch discards it (the resident
+        parameters are the committed ones either way and stay). Compared on the host: fetching the device's copy
+        would wait for all the compute queued before it, that forward's included, at every step's start."""
         prepared, self._prepared = self._prepared, None
         if prepared is None:
             return None
-        if prepared.idx.shape == idx.shape and torch.equal(self.device.fetch(prepared.idx), idx):
+        if prepared.host_idx.shape == idx.shape and torch.equal(prepared.host_idx, idx):
             return prepared
         self.activations.end_step()
         return None
@@ -318,6 +328,7 @@ class StepRun:
     counters: Counters
     prepared: Prepared | None = None
     scaler: LossScale | None = None
+    next_host: Tensor | None = None  # the next batch's ids on the host, where `plan.next_idx` holds them on the device
     phase: Phase = Phase.RUNNING
     losses: list[Tensor] = field(default_factory=list)
     fwd_timer: Timer | None = None

@@ -13,11 +13,11 @@ from lohan.store.states import Commit
 N = 4
 
 
-def plan(speculate=False, next_idx=True, one_process=True, **over):
+def plan(speculate=False, next_idx=True, one_process=True, separate_device=False, **over):
     cfg = EngineConfig(nvme=["/nonexistent"], cpu_mem="1GiB", **over)
     commit = Commit(step=5, slot=0, updates=4)
     nxt = torch.zeros(1, 8, dtype=torch.long) if next_idx else None
-    return StepPlan.make(cfg, commit, 0, 1, N, speculate, nxt, one_process)
+    return StepPlan.make(cfg, commit, 0, 1, N, speculate, nxt, one_process, separate_device=separate_device)
 
 
 def test_counts_and_slots_come_from_the_commit():
@@ -69,3 +69,17 @@ def test_in_place_the_next_forward_follows_the_pass_but_nothing_is_written_behin
 def test_a_speculated_step_keeps_the_next_batch_for_its_redo():
     p = plan(speculate=True)
     assert not p.follow and p.next_idx is not None  # a redone pass runs in forward order beside the next forward
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_durable_tail_the_next_forward_may_follow_only_on_a_separate_device(clip):
+    """On a separate device, a durable step updating during backward may turn to forward order with the next
+    forward beside it; clipping off (nothing can redo the pass) its last writes and commit complete beside the next
+    backward (write-behind). On the CPU, without the next batch, in serial mode or data parallel: never."""
+    p = plan(speculate=True, max_grad_norm=clip, separate_device=True)
+    assert p.tail_follows and not p.deferred and p.order == (3, 2, 1, 0) and p.lazy == (clip == 0.0)
+    for other in (plan(speculate=True, max_grad_norm=clip),
+                  plan(speculate=True, max_grad_norm=clip, separate_device=True, next_idx=False),
+                  plan(speculate=True, max_grad_norm=clip, separate_device=True, mode="serial"),
+                  plan(speculate=True, max_grad_norm=clip, separate_device=True, one_process=False)):
+        assert not other.tail_follows and not other.lazy
