@@ -360,3 +360,26 @@ def test_each_blocks_copy_to_the_device_starts_while_the_block_before_it_compute
         for k, batch in enumerate(eq.batches(3, 4, 32, 256), start=1):
             engine.step(batch)
             assert engine.streamer.late_copies == k, engine.streamer.late_copies
+
+
+def test_taking_the_forward_run_beside_the_last_pass_reads_nothing_back(sim, make_dirs):
+    """The next step's forward, run beside this step's pass, is taken for the ids it ran on, compared on the host:
+    fetching them from the device is a synchronization, which drained the compute stream at every step's start
+    (the GPU then idles while the host issues backward)."""
+    cfg = eq.engine_config(make_dirs(1), max_grad_norm=0.0, clip_mode="defer")  # the next forward beside each pass
+    with lohan.init(eq.tiny_cfg(n_layer=2), cfg) as engine:
+        data = list(eq.batches(4, 4, 32, 256))
+        took = []
+        real = engine._next.take
+
+        def take(idx):
+            before = engine.device.syncs
+            prepared = real(idx)
+            took.append((prepared is not None, engine.device.syncs - before))
+            return prepared
+
+        engine._next.take = take
+        for s in range(3):
+            engine.step(data[s], next_batch=data[s + 1])
+        engine.step(data[0])  # another batch than the one prepared: dropped
+    assert took == [(False, 0), (True, 0), (True, 0), (False, 0)]
