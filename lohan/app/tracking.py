@@ -39,6 +39,7 @@ from lohan.app.metrics import StepMetrics
 from lohan.app.tracker_backends import MLflow, TensorBoard, TrackerOpenError, WandB
 from lohan.config import TRACKERS, EngineConfig, parse_report_to
 from lohan.crashpoints import crashpoint
+from lohan.runtime.held import finish_before_interrupts
 
 __all__ = ["TRACKERS", "TrackerOpenError", "TrackerWriteError", "Trackers", "flat_params", "missing_packages",
            "parse_report_to", "step_scalars"]
@@ -187,7 +188,10 @@ class Trackers:
             scalars = step_scalars(m)
             for name, t in self._open:
                 try:
-                    t.log(m.step, scalars)
+                    # (held until the call returns: an interrupt raised inside a tracker's code cuts its write short
+                    # and leaves the tracker's own traceback, SQLAlchemy's under MLflow, on the terminal)
+                    with finish_before_interrupts(True, note=None):
+                        t.log(m.step, scalars)
                 except Exception as err:
                     raise TrackerWriteError(name, t.where, err) from err
                 crashpoint("trackers.logged")  # (the kill harness: between one tracker's log and the next's)
@@ -195,12 +199,13 @@ class Trackers:
     def close(self, status: str = "FINISHED") -> None:
         """Close every tracker, its run marked `status` (MLflow's FINISHED, FAILED or KILLED)."""
         failed: TrackerWriteError | None = None
-        while self._open:
-            name, t = self._open.pop()
-            try:
-                t.close(status)
-            except Exception as err:  # the others are closed still
-                failed = failed or TrackerWriteError(name, t.where, err)
+        with finish_before_interrupts(True, note=None):  # (a signal meanwhile: delivered once every one is closed)
+            while self._open:
+                name, t = self._open.pop()
+                try:
+                    t.close(status)
+                except Exception as err:  # the others are closed still
+                    failed = failed or TrackerWriteError(name, t.where, err)
         if failed is not None:
             raise failed
 

@@ -68,12 +68,18 @@ def _copy(batch: Batch) -> Batch:
     return ids.clone(), targets.clone()
 
 
+_IN_PLACE = ("the step first (it updates in place the states held in RAM since the last durable commit, which a "
+             "stop now would lose)")
+
+
 @contextlib.contextmanager
-def finish_before_interrupts(active: bool, pending: list[int] | None = None) -> Iterator[list[int]]:
+def finish_before_interrupts(active: bool, pending: list[int] | None = None,
+                             note: str | None = _IN_PLACE) -> Iterator[list[int]]:
     """Hold Ctrl-C and SIGTERM until the block ends (then deliver the first one as its handler would have), where
     `active` and in the main thread (the only one signal handlers run in); a second signal meanwhile is delivered
     at once. Yields the signals held so far: where the block raises, none is delivered, and a caller that goes on
-    with the same work (a replay) passes them on as `pending`, delivered when its own block ends."""
+    with the same work (a replay) passes them on as `pending`, delivered when its own block ends. `note`: what the
+    warning logged for a held signal says is finished first, and why (None: no warning, a block of moments)."""
     caught: list[int] = list(pending or [])
     if not active or threading.current_thread() is not threading.main_thread():
         yield caught
@@ -90,9 +96,8 @@ def finish_before_interrupts(active: bool, pending: list[int] | None = None) -> 
             _deliver(previous[signum], signum, frame)
             return
         caught.append(signum)
-        log.warning("%s: finishing the step first (it updates in place the states held in RAM since the last "
-                    "durable commit, which a stop now would lose); send it again to stop at once",
-                    signal.Signals(signum).name)
+        if note is not None:
+            log.warning("%s: finishing %s; send it again to stop at once", signal.Signals(signum).name, note)
 
     for sig in previous:
         signal.signal(sig, hold)

@@ -152,3 +152,41 @@ def test_logging_dir_that_is_a_file_is_refused(tmp_path, capsys):
                "--logging-dir", str(tmp_path / "logs")])
     assert rc == 2 and (tmp_path / "logs").read_text() == "mine"
     assert "--logging-dir" in "".join(capsys.readouterr())
+
+
+def test_a_signal_during_a_trackers_call_stops_the_run_after_that_call(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while a tracker writes (MLflow's SQL store, TensorBoard's event file) is held until the
+    call returns, then delivered as its handler would have been: an interrupt raised inside the tracker's code
+    left its own traceback on the terminal (SQLAlchemy's cursor cleanup logs one) and could cut a write short."""
+    import os
+    import signal
+    import threading
+    import time
+
+    calls: list[str] = []
+
+    class Slow:
+        where = "slow"
+
+        def log_params(self, params):
+            pass
+
+        def log(self, step, scalars):
+            calls.append("log begins")
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # (a Python-level sleep: a handler would run inside it)
+            calls.append("log ends")
+
+        def close(self, status):
+            calls.append(f"closed {status}")
+
+    from tests.unit.app.test_metrics import _m as record
+
+    monkeypatch.setattr(tracking, "_open_one", lambda *a: Slow())
+    assert threading.current_thread() is threading.main_thread()
+    trackers = tracking.Trackers(["tensorboard"], tmp_path, "run")
+    m = record(1)
+    with pytest.raises(KeyboardInterrupt):
+        trackers.log(m)
+    assert calls == ["log begins", "log ends"]
+    trackers.close()
