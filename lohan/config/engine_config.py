@@ -243,6 +243,9 @@ class EngineConfig:
         if not (ex.persist_every == "auto" or (is_int(ex.persist_every) and ex.persist_every >= 1)):
             problems.append(f"persist_every={ex.persist_every!r} must be an integer >= 1 (steps between durable "
                             "commits) or 'auto'")
+        if not is_int(ex.gc_every) or ex.gc_every < 0:
+            problems.append(f"gc_every={ex.gc_every!r} must be an integer >= 0 (steps between full collections of "
+                            "Python's garbage collector; 0: Python's own schedule)")
         if store.slots not in SLOTS:
             problems.append(f"slots={store.slots!r} must be 1 (in place) or 2 (alternate slots)")
         # the spec's names and rates are read against the planner's GPU presets, a layer above this one:

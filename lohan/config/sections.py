@@ -213,6 +213,13 @@ class ExecutionConfig:
     (`lohan.plan.durability.persist_interval`, from the first step's profile). An integer N > 1 where records stream
     is lowered to 1 (said in the header: the same config runs on machines with less memory)."""
 
+    gc_every: int = 50
+    """Steps between full collections of Python's cyclic garbage collector. While an engine is open, automatic
+    collection is off: each step's end collects the young generations, and after the first step what lives is
+    frozen, so that these full collections walk only what was made since (lohan/runtime/gc_policy.py). Python's
+    own schedule runs a full collection wherever allocation counts say, holding the GIL for ~0.2 s in a lohan
+    process: the thread that feeds the device stops meanwhile. 0: Python's own schedule."""
+
 
 @dataclass(frozen=True)
 class ScheduleConfig:

@@ -49,6 +49,7 @@ from lohan.plan.run_plan import RunPlan, plan_run
 from lohan.runtime.activations import ActivationManager
 from lohan.runtime.clip_schedule import ClipSchedule
 from lohan.runtime.device import Device, compute_dtype_choice
+from lohan.runtime.gc_policy import StepGc
 from lohan.runtime.heap import release_free_memory, reuse_heap
 from lohan.runtime.held import HeldSteps, Outcome, finish_before_interrupts
 from lohan.runtime.offload import GradOffloader, Provide
@@ -197,6 +198,7 @@ class Engine:
         self._norm_order = program.param_order() if hasattr(program, "param_order") else None
         self._closed = False
         self._trimmed = False  # memory.release_free_memory after the first step
+        self._gc = StepGc(cfg.execution.gc_every)  # Python's collections at step ends, not mid-step (gc_policy.py)
         self._cpu_lanes: deque[float] = deque(maxlen=5)  # the optimizer's CPU lane in recent steps (`_refine_cpu_rate`)
         self._cpu_steps = 0
 
@@ -479,6 +481,7 @@ class Engine:
         if not self._trimmed:  # store building and the first step's profiling leave freed memory resident
             release_free_memory()
             self._trimmed = True
+        self._gc.step_done()
         return loss
 
     def _begin(self, batch: tuple[Tensor, Tensor], next_batch: tuple[Tensor, Tensor] | None) -> StepRun:
@@ -819,6 +822,7 @@ class Engine:
 
     def _close(self) -> None:
         self._closed = True
+        self._gc.close()
         self._next.forget()
         self.offloader.close()  # its worker thread lives as long as the engine
         self.streamer.close()  # (and its hash thread)

@@ -72,6 +72,7 @@ from lohan.models.adapter import BlockProgram
 from lohan.models.lora import LoraAdapters
 from lohan.plan.pools import optimizer_chunk_elems
 from lohan.runtime.device import Device, compute_dtype_choice
+from lohan.runtime.gc_policy import StepGc
 from lohan.runtime.lora_commit import base_identity, commits, latest_commit, read_commit, write_commit
 from lohan.runtime.lora_graphs import GraphKeeper, Graphs, LoraActivations
 from lohan.runtime.optim import lr_at
@@ -131,6 +132,7 @@ class LoraEngine:
             self._close()
             raise
         self.last_stats: StepStats | None = None
+        self._gc = StepGc(cfg.execution.gc_every)  # Python's collections at step ends, not mid-step (gc_policy.py)
 
     def _fresh(self) -> None:
         """The adapters as initialized (PEFT's init, seeded), hooked; a new AdamW over them; the counters at 0."""
@@ -246,6 +248,7 @@ class LoraEngine:
             raise NonFiniteError(f"{self._bad_streak} steps in a row had a non-finite loss or gradient (the last at "
                                  f"step {self._step}); the adapters of step {self._step - self._bad_streak} stand. "
                                  "Lower --lr or check the data")
+        self._gc.step_done()
         return loss
 
     def _stats(self, idx: Tensor, loss: float, lr: float, t0: float, io0: dict, lanes: dict[str, float],
@@ -466,6 +469,8 @@ class LoraEngine:
 
     def _close(self) -> None:
         self._closed = True
+        if hasattr(self, "_gc"):
+            self._gc.close()
         for part in ("streamer", "activations"):
             if hasattr(self, part):
                 getattr(self, part).close()
