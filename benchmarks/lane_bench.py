@@ -9,13 +9,16 @@ the cores AdamW, hashing and the I/O need. The CPU lane's rate (AdamW and the re
 this box first, in serial steps per state format; each regime's modeled GPU and SSD are chosen from the cost model
 (`planner.predict_lanes`) so that its lanes stand as the regime says; then the rate is measured again in serial
 steps on each regime's own box (its paced store, its records resident or streamed: what the two cores also copy
-and hash there), and the regime's GPU and SSD are chosen once more at that rate, which also prices its lanes.
+and hash there), and the regime's GPU and SSD are chosen once more at that rate. Its lanes are priced at the rate measured so
+again before each of its rounds (a separate store; the median over the rounds): the box's speed drifts by a tenth
+or more between minutes, and a rate measured minutes before its runs missed them by as much.
 (A rate measured per mode on that box was tried: on two cores the update shares them with the I/O threads' copies,
 the hash threads and the device's dispatch, and how much of that runs beside it depends on the schedule; but three
 calibration steps of one configuration spread by up to a third between runs, more than the schedules differ, and the
 errors grew.) The regimes:
 
-- ``disk``: records streamed from one paced directory, the ssd lane 3x the others;
+- ``disk``: records streamed from one paced directory, the ssd lane 5x the cpu lane (at 3x the host's whole CPU
+  work, ~1.2-1.4 core-seconds a step on two cores, came to ~0.6 s of a ~0.8 s step: the cores, not the disk, set it);
 - ``optimizer``: every record resident in main memory and written every few steps (``persist_every`` auto), a
   fast modeled GPU: the cpu lane binds;
 - ``gpu``: a slow modeled GPU, its lane 3x the others;
@@ -72,6 +75,7 @@ from ago_bench import make_batches, round_order  # noqa: E402  (a sibling: the s
 
 GiB = 1 << 30
 STORE_NAME = "lanebench"
+CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration before each round: its own store, the rounds' untouched
 MODES = ("serial", "optimized")
 MAIN_LANES = ("gpu", "m2g", "g2m", "ssd", "cpu")  # planner.LANES_B
 REGIMES = ("disk", "optimizer", "gpu", "balanced")
@@ -192,7 +196,7 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
 
 
 def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1,
-                  regime: Regime | None = None) -> float:
+                  regime: Regime | None = None, name: str = STORE_NAME) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
     median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
     store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
@@ -209,7 +213,7 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
         state_format, persist_every = regime.state_format, regime.persist_every
     in_ram = persist_every != 1
     mode = "optimized" if in_ram else "serial"
-    cfg = engine_config(args, regime, mode) if regime is not None else EngineConfig(
+    cfg = engine_config(args, regime, mode, name) if regime is not None else EngineConfig(
         nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads", device="sim", mode=mode,
         resident_mem="all", name=STORE_NAME, max_grad_norm=0.0, state_format=state_format,
         persist_every=persist_every, **({"sim_gpu": sim_spec(1000, args.device_compute)} if timed_device() else {}))
@@ -229,7 +233,7 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
 
 SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd lane / cpu lane (None: FIXED_SSD_GBPS),
     #            persist_every), the lanes predicted
-    "disk": ("exact", 0, 0.9, 3.0, 1),
+    "disk": ("exact", 0, 0.9, 5.0, 1),
     # records in RAM, written every few steps (persist_every auto), so the SSD hardly works; a fast GPU: with
     # clipping off the steps between durable ones update in place during backward (lohan.runtime.held)
     "optimizer": ("8bit-moments", "all", 0.1, None, "auto"),
@@ -239,8 +243,10 @@ SHAPES = {  # regime: (state format, resident records, gpu lane / cpu lane, ssd 
 """Why 8bit-moments where the cpu lane must meet or beat the ssd lane: exact's CPU update here runs ~180 M
 params/s in a step, so an SSD lane as short as it needs ~5 GB/s of paced I/O, which two cores cannot copy
 through tmpfs while they also run AdamW (the memcpy costs about what the update does). 8bit-moments' update
-costs ~13x more CPU per parameter for half the bytes, so those lanes meet at ~1 GB/s. The disk- and GPU-bound
-regimes ask the SSD for ~1.7 GB/s in exact (3x the cpu lane), which it keeps."""
+costs ~13x more CPU per parameter for half the bytes, so those lanes meet at ~1 GB/s. The GPU-bound regime asks
+the SSD for 3x the cpu lane in exact (~1.7 GB/s on a Xeon box, ~2.8 on the EPYC), the disk-bound one for 5x (~1.7
+on the EPYC), which tmpfs keeps; at 3x the disk-bound step was set by the two cores' whole work (the report's
+``host CPU / cores``), not by the disk."""
 
 
 def choose_regimes(args: argparse.Namespace, mcfg: Any, cpu_rates: dict[str, float]) -> list[Regime]:
@@ -274,12 +280,12 @@ def command(argv: list[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- running
-def engine_config(args: argparse.Namespace, regime: Regime, mode: str) -> Any:
+def engine_config(args: argparse.Namespace, regime: Regime, mode: str, name: str = STORE_NAME) -> Any:
     from lohan.config import EngineConfig
 
     sim = {"sim_gpu": regime.sim_gpu} if timed_device() else {}
     return EngineConfig(nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads",
-                        device="sim", mode=mode, resident_mem=regime.resident_mem, name=STORE_NAME,
+                        device="sim", mode=mode, resident_mem=regime.resident_mem, name=name,
                         emulate_ssd_gbps=regime.ssd_gbps, max_grad_norm=0.0, state_format=regime.state_format,
                         persist_every=regime.persist_every, **sim)
 
@@ -294,31 +300,34 @@ def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, 
     with lohan.init(mcfg, engine_config(args, regime, mode), resume=True) as engine:
         for k in range(args.warmup_steps + args.steps):
             batch, nxt = data[(cursor + k) % len(data)], data[(cursor + k + 1) % len(data)]
+            cpu0 = time.process_time()
             engine.step(batch, next_batch=nxt)
             s = engine.last_stats
             records.append({"regime": regime.name, "mode": mode, "round": rnd, "warmup": k < args.warmup_steps,
                             "step_s": s.step_s, "lanes": dict(s.lanes), "deferred": s.deferred,
-                            "durable": s.durable})
+                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0})
     release_free_memory()  # the engine's freed pools would stay in the heap for the next opening
     return records
 
 
-def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) -> list[dict]:
-    """Make the regime's store once, then interleave the modes in rounds."""
+def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) -> tuple[list[dict], list[float]]:
+    """Make the regime's store once, then interleave the modes in rounds, each opened by a calibration of the CPU
+    lane's rate on the regime's box (its own store): the records, and the rates per round."""
     import lohan
 
     lohan.init(mcfg, engine_config(args, regime, MODES[-1]), overwrite=True).close()
     n = args.rounds * len(MODES) * (args.warmup_steps + args.steps) + 1
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, n, seed=0)
-    records, cursor = [], 0
+    records, cursor, rates = [], 0, []
     for rnd in range(args.rounds):
+        rates.append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE))
         for _, mode in round_order([(regime.name, m) for m in MODES], rnd, args.rounds):
             recs = run_opening(args, mcfg, regime, mode, rnd, data, cursor)
             cursor += len(recs)
             records += recs
             med = statistics.median(r["step_s"] for r in recs if not r["warmup"])
             log(f"  {regime.name:9s} round {rnd} {mode:9s} step {med:.3f} s")
-    return records
+    return records, rates
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -332,6 +341,9 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
         names = sorted({k for r in rs for k in r["lanes"]})
         lanes = {k: statistics.median(r["lanes"].get(k, 0.0) for r in rs) for k in names}
         pred = predicted(args, mcfg, regime, cpu_rates, mode)
+        # every thread's CPU seconds over the cores: the host's whole work (AdamW, hashing, the emulated SSDs'
+        # copies, the dispatch), a lane the cost model does not have (a GPU box has the cores to spare)
+        host = statistics.median(r.get("host_cpu_s", 0.0) for r in rs) / (os.cpu_count() or 1)
         main = {k: lanes[k] for k in MAIN_LANES if k in lanes}
         slowest = max(main, key=main.__getitem__)
         errors = {k: abs(main[k] - pred[k]) / main[k] for k in main if main[k] >= MATTERS * step and main[k] > 0}
@@ -339,7 +351,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
             "steps": len(rs), "step_s": step, "step_s_all": [r["step_s"] for r in rs], "lanes": lanes,
             "predicted_lanes": pred, "predicted_slowest": max(pred, key=pred.__getitem__),
             "slowest_lane": slowest, "step_over_slowest_lane": step / main[slowest],
-            "gpu_idle_fraction": 1 - main.get("gpu", 0.0) / step,
+            "gpu_idle_fraction": 1 - main.get("gpu", 0.0) / step, "host_cpu_over_cores_s": host,
             # the steps whose update ran after backward, beside the next forward (clip_mode auto's choice)
             "deferred_fraction": sum(bool(r.get("deferred")) for r in rs) / len(rs),
             # waits for P16 being read or copied in (what I/O priority is for); a forward that follows the
@@ -384,20 +396,20 @@ def markdown(report: dict) -> str:
              f"Emulated GPU box on {report['environment']['cpu_model']} ({report['environment']['cpu_count']} cores): "
              f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
              f"directory (tmpfs by default); model {report['model']}; the CPU lane's rate (the update and the records' "
-             "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box, "
-             "M params/s: " + ", ".join(
+             "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box (and "
+             "again before each of its rounds: the median of those prices its lanes), M params/s: " + ", ".join(
                  f"{k} {v / 1e6:.1f}" for k, v in report["cpu_update_params_per_s"].items())
              + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
         lines.append(f"| {k} | {f(report[k])} | {op} {t} | {report['targets_met'][k]} |")
     lines += ["", "| regime | mode | step s | slowest | step/slowest | " + " | ".join(
-        f"{k} meas/pred" for k in MAIN_LANES) + " | P16 wait | provision wait | deferred | max err |", "|---" * (9 + len(MAIN_LANES)) + "|"]
+        f"{k} meas/pred" for k in MAIN_LANES) + " | host CPU / cores | P16 wait | provision wait | deferred | max err |", "|---" * (10 + len(MAIN_LANES)) + "|"]
     for name, r in report["regimes"].items():
         for mode, m in r["modes"].items():
             cells = [f"{f(m['lanes'].get(k), '.3f')}/{f(m['predicted_lanes'].get(k), '.3f')}" for k in MAIN_LANES]
             lines.append(f"| {name} | {mode} | {m['step_s']:.3f} | {m['slowest_lane']} | "
                          f"{m['step_over_slowest_lane']:.2f} | " + " | ".join(cells) +
-                         f" | {m['p16_wait_fraction']:.3f} | {f(m.get('provision_wait_fraction'), '.3f')} | "
+                         f" | {f(m.get('host_cpu_over_cores_s'))} | {m['p16_wait_fraction']:.3f} | {f(m.get('provision_wait_fraction'), '.3f')} | "
                          f"{f(m.get('deferred_fraction'), '.2f')} | {f(max(m['lane_prediction_error'].values(), default=None), '.2f')} |")
     lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records, state format, persist_every): "
               + "; ".join(
@@ -405,7 +417,9 @@ def markdown(report: dict) -> str:
         f"{r['regime']['state_format']}, persist {r['regime'].get('persist_every', 1)}"
         for n, r in report["regimes"].items()), "",
         "Lanes are `engine.last_stats.lanes` (medians of the measured steps) and `planner.predict_lanes` for the "
-        "same run; the error counts lanes >= 10% of the step. `deferred`: the share of measured steps whose update "
+        "same run; the error counts lanes >= 10% of the step. `host CPU / cores`: every thread's CPU seconds in the "
+        "step over the cores, the host's whole work (AdamW, hashing, the emulated SSDs' copies, the dispatch), which "
+        "the cost model does not price: where it nears the step, the cores, not the lanes, set it. `deferred`: the share of measured steps whose update "
         "ran after backward beside the next forward (clip_mode auto's choice; the others updated during backward). "
         "Not modeled: kernel efficiency, the caching allocator, the real GPU's launch overheads. "
         + ("The device's arithmetic was skipped (`--device-compute modeled`): its ops took only their modeled time "
@@ -424,13 +438,25 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
-    from lohan.app.fit import measure_cpu_adam
     from lohan.config import get_model_config
 
     mcfg = get_model_config(args.model, n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64),
                             vocab_size=args.vocab, seq_len=max(args.seq_len, 64))  # heads 64 wide, as GPT-2's
     for d in args.nvme:
         os.makedirs(d, exist_ok=True)
+    try:
+        return measure_and_report(args, argv, mcfg, log, t0)
+    finally:  # on tmpfs by default: a store left there would hold GBs of main memory until the next boot
+        from lohan.store.opening import remove_store
+
+        for name in (STORE_NAME, CALIBRATION_STORE):
+            remove_store(list(args.nvme), name)
+
+
+def measure_and_report(args: argparse.Namespace, argv: list[str] | None, mcfg: Any, log: Any, t0: float) -> int:
+    """Calibrate, choose the regimes, run them, and write the report (`main`)."""
+    from lohan.app.fit import measure_cpu_adam
+
     alone = measure_cpu_adam(compute_dtype="fp32", checksums=True)
     kinds = sorted({(SHAPES[r][0], SHAPES[r][4]) for r in args.regimes}, key=str)
     cpu_rates = {Regime("", 0, 0, 0, fmt, persist).rate_key: calibrate_cpu(args, mcfg, fmt, persist)
@@ -446,9 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     for regime in regimes:
         log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}, "
             f"{regime.state_format}")
-        records = run_regime(args, mcfg, regime, log)
-        results[regime.name] = summarize(args, mcfg, regime, cpu_rates, records)
-        results[regime.name]["records"] = records
+        records, rates = run_regime(args, mcfg, regime, log)
+        # priced at the rate of the rounds it ran in: the box's speed drifts by a tenth or more between minutes
+        priced = {**cpu_rates, regime.name: statistics.median(rates)}
+        results[regime.name] = summarize(args, mcfg, regime, priced, records)
+        results[regime.name].update(records=records, cpu_update_params_per_s_rounds=rates)
     keys = headline(results)
     report = {**keys, "targets_met": targets_met(keys), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": command(argv if argv is not None else sys.argv[1:]),
