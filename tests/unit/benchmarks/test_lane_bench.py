@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,10 @@ def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
             m = report["regimes"][name]["modes"][mode]
             assert set(m["predicted_lanes"]) == set(LANES_B) and m["steps"] == 1
             assert {"gpu", "ssd", "cpu", "param_wait"} <= set(m["lanes"]) and m["step_over_slowest_lane"] >= 1.0
+            assert m["host_cpu_over_cores_s"] > 0
+        rates = report["regimes"][name]["cpu_update_params_per_s_rounds"]
+        assert len(rates) == 1 and rates[0] > 0  # (measured before each round)
+    assert os.listdir(tmp_path / "nvme") == []  # the stores (of the rounds and the calibrations) are removed
     md = out.with_suffix(".md").read_text()
     assert "step_over_slowest_lane_disk" in md and "| balanced | optimized |" in md
     assert str(tmp_path) not in out.read_text()  # no path of this machine in a committed report
