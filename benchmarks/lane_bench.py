@@ -185,12 +185,14 @@ def hardware(regime: Regime, cpu_rates: dict[str, float], n_dirs: int) -> Any:
 
 
 def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, float],
-              mode: str) -> dict[str, float]:
+              mode: str, deferred: bool | None = None) -> dict[str, float]:
+    """The cost model's lanes for `regime` in `mode`, for the schedule its plan says a run takes, or where
+    `deferred` is given that one (the schedule the run's own measurements chose: `clip_schedule`)."""
     from lohan.config import parse_bytes
     from lohan.plan.planner import predict_lanes
 
     return predict_lanes(mcfg, hardware(regime, cpu_rates, len(args.nvme)), args.batch_size, args.seq_len, mode,
-                         compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
+                         deferred=deferred, compute_dtype="fp32", resident_mem=regime.resident_mem, cpu_mem=parse_bytes(args.cpu_mem),
                          readahead_mem="auto" if mode == "optimized" else 0, state_format=regime.state_format,
                          persist_every=regime.persist_every)  # (serial runs the regime's interval too)
 
@@ -340,7 +342,10 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
         step = statistics.median(r["step_s"] for r in rs)
         names = sorted({k for r in rs for k in r["lanes"]})
         lanes = {k: statistics.median(r["lanes"].get(k, 0.0) for r in rs) for k in names}
-        pred = predicted(args, mcfg, regime, cpu_rates, mode)
+        # the lanes of the schedule most of the measured steps took (clip_mode auto tries both, then keeps the
+        # faster: which one the run ends on is the measurements' choice, not the model's)
+        deferred = sum(bool(r.get("deferred")) for r in rs) / len(rs)
+        pred = predicted(args, mcfg, regime, cpu_rates, mode, deferred >= 0.5 if mode != "serial" else None)
         # every thread's CPU seconds over the cores: the host's whole work (AdamW, hashing, the emulated SSDs'
         # copies, the dispatch), a lane the cost model does not have (a GPU box has the cores to spare)
         host = statistics.median(r.get("host_cpu_s", 0.0) for r in rs) / (os.cpu_count() or 1)
@@ -353,7 +358,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
             "slowest_lane": slowest, "step_over_slowest_lane": step / main[slowest],
             "gpu_idle_fraction": 1 - main.get("gpu", 0.0) / step, "host_cpu_over_cores_s": host,
             # the steps whose update ran after backward, beside the next forward (clip_mode auto's choice)
-            "deferred_fraction": sum(bool(r.get("deferred")) for r in rs) / len(rs),
+            "deferred_fraction": deferred,
             # waits for P16 being read or copied in (what I/O priority is for); a forward that follows the
             # optimizer waits for its updates instead (`provision_wait`: the cpu lane binding, by the schedule)
             "p16_wait_fraction": lanes.get("param_wait", 0.0) / step,

@@ -19,23 +19,24 @@ from lohan.plan.units import itemsize
 
 
 def predict_lanes(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
-                  **capacity_args: Any) -> dict[str, float]:
+                  deferred: bool | None = None, **capacity_args: Any) -> dict[str, float]:
     """Seconds each lane (:data:`LANES_B`) is busy in one step of a run, as the cost model predicts them: the
     plan `capacity.capacity` makes for (``cfg``, ``hw``, ``batch``, ``seq``, ``mode`` and ``capacity_args``: compute
     dtype, state format, resident records, ...), its forward and backward added (`Estimate.step_lanes`) for the
-    schedule the run takes (:func:`defers`), in the vocabulary the engine measures (`runtime.step.StepStats.lanes`).
+    schedule the run takes (:func:`defers`; ``deferred`` given: that one, e.g. the one a run's measurements chose),
+    in the vocabulary the engine measures (`runtime.step.StepStats.lanes`).
     ``hw.cpu_adam_params_per_s`` is the rate of the optimizer's CPU work as it runs: with checksums on, the records'
     hashing included (`fit.measure_cpu_adam`)."""
-    return scheduled(cfg, hw, batch, seq, mode, **capacity_args)[0]
+    return scheduled(cfg, hw, batch, seq, mode, deferred, **capacity_args)[0]
 
 
 def scheduled(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = "optimized",
-              **capacity_args: Any) -> tuple[dict[str, float], float]:
-    """(lanes, step seconds) of the schedule a run's steady steps take (:func:`defers`): the serial step's
-    (``t_serial``), a deferred one's (``t_deferred``) or a speculated one's (``T_iter``)."""
+              deferred: bool | None = None, **capacity_args: Any) -> tuple[dict[str, float], float]:
+    """(lanes, step seconds) of the schedule a run's steady steps take (:func:`defers`, or ``deferred`` where
+    given): the serial step's (``t_serial``), a deferred one's (``t_deferred``) or a speculated one's (``T_iter``)."""
     run = design_plan(cfg, hw, mode=mode, **capacity_args)
     est = plan_capacity(cfg, hw, batch, seq, run).plan.estimate
-    later = defers(run, est)
+    later = defers(run, est) if deferred is None else deferred and mode != "serial" and est.t_deferred > 0
     step_s = est.t_serial if mode == "serial" else est.t_deferred if later else est.t_iter
     return est.step_lanes(mode, deferred=later), step_s
 
