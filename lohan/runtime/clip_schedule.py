@@ -52,13 +52,6 @@ that always makes one choice would price the other from the model alone."""
 
 PROBE_P_CLIP = 0.1
 
-PROBE_UNCLIPPED = 2
-"""With clipping off, the steps after which the schedule never measured is tried: neither one redoes anything, so
-trying costs at most the difference, while the model's prior can be wrong by a few percent either way where the
-two price alike (a GPU-bound step: its update hides under backward, or beside the next forward, which then waits
-for each block's update; the emulated GPU box of benchmarks/lane_bench.py measured the second ~5% slower where the
-model had priced it level), and a run would otherwise keep that choice for `PROBE_EVERY` steps."""
-
 
 class ClipSchedule:
     """The speculate-or-defer choice of `clip_mode` (module docstring), fed each step's `StepStats`."""
@@ -108,14 +101,13 @@ class ClipSchedule:
         return choice
 
     def _probe(self, choice: bool, p_clip: float) -> bool:
-        """Whether this step tries the other schedule (`PROBE_EVERY`; clipping off: `PROBE_UNCLIPPED`)."""
+        """Whether this step tries the other schedule (`PROBE_EVERY`)."""
         if self._probe_left:
             self._probe_left -= 1
             return True
         other = "deferred" if choice else "speculated"
         cheap = other == "deferred" or p_clip < PROBE_P_CLIP
-        every = PROBE_EVERY if self.cfg.stability.max_grad_norm > 0 else PROBE_UNCLIPPED
-        if other in self._costs.measured or not cheap or self._since_probe < every:
+        if other in self._costs.measured or not cheap or self._since_probe < PROBE_EVERY:
             return False
         self._since_probe, self._probe_left = 0, 1
         return True
