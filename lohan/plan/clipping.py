@@ -58,10 +58,20 @@ def clip_probability(norms: Sequence[float], max_norm: float, window: int = 16) 
     return 0.5 * math.erfc(z / math.sqrt(2))  # P(Normal > z)
 
 
-def should_speculate(p_clip: float, defer_cost_s: float, redo_cost_s: float) -> bool:
+DEFER_TIE = 0.01
+"""Where no step can be redone, deferring is chosen only where it is cheaper than updating during backward by more
+than this share of a step (`should_speculate`): closer than that, the cost model cannot tell them apart."""
+
+
+def should_speculate(p_clip: float, defer_cost_s: float, redo_cost_s: float, tie_s: float = 0.0) -> bool:
     """Speculate when a wrong guess's expected cost, ``p_clip * redo_cost_s``, is below the sure cost of deferring,
     ``defer_cost_s`` (both in seconds beyond a speculated step that does not clip). Ties defer: a deferred step is
-    never redone."""
+    never redone. Where nothing can be redone (``p_clip`` 0: clipping off, or norms far below the limit) a tie
+    speculates instead, deferring only where it is cheaper by more than ``tie_s``: where one lane binds, the cost
+    model prices both schedules alike, and a deferred step's next forward then waits for each block's update
+    (on the emulated GPU box of benchmarks/lane_bench.py, ~5% slower where the two were priced level)."""
+    if p_clip == 0:
+        return defer_cost_s >= -tie_s
     return p_clip * redo_cost_s < defer_cost_s
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from lohan.config import ModelConfig
 from lohan.plan import formats
 from lohan.plan.capacity import design_plan, plan_capacity
+from lohan.plan.clipping import DEFER_TIE
 from lohan.plan.cost_model import Estimate
 from lohan.plan.hardware import Hardware
 from lohan.plan.lanes import LANES_B, upgrade_lanes
@@ -49,7 +50,7 @@ def defers(run: RunPlan, est: Estimate) -> bool:
     clip_mode = run.engine.stability.clip_mode
     if not run.defer_unclipped or clip_mode == "speculate":
         return False
-    return clip_mode == "defer" or 0 < est.t_deferred < est.t_iter
+    return clip_mode == "defer" or 0 < est.t_deferred < est.t_iter * (1 - DEFER_TIE)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ known, in forward order with the next step's forward beside it). Both give the s
 - a speculated step that clips costs ``redo`` seconds more (the optimizer pass runs twice, its I/O included).
 
 With clipping off (``max_grad_norm`` 0) nothing is redone (``p_clip`` is 0): a step updates during backward unless
-deferring measures cheaper (``defer <= 0``, below), where the memory plan kept the step's gradients in main memory
-(`lohan.plan.pools.may_defer_unclipped`); `step.clip_gate` then defers only a step the next forward follows.
+deferring measures cheaper (``defer < 0`` by more than `lohan.plan.clipping.DEFER_TIE` of a step, below: a tie
+speculates), where the memory plan kept the step's gradients in main memory (`lohan.plan.pools.may_defer_unclipped`);
+`step.clip_gate` then defers only a step the next forward follows.
 
 So speculating pays when ``p_clip * redo < defer`` (`lohan.plan.clipping.should_speculate`), with ``p_clip`` the
 probability that this step clips, estimated from the recent norms (`lohan.plan.clipping.clip_probability`).
 Steady clipping (early fine-tuning) then defers every step and never redoes; norms well below the limit speculate;
-and where deferring costs nothing or less than a right speculation (``defer <= 0``: a CPU device that shares its
+and where deferring costs less than a right speculation (``defer < 0``: a CPU device that shares its
 cores with the optimizer, where the update beside the next forward hides better than under backward) the schedule
 defers whatever the norm.
 
@@ -36,7 +37,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from lohan.config import EngineConfig
-from lohan.plan.clipping import ClipCosts, clip_probability, should_speculate
+from lohan.plan.clipping import DEFER_TIE, ClipCosts, clip_probability, should_speculate
 
 if TYPE_CHECKING:
     from lohan.plan.planner import Estimate
@@ -93,7 +94,7 @@ class ClipSchedule:
         defer, redo = costs
         redo = max(redo, replay_s)
         p = clip_probability(list(self.norms), self.cfg.stability.max_grad_norm, HISTORY)
-        choice = should_speculate(p, defer, redo)
+        choice = should_speculate(p, defer, redo, DEFER_TIE * self._costs.time("speculated"))
         self.last_choice = {"rule": "cost", "p_clip": p, "defer_s": defer, "redo_s": redo}
         if self._probe(choice, p):
             self.last_choice["rule"] = "probe"

@@ -62,10 +62,15 @@ def test_probability_is_monotone_in_the_last_norm_and_off_without_clipping() -> 
     assert clip_probability([5.0], 0.0) == 0.0
 
 
-def test_deferring_for_free_always_defers() -> None:
-    """A deferred step no dearer than a speculated one (the SSDs bind: its forward reads no P16) never speculates."""
-    assert not should_speculate(0.0, defer_cost_s=0.0, redo_cost_s=1.0)
+def test_deferring_cheaper_always_defers_a_tie_defers_only_where_a_step_may_be_redone() -> None:
+    """A deferred step cheaper than a speculated one (the SSDs bind: its forward reads no P16) never speculates. A
+    tie speculates where nothing can be redone (p_clip 0: one lane binds either way, and a deferred step's next
+    forward waits for each block's update), and defers where a speculation might have to be redone."""
     assert not should_speculate(0.0, defer_cost_s=-0.3, redo_cost_s=1.0)
+    assert not should_speculate(0.0, defer_cost_s=-0.3, redo_cost_s=1.0, tie_s=0.2)
+    assert should_speculate(0.0, defer_cost_s=-0.1, redo_cost_s=1.0, tie_s=0.2)
+    assert should_speculate(0.0, defer_cost_s=0.0, redo_cost_s=1.0)
+    assert not should_speculate(0.01, defer_cost_s=0.0, redo_cost_s=1.0)
 
 
 def test_costs_start_from_the_estimate_and_follow_the_measurements() -> None:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from lohan.config import EngineConfig
+from lohan.plan.clipping import should_speculate
 from lohan.runtime.clip_schedule import ClipSchedule
 
 
@@ -176,3 +177,14 @@ def test_a_re_priced_model_moves_the_choice_the_measured_kind_keeps_its_scale():
     assert s.speculate(estimate(t_iter=2.0, t_deferred=2.5, t_redo=3.5)) is True
     defer, _ = s.costs(estimate(t_iter=2.0, t_deferred=2.5, t_redo=3.5))
     assert defer == pytest.approx(3.0 - 2.0 * 3.0 / 2.5)
+
+
+def test_clipping_off_a_tie_updates_during_backward():
+    """Where the model prices both schedules alike (one lane binds either way), the update runs during backward:
+    deferring must be cheaper by more than DEFER_TIE of a step (with clipping on, a tie still defers)."""
+    s = ClipSchedule(cfg(max_grad_norm=0.0), defer_unclipped=True)
+    s.observe(unclipped(2.0))
+    assert s.speculate(estimate(t_iter=4.0, t_deferred=4.0)) is True
+    assert s.speculate(estimate(t_iter=4.0, t_deferred=3.98)) is True  # 0.5%: within the tie
+    assert s.speculate(estimate(t_iter=4.0, t_deferred=3.9)) is False  # 2.5% cheaper: deferred
+    assert should_speculate(0.0, 0.0, 1.0) is True and should_speculate(0.01, 0.0, 1.0) is False
