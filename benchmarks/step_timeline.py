@@ -15,7 +15,7 @@ names its OS threads after their Python threads, so CPU time is attributed to th
 intra-op threads (unnamed, they carry the process's name), the optimizer worker (`lohan-ago*`) and the
 I/O lanes (`io_engine-*`).
 
-Phases of a step (`Engine.step`): **backward** (from the step's start to the end of `_backward`: the
+Phases of a step (`Engine.step`): **backward** (from the step's start to the end of `BlockPasses.backward`: the
 forward too, when the step before did not run it beside its own update), **after gate** (`_finish_updates`:
 the optimizer pass that waited for the gradient norm, with the next step's forward beside it), **rest**
 (settling the norm, commit, metrics). Per phase: seconds, cores busy (user and system), GB read and
@@ -68,22 +68,25 @@ def _name_os_threads() -> None:
 def child(a: argparse.Namespace) -> int:
     _name_os_threads()
     import lohan.runtime.engine as E
+    import lohan.runtime.passes as P
 
     marks: list[tuple[str, float, float]] = []
 
-    def timed(name: str) -> None:
-        f = getattr(E.Engine, name)
+    def timed(cls: type, name: str, mark: str) -> None:
+        f = getattr(cls, name)
 
         def g(self: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = time.monotonic()
             try:
                 return f(self, *args, **kwargs)
             finally:
-                marks.append((name, t0, time.monotonic()))
-        setattr(E.Engine, name, g)
+                marks.append((mark, t0, time.monotonic()))
+        setattr(cls, name, g)
 
-    for name in ("step", "_backward", "_finish_updates"):
-        timed(name)
+    # (the step's backward is its passes' since the engine was split; the mark keeps its old name)
+    for cls, name, mark in ((E.Engine, "step", "step"), (P.BlockPasses, "backward", "_backward"),
+                            (E.Engine, "_finish_updates", "_finish_updates")):
+        timed(cls, name, mark)
     settings = json.loads(a.settings)
     step, close, info = vd.build_lohan(Path(a.model_dir), Path(a.work), settings, "bf16")
     vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
