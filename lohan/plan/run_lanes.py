@@ -45,8 +45,8 @@ def scheduled(cfg: ModelConfig, hw: Hardware, batch: int, seq: int, mode: str = 
 def defers(run: RunPlan, est: Estimate) -> bool:
     """Whether a run's steady steps update after backward (`runtime.clip_schedule.ClipSchedule`), with clipping
     off: where the plan lets an unclipped update wait (``run.defer_unclipped``), ``clip_mode`` defer always, auto
-    where the cost model prices that step shorter (its prior, which the engine's measurements then confirm or
-    overturn). A clipping run's choice follows its gradient norms, which no plan knows: priced as speculating."""
+    where the cost model prices that step shorter by more than `clipping.DEFER_TIE` of a step (its prior, which the
+    engine's measurements then confirm or overturn; a tie updates during backward). A clipping run's choice follows its gradient norms, which no plan knows: priced as speculating."""
     clip_mode = run.engine.stability.clip_mode
     if not run.defer_unclipped or clip_mode == "speculate":
         return False
