@@ -54,6 +54,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -449,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                             vocab_size=args.vocab, seq_len=max(args.seq_len, 64))  # heads 64 wide, as GPT-2's
     for d in args.nvme:
         os.makedirs(d, exist_ok=True)
+    # SIGTERM (a timeout, a kill) ends the run as Ctrl-C does, through the `finally` below: its default action would
+    # leave the stores on tmpfs (lohan holds it while a step writes, and delivers it after)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return measure_and_report(args, argv, mcfg, log, t0)
     finally:  # on tmpfs by default: a store left there would hold GBs of main memory until the next boot
