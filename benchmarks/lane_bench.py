@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(d, exist_ok=True)
     # SIGTERM (a timeout, a kill) ends the run as Ctrl-C does, through the `finally` below: its default action would
     # leave the stores on tmpfs (lohan holds it while a step writes, and delivers it after)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return measure_and_report(args, argv, mcfg, log, t0)
     finally:  # on tmpfs by default: a store left there would hold GBs of main memory until the next boot
@@ -460,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for name in (STORE_NAME, CALIBRATION_STORE):
             remove_store(list(args.nvme), name)
+        signal.signal(signal.SIGTERM, before)  # (main may be called in a process that has its own)
 
 
 def measure_and_report(args: argparse.Namespace, argv: list[str] | None, mcfg: Any, log: Any, t0: float) -> int:

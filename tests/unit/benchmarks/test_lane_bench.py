@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_regimes_are_chosen_from_the_cost_model():
 
 def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
     out = tmp_path / "res" / "lanes.json"
+    handler = signal.getsignal(signal.SIGTERM)
     assert lane_bench.main(["--nvme", str(tmp_path / "nvme"), "--regimes", "disk", "balanced", "--out", str(out),
                             *MICRO]) == 0
     report = json.loads(out.read_text())
@@ -66,6 +68,7 @@ def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
         rates = report["regimes"][name]["cpu_update_params_per_s_rounds"]
         assert len(rates) == 1 and rates[0] > 0  # (measured before each round)
     assert os.listdir(tmp_path / "nvme") == []  # the stores (of the rounds and the calibrations) are removed
+    assert signal.getsignal(signal.SIGTERM) is handler  # its SIGTERM handler is the process's again
     md = out.with_suffix(".md").read_text()
     assert "step_over_slowest_lane_disk" in md and "| balanced | optimized |" in md
     assert str(tmp_path) not in out.read_text()  # no path of this machine in a committed report
