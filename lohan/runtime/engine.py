@@ -609,6 +609,8 @@ class Engine:
         each of those blocks must be in memory: its record resident, or its P16 kept, taken now out of the pool's
         reach (`ParamStreamer.take_handed_over`); else None, and the forward waits for the whole pass."""
         if plan.durable:
+            if self.device.is_host:  # (the forward would share the cores with the update: it runs after the pass)
+                return None
             before = [i for i in range(len(self.program.modules))
                       if i not in blocks and i not in self.offloader.resident_records]
             if not self.streamer.take_handed_over(before, plan.write_slot):

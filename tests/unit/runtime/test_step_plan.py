@@ -75,11 +75,13 @@ def test_a_speculated_step_keeps_the_next_batch_for_its_redo():
 def test_a_durable_tail_the_next_forward_may_follow_only_on_a_separate_device(clip):
     """On a separate device, a durable step updating during backward may turn to forward order with the next
     forward beside it; clipping off (nothing can redo the pass) its last writes and commit complete beside the next
-    backward (write-behind). On the CPU, without the next batch, in serial mode or data parallel: never."""
+    backward (write-behind). On the CPU the tail is offered (the engine declines it and runs the next forward once
+    the pass is done) but never written behind; without the next batch, in serial mode or data parallel: never."""
     p = plan(speculate=True, max_grad_norm=clip, separate_device=True)
     assert p.tail_follows and not p.deferred and p.order == (3, 2, 1, 0) and p.lazy == (clip == 0.0)
-    for other in (plan(speculate=True, max_grad_norm=clip),
-                  plan(speculate=True, max_grad_norm=clip, separate_device=True, next_idx=False),
+    cpu = plan(speculate=True, max_grad_norm=clip)
+    assert cpu.tail_follows and not cpu.lazy
+    for other in (plan(speculate=True, max_grad_norm=clip, separate_device=True, next_idx=False),
                   plan(speculate=True, max_grad_norm=clip, separate_device=True, mode="serial"),
                   plan(speculate=True, max_grad_norm=clip, separate_device=True, one_process=False)):
         assert not other.tail_follows and not other.lazy
