@@ -133,11 +133,25 @@ class Device:
         self.upload_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
         self.download_stream = torch.cuda.Stream(self.torch) if self.is_cuda else None
 
-    def bind_thread(self) -> None:
+    def worker_threads(self) -> int | None:
+        """Intra-op threads for a thread that computes beside the compute thread (the optimizer's AdamW), read
+        on the compute thread. On the CPU device the compute thread's own pool already runs on
+        `torch.get_num_threads()` cores; a worker's second pool of as many threads would oversubscribe them
+        (each pool's barriers then wait on threads the other pool has descheduled), so the worker gets the cores
+        left over, at least one. A GPU computes elsewhere, so there the worker gets torch's default (None)."""
+        if not self.is_host:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores - torch.get_num_threads())
+
+    def bind_thread(self, intra_op_threads: int | None = None) -> None:
         """Make this device the current one of the calling thread (a worker thread starts on GPU 0, and anything
-        it allocates or registers with CUDA would go there on a data-parallel rank's machine)."""
+        it allocates or registers with CUDA would go there on a data-parallel rank's machine), and give the
+        thread `intra_op_threads` for its torch ops when given (`worker_threads`; torch's count is per thread)."""
         if self.is_cuda:
             torch.cuda.set_device(self.torch)
+        if intra_op_threads is not None:
+            torch.set_num_threads(intra_op_threads)
 
     # ------------------------------------------------------------------ small, synchronous moves
     def put(self, host: Tensor) -> Tensor:

@@ -226,8 +226,10 @@ class Engine:
         # (planned on the pool without the read-ahead room: that room is for one backward, not from step to step;
         # at the plan's chunk, whose units a resumed store must share: store.opening refuses others)
         resident = list(run_plan.resident_blocks)
+        # the worker's torch ops take the cores the compute thread leaves (all of them beside a GPU)
+        worker_init = functools.partial(self.device.bind_thread, self.device.worker_threads())
         self.offloader = GradOffloader(self.store, self.records_pool, cfg.execution.mode, self.grad_dtype, self.decays,
-                                       self.stash, resident, thread_init=self.device.bind_thread, seed=cfg.execution.seed,
+                                       self.stash, resident, thread_init=worker_init, seed=cfg.execution.seed,
                                        origins=[bd[self.dp.rank] if bd else 0 for bd in self.bounds])
         self.activations = ActivationManager(
             cfg, program, self.device, lambda: self.device.autocast(self.compute_dtype),
