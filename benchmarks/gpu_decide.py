@@ -10,7 +10,8 @@ Phases (``python benchmarks/gpu_decide.py PHASE [DIR]``):
 - ``disk DIR``: serial vs optimized on the 350m preset, batch 1 x 512, records streamed from DIR, clipping off,
   with each step's lanes (`StepStats.lanes`: gpu, m2g, g2m, ssd, cpu and the waits) and the disk's own busy time.
 - ``ram350 DIR`` / ``ram1b DIR``: states in RAM (DIR on tmpfs), 350m at 8 x 2048 and 1b at 16 x 2048, one step
-  under torch.profiler: GPU idle fraction and copy overlap (gpu_timeline's arithmetic).
+  under torch.profiler: GPU idle fraction and copy overlap (gpu_timeline's arithmetic); the 1b also with the records
+  written and committed every step (``persist_every: 1``) against the default interval (``auto``), issue 39.
 - ``predict``: the cost model's lanes for the same runs on this box's measured rates (`planner.predict_lanes`),
   to set beside the measured ones (runs anywhere; no GPU needed).
 """
@@ -228,10 +229,10 @@ def main(argv: list[str]) -> int:
         for ck in (True, False):
             run(f"ram_350m_8x2048_ck{int(ck)}", "350m", 8, 2048, argv[1], [("optimized", {})], prof=True,
                 cpu_mem="24GiB", resident_mem="all", clip_mode="speculate", checksums=ck, mode="optimized")
-    elif what == "ram1b":
+    elif what == "ram1b":  # optimized at persist_every auto (the default) and every step: issue 39, item 5
         run("ram_1b_16x2048", "1b", 16, 2048, argv[1], [("serial", {"mode": "serial"}),
-            ("optimized", {"mode": "optimized"})], prof=True, cpu_mem="48GiB", resident_mem="all",
-            clip_mode="speculate", steps=2)
+            ("optimized", {"mode": "optimized"}), ("optimized_persist1", {"mode": "optimized", "persist_every": 1})],
+            prof=True, cpu_mem="48GiB", resident_mem="all", clip_mode="speculate", steps=2)
     elif what == "predict":
         predict()
     else:
