@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU decision run of issues 38 and 39, <= 10.5 min on one H100 (the phases' timeouts; ~8 typical: a fresh GPU box, repo root, no network); adapted from a
+# The GPU decision run of issues 38 and 39, at most 10.5 min on one H100 (the sum of its phases' timeouts; a fresh GPU box, repo root, no network); adapted from a
 # draft written against main at 4f8131c. Phases (benchmarks/gpu_decide.py): copy streams, the FIFO latency,
 # serial vs optimized on the disk-bound 350m, GPU idle and copy overlap at 350m 8x2048 and 1b 16x2048 with states
 # in RAM (the 1b at persist_every auto and 1, issue 39), and the cost model's lanes for the same runs. Each phase has its own timeout; partial results survive in
