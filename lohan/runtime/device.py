@@ -136,9 +136,8 @@ class Device:
     def worker_threads(self) -> int | None:
         """Intra-op threads for a thread that computes beside the compute thread (the optimizer's AdamW), read
         on the compute thread. On the CPU device the compute thread's own pool already runs on
-        `torch.get_num_threads()` cores; a worker's second pool of as many threads would oversubscribe them
-        (each pool's barriers then wait on threads the other pool has descheduled), so the worker gets the cores
-        left over, at least one. A GPU computes elsewhere, so there the worker gets torch's default (None)."""
+        `torch.get_num_threads()` cores, and a worker's second pool of as many threads would oversubscribe them,
+        so the worker gets the cores left over, at least one. A GPU computes elsewhere, so there the worker gets torch's default (None)."""
         if not self.is_host:
             return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

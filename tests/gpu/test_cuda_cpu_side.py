@@ -183,7 +183,8 @@ def test_the_optimizer_thread_takes_the_engines_device(make_dirs, monkeypatch):
     import threading
 
     bound = []
-    monkeypatch.setattr(Device, "bind_thread", lambda self, *threads: bound.append((self.type, threading.current_thread().name)))
+    monkeypatch.setattr(Device, "bind_thread",
+                        lambda self, *threads: bound.append((self.type, threading.current_thread().name)))
     with lohan.init(tiny_cfg(), engine_config(make_dirs(1), device="cpu")) as engine:
         engine.step(next(batches(1, 4, 32, 256)))
     assert bound and all(kind == "cpu" and name.startswith("lohan-ago") for kind, name in bound), bound
