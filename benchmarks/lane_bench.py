@@ -9,13 +9,14 @@ the cores AdamW, hashing and the I/O need. The CPU lane's rate (AdamW and the re
 this box first, in serial steps per state format; each regime's modeled GPU and SSD are chosen from the cost model
 (`planner.predict_lanes`) so that its lanes stand as the regime says; then the rate is measured again in serial
 steps on each regime's own box (its paced store, its records resident or streamed: what the two cores also copy
-and hash there), and the regime's GPU and SSD are chosen once more at that rate. Its lanes are priced at the rate measured so
-again before each of its rounds (a separate store; the median over the rounds): the box's speed drifts by a tenth
-or more between minutes, and a rate measured minutes before its runs missed them by as much.
-(A rate measured per mode on that box was tried: on two cores the update shares them with the I/O threads' copies,
-the hash threads and the device's dispatch, and how much of that runs beside it depends on the schedule; but three
-calibration steps of one configuration spread by up to a third between runs, more than the schedules differ, and the
-errors grew.) The regimes:
+and hash there), and the regime's GPU and SSD are chosen once more at that rate. Each mode's lanes are priced at
+the rate measured in that mode right before each of its openings, by an opening of the same kind on a calibration
+store of the regime's box (the median over the rounds), as a run's own steps price its lane
+(`Engine._refine_cpu_rate`): the box's speed drifts by a tenth or more between minutes, and in serial mode the
+update runs alone while in optimized mode it runs beside the compute thread's dispatch, which on two cores takes a
+share of them. Priced at one serial rate, optimized mode's cpu lane ran 10-46% over its prediction
+(results/lane_bench/quick-rerun), and where that one rate was an optimized one's (the optimizer regime) serial
+mode's ran 2-18% under it in five runs of 2026-12-01. The regimes:
 
 - ``disk``: records streamed from one paced directory, the ssd lane 5x the cpu lane (at 3x the host's whole CPU
   work, ~1.2-1.4 core-seconds a step on two cores, came to ~0.6 s of a ~0.8 s step: the cores, not the disk, set it);
@@ -24,8 +25,9 @@ errors grew.) The regimes:
 - ``gpu``: a slow modeled GPU, its lane 3x the others;
 - ``balanced``: the gpu, cpu and ssd lanes equal (as on the paper's box at 13B).
 
-Per regime a store is made once; then rounds, each opening a fresh engine per mode (serial, optimized, in an
-order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured steps. Medians per mode.
+Per regime a store and a calibration store are made once; then rounds, each opening a fresh engine per mode
+(serial, optimized, in an order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured
+steps, first on the calibration store (the mode's CPU rate), then on the regime's. Medians per mode.
 
 JSON keys: ``step_over_slowest_lane_{disk,optimizer,gpu}`` (optimized step / its slowest measured lane; target
 <= 1.10), ``optimized_vs_serial_balanced`` (>= 1.3), ``optimized_vs_serial_disk`` (>= 1.0),
@@ -76,7 +78,7 @@ from ago_bench import make_batches, round_order  # noqa: E402  (a sibling: the s
 
 GiB = 1 << 30
 STORE_NAME = "lanebench"
-CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration before each round: its own store, the rounds' untouched
+CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration openings (one before each opening): its own store, the rounds' untouched
 MODES = ("serial", "optimized")
 MAIN_LANES = ("gpu", "m2g", "g2m", "ssd", "cpu")  # planner.LANES_B
 REGIMES = ("disk", "optimizer", "gpu", "balanced")
@@ -204,8 +206,8 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
     store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
     reads). With ``persist_every`` auto, the steps between durable ones instead (optimized mode), which hash no
-    record: the optimizer regime's steps.
-    `measure_cpu_adam` times the kernel
+    record: the optimizer regime's steps. This rate places the regimes; their rounds are priced per mode
+    (`run_regime`). `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
     alone would put every regime's GPU and SSD where the lanes are not."""
@@ -294,13 +296,13 @@ def engine_config(args: argparse.Namespace, regime: Regime, mode: str, name: str
 
 
 def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, rnd: int,
-                data: list[tuple[Any, Any]], cursor: int) -> list[dict]:
-    """A fresh engine on the regime's store in `mode`: warm-up, then measured steps; one record per step."""
+                data: list[tuple[Any, Any]], cursor: int, name: str = STORE_NAME) -> list[dict]:
+    """A fresh engine on the regime's store `name` in `mode`: warm-up, then measured steps; one record per step."""
     import lohan
     from lohan.runtime.heap import release_free_memory
 
     records = []
-    with lohan.init(mcfg, engine_config(args, regime, mode), resume=True) as engine:
+    with lohan.init(mcfg, engine_config(args, regime, mode, name), resume=True) as engine:
         for k in range(args.warmup_steps + args.steps):
             batch, nxt = data[(cursor + k) % len(data)], data[(cursor + k + 1) % len(data)]
             cpu0 = time.process_time()
@@ -308,23 +310,33 @@ def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, 
             s = engine.last_stats
             records.append({"regime": regime.name, "mode": mode, "round": rnd, "warmup": k < args.warmup_steps,
                             "step_s": s.step_s, "lanes": dict(s.lanes), "deferred": s.deferred,
-                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0})
+                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0,
+                            "params": engine.store.layout.param_count})
     release_free_memory()  # the engine's freed pools would stay in the heap for the next opening
     return records
 
 
-def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) -> tuple[list[dict], list[float]]:
-    """Make the regime's store once, then interleave the modes in rounds, each opened by a calibration of the CPU
-    lane's rate on the regime's box (its own store): the records, and the rates per round."""
+def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any
+               ) -> tuple[list[dict], dict[str, list[float]]]:
+    """Make the regime's store and its calibration store once, then interleave the modes in rounds, each opening
+    preceded by a calibration of the CPU lane's rate on the regime's box in its mode: an opening of the same kind
+    (warm-up, then measured steps) on the calibration store, whose median cpu lane gives the rate. The records, and
+    each mode's rates per round. Per mode because the update runs alone in serial mode and beside the compute
+    thread's dispatch in optimized mode, which on two cores takes a share of them: priced at the serial rate,
+    optimized mode's cpu lane ran 10-46% over its prediction (results/lane_bench/quick-rerun). As an opening because
+    a few steps of a store made for them (`calibrate_cpu`) ran up to 30% apart from the opening after them."""
     import lohan
 
-    lohan.init(mcfg, engine_config(args, regime, MODES[-1]), overwrite=True).close()
+    for name in (STORE_NAME, CALIBRATION_STORE):
+        lohan.init(mcfg, engine_config(args, regime, MODES[-1], name), overwrite=True).close()
     n = args.rounds * len(MODES) * (args.warmup_steps + args.steps) + 1
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, n, seed=0)
-    records, cursor, rates = [], 0, []
+    records, cursor, rates = [], 0, {m: [] for m in MODES}
     for rnd in range(args.rounds):
-        rates.append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE))
         for _, mode in round_order([(regime.name, m) for m in MODES], rnd, args.rounds):
+            cal = [r for r in run_opening(args, mcfg, regime, mode, rnd, data, cursor, CALIBRATION_STORE)
+                   if not r["warmup"]]
+            rates[mode].append(cal[0]["params"] / statistics.median(r["lanes"]["cpu"] for r in cal))
             recs = run_opening(args, mcfg, regime, mode, rnd, data, cursor)
             cursor += len(recs)
             records += recs
@@ -334,9 +346,10 @@ def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) ->
 
 
 # ------------------------------------------------------------------------------------------- summary
-def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, float],
+def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, dict[str, float]],
               records: list[dict]) -> dict:
-    """Per mode: the median step, the median of each measured lane, the cost model's lanes, their errors."""
+    """Per mode: the median step, the median of each measured lane, the cost model's lanes (at the CPU rates
+    `cpu_rates[mode]`), their errors."""
     out: dict[str, Any] = {"regime": dataclasses.asdict(regime), "sim_gpu": regime.sim_gpu, "modes": {}}
     for mode in MODES:
         rs = [r for r in records if r["mode"] == mode and not r["warmup"]]
@@ -346,7 +359,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
         # the lanes of the schedule most of the measured steps took (clip_mode auto tries both, then keeps the
         # faster: which one the run ends on is the measurements' choice, not the model's)
         deferred = sum(bool(r.get("deferred")) for r in rs) / len(rs)
-        pred = predicted(args, mcfg, regime, cpu_rates, mode, deferred >= 0.5 if mode != "serial" else None)
+        pred = predicted(args, mcfg, regime, cpu_rates[mode], mode, deferred >= 0.5 if mode != "serial" else None)
         # every thread's CPU seconds over the cores: the host's whole work (AdamW, hashing, the emulated SSDs'
         # copies, the dispatch), a lane the cost model does not have (a GPU box has the cores to spare)
         host = statistics.median(r.get("host_cpu_s", 0.0) for r in rs) / (os.cpu_count() or 1)
@@ -403,7 +416,8 @@ def markdown(report: dict) -> str:
              f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
              f"directory (tmpfs by default); model {report['model']}; the CPU lane's rate (the update and the records' "
              "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box (and "
-             "again before each of its rounds: the median of those prices its lanes), M params/s: " + ", ".join(
+             "again before each opening, in its mode: the median of those prices the mode's lanes), M params/s: "
+             + ", ".join(
                  f"{k} {v / 1e6:.1f}" for k, v in report["cpu_update_params_per_s"].items())
              + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
@@ -483,8 +497,9 @@ def measure_and_report(args: argparse.Namespace, argv: list[str] | None, mcfg: A
         log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}, "
             f"{regime.state_format}")
         records, rates = run_regime(args, mcfg, regime, log)
-        # priced at the rate of the rounds it ran in: the box's speed drifts by a tenth or more between minutes
-        priced = {**cpu_rates, regime.name: statistics.median(rates)}
+        # each mode priced at the rate measured in it before its openings: the box's speed drifts by a tenth or more
+        # between minutes
+        priced = {mode: {**cpu_rates, regime.name: statistics.median(r)} for mode, r in rates.items()}
         results[regime.name] = summarize(args, mcfg, regime, priced, records)
         results[regime.name].update(records=records, cpu_update_params_per_s_rounds=rates)
     keys = headline(results)
