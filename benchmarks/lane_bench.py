@@ -10,8 +10,8 @@ this box first, in serial steps per state format; each regime's modeled GPU and 
 (`planner.predict_lanes`) so that its lanes stand as the regime says; then the rate is measured again in serial
 steps on each regime's own box (its paced store, its records resident or streamed: what the two cores also copy
 and hash there), and the regime's GPU and SSD are chosen once more at that rate. Each mode's lanes are priced at
-the rate measured in that mode right before each of its openings, by an opening of the same kind on a calibration
-store of the regime's box (the median over the rounds), as a run's own steps price its lane
+the rate measured so again, in that mode, right before each of its openings (a separate store; the median over the
+rounds), as a run's own steps price its lane
 (`Engine._refine_cpu_rate`): the box's speed drifts by a tenth or more between minutes, and in serial mode the
 update runs alone while in optimized mode it runs beside the compute thread's dispatch, which on two cores takes a
 share of them. Priced at one serial rate, optimized mode's cpu lane ran 10-46% over its prediction
@@ -25,9 +25,9 @@ mode's ran 2-18% under it in five runs of 2026-12-01. The regimes:
 - ``gpu``: a slow modeled GPU, its lane 3x the others;
 - ``balanced``: the gpu, cpu and ssd lanes equal (as on the paper's box at 13B).
 
-Per regime a store and a calibration store are made once; then rounds, each opening a fresh engine per mode
-(serial, optimized, in an order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured
-steps, first on the calibration store (the mode's CPU rate), then on the regime's. Medians per mode.
+Per regime a store is made once; then rounds, each opening a fresh engine per mode (serial, optimized, in an
+order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured steps, after a calibration of
+the mode's CPU rate on a store of its own. Medians per mode.
 
 JSON keys: ``step_over_slowest_lane_{disk,optimizer,gpu}`` (optimized step / its slowest measured lane; target
 <= 1.10), ``optimized_vs_serial_balanced`` (>= 1.3), ``optimized_vs_serial_disk`` (>= 1.0),
@@ -78,7 +78,7 @@ from ago_bench import make_batches, round_order  # noqa: E402  (a sibling: the s
 
 GiB = 1 << 30
 STORE_NAME = "lanebench"
-CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration openings (one before each opening): its own store, the rounds' untouched
+CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration before each opening: its own store, the rounds' untouched
 MODES = ("serial", "optimized")
 MAIN_LANES = ("gpu", "m2g", "g2m", "ssd", "cpu")  # planner.LANES_B
 REGIMES = ("disk", "optimizer", "gpu", "balanced")
@@ -201,13 +201,13 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
 
 
 def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1,
-                  regime: Regime | None = None, name: str = STORE_NAME) -> float:
+                  regime: Regime | None = None, name: str = STORE_NAME, mode: str | None = None) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
     median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
     store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
     reads). With ``persist_every`` auto, the steps between durable ones instead (optimized mode), which hash no
-    record: the optimizer regime's steps. This rate places the regimes; their rounds are priced per mode
-    (`run_regime`). `measure_cpu_adam` times the kernel
+    record: the optimizer regime's steps. In `mode` where given (the rounds price each mode at the rate measured
+    in it: `run_regime`), else serial, or optimized where records stay in RAM. `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
     alone would put every regime's GPU and SSD where the lanes are not."""
@@ -217,7 +217,7 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     if regime is not None:
         state_format, persist_every = regime.state_format, regime.persist_every
     in_ram = persist_every != 1
-    mode = "optimized" if in_ram else "serial"
+    mode = mode or ("optimized" if in_ram else "serial")
     cfg = engine_config(args, regime, mode, name) if regime is not None else EngineConfig(
         nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads", device="sim", mode=mode,
         resident_mem="all", name=STORE_NAME, max_grad_norm=0.0, state_format=state_format,
@@ -296,13 +296,13 @@ def engine_config(args: argparse.Namespace, regime: Regime, mode: str, name: str
 
 
 def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, rnd: int,
-                data: list[tuple[Any, Any]], cursor: int, name: str = STORE_NAME) -> list[dict]:
-    """A fresh engine on the regime's store `name` in `mode`: warm-up, then measured steps; one record per step."""
+                data: list[tuple[Any, Any]], cursor: int) -> list[dict]:
+    """A fresh engine on the regime's store in `mode`: warm-up, then measured steps; one record per step."""
     import lohan
     from lohan.runtime.heap import release_free_memory
 
     records = []
-    with lohan.init(mcfg, engine_config(args, regime, mode, name), resume=True) as engine:
+    with lohan.init(mcfg, engine_config(args, regime, mode), resume=True) as engine:
         for k in range(args.warmup_steps + args.steps):
             batch, nxt = data[(cursor + k) % len(data)], data[(cursor + k + 1) % len(data)]
             cpu0 = time.process_time()
@@ -310,33 +310,28 @@ def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, 
             s = engine.last_stats
             records.append({"regime": regime.name, "mode": mode, "round": rnd, "warmup": k < args.warmup_steps,
                             "step_s": s.step_s, "lanes": dict(s.lanes), "deferred": s.deferred,
-                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0,
-                            "params": engine.store.layout.param_count})
+                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0})
     release_free_memory()  # the engine's freed pools would stay in the heap for the next opening
     return records
 
 
 def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any
                ) -> tuple[list[dict], dict[str, list[float]]]:
-    """Make the regime's store and its calibration store once, then interleave the modes in rounds, each opening
-    preceded by a calibration of the CPU lane's rate on the regime's box in its mode: an opening of the same kind
-    (warm-up, then measured steps) on the calibration store, whose median cpu lane gives the rate. The records, and
-    each mode's rates per round. Per mode because the update runs alone in serial mode and beside the compute
-    thread's dispatch in optimized mode, which on two cores takes a share of them: priced at the serial rate,
-    optimized mode's cpu lane ran 10-46% over its prediction (results/lane_bench/quick-rerun). As an opening because
-    a few steps of a store made for them (`calibrate_cpu`) ran up to 30% apart from the opening after them."""
+    """Make the regime's store once, then interleave the modes in rounds, each opening preceded by a calibration of
+    the CPU lane's rate on the regime's box in its mode (its own store): the records, and each mode's rates per round.
+    Per mode because the update runs alone in serial mode and beside the compute thread's dispatch in optimized
+    mode, which on two cores takes a share of them: priced at one serial rate, optimized mode's cpu lane ran 10-46%
+    over its prediction (results/lane_bench/quick-rerun), and priced at an optimized one (the optimizer regime's)
+    serial mode's ran 2-18% under it."""
     import lohan
 
-    for name in (STORE_NAME, CALIBRATION_STORE):
-        lohan.init(mcfg, engine_config(args, regime, MODES[-1], name), overwrite=True).close()
+    lohan.init(mcfg, engine_config(args, regime, MODES[-1]), overwrite=True).close()
     n = args.rounds * len(MODES) * (args.warmup_steps + args.steps) + 1
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, n, seed=0)
     records, cursor, rates = [], 0, {m: [] for m in MODES}
     for rnd in range(args.rounds):
         for _, mode in round_order([(regime.name, m) for m in MODES], rnd, args.rounds):
-            cal = [r for r in run_opening(args, mcfg, regime, mode, rnd, data, cursor, CALIBRATION_STORE)
-                   if not r["warmup"]]
-            rates[mode].append(cal[0]["params"] / statistics.median(r["lanes"]["cpu"] for r in cal))
+            rates[mode].append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE, mode=mode))
             recs = run_opening(args, mcfg, regime, mode, rnd, data, cursor)
             cursor += len(recs)
             records += recs
