@@ -9,14 +9,13 @@ the cores AdamW, hashing and the I/O need. The CPU lane's rate (AdamW and the re
 this box first, in serial steps per state format; each regime's modeled GPU and SSD are chosen from the cost model
 (`planner.predict_lanes`) so that its lanes stand as the regime says; then the rate is measured again in serial
 steps on each regime's own box (its paced store, its records resident or streamed: what the two cores also copy
-and hash there), and the regime's GPU and SSD are chosen once more at that rate. Each mode's lanes are priced at
-the rate measured so again, in that mode, right before each of its openings (a separate store; the median over the
-rounds), as a run's own steps price its lane
-(`Engine._refine_cpu_rate`): the box's speed drifts by a tenth or more between minutes, and in serial mode the
-update runs alone while in optimized mode it runs beside the compute thread's dispatch, which on two cores takes a
-share of them. Priced at one serial rate, optimized mode's cpu lane ran 10-46% over its prediction
-(results/lane_bench/quick-rerun), and where that one rate was an optimized one's (the optimizer regime) serial
-mode's ran 2-18% under it in five runs of 2026-12-01. The regimes:
+and hash there), and the regime's GPU and SSD are chosen once more at that rate. Its lanes are priced at the rate measured so
+again before each of its rounds (a separate store; the median over the rounds): the box's speed drifts by a tenth
+or more between minutes, and a rate measured minutes before its runs missed them by as much.
+(A rate measured per mode on that box was tried: on two cores the update shares them with the I/O threads' copies,
+the hash threads and the device's dispatch, and how much of that runs beside it depends on the schedule; but three
+calibration steps of one configuration spread by up to a third between runs, more than the schedules differ, and the
+errors grew.) The regimes:
 
 - ``disk``: records streamed from one paced directory, the ssd lane 5x the cpu lane (at 3x the host's whole CPU
   work, ~1.2-1.4 core-seconds a step on two cores, came to ~0.6 s of a ~0.8 s step: the cores, not the disk, set it);
@@ -26,8 +25,7 @@ mode's ran 2-18% under it in five runs of 2026-12-01. The regimes:
 - ``balanced``: the gpu, cpu and ssd lanes equal (as on the paper's box at 13B).
 
 Per regime a store is made once; then rounds, each opening a fresh engine per mode (serial, optimized, in an
-order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured steps, after a calibration of
-the mode's CPU rate on a store of its own. Medians per mode.
+order rotated by the round) for ``--warmup-steps`` discarded and ``--steps`` measured steps. Medians per mode.
 
 JSON keys: ``step_over_slowest_lane_{disk,optimizer,gpu}`` (optimized step / its slowest measured lane; target
 <= 1.10), ``optimized_vs_serial_balanced`` (>= 1.3), ``optimized_vs_serial_disk`` (>= 1.0),
@@ -78,7 +76,7 @@ from ago_bench import make_batches, round_order  # noqa: E402  (a sibling: the s
 
 GiB = 1 << 30
 STORE_NAME = "lanebench"
-CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration before each opening: its own store, the rounds' untouched
+CALIBRATION_STORE = "lanebench_cal"  # a regime's calibration before each round: its own store, the rounds' untouched
 MODES = ("serial", "optimized")
 MAIN_LANES = ("gpu", "m2g", "g2m", "ssd", "cpu")  # planner.LANES_B
 REGIMES = ("disk", "optimizer", "gpu", "balanced")
@@ -201,13 +199,13 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
 
 
 def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1,
-                  regime: Regime | None = None, name: str = STORE_NAME, mode: str | None = None) -> float:
+                  regime: Regime | None = None, name: str = STORE_NAME) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
     median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
     store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
     reads). With ``persist_every`` auto, the steps between durable ones instead (optimized mode), which hash no
-    record: the optimizer regime's steps. In `mode` where given (the rounds price each mode at the rate measured
-    in it: `run_regime`), else serial, or optimized where records stay in RAM. `measure_cpu_adam` times the kernel
+    record: the optimizer regime's steps.
+    `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
     alone would put every regime's GPU and SSD where the lanes are not."""
@@ -217,7 +215,7 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     if regime is not None:
         state_format, persist_every = regime.state_format, regime.persist_every
     in_ram = persist_every != 1
-    mode = mode or ("optimized" if in_ram else "serial")
+    mode = "optimized" if in_ram else "serial"
     cfg = engine_config(args, regime, mode, name) if regime is not None else EngineConfig(
         nvme=tuple(args.nvme), cpu_mem=args.cpu_mem, compute_dtype="fp32", backend="threads", device="sim", mode=mode,
         resident_mem="all", name=STORE_NAME, max_grad_norm=0.0, state_format=state_format,
@@ -315,23 +313,18 @@ def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, 
     return records
 
 
-def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any
-               ) -> tuple[list[dict], dict[str, list[float]]]:
-    """Make the regime's store once, then interleave the modes in rounds, each opening preceded by a calibration of
-    the CPU lane's rate on the regime's box in its mode (its own store): the records, and each mode's rates per round.
-    Per mode because the update runs alone in serial mode and beside the compute thread's dispatch in optimized
-    mode, which on two cores takes a share of them: priced at one serial rate, optimized mode's cpu lane ran 10-46%
-    over its prediction (results/lane_bench/quick-rerun), and priced at an optimized one (the optimizer regime's)
-    serial mode's ran 2-18% under it."""
+def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) -> tuple[list[dict], list[float]]:
+    """Make the regime's store once, then interleave the modes in rounds, each opened by a calibration of the CPU
+    lane's rate on the regime's box (its own store): the records, and the rates per round."""
     import lohan
 
     lohan.init(mcfg, engine_config(args, regime, MODES[-1]), overwrite=True).close()
     n = args.rounds * len(MODES) * (args.warmup_steps + args.steps) + 1
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, n, seed=0)
-    records, cursor, rates = [], 0, {m: [] for m in MODES}
+    records, cursor, rates = [], 0, []
     for rnd in range(args.rounds):
+        rates.append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE))
         for _, mode in round_order([(regime.name, m) for m in MODES], rnd, args.rounds):
-            rates[mode].append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE, mode=mode))
             recs = run_opening(args, mcfg, regime, mode, rnd, data, cursor)
             cursor += len(recs)
             records += recs
@@ -341,10 +334,9 @@ def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any
 
 
 # ------------------------------------------------------------------------------------------- summary
-def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, dict[str, float]],
+def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: dict[str, float],
               records: list[dict]) -> dict:
-    """Per mode: the median step, the median of each measured lane, the cost model's lanes (at the CPU rates
-    `cpu_rates[mode]`), their errors."""
+    """Per mode: the median step, the median of each measured lane, the cost model's lanes, their errors."""
     out: dict[str, Any] = {"regime": dataclasses.asdict(regime), "sim_gpu": regime.sim_gpu, "modes": {}}
     for mode in MODES:
         rs = [r for r in records if r["mode"] == mode and not r["warmup"]]
@@ -354,7 +346,7 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
         # the lanes of the schedule most of the measured steps took (clip_mode auto tries both, then keeps the
         # faster: which one the run ends on is the measurements' choice, not the model's)
         deferred = sum(bool(r.get("deferred")) for r in rs) / len(rs)
-        pred = predicted(args, mcfg, regime, cpu_rates[mode], mode, deferred >= 0.5 if mode != "serial" else None)
+        pred = predicted(args, mcfg, regime, cpu_rates, mode, deferred >= 0.5 if mode != "serial" else None)
         # every thread's CPU seconds over the cores: the host's whole work (AdamW, hashing, the emulated SSDs'
         # copies, the dispatch), a lane the cost model does not have (a GPU box has the cores to spare)
         host = statistics.median(r.get("host_cpu_s", 0.0) for r in rs) / (os.cpu_count() or 1)
@@ -411,8 +403,7 @@ def markdown(report: dict) -> str:
              f"simulated device {'with' if report['timed_device'] else 'WITHOUT'} a timing model, SSD paced per "
              f"directory (tmpfs by default); model {report['model']}; the CPU lane's rate (the update and the records' "
              "hashing) measured in serial steps per state format on an unpaced store, then on each regime's box (and "
-             "again before each opening, in its mode: the median of those prices the mode's lanes), M params/s: "
-             + ", ".join(
+             "again before each of its rounds: the median of those prices its lanes), M params/s: " + ", ".join(
                  f"{k} {v / 1e6:.1f}" for k, v in report["cpu_update_params_per_s"].items())
              + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
@@ -492,9 +483,8 @@ def measure_and_report(args: argparse.Namespace, argv: list[str] | None, mcfg: A
         log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}, "
             f"{regime.state_format}")
         records, rates = run_regime(args, mcfg, regime, log)
-        # each mode priced at the rate measured in it before its openings: the box's speed drifts by a tenth or more
-        # between minutes
-        priced = {mode: {**cpu_rates, regime.name: statistics.median(r)} for mode, r in rates.items()}
+        # priced at the rate of the rounds it ran in: the box's speed drifts by a tenth or more between minutes
+        priced = {**cpu_rates, regime.name: statistics.median(rates)}
         results[regime.name] = summarize(args, mcfg, regime, priced, records)
         results[regime.name].update(records=records, cpu_update_params_per_s_rounds=rates)
     keys = headline(results)

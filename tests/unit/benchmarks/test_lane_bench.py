@@ -49,23 +49,6 @@ def test_regimes_are_chosen_from_the_cost_model():
     assert own["cpu"] == pytest.approx(mcfg.param_count() / 1e7, rel=0.1)
 
 
-def test_each_mode_is_priced_at_the_rate_measured_in_it():
-    """The update runs alone in serial mode and beside the compute thread in optimized mode: each mode's cpu lane is
-    priced at its own calibration (`run_regime`), not at one rate for both."""
-    args = lane_bench.parse_args(["--nvme", "unused", "--d-model", "128", "--layers", "2", "--vocab", "512"])
-    mcfg = get_model_config("125m", n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64)
-    rates = {"exact": 1e8, "8bit-moments": 2e7, "8bit-moments, in RAM": 4e7}
-    gpu = next(r for r in lane_bench.choose_regimes(args, mcfg, rates) if r.name == "gpu")
-    lanes = {"gpu": 1.0, "m2g": 0.01, "g2m": 0.01, "ssd": 0.5, "cpu": 0.3, "param_wait": 0.0}
-    records = [{"regime": "gpu", "mode": m, "round": 0, "warmup": False, "step_s": 1.2, "lanes": lanes,
-                "deferred": False, "host_cpu_s": 1.0} for m in lane_bench.MODES]
-    priced = {"serial": {**rates, "gpu": 1e8}, "optimized": {**rates, "gpu": 5e7}}
-    modes = lane_bench.summarize(args, mcfg, gpu, priced, records)["modes"]
-    serial, optimized = (modes[m]["predicted_lanes"]["cpu"] for m in ("serial", "optimized"))
-    assert serial == pytest.approx(mcfg.param_count() / 1e8, rel=0.1)
-    assert optimized == pytest.approx(2 * serial, rel=1e-6)
-
-
 def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
     out = tmp_path / "res" / "lanes.json"
     handler = signal.getsignal(signal.SIGTERM)
@@ -83,8 +66,7 @@ def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
             assert {"gpu", "ssd", "cpu", "param_wait"} <= set(m["lanes"]) and m["step_over_slowest_lane"] >= 1.0
             assert m["host_cpu_over_cores_s"] > 0
         rates = report["regimes"][name]["cpu_update_params_per_s_rounds"]
-        assert set(rates) == set(lane_bench.MODES)  # measured in each mode, before each of its openings
-        assert all(len(r) == 1 and r[0] > 0 for r in rates.values())
+        assert len(rates) == 1 and rates[0] > 0  # (measured before each round)
     assert os.listdir(tmp_path / "nvme") == []  # the stores (of the rounds and the calibrations) are removed
     assert signal.getsignal(signal.SIGTERM) is handler  # its SIGTERM handler is the process's again
     md = out.with_suffix(".md").read_text()
