@@ -166,6 +166,30 @@ def save_report(report: dict, out: Path, markdown: Callable[[dict, Path], Any],
     return report
 
 
+# ------------------------------------------------------------------- the box's CPU taken by others
+def cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """The machine's (stolen, all) CPU ticks since boot (proc(5): the "cpu" line; steal is the 8th field), or
+    None where there is no such file. On a virtual machine, steal is time a vCPU wanted to run and the hypervisor
+    ran someone else: wall-clock lanes stretch by it while the work in them does not change."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    return ticks[7], sum(ticks[:8])  # (guest time, fields 9-10, is already counted in user and nice)
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time stolen between two `cpu_ticks` readings (None without both, or where
+    no tick passed)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 # ------------------------------------------------------------------- a child process's memory and data
 def status_bytes(key: str) -> int:
     """A /proc/self/status size field (VmRSS, VmHWM, ...) in bytes."""

@@ -33,7 +33,9 @@ JSON keys: ``step_over_slowest_lane_{disk,optimizer,gpu}`` (optimized step / its
 regimes of the optimized step's waits for P16 being read or copied in, forward and backward, over the step; <= 0.05;
 a forward that follows the optimizer's pass waits for its updates instead, reported as ``provision_wait_fraction``),
 ``max_lane_prediction_error`` (max over regimes, modes and the lanes that are >= 10% of the step, of
-|measured - predicted| / measured; <= 0.15); and every regime's raw figures under ``regimes``.
+|measured - predicted| / measured; <= 0.15); ``steal_fraction`` (not a target: the most of the box's CPU its
+hypervisor took in any regime's measured steps or calibrations, which stretches wall-clock lanes while their work
+stays); and every regime's raw figures under ``regimes``.
 
 Without the timing model (a lohan whose EngineConfig has no ``sim_gpu``) the device's compute is the CPU's own
 and the report says so (``timed_device: false``): its numbers are then not a GPU box's.
@@ -63,10 +65,12 @@ from typing import Any
 
 from bench_env import (  # sibling module (the script's own directory)
     cpu_model,
+    cpu_ticks,
     package_version,
     portable,
     result_fields,
     result_path,
+    steal_fraction,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,7 +137,7 @@ def default_nvme() -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 rounds x (3 warm-up + 3 steps) per mode and regime")
+    p.add_argument("--quick", action="store_true", help="3 rounds x (3 warm-up + 3 steps) per mode and regime")
     p.add_argument("--nvme", nargs="+", default=[default_nvme()],
                    help="the emulated SSDs' directories (default: a tmpfs one, see default_nvme)")
     p.add_argument("--model", default="125m")
@@ -157,8 +161,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # three warm-up steps: the first profiles and plans; the second runs the schedule the plan, priced at
         # the first step's measured CPU rate, chooses (clip_mode auto: updates during backward or after it); the
         # third may be the first of a schedule that changed, which runs a forward twice (a deferred step after a
-        # speculated one: its own and the next one's) or not at all, so steady steps start at the fourth
-        a.rounds, a.warmup_steps, a.steps = 2, 3, 3
+        # speculated one: its own and the next one's) or not at all, so steady steps start at the fourth. Three
+        # rounds: a regime's CPU rate moved by up to 40% between two of its rounds here (a VM whose hypervisor took
+        # up to a third of its CPU in some minutes), and a median of three calibrations and nine steps per mode
+        # lets one such round not set the price
+        a.rounds, a.warmup_steps, a.steps = 3, 3, 3
     return a
 
 
@@ -199,7 +206,7 @@ def predicted(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
 
 
 def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exact", persist_every: int | str = 1,
-                  regime: Regime | None = None, name: str = STORE_NAME) -> float:
+                  regime: Regime | None = None, name: str = STORE_NAME, steals: list[float] | None = None) -> float:
     """The CPU lane's rate as the engine runs it (parameters per second of AdamW and the records' hashing): the
     median of serial steps on an unpaced store with every record resident, or on `regime`'s own box (its paced
     store, modeled GPU, format, resident records: the two cores also copy what it reads and writes, and hash what it
@@ -208,7 +215,8 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     `measure_cpu_adam` times the kernel
     alone on an idle machine; in a step it shares two cores with the I/O threads, the hash threads and the
     device's real compute, and ran ~4x slower here (benchmarks/results/lane_bench_quick.md), so a rate measured
-    alone would put every regime's GPU and SSD where the lanes are not."""
+    alone would put every regime's GPU and SSD where the lanes are not. The CPU time stolen from the box in each
+    counted step goes into `steals` where given."""
     import lohan
     from lohan.config import EngineConfig
 
@@ -224,9 +232,13 @@ def calibrate_cpu(args: argparse.Namespace, mcfg: Any, state_format: str = "exac
     with lohan.init(mcfg, cfg, overwrite=True) as engine:
         cpu = []
         for k in range(CALIBRATION_STEPS):
+            ticks = cpu_ticks()
             engine.step(data[k], next_batch=data[k + 1])
             if k and engine.last_stats.durable != in_ram:  # (the first step also profiles)
                 cpu.append(engine.last_stats.lanes["cpu"])
+                stolen = steal_fraction(ticks, cpu_ticks())
+                if steals is not None and stolen is not None:
+                    steals.append(stolen)
         params = engine.store.layout.param_count  # (the blocks the optimizer updates)
     if not cpu:
         raise RuntimeError(f"calibrating {state_format} (persist_every {persist_every}): no step of the kind "
@@ -303,34 +315,53 @@ def run_opening(args: argparse.Namespace, mcfg: Any, regime: Regime, mode: str, 
     with lohan.init(mcfg, engine_config(args, regime, mode), resume=True) as engine:
         for k in range(args.warmup_steps + args.steps):
             batch, nxt = data[(cursor + k) % len(data)], data[(cursor + k + 1) % len(data)]
-            cpu0 = time.process_time()
+            cpu0, ticks = time.process_time(), cpu_ticks()
             engine.step(batch, next_batch=nxt)
             s = engine.last_stats
             records.append({"regime": regime.name, "mode": mode, "round": rnd, "warmup": k < args.warmup_steps,
                             "step_s": s.step_s, "lanes": dict(s.lanes), "deferred": s.deferred,
-                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0})
+                            "durable": s.durable, "host_cpu_s": time.process_time() - cpu0,
+                            "steal": steal_fraction(ticks, cpu_ticks())})
     release_free_memory()  # the engine's freed pools would stay in the heap for the next opening
     return records
 
 
-def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime, log: Any) -> tuple[list[dict], list[float]]:
+def run_regime(args: argparse.Namespace, mcfg: Any, regime: Regime,
+               log: Any) -> tuple[list[dict], list[float], list[float | None]]:
     """Make the regime's store once, then interleave the modes in rounds, each opened by a calibration of the CPU
-    lane's rate on the regime's box (its own store): the records, and the rates per round."""
+    lane's rate on the regime's box (its own store): the records, the rates per round, and the share of the box's
+    CPU stolen in each round's calibration (`bench_env.steal_fraction`)."""
     import lohan
 
     lohan.init(mcfg, engine_config(args, regime, MODES[-1]), overwrite=True).close()
     n = args.rounds * len(MODES) * (args.warmup_steps + args.steps) + 1
     data = make_batches(mcfg.vocab_size, args.batch_size, args.seq_len, n, seed=0)
-    records, cursor, rates = [], 0, []
+    records, cursor, rates, cal_steal = [], 0, [], []
     for rnd in range(args.rounds):
-        rates.append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE))
+        steals: list[float] = []
+        rates.append(calibrate_cpu(args, mcfg, regime=regime, name=CALIBRATION_STORE, steals=steals))
+        cal_steal.append(median_of(steals))
         for _, mode in round_order([(regime.name, m) for m in MODES], rnd, args.rounds):
             recs = run_opening(args, mcfg, regime, mode, rnd, data, cursor)
             cursor += len(recs)
             records += recs
-            med = statistics.median(r["step_s"] for r in recs if not r["warmup"])
-            log(f"  {regime.name:9s} round {rnd} {mode:9s} step {med:.3f} s")
-    return records, rates
+            measured = [r for r in recs if not r["warmup"]]
+            med = statistics.median(r["step_s"] for r in measured)
+            log(f"  {regime.name:9s} round {rnd} {mode:9s} step {med:.3f} s, cpu lane "
+                f"{statistics.median(r['lanes'].get('cpu', 0.0) for r in measured):.3f} s, "
+                f"stolen {percent(median_of(r['steal'] for r in measured))} (calibration "
+                f"{rates[-1] / 1e6:.1f} M params/s, stolen {percent(cal_steal[-1])})")
+    return records, rates, cal_steal
+
+
+def median_of(values: Any) -> float | None:
+    """The median of the values that are not None (None if there is none)."""
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -364,6 +395,8 @@ def summarize(args: argparse.Namespace, mcfg: Any, regime: Regime, cpu_rates: di
             # optimizer waits for its updates instead (`provision_wait`: the cpu lane binding, by the schedule)
             "p16_wait_fraction": lanes.get("param_wait", 0.0) / step,
             "provision_wait_fraction": lanes.get("provision_wait", 0.0) / step,
+            # the box's CPU taken by the hypervisor in the measured steps: wall-clock lanes stretch by it
+            "steal_fraction": median_of(r.get("steal") for r in rs),
             "lane_prediction_error": errors}
     m = out["modes"]
     out["optimized_vs_serial"] = m["serial"]["step_s"] / m["optimized"]["step_s"]
@@ -389,6 +422,16 @@ def headline(regimes: dict[str, dict]) -> dict[str, float | None]:
     }
 
 
+def box_steal(regimes: dict[str, dict]) -> float | None:
+    """The most of the box's CPU stolen in any regime's measured steps or calibrations (medians over their steps;
+    None where the machine does not say): the lanes are wall-clock, so a stolen share that moves between a
+    calibration and the runs it prices moves the measured CPU lane against the predicted one by as much."""
+    xs = [m["steal_fraction"] for r in regimes.values() for m in r["modes"].values()]
+    xs += [x for r in regimes.values() for x in r.get("calibration_steal_fraction_rounds", [])]
+    xs = [x for x in xs if x is not None]
+    return max(xs, default=None)
+
+
 def targets_met(keys: dict[str, float | None]) -> dict[str, bool | None]:
     return {k: None if keys[k] is None else (keys[k] <= t if op == "<=" else keys[k] >= t)
             for k, (op, t) in TARGETS.items()}
@@ -408,15 +451,19 @@ def markdown(report: dict) -> str:
              + f" (exact's kernel alone: {report['cpu_adam_params_per_s_alone'] / 1e6:.1f}).", "", "| key | value | target | met |", "|---|---|---|---|"]
     for k, (op, t) in TARGETS.items():
         lines.append(f"| {k} | {f(report[k])} | {op} {t} | {report['targets_met'][k]} |")
-    lines += ["", "| regime | mode | step s | slowest | step/slowest | " + " | ".join(
-        f"{k} meas/pred" for k in MAIN_LANES) + " | host CPU / cores | P16 wait | provision wait | deferred | max err |", "|---" * (10 + len(MAIN_LANES)) + "|"]
+    lines += ["", f"CPU stolen from the box (most, over the regimes' measured steps and calibrations): "
+              f"{percent(report.get('steal_fraction'))}.",
+              "", "| regime | mode | step s | slowest | step/slowest | " + " | ".join(
+        f"{k} meas/pred" for k in MAIN_LANES) + " | host CPU / cores | P16 wait | provision wait | deferred | stolen | max err |",
+        "|---" * (11 + len(MAIN_LANES)) + "|"]
     for name, r in report["regimes"].items():
         for mode, m in r["modes"].items():
             cells = [f"{f(m['lanes'].get(k), '.3f')}/{f(m['predicted_lanes'].get(k), '.3f')}" for k in MAIN_LANES]
             lines.append(f"| {name} | {mode} | {m['step_s']:.3f} | {m['slowest_lane']} | "
                          f"{m['step_over_slowest_lane']:.2f} | " + " | ".join(cells) +
                          f" | {f(m.get('host_cpu_over_cores_s'))} | {m['p16_wait_fraction']:.3f} | {f(m.get('provision_wait_fraction'), '.3f')} | "
-                         f"{f(m.get('deferred_fraction'), '.2f')} | {f(max(m['lane_prediction_error'].values(), default=None), '.2f')} |")
+                         f"{f(m.get('deferred_fraction'), '.2f')} | {percent(m.get('steal_fraction'))} | "
+                         f"{f(max(m['lane_prediction_error'].values(), default=None), '.2f')} |")
     lines += ["", "Modeled boxes (sim_gpu, SSD GB/s per directory, resident records, state format, persist_every): "
               + "; ".join(
         f"{n}: {r['sim_gpu']}, {r['regime']['ssd_gbps']:.3g} GB/s, resident {r['regime']['resident_mem']}, "
@@ -427,6 +474,9 @@ def markdown(report: dict) -> str:
         "step over the cores, the host's whole work (AdamW, hashing, the emulated SSDs' copies, the dispatch), which "
         "the cost model does not price: where it nears the step, the cores, not the lanes, set it. `deferred`: the share of measured steps whose update "
         "ran after backward beside the next forward (clip_mode auto's choice; the others updated during backward). "
+        "`stolen`: the share of the box's CPU time its hypervisor took in the measured steps (/proc/stat's steal): "
+        "wall-clock lanes stretch by it while their work does not, so where it moves between a regime's "
+        "calibrations and its runs, the cpu lane's prediction misses by about as much. "
         "Not modeled: kernel efficiency, the caching allocator, the real GPU's launch overheads. "
         + ("The device's arithmetic was skipped (`--device-compute modeled`): its ops took only their modeled time "
            "and its copies moved no bytes, as a GPU's take no host core; the host still ran every op's dispatch, "
@@ -482,13 +532,15 @@ def measure_and_report(args: argparse.Namespace, argv: list[str] | None, mcfg: A
     for regime in regimes:
         log(f"regime {regime.name}: {regime.sim_gpu}, SSD {regime.ssd_gbps:.3g} GB/s, resident {regime.resident_mem}, "
             f"{regime.state_format}")
-        records, rates = run_regime(args, mcfg, regime, log)
+        records, rates, cal_steal = run_regime(args, mcfg, regime, log)
         # priced at the rate of the rounds it ran in: the box's speed drifts by a tenth or more between minutes
         priced = {**cpu_rates, regime.name: statistics.median(rates)}
         results[regime.name] = summarize(args, mcfg, regime, priced, records)
-        results[regime.name].update(records=records, cpu_update_params_per_s_rounds=rates)
+        results[regime.name].update(records=records, cpu_update_params_per_s_rounds=rates,
+                                    calibration_steal_fraction_rounds=cal_steal)
     keys = headline(results)
-    report = {**keys, "targets_met": targets_met(keys), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
+    report = {**keys, "targets_met": targets_met(keys), "steal_fraction": box_steal(results),
+              "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": command(argv if argv is not None else sys.argv[1:]),
               "emulated": True, "timed_device": timed_device(), "device_compute": args.device_compute,
               "cpu_update_params_per_s": cpu_rates,

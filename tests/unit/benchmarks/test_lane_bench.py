@@ -65,8 +65,10 @@ def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
             assert set(m["predicted_lanes"]) == set(LANES_B) and m["steps"] == 1
             assert {"gpu", "ssd", "cpu", "param_wait"} <= set(m["lanes"]) and m["step_over_slowest_lane"] >= 1.0
             assert m["host_cpu_over_cores_s"] > 0
+            assert m["steal_fraction"] is None or 0.0 <= m["steal_fraction"] <= 1.0
         rates = report["regimes"][name]["cpu_update_params_per_s_rounds"]
         assert len(rates) == 1 and rates[0] > 0  # (measured before each round)
+        assert len(report["regimes"][name]["calibration_steal_fraction_rounds"]) == 1
     assert os.listdir(tmp_path / "nvme") == []  # the stores (of the rounds and the calibrations) are removed
     assert signal.getsignal(signal.SIGTERM) is handler  # its SIGTERM handler is the process's again
     md = out.with_suffix(".md").read_text()
@@ -77,3 +79,17 @@ def test_lane_bench_runs_end_to_end_on_a_micro_config(tmp_path, capsys):
 def test_the_command_names_no_path_of_this_machine():
     assert lane_bench.command(["--quick", "--nvme", "/a", "/b", "--out", "/c.json", "--rounds", "2"]) == (
         "python benchmarks/lane_bench.py --quick --nvme <path> <path> --out <path> --rounds 2")
+
+
+def test_steal_is_read_from_the_machines_cpu_line(tmp_path):
+    """`bench_env.cpu_ticks`: steal is /proc/stat's 8th field of the "cpu" line; guest time is not counted twice."""
+    from bench_env import cpu_ticks, steal_fraction
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 20 7 0\ncpu0 50 0 25 400 5 0 2 10 3 0\n")
+    before = cpu_ticks(str(stat))
+    assert before == (20, 985)
+    stat.write_text("cpu  150 0 60 850 10 0 5 45 9 0\n")
+    assert steal_fraction(before, cpu_ticks(str(stat))) == pytest.approx(25 / 135)
+    assert cpu_ticks(str(tmp_path / "missing")) is None and steal_fraction(None, before) is None
+    assert steal_fraction(before, before) is None  # (no tick passed)
